@@ -1,0 +1,279 @@
+"""Kubernetes API access for every component, on top of ``kubernetes_asyncio``.
+
+``kubernetes_asyncio`` loads kubeconfig and in-cluster credentials and owns the aiohttp
+session; this module adds client-side rate limits (QPS and burst, as client-go has) and
+plain-JSON requests. Controllers keep objects as dicts: deserialising every watched
+object into generated model classes would cost more CPU and memory than the rest of
+the work together.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from kubernetes_asyncio import client as k8s_client
+from kubernetes_asyncio import config as k8s_config
+
+from kubekit.ratelimit import TokenBucket
+
+JSON = dict[str, Any]
+
+
+class ApiError(Exception):
+    """A non-2xx answer of the apiserver, with its Status body when it sent one."""
+
+    def __init__(self, status: int, body: JSON | str, method: str = "", path: str = "") -> None:
+        self.status = status
+        self.body = body
+        self.method = method
+        self.path = path
+        super().__init__(f"{method} {path}: {status} {self.reason}: {self.message}")
+
+    @property
+    def reason(self) -> str:
+        return str(self.body.get("reason", "")) if isinstance(self.body, dict) else ""
+
+    @property
+    def message(self) -> str:
+        return str(self.body.get("message", "")) if isinstance(self.body, dict) else self.body
+
+
+def is_not_found(error: BaseException) -> bool:
+    return isinstance(error, ApiError) and error.status == 404
+
+
+def is_conflict(error: BaseException) -> bool:
+    return isinstance(error, ApiError) and error.status == 409
+
+
+def is_gone(error: BaseException) -> bool:
+    return isinstance(error, ApiError) and error.status == 410
+
+
+@dataclass(frozen=True)
+class Resource:
+    """Where a kind lives in the API: ``Resource("", "v1", "pods")``."""
+
+    group: str
+    version: str
+    plural: str
+    namespaced: bool = True
+
+    def path(
+        self, namespace: str | None = None, name: str | None = None, subresource: str = ""
+    ) -> str:
+        prefix = f"/api/{self.version}" if not self.group else f"/apis/{self.group}/{self.version}"
+        parts = [prefix]
+        if self.namespaced and namespace:
+            parts.append(f"namespaces/{namespace}")
+        parts.append(self.plural)
+        if name:
+            parts.append(name)
+        if subresource:
+            parts.append(subresource)
+        return "/".join(parts)
+
+
+PODS = Resource("", "v1", "pods")
+NODES = Resource("", "v1", "nodes", namespaced=False)
+NAMESPACES = Resource("", "v1", "namespaces", namespaced=False)
+CONFIGMAPS = Resource("", "v1", "configmaps")
+SECRETS = Resource("", "v1", "secrets")
+SERVICEACCOUNTS = Resource("", "v1", "serviceaccounts")
+EVENTS = Resource("", "v1", "events")
+LEASES = Resource("coordination.k8s.io", "v1", "leases")
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    kubeconfig: str | None = None  # None: in-cluster config
+    context: str | None = None
+    qps: float = 50.0
+    burst: int = 100
+    connections: int = 100
+
+
+class KubeClient:
+    """JSON requests to one apiserver, paced by a token bucket. Watches are not paced
+    beyond their opening request, as in client-go."""
+
+    def __init__(self, api_client: k8s_client.ApiClient, limiter: TokenBucket) -> None:
+        self.api = api_client
+        self.limiter = limiter
+
+    @classmethod
+    async def connect(cls, settings: ClientSettings) -> KubeClient:
+        configuration = k8s_client.Configuration()
+        if settings.kubeconfig is None:
+            k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        else:
+            await k8s_config.load_kube_config(
+                config_file=settings.kubeconfig,
+                context=settings.context,
+                client_configuration=configuration,
+            )
+        configuration.connection_pool_maxsize = settings.connections
+        return cls(k8s_client.ApiClient(configuration), TokenBucket(settings.qps, settings.burst))
+
+    async def close(self) -> None:
+        await self.api.close()
+
+    async def __aenter__(self) -> KubeClient:
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.close()
+
+    async def _open(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Mapping[str, Any] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+        timeout: float | aiohttp.ClientTimeout | None = 60.0,
+    ) -> aiohttp.ClientResponse:
+        await self.limiter.acquire()
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        params = [(k, _query_value(v)) for k, v in (query or {}).items() if v is not None]
+        response: aiohttp.ClientResponse = await self.api.call_api(
+            path,
+            method,
+            query_params=params,
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+            _preload_content=False,
+            _request_timeout=timeout,
+        )
+        if response.status >= 300:
+            text = await response.text()
+            response.release()
+            try:
+                payload: JSON | str = json.loads(text)
+            except ValueError:
+                payload = text
+            raise ApiError(response.status, payload, method, path)
+        return response
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Mapping[str, Any] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+        timeout: float = 60.0,
+    ) -> JSON:
+        response = await self._open(
+            method, path, query=query, body=body, content_type=content_type, timeout=timeout
+        )
+        try:
+            result: JSON = await response.json(content_type=None)
+        finally:
+            response.release()
+        return result
+
+    async def get(self, resource: Resource, name: str, namespace: str | None = None) -> JSON:
+        return await self.request("GET", resource.path(namespace, name))
+
+    async def list(self, resource: Resource, namespace: str | None = None, **query: Any) -> JSON:
+        return await self.request("GET", resource.path(namespace), query=query)
+
+    async def create(self, resource: Resource, body: JSON, namespace: str | None = None) -> JSON:
+        return await self.request("POST", resource.path(namespace), body=body)
+
+    async def replace(
+        self, resource: Resource, body: JSON, namespace: str | None = None, subresource: str = ""
+    ) -> JSON:
+        name = body["metadata"]["name"]
+        return await self.request("PUT", resource.path(namespace, name, subresource), body=body)
+
+    async def patch(
+        self,
+        resource: Resource,
+        name: str,
+        patch: Any,
+        namespace: str | None = None,
+        *,
+        subresource: str = "",
+        patch_type: str = "application/merge-patch+json",
+    ) -> JSON:
+        return await self.request(
+            "PATCH",
+            resource.path(namespace, name, subresource),
+            body=patch,
+            content_type=patch_type,
+        )
+
+    async def delete(
+        self,
+        resource: Resource,
+        name: str,
+        namespace: str | None = None,
+        *,
+        grace_period_seconds: int | None = None,
+        uid: str | None = None,
+    ) -> JSON:
+        options: JSON = {"apiVersion": "v1", "kind": "DeleteOptions"}
+        if grace_period_seconds is not None:
+            options["gracePeriodSeconds"] = grace_period_seconds
+        if uid is not None:
+            options["preconditions"] = {"uid": uid}
+        return await self.request("DELETE", resource.path(namespace, name), body=options)
+
+    async def watch(
+        self,
+        resource: Resource,
+        namespace: str | None = None,
+        *,
+        read_timeout: float = 90.0,
+        **query: Any,
+    ) -> AsyncIterator[JSON]:
+        """Yields the watch events of one watch request, until the server ends it.
+        An ERROR event is raised as ``ApiError`` with its Status."""
+        query = {**query, "watch": "true"}
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=read_timeout)
+        response = await self._open("GET", resource.path(namespace), query=query, timeout=timeout)
+        # Lines are split here rather than by aiohttp, whose line reader refuses lines
+        # over 64 KiB: one event carries a whole object, up to the 1.5 MiB etcd limit.
+        lines = LineSplitter()
+        try:
+            async for chunk in response.content.iter_any():
+                for line in lines.feed(chunk):
+                    event: JSON = json.loads(line)
+                    if event.get("type") == "ERROR":
+                        status = event.get("object") or {}
+                        raise ApiError(
+                            int(status.get("code", 500)), status, "WATCH", resource.path(namespace)
+                        )
+                    yield event
+        finally:
+            response.release()
+
+
+class LineSplitter:
+    """Splits a byte stream into newline-terminated lines, whatever the chunking."""
+
+    def __init__(self) -> None:
+        self._pending = bytearray()
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        self._pending += chunk
+        if b"\n" not in chunk:
+            return []
+        *complete, rest = bytes(self._pending).split(b"\n")
+        self._pending = bytearray(rest)
+        return [line for line in complete if line.strip()]
+
+
+def _query_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)

@@ -1,0 +1,195 @@
+"""A local federation: one upper cluster and N lower clusters, with a state directory
+that lets ``kubestrata down`` (another process) find and stop everything by PID."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from kubekit.localcluster import ClusterError, ClusterSpec, LocalCluster, NodeSpec
+from kubekit.process import ProcessRecord
+from kubekit.toolchain import Toolchain
+
+STATE_FILE = "federation.json"
+UPPER = "upper"
+# Two apiservers starting at once already fill two cores.
+_PARALLEL_STARTS = 2
+
+
+@dataclass(frozen=True)
+class FederationSpec:
+    lower: int = 2
+    nodes_per_lower: int = 3
+    node_cpu: str = "16"
+    node_memory: str = "64Gi"
+    node_pods: int = 110
+
+    def clusters(self) -> list[ClusterSpec]:
+        if self.lower < 1:
+            raise ValueError(f"a federation needs at least one lower cluster, not {self.lower}")
+        if self.nodes_per_lower < 0:
+            raise ValueError(f"nodes per lower cluster must be >= 0, not {self.nodes_per_lower}")
+        specs = [ClusterSpec(UPPER, "upper")]
+        for index in range(1, self.lower + 1):
+            name = f"lower-{index}"
+            nodes = tuple(
+                NodeSpec(
+                    name=f"{name}-node-{n}",
+                    cpu=self.node_cpu,
+                    memory=self.node_memory,
+                    pods=self.node_pods,
+                    labels={
+                        "topology.kubernetes.io/region": name,
+                        "topology.kubernetes.io/zone": f"{name}-{'ab'[n % 2]}",
+                    },
+                )
+                for n in range(self.nodes_per_lower)
+            )
+            specs.append(ClusterSpec(name, "lower", nodes))
+        return specs
+
+
+def default_state_dir() -> Path:
+    base = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"))
+    return base / "kubestrata" / "federation"
+
+
+class FederationRunning(ClusterError):
+    """The state directory belongs to a federation whose processes still run."""
+
+
+def read_state(state_dir: Path) -> dict[str, dict[str, object]]:
+    path = state_dir / STATE_FILE
+    try:
+        state: dict[str, dict[str, object]] = json.loads(path.read_text())["clusters"]
+    except FileNotFoundError:
+        raise ClusterError(f"no federation in {state_dir} (no {STATE_FILE})") from None
+    except (ValueError, KeyError) as error:
+        raise ClusterError(f"{path} is not a kubestrata state file: {error}") from error
+    return state
+
+
+def _records(cluster_state: dict[str, object]) -> list[ProcessRecord]:
+    raw = cluster_state.get("processes", [])
+    assert isinstance(raw, list)
+    return [ProcessRecord(r["name"], r["pid"], r["start_ticks"]) for r in raw]
+
+
+def running_processes(state_dir: Path) -> list[ProcessRecord]:
+    if not (state_dir / STATE_FILE).exists():
+        return []
+    return [r for c in read_state(state_dir).values() for r in _records(c) if r.alive()]
+
+
+def kubeconfig_path(state_dir: Path, cluster: str = UPPER) -> Path:
+    state = read_state(state_dir)
+    if cluster not in state:
+        raise ClusterError(f"no cluster {cluster!r} in {state_dir}; clusters: {', '.join(state)}")
+    return Path(str(state[cluster]["kubeconfig"]))
+
+
+def stop_state_dir(state_dir: Path) -> int:
+    """Stops every process recorded in the state directory; returns how many ran."""
+    records = running_processes(state_dir)
+    # Dependants before what they depend on: kwok and controllers, apiserver, etcd.
+    order = {
+        "kwok": 0,
+        "kube-scheduler": 1,
+        "kube-controller-manager": 1,
+        "kube-apiserver": 2,
+        "etcd": 3,
+    }
+    for record in sorted(records, key=lambda r: order.get(r.name, 0)):
+        record.stop()
+    return len(records)
+
+
+class Federation:
+    def __init__(
+        self,
+        state_dir: Path,
+        clusters: list[ClusterSpec],
+        toolchain: Toolchain,
+        *,
+        die_with_parent: bool = True,
+    ) -> None:
+        self.state_dir = state_dir
+        self.toolchain = toolchain
+        self._state_lock = threading.Lock()
+        # The state file is rewritten as each process starts, so `kubestrata down` finds
+        # everything even if this process is killed half-way through `up`.
+        self.clusters = {
+            spec.name: LocalCluster(
+                spec,
+                state_dir / spec.name,
+                toolchain,
+                die_with_parent=die_with_parent,
+                on_process_started=self._write_state,
+            )
+            for spec in clusters
+        }
+
+    @property
+    def upper(self) -> LocalCluster:
+        return self.clusters[UPPER]
+
+    @property
+    def lowers(self) -> list[LocalCluster]:
+        return [c for c in self.clusters.values() if c.spec.role == "lower"]
+
+    def _claim_state_dir(self) -> None:
+        if self.state_dir.exists() and any(self.state_dir.iterdir()):
+            if not (self.state_dir / STATE_FILE).exists():
+                raise ClusterError(
+                    f"{self.state_dir} exists and is not a kubestrata state directory; "
+                    "choose another --state-dir or remove it"
+                )
+            alive = running_processes(self.state_dir)
+            if alive:
+                raise FederationRunning(
+                    f"a federation is already running from {self.state_dir} "
+                    f"(PIDs {', '.join(str(r.pid) for r in alive)}): "
+                    "stop it with `kubestrata down` or use another --state-dir"
+                )
+            # Left by a federation that was killed: nothing of it runs, so it is only files.
+            shutil.rmtree(self.state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self) -> None:
+        self._claim_state_dir()
+        self._write_state()
+        try:
+            with ThreadPoolExecutor(_PARALLEL_STARTS) as pool:
+                for future in [pool.submit(c.start) for c in self.clusters.values()]:
+                    future.result()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _write_state(self) -> None:
+        with self._state_lock:
+            self._write_state_locked()
+
+    def _write_state_locked(self) -> None:
+        state = {
+            "clusters": {
+                name: {
+                    "kubeconfig": str(cluster.kubeconfig),
+                    "role": cluster.spec.role,
+                    "processes": [vars(r) for r in cluster.records()],
+                }
+                for name, cluster in self.clusters.items()
+            }
+        }
+        (self.state_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
+
+    def stop(self) -> None:
+        for cluster in self.clusters.values():
+            cluster.stop()
+        if (self.state_dir / STATE_FILE).exists():
+            self._write_state()

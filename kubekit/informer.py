@@ -1,0 +1,328 @@
+"""Watch caches: list then watch one kind, keep every object in memory, tell handlers.
+
+The client-go reflector's behaviour: a paginated list gives a snapshot and a
+resourceVersion; a watch from there with bookmarks keeps it current; a watch that ends
+or breaks is resumed from the last version seen, after a jittered backoff if it broke;
+410 Gone (the version was compacted away) means list again, and the new snapshot is
+compared with the cache so handlers see exactly the adds, updates and deletes they
+missed. One informer per kind is shared by every handler that needs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import aiohttp
+
+from kubekit.client import JSON, ApiError, KubeClient, Resource
+
+log = logging.getLogger(__name__)
+
+
+def object_key(obj: Mapping[str, Any]) -> str:
+    """``namespace/name``, or ``name`` for cluster-scoped objects (client-go's key)."""
+    metadata = obj["metadata"]
+    namespace = metadata.get("namespace")
+    return f"{namespace}/{metadata['name']}" if namespace else str(metadata["name"])
+
+
+def resource_version(obj: Mapping[str, Any]) -> str:
+    return str(obj.get("metadata", {}).get("resourceVersion", ""))
+
+
+class EventHandler(Protocol):
+    def on_add(self, obj: JSON) -> None: ...
+    def on_update(self, old: JSON, new: JSON) -> None: ...
+    def on_delete(self, obj: JSON) -> None: ...
+
+
+@dataclass
+class FunctionHandler:
+    """An EventHandler from plain callables; the common case is one function that
+    enqueues a key for any change."""
+
+    add: Callable[[JSON], None] | None = None
+    update: Callable[[JSON, JSON], None] | None = None
+    delete: Callable[[JSON], None] | None = None
+
+    @classmethod
+    def on_any(cls, notify: Callable[[JSON], None]) -> FunctionHandler:
+        return cls(add=notify, update=lambda _old, new: notify(new), delete=notify)
+
+    def on_add(self, obj: JSON) -> None:
+        if self.add:
+            self.add(obj)
+
+    def on_update(self, old: JSON, new: JSON) -> None:
+        if self.update:
+            self.update(old, new)
+
+    def on_delete(self, obj: JSON) -> None:
+        if self.delete:
+            self.delete(obj)
+
+
+@dataclass(frozen=True)
+class SnapshotDiff:
+    added: list[JSON]
+    updated: list[tuple[JSON, JSON]]
+    deleted: list[JSON]
+
+
+def diff_snapshot(cached: Mapping[str, JSON], listed: Mapping[str, JSON]) -> SnapshotDiff:
+    """What changed between the cache and a fresh list: handlers must hear of every
+    object that appeared, changed (by resourceVersion) or vanished while not watching."""
+    added = [obj for key, obj in listed.items() if key not in cached]
+    updated = [
+        (cached[key], obj)
+        for key, obj in listed.items()
+        if key in cached and resource_version(cached[key]) != resource_version(obj)
+    ]
+    deleted = [obj for key, obj in cached.items() if key not in listed]
+    return SnapshotDiff(added, updated, deleted)
+
+
+class Backoff:
+    """Exponential backoff with jitter, reset after success."""
+
+    def __init__(
+        self,
+        initial: float = 0.5,
+        cap: float = 30.0,
+        jitter: float = 1.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.initial = initial
+        self.cap = cap
+        self.jitter = jitter
+        self._rng = rng or random.Random()
+        self._attempts = 0
+
+    def next_delay(self) -> float:
+        base = min(self.cap, self.initial * 2.0**self._attempts)
+        self._attempts += 1
+        return base * (1 + self.jitter * self._rng.random())
+
+    def reset(self) -> None:
+        self._attempts = 0
+
+
+_TRANSIENT = (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError)
+
+
+class Informer:
+    def __init__(
+        self,
+        client: KubeClient,
+        resource: Resource,
+        *,
+        namespace: str | None = None,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+        page_size: int = 500,
+        backoff: Backoff | None = None,
+    ) -> None:
+        self.client = client
+        self.resource = resource
+        self.namespace = namespace
+        self.label_selector = label_selector
+        self.field_selector = field_selector
+        self.page_size = page_size
+        self.backoff = backoff or Backoff()
+        self._store: dict[str, JSON] = {}
+        self._handlers: list[EventHandler] = []
+        self.synced = asyncio.Event()
+        self.resource_version = ""
+        self.relists = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"Informer({self.resource.plural}, ns={self.namespace}, labels={self.label_selector})"
+        )
+
+    # -- the cache -------------------------------------------------------------------------
+
+    def get(self, key: str) -> JSON | None:
+        return self._store.get(key)
+
+    def items(self) -> Iterator[JSON]:
+        return iter(list(self._store.values()))
+
+    def keys(self) -> list[str]:
+        return list(self._store)
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def add_handler(self, handler: EventHandler) -> None:
+        """Registers a handler; one added after the first sync hears of every cached
+        object as an add, so it never misses what was there before it."""
+        self._handlers.append(handler)
+        if self.synced.is_set():
+            for obj in self.items():
+                self._call(handler.on_add, obj)
+
+    async def wait_synced(self) -> None:
+        await self.synced.wait()
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def _selectors(self) -> dict[str, Any]:
+        return {"labelSelector": self.label_selector, "fieldSelector": self.field_selector}
+
+    async def run(self) -> None:
+        """Lists and watches until cancelled."""
+        need_list = True
+        while True:
+            try:
+                if need_list:
+                    await self._relist()
+                    need_list = False
+                await self._watch_once()
+            except asyncio.CancelledError:
+                raise
+            except ApiError as error:
+                if error.status == 410:
+                    log.info(
+                        "%r: resourceVersion %s too old, listing again", self, self.resource_version
+                    )
+                    need_list = True
+                    continue
+                await self._pause(error)
+            except _TRANSIENT as error:
+                await self._pause(error)
+
+    async def _pause(self, error: BaseException) -> None:
+        delay = self.backoff.next_delay()
+        log.warning("%r: %s; retrying in %.1f s", self, error or type(error).__name__, delay)
+        await asyncio.sleep(delay)
+
+    async def _relist(self) -> None:
+        listed: dict[str, JSON] = {}
+        continue_token: str | None = None
+        while True:
+            page = await self.client.list(
+                self.resource,
+                self.namespace,
+                limit=self.page_size,
+                **{"continue": continue_token},
+                **self._selectors(),
+            )
+            kind = page.get("kind", "").removesuffix("List")
+            api_version = page.get("apiVersion")
+            for obj in page.get("items", []):
+                # List items come without kind/apiVersion; watch objects have them.
+                obj.setdefault("kind", kind)
+                obj.setdefault("apiVersion", api_version)
+                listed[object_key(obj)] = obj
+            continue_token = page.get("metadata", {}).get("continue") or None
+            if not continue_token:
+                break
+        self.relists += 1
+        diff = diff_snapshot(self._store, listed)
+        self._store = listed
+        self.resource_version = page["metadata"]["resourceVersion"]
+        self.backoff.reset()
+        for obj in diff.added:
+            self._notify("on_add", obj)
+        for old, new in diff.updated:
+            self._notify("on_update", old, new)
+        for obj in diff.deleted:
+            self._notify("on_delete", obj)
+        self.synced.set()
+
+    async def _watch_once(self) -> None:
+        # Spread the server-side timeouts so many informers do not reconnect together.
+        timeout_seconds = random.randint(300, 600)
+        async for event in self.client.watch(
+            self.resource,
+            self.namespace,
+            resourceVersion=self.resource_version,
+            allowWatchBookmarks=True,
+            timeoutSeconds=timeout_seconds,
+            read_timeout=timeout_seconds + 30,
+            **self._selectors(),
+        ):
+            self.backoff.reset()
+            self.apply(event)
+
+    def apply(self, event: Mapping[str, Any]) -> None:
+        """Applies one watch event to the cache and tells the handlers."""
+        kind = event["type"]
+        obj: JSON = event["object"]
+        version = resource_version(obj)
+        if kind == "BOOKMARK":
+            self.resource_version = version
+            return
+        key = object_key(obj)
+        old = self._store.get(key)
+        if kind == "DELETED":
+            self._store.pop(key, None)
+            self._notify("on_delete", obj)
+        elif old is None:
+            self._store[key] = obj
+            self._notify("on_add", obj)
+        else:
+            self._store[key] = obj
+            self._notify("on_update", old, obj)
+        self.resource_version = version
+
+    def _notify(self, method: str, *args: JSON) -> None:
+        for handler in self._handlers:
+            self._call(getattr(handler, method), *args)
+
+    def _call(self, function: Callable[..., None], *args: JSON) -> None:
+        try:
+            function(*args)
+        except Exception:
+            # A broken handler must not stop the cache or the other handlers.
+            log.exception("%r: handler %s failed", self, function)
+
+
+class InformerFactory:
+    """Hands out one shared informer per (kind, namespace, selectors)."""
+
+    def __init__(self, client: KubeClient) -> None:
+        self.client = client
+        self._informers: dict[tuple[Resource, str | None, str | None, str | None], Informer] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def informer(
+        self,
+        resource: Resource,
+        *,
+        namespace: str | None = None,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+    ) -> Informer:
+        key = (resource, namespace, label_selector, field_selector)
+        if key not in self._informers:
+            informer = Informer(
+                self.client,
+                resource,
+                namespace=namespace,
+                label_selector=label_selector,
+                field_selector=field_selector,
+            )
+            self._informers[key] = informer
+            if self._tasks:  # already started: start this one too
+                self._tasks.append(asyncio.create_task(informer.run(), name=repr(informer)))
+        return self._informers[key]
+
+    def start(self) -> None:
+        for informer in self._informers.values():
+            self._tasks.append(asyncio.create_task(informer.run(), name=repr(informer)))
+
+    async def wait_synced(self) -> None:
+        await asyncio.gather(*(i.synced.wait() for i in self._informers.values()))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()

@@ -1,0 +1,499 @@
+"""Real Kubernetes control planes on loopback, for tests and ``kubestrata up``.
+
+A cluster is etcd, kube-apiserver, kube-controller-manager and kube-scheduler,
+built from the published Go modules; a lower cluster also runs kwok, which makes
+the simulated Nodes we create Ready and their pods Running, and serves a kubelet
+API whose logs and exec reach real local processes.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import ssl
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from kubekit import pki
+from kubekit.process import ManagedProcess, ProcessError, ProcessRecord
+from kubekit.toolchain import Toolchain
+
+Role = Literal["upper", "lower"]
+
+LOOPBACK = "127.0.0.1"
+SERVICE_CIDR = "10.0.0.0/24"
+READY_TIMEOUT_SECONDS = 120.0
+
+
+class ClusterError(RuntimeError):
+    """A local cluster could not be started or did not become ready."""
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """A simulated Node of a lower cluster, run by kwok."""
+
+    name: str
+    cpu: str = "16"
+    memory: str = "64Gi"
+    pods: int = 110
+    labels: Mapping[str, str] = field(default_factory=dict)
+    extended_resources: Mapping[str, str] = field(default_factory=dict)
+    unschedulable: bool = False
+
+    def manifest(self) -> dict[str, Any]:
+        resources = {"cpu": self.cpu, "memory": self.memory, "pods": str(self.pods)}
+        resources.update(self.extended_resources)
+        labels = {
+            "kubernetes.io/hostname": self.name,
+            "kubernetes.io/os": "linux",
+            "kubernetes.io/arch": "amd64",
+            "type": "kwok",
+            **self.labels,
+        }
+        return {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": self.name,
+                "labels": labels,
+                "annotations": {"kwok.x-k8s.io/node": "fake"},
+            },
+            "spec": {"unschedulable": self.unschedulable},
+            "status": {"capacity": resources, "allocatable": resources},
+        }
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    name: str
+    role: Role
+    nodes: tuple[NodeSpec, ...] = ()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def require_free_port(port: int, purpose: str) -> None:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((LOOPBACK, port))
+        except OSError as error:
+            raise ClusterError(
+                f"port {LOOPBACK}:{port} for {purpose} is in use: {error}"
+            ) from error
+
+
+@dataclass(frozen=True)
+class Ports:
+    etcd_client: int
+    etcd_peer: int
+    apiserver: int
+    controller_manager: int
+    scheduler: int
+    kwok: int
+
+    @classmethod
+    def allocate(cls) -> Ports:
+        return cls(*(free_port() for _ in range(6)))
+
+
+class LocalCluster:
+    """One control plane on loopback; all files live under ``directory``."""
+
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        directory: Path,
+        toolchain: Toolchain,
+        *,
+        die_with_parent: bool = True,
+        ports: Ports | None = None,
+        on_process_started: Callable[[], None] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.directory = directory
+        self.toolchain = toolchain
+        self.die_with_parent = die_with_parent
+        self.ports = ports or Ports.allocate()
+        self.processes: dict[str, ManagedProcess] = {}
+        self._on_process_started = on_process_started
+        self.kubeconfig = directory / "kubeconfig"
+        self.pod_log_file = directory / "kwok" / "container.log"
+        self.exec_dir = directory / "kwok" / "exec"
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def server(self) -> str:
+        return f"https://{LOOPBACK}:{self.ports.apiserver}"
+
+    # -- start -----------------------------------------------------------------------------
+
+    def start(self, timeout: float = READY_TIMEOUT_SECONDS) -> None:
+        """Starts every component and returns once the cluster serves requests and, for a
+        lower cluster, its simulated Nodes are Ready."""
+        try:
+            self._write_certificates()
+            self._start_etcd(timeout)
+            self._start_apiserver(timeout)
+            self._start_controllers(timeout)
+            if self.spec.role == "lower":
+                self._start_kwok()
+                self.add_nodes(self.spec.nodes, timeout)
+            self._wait_default_service_account(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _write_certificates(self) -> None:
+        pki_dir = self.directory / "pki"
+        pki_dir.mkdir(parents=True, exist_ok=True)
+        self.ca = pki.create_ca(pki_dir, "cluster")
+        self.apiserver_cert = pki.issue(
+            self.ca,
+            pki_dir / "apiserver",
+            "kube-apiserver",
+            server_names=(
+                LOOPBACK,
+                "localhost",
+                "10.0.0.1",
+                "kubernetes",
+                "kubernetes.default",
+                "kubernetes.default.svc",
+                "kubernetes.default.svc.cluster.local",
+            ),
+        )
+        self.admin_cert = pki.issue(
+            self.ca,
+            pki_dir / "admin",
+            "kubestrata-admin",
+            organizations=("system:masters",),
+            client=True,
+        )
+        self.kubelet_client_cert = pki.issue(
+            self.ca,
+            pki_dir / "apiserver-kubelet-client",
+            "kube-apiserver-kubelet-client",
+            organizations=("system:masters",),
+            client=True,
+        )
+        self.service_account_key = pki.create_service_account_key(pki_dir / "service-account.key")
+        pki.write_kubeconfig(
+            self.kubeconfig,
+            cluster=self.name,
+            server=self.server,
+            ca=self.ca.cert_path,
+            user=self.admin_cert,
+        )
+
+    def _launch(
+        self, name: str, argv: Sequence[str], purpose_ports: Iterable[int]
+    ) -> ManagedProcess:
+        for port in purpose_ports:
+            require_free_port(port, f"{self.name}/{name}")
+        process = ManagedProcess(
+            name,
+            argv,
+            self.directory / "logs" / f"{name}.log",
+            die_with_parent=self.die_with_parent,
+        )
+        process.start()
+        self.processes[name] = process
+        if self._on_process_started is not None:
+            self._on_process_started()
+        return process
+
+    def _kube(self, component: str) -> list[str]:
+        return [str(self.toolchain.kube), component]
+
+    def _start_etcd(self, timeout: float) -> None:
+        client_url = f"http://{LOOPBACK}:{self.ports.etcd_client}"
+        peer_url = f"http://{LOOPBACK}:{self.ports.etcd_peer}"
+        process = self._launch(
+            "etcd",
+            [
+                *self._kube("etcd"),
+                f"--name={self.name}",
+                f"--data-dir={self.directory / 'etcd'}",
+                f"--listen-client-urls={client_url}",
+                f"--advertise-client-urls={client_url}",
+                f"--listen-peer-urls={peer_url}",
+                f"--initial-advertise-peer-urls={peer_url}",
+                f"--initial-cluster={self.name}={peer_url}",
+                "--unsafe-no-fsync=true",
+                "--quota-backend-bytes=4294967296",
+                "--log-level=warn",
+            ],
+            (self.ports.etcd_client, self.ports.etcd_peer),
+        )
+        self._wait(process, timeout, lambda: _http_ok(LOOPBACK, self.ports.etcd_client, "/health"))
+
+    def _apiserver_argv(self) -> list[str]:
+        pki_dir = self.directory / "pki"
+        return [
+            *self._kube("kube-apiserver"),
+            f"--etcd-servers=http://{LOOPBACK}:{self.ports.etcd_client}",
+            f"--bind-address={LOOPBACK}",
+            f"--advertise-address={LOOPBACK}",
+            f"--secure-port={self.ports.apiserver}",
+            f"--tls-cert-file={self.apiserver_cert.cert_path}",
+            f"--tls-private-key-file={self.apiserver_cert.key_path}",
+            f"--client-ca-file={self.ca.cert_path}",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-key-file={self.service_account_key}",
+            f"--service-account-signing-key-file={self.service_account_key}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--authorization-mode=Node,RBAC",
+            "--allow-privileged=true",
+            "--endpoint-reconciler-type=none",
+            "--kubelet-preferred-address-types=InternalIP,Hostname",
+            f"--kubelet-client-certificate={self.kubelet_client_cert.cert_path}",
+            f"--kubelet-client-key={self.kubelet_client_cert.key_path}",
+            f"--cert-dir={pki_dir}",
+            "--profiling=false",
+        ]
+
+    def _start_apiserver(self, timeout: float) -> None:
+        process = self._launch("kube-apiserver", self._apiserver_argv(), (self.ports.apiserver,))
+        self._wait(process, timeout, self.apiserver_ready)
+
+    def apiserver_ready(self) -> bool:
+        return _https_ok(LOOPBACK, self.ports.apiserver, "/readyz", self._client_tls())
+
+    def _client_tls(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=str(self.ca.cert_path))
+        context.load_cert_chain(str(self.admin_cert.cert_path), str(self.admin_cert.key_path))
+        return context
+
+    def _start_controllers(self, timeout: float) -> None:
+        pki_dir = self.directory / "pki"
+        common = [
+            f"--kubeconfig={self.kubeconfig}",
+            f"--authentication-kubeconfig={self.kubeconfig}",
+            f"--authorization-kubeconfig={self.kubeconfig}",
+            f"--bind-address={LOOPBACK}",
+            "--leader-elect=false",
+        ]
+        manager = self._launch(
+            "kube-controller-manager",
+            [
+                *self._kube("kube-controller-manager"),
+                *common,
+                f"--secure-port={self.ports.controller_manager}",
+                f"--cert-dir={pki_dir / 'controller-manager'}",
+                f"--service-account-private-key-file={self.service_account_key}",
+                f"--root-ca-file={self.ca.cert_path}",
+                f"--cluster-signing-cert-file={self.ca.cert_path}",
+                f"--cluster-signing-key-file={self.ca.key_path}",
+                "--use-service-account-credentials=true",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+            ],
+            (self.ports.controller_manager,),
+        )
+        scheduler = self._launch(
+            "kube-scheduler",
+            [
+                *self._kube("kube-scheduler"),
+                *common,
+                f"--secure-port={self.ports.scheduler}",
+                f"--cert-dir={pki_dir / 'scheduler'}",
+            ],
+            (self.ports.scheduler,),
+        )
+        insecure = ssl.create_default_context()
+        insecure.check_hostname = False
+        insecure.verify_mode = ssl.CERT_NONE
+        self._wait(
+            manager,
+            timeout,
+            lambda: _https_ok(LOOPBACK, self.ports.controller_manager, "/healthz", insecure),
+        )
+        self._wait(
+            scheduler,
+            timeout,
+            lambda: _https_ok(LOOPBACK, self.ports.scheduler, "/healthz", insecure),
+        )
+
+    def _start_kwok(self) -> None:
+        self.exec_dir.mkdir(parents=True, exist_ok=True)
+        if not self.pod_log_file.exists():
+            self.pod_log_file.write_text(f"kwok container log of cluster {self.name}\n")
+        config_path = self.directory / "kwok" / "kwok.yaml"
+        config_path.write_text(self.kwok_config())
+        self._launch(
+            "kwok",
+            [
+                str(self.toolchain.kwok),
+                f"--kubeconfig={self.kubeconfig}",
+                f"--config={config_path}",
+                "--manage-all-nodes=true",
+                f"--node-ip={LOOPBACK}",
+                f"--node-port={self.ports.kwok}",
+                f"--server-address={LOOPBACK}:{self.ports.kwok}",
+            ],
+            (self.ports.kwok,),
+        )
+
+    def kwok_config(self) -> str:
+        """kwok's configuration: its options, the Stages that make Nodes Ready and pods
+        Running, and logs/exec/attach of every container served by local files and
+        processes."""
+        documents: list[dict[str, Any]] = [
+            {
+                "apiVersion": "config.kwok.x-k8s.io/v1alpha1",
+                "kind": "KwokConfiguration",
+                "options": {"cidr": "10.240.0.0/12", "nodeIP": LOOPBACK},
+            },
+            {
+                "apiVersion": "kwok.x-k8s.io/v1alpha1",
+                "kind": "ClusterLogs",
+                "metadata": {"name": "local-file"},
+                "spec": {"logs": [{"logsFile": str(self.pod_log_file), "follow": True}]},
+            },
+            {
+                "apiVersion": "kwok.x-k8s.io/v1alpha1",
+                "kind": "ClusterAttach",
+                "metadata": {"name": "local-file"},
+                "spec": {"attaches": [{"logsFile": str(self.pod_log_file)}]},
+            },
+            {
+                "apiVersion": "kwok.x-k8s.io/v1alpha1",
+                "kind": "ClusterExec",
+                "metadata": {"name": "local-process"},
+                "spec": {"execs": [{"local": {"workDir": str(self.exec_dir)}}]},
+            },
+        ]
+        parts = [yaml.safe_dump(d) for d in documents]
+        parts += [p.read_text() for p in sorted(self.toolchain.kwok_stages.glob("*.yaml"))]
+        return "---\n".join(part if part.endswith("\n") else part + "\n" for part in parts)
+
+    def add_nodes(self, nodes: Iterable[NodeSpec], timeout: float = READY_TIMEOUT_SECONDS) -> None:
+        manifests = [node.manifest() for node in nodes]
+        if not manifests:
+            return
+        self.kubectl(
+            "apply",
+            "-f",
+            "-",
+            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": manifests}),
+        )
+        names = [f"node/{m['metadata']['name']}" for m in manifests]
+        self.kubectl(
+            "wait",
+            "--for=condition=Ready",
+            *names,
+            f"--timeout={int(timeout)}s",
+            timeout=timeout + 10,
+        )
+
+    def _wait_default_service_account(self, timeout: float) -> None:
+        # Pods are refused until the controller-manager has made the default account.
+        self.kubectl(
+            "wait",
+            "--for=create",
+            "serviceaccount/default",
+            "-n",
+            "default",
+            f"--timeout={int(timeout)}s",
+            timeout=timeout + 10,
+        )
+
+    def _wait(self, process: ManagedProcess, timeout: float, ready: Any) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            process.check_running()
+            if ready():
+                return
+            time.sleep(0.25)
+        raise ClusterError(
+            f"{self.name}/{process.name} not ready after {timeout:.0f} s; "
+            f"last lines of {process.log_path}:\n{process.log_tail()}"
+        )
+
+    # -- use ---------------------------------------------------------------------------------
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120.0
+    ) -> subprocess.CompletedProcess[str]:
+        """Runs the stock kubectl against this cluster."""
+        result = subprocess.run(
+            [str(self.toolchain.kubectl), f"--kubeconfig={self.kubeconfig}", *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if check and result.returncode != 0:
+            raise ClusterError(
+                f"kubectl {' '.join(args)} on {self.name} failed ({result.returncode}): "
+                f"{result.stderr.strip()}"
+            )
+        return result
+
+    def records(self) -> list[ProcessRecord]:
+        return [p.record() for p in self.processes.values() if p.running()]
+
+    def restart(self, component: str, timeout: float = READY_TIMEOUT_SECONDS) -> None:
+        """Stops one component and starts it again on the same ports."""
+        process = self.processes[component]
+        process.stop()
+        process.start()
+        if component == "kube-apiserver":
+            self._wait(process, timeout, self.apiserver_ready)
+
+    def stop_component(self, component: str) -> None:
+        self.processes[component].stop()
+
+    def stop(self) -> None:
+        # Reverse start order: dependants first, etcd last.
+        for process in reversed(list(self.processes.values())):
+            process.stop()
+
+
+def _http_ok(host: str, port: int, path: str) -> bool:
+    return _get_status(http.client.HTTPConnection(host, port, timeout=2), path) == 200
+
+
+def _https_ok(host: str, port: int, path: str, context: ssl.SSLContext) -> bool:
+    return (
+        _get_status(http.client.HTTPSConnection(host, port, timeout=2, context=context), path)
+        == 200
+    )
+
+
+def _get_status(connection: http.client.HTTPConnection, path: str) -> int | None:
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        response.read()
+        return response.status
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        connection.close()
+
+
+__all__ = [
+    "ClusterError",
+    "ClusterSpec",
+    "LocalCluster",
+    "NodeSpec",
+    "ProcessError",
+    "Role",
+]

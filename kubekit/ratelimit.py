@@ -1,0 +1,57 @@
+"""Rate limiting: a token bucket for API clients and per-item exponential backoff for
+work-queue retries (the client-go defaults)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Hashable
+
+
+class TokenBucket:
+    """``qps`` tokens a second, at most ``burst`` saved up. ``qps <= 0`` means unlimited."""
+
+    def __init__(self, qps: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        if burst < 1:
+            raise ValueError(f"burst must be at least 1, not {burst}")
+        self.qps = qps
+        self.burst = burst
+        self._clock = clock
+        self._tokens = float(burst)
+        self._last = clock()
+
+    def reserve(self) -> float:
+        """Takes one token, possibly borrowing from the future; returns how long the
+        caller must wait before using it."""
+        if self.qps <= 0:
+            return 0.0
+        now = self._clock()
+        self._tokens = min(self.burst, self._tokens + (now - self._last) * self.qps)
+        self._last = now
+        self._tokens -= 1.0
+        return 0.0 if self._tokens >= 0 else -self._tokens / self.qps
+
+    async def acquire(self) -> None:
+        delay = self.reserve()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+class ItemBackoff:
+    """Per-item exponential backoff: base * 2^failures, capped."""
+
+    def __init__(self, base: float = 0.005, cap: float = 300.0) -> None:
+        self.base = base
+        self.cap = cap
+        self._failures: dict[Hashable, int] = {}
+
+    def next_delay(self, item: Hashable) -> float:
+        failures = self._failures.get(item, 0)
+        self._failures[item] = failures + 1
+        return float(min(self.cap, self.base * (2**failures)))
+
+    def failures(self, item: Hashable) -> int:
+        return self._failures.get(item, 0)
+
+    def forget(self, item: Hashable) -> None:
+        self._failures.pop(item, None)

@@ -1,0 +1,169 @@
+"""A keyed, de-duplicating work queue with rate-limited retries and a worker pool.
+
+The client-go contract: a key waiting in the queue is there once however often it is
+added; a key being processed is never handed to a second worker at the same time, and
+if it is added meanwhile it is processed again once the first worker is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Generic, TypeVar
+
+from kubekit.ratelimit import ItemBackoff, TokenBucket
+
+Key = TypeVar("Key", bound=Hashable)
+
+log = logging.getLogger(__name__)
+
+
+class ShutDown(Exception):
+    """The queue was shut down; no more keys will come."""
+
+
+class WorkQueue(Generic[Key]):
+    def __init__(
+        self,
+        name: str = "queue",
+        *,
+        backoff: ItemBackoff | None = None,
+        overall_limit: TokenBucket | None = None,
+    ) -> None:
+        self.name = name
+        self._queue: deque[Key] = deque()
+        self._dirty: set[Key] = set()
+        self._processing: set[Key] = set()
+        self._delayed: dict[Key, asyncio.TimerHandle] = {}
+        self._backoff = backoff or ItemBackoff()
+        # client-go's default: 10 retries a second overall, bursts of 100.
+        self._overall = overall_limit or TokenBucket(qps=10, burst=100)
+        # Workers blocked in get(); add() wakes one without scheduling a task.
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._shutting_down = False
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def add(self, key: Key) -> None:
+        if self._shutting_down or key in self._dirty:
+            return
+        self._dirty.add(key)
+        if key in self._processing:
+            return  # done() queues it again
+        self._queue.append(key)
+        self._notify()
+
+    def _notify(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def add_after(self, key: Key, delay: float) -> None:
+        if delay <= 0:
+            self.add(key)
+            return
+        if self._shutting_down:
+            return
+        loop = asyncio.get_running_loop()
+        existing = self._delayed.get(key)
+        when = loop.time() + delay
+        if existing is not None:
+            if existing.when() <= when:
+                return  # the earlier wake-up wins
+            existing.cancel()
+        self._delayed[key] = loop.call_at(when, self._fire_delayed, key)
+
+    def _fire_delayed(self, key: Key) -> None:
+        self._delayed.pop(key, None)
+        self.add(key)
+
+    def add_rate_limited(self, key: Key) -> None:
+        self.add_after(key, max(self._backoff.next_delay(key), self._overall.reserve()))
+
+    def retries(self, key: Key) -> int:
+        return self._backoff.failures(key)
+
+    def forget(self, key: Key) -> None:
+        self._backoff.forget(key)
+
+    async def get(self) -> Key:
+        while not self._queue:
+            if self._shutting_down:
+                raise ShutDown(self.name)
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                # Pass a wake-up we may have taken on to another worker.
+                if waiter.done() and not waiter.cancelled() and self._queue:
+                    self._notify()
+                raise
+        key = self._queue.popleft()
+        self._processing.add(key)
+        self._dirty.discard(key)
+        return key
+
+    def done(self, key: Key) -> None:
+        self._processing.discard(key)
+        if key in self._dirty:
+            self._queue.append(key)
+            self._notify()
+
+    def shut_down(self) -> None:
+        self._shutting_down = True
+        for handle in self._delayed.values():
+            handle.cancel()
+        self._delayed.clear()
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def run_workers(
+        self,
+        workers: int,
+        reconcile: Callable[[Key], Awaitable[None]],
+        *,
+        max_retries: int | None = None,
+    ) -> None:
+        """Runs ``workers`` coroutines until the queue shuts down. A key whose reconcile
+        raises is retried with backoff; one that succeeds has its backoff forgotten."""
+
+        async def worker() -> None:
+            while True:
+                try:
+                    key = await self.get()
+                except ShutDown:
+                    return
+                try:
+                    await reconcile(key)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    retries = self.retries(key)
+                    if max_retries is not None and retries >= max_retries:
+                        log.exception(
+                            "%s: giving up on %s after %d retries", self.name, key, retries
+                        )
+                        self.forget(key)
+                    else:
+                        log.warning(
+                            "%s: reconcile of %s failed (retry %d)",
+                            self.name,
+                            key,
+                            retries + 1,
+                            exc_info=True,
+                        )
+                        self.add_rate_limited(key)
+                else:
+                    self.forget(key)
+                finally:
+                    self.done(key)
+
+        await asyncio.gather(*(worker() for _ in range(workers)))

@@ -1,0 +1,123 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from kubekit.cli import build_parser
+from kubekit.federation import (
+    STATE_FILE,
+    Federation,
+    FederationRunning,
+    FederationSpec,
+    kubeconfig_path,
+)
+from kubekit.localcluster import ClusterError, NodeSpec
+from kubekit.process import ManagedProcess
+from kubekit.toolchain import Toolchain
+
+FAKE_TOOLCHAIN = Toolchain(
+    Path("/nonexistent/kube"), Path("/nonexistent/kwok"), Path("/nonexistent"), "v0"
+)
+
+
+def test_default_spec_is_one_upper_and_two_lower_clusters_with_zones() -> None:
+    clusters = FederationSpec().clusters()
+    assert [(c.name, c.role, len(c.nodes)) for c in clusters] == [
+        ("upper", "upper", 0),
+        ("lower-1", "lower", 3),
+        ("lower-2", "lower", 3),
+    ]
+    labels = [n.labels for n in clusters[1].nodes]
+    assert {lab["topology.kubernetes.io/region"] for lab in labels} == {"lower-1"}
+    assert [lab["topology.kubernetes.io/zone"] for lab in labels] == [
+        "lower-1-a",
+        "lower-1-b",
+        "lower-1-a",
+    ]
+
+
+def test_spec_rejects_impossible_sizes() -> None:
+    with pytest.raises(ValueError, match="at least one lower cluster"):
+        FederationSpec(lower=0).clusters()
+    with pytest.raises(ValueError, match="nodes per lower cluster"):
+        FederationSpec(nodes_per_lower=-1).clusters()
+
+
+def test_node_manifest_has_capacity_labels_and_extended_resources() -> None:
+    node = NodeSpec(
+        "n1",
+        cpu="4",
+        memory="8Gi",
+        pods=20,
+        labels={"disk": "ssd"},
+        extended_resources={"example.com/gpu": "2"},
+    ).manifest()
+    assert node["status"]["allocatable"] == {
+        "cpu": "4",
+        "memory": "8Gi",
+        "pods": "20",
+        "example.com/gpu": "2",
+    }
+    assert node["metadata"]["labels"]["disk"] == "ssd"
+    assert node["metadata"]["labels"]["kubernetes.io/hostname"] == "n1"
+
+
+def test_a_running_federation_is_not_started_over(tmp_path: Path) -> None:
+    sleeper = ManagedProcess("etcd", ["sleep", "60"], tmp_path / "sleep.log")
+    sleeper.start()
+    try:
+        record = sleeper.record()
+        (tmp_path / STATE_FILE).write_text(
+            json.dumps({"clusters": {"upper": {"kubeconfig": "k", "processes": [vars(record)]}}})
+        )
+        federation = Federation(tmp_path, FederationSpec().clusters(), FAKE_TOOLCHAIN)
+        with pytest.raises(FederationRunning, match=f"already running .*PIDs {record.pid}"):
+            federation.start()
+    finally:
+        sleeper.stop()
+
+
+def test_a_directory_that_is_not_ours_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "precious.txt").write_text("user data")
+    federation = Federation(tmp_path, FederationSpec().clusters(), FAKE_TOOLCHAIN)
+    with pytest.raises(ClusterError, match="not a kubestrata state directory"):
+        federation.start()
+    assert (tmp_path / "precious.txt").exists()
+
+
+def test_a_stale_state_directory_is_cleared(tmp_path: Path) -> None:
+    (tmp_path / STATE_FILE).write_text(
+        json.dumps(
+            {
+                "clusters": {
+                    "upper": {
+                        "kubeconfig": "k",
+                        "processes": [{"name": "etcd", "pid": 999_999_999, "start_ticks": 1}],
+                    }
+                }
+            }
+        )
+    )
+    (tmp_path / "upper").mkdir()
+    federation = Federation(tmp_path, FederationSpec().clusters(), FAKE_TOOLCHAIN)
+    with pytest.raises(Exception, match="cannot start etcd"):  # the fake toolchain has no binaries
+        federation.start()
+    state = json.loads((tmp_path / STATE_FILE).read_text())
+    assert all(c["processes"] == [] for c in state["clusters"].values())
+
+
+def test_kubeconfig_of_unknown_cluster_names_the_known_ones(tmp_path: Path) -> None:
+    (tmp_path / STATE_FILE).write_text(
+        json.dumps({"clusters": {"upper": {"kubeconfig": "/u"}, "lower-1": {"kubeconfig": "/l1"}}})
+    )
+    assert kubeconfig_path(tmp_path, "lower-1") == Path("/l1")
+    with pytest.raises(ClusterError, match=r"no cluster 'lower-9'.*upper, lower-1"):
+        kubeconfig_path(tmp_path, "lower-9")
+
+
+def test_cli_rejects_bad_counts() -> None:
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["up", "--lower", "0"])
+    args = parser.parse_args(["up", "--lower", "3", "--nodes", "0", "--detach"])
+    assert (args.lower, args.nodes, args.detach) == (3, 0, True)

@@ -1,0 +1,134 @@
+from typing import Any
+
+import pytest
+
+from kubekit.client import JSON, LineSplitter, Resource
+from kubekit.informer import Backoff, FunctionHandler, Informer, diff_snapshot, object_key
+
+
+def obj(name: str, rv: str, namespace: str | None = "ns", **extra: Any) -> JSON:
+    metadata: JSON = {"name": name, "resourceVersion": rv}
+    if namespace:
+        metadata["namespace"] = namespace
+    return {"metadata": metadata, **extra}
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+
+    def on_add(self, o: JSON) -> None:
+        self.events.append(("add", object_key(o)))
+
+    def on_update(self, old: JSON, new: JSON) -> None:
+        self.events.append(("update", object_key(new)))
+
+    def on_delete(self, o: JSON) -> None:
+        self.events.append(("delete", object_key(o)))
+
+
+def informer() -> Informer:
+    return Informer(client=None, resource=Resource("", "v1", "configmaps"))  # type: ignore[arg-type]
+
+
+def test_object_key_namespaced_and_cluster_scoped() -> None:
+    assert object_key(obj("a", "1")) == "ns/a"
+    assert object_key(obj("node-1", "1", namespace=None)) == "node-1"
+
+
+def test_diff_snapshot_reports_what_was_missed() -> None:
+    cached = {
+        "ns/kept": obj("kept", "1"),
+        "ns/changed": obj("changed", "1"),
+        "ns/gone": obj("gone", "1"),
+    }
+    listed = {
+        "ns/kept": obj("kept", "1"),
+        "ns/changed": obj("changed", "2"),
+        "ns/new": obj("new", "3"),
+    }
+    diff = diff_snapshot(cached, listed)
+    assert [object_key(o) for o in diff.added] == ["ns/new"]
+    assert [(object_key(a), resource_versions(a, b)) for a, b in diff.updated] == [
+        ("ns/changed", ("1", "2"))
+    ]
+    assert [object_key(o) for o in diff.deleted] == ["ns/gone"]
+
+
+def resource_versions(a: JSON, b: JSON) -> tuple[str, str]:
+    return a["metadata"]["resourceVersion"], b["metadata"]["resourceVersion"]
+
+
+def test_apply_watch_events_updates_cache_and_handlers() -> None:
+    cache = informer()
+    recorder = Recorder()
+    cache.add_handler(recorder)
+    cache.apply({"type": "ADDED", "object": obj("a", "5")})
+    cache.apply({"type": "MODIFIED", "object": obj("a", "6", data={"k": "v"})})
+    cache.apply({"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "9"}}})
+    assert cache.resource_version == "9"
+    assert cache.get("ns/a") == obj("a", "6", data={"k": "v"})
+    cache.apply({"type": "DELETED", "object": obj("a", "10")})
+    assert cache.get("ns/a") is None
+    assert recorder.events == [("add", "ns/a"), ("update", "ns/a"), ("delete", "ns/a")]
+    assert cache.resource_version == "10"
+
+
+def test_a_modified_event_for_an_unknown_object_is_an_add() -> None:
+    cache = informer()
+    recorder = Recorder()
+    cache.add_handler(recorder)
+    cache.apply({"type": "MODIFIED", "object": obj("late", "3")})
+    assert recorder.events == [("add", "ns/late")]
+
+
+def test_a_failing_handler_does_not_stop_the_others() -> None:
+    cache = informer()
+    recorder = Recorder()
+
+    def broken(_o: JSON) -> None:
+        raise RuntimeError("bug in a handler")
+
+    cache.add_handler(FunctionHandler(add=broken))
+    cache.add_handler(recorder)
+    cache.apply({"type": "ADDED", "object": obj("a", "1")})
+    assert recorder.events == [("add", "ns/a")]
+    assert cache.get("ns/a") is not None
+
+
+def test_handler_added_after_sync_hears_the_cached_objects() -> None:
+    cache = informer()
+    cache.apply({"type": "ADDED", "object": obj("a", "1")})
+    cache.synced.set()
+    recorder = Recorder()
+    cache.add_handler(recorder)
+    assert recorder.events == [("add", "ns/a")]
+
+
+def test_function_handler_on_any_maps_every_event_to_one_callback() -> None:
+    seen: list[str] = []
+    handler = FunctionHandler.on_any(lambda o: seen.append(object_key(o)))
+    handler.on_add(obj("a", "1"))
+    handler.on_update(obj("b", "1"), obj("b", "2"))
+    handler.on_delete(obj("c", "1"))
+    assert seen == ["ns/a", "ns/b", "ns/c"]
+
+
+def test_backoff_grows_with_jitter_and_resets() -> None:
+    backoff = Backoff(initial=1, cap=8, jitter=0.5)
+    delays = [backoff.next_delay() for _ in range(6)]
+    for delay, base in zip(delays, [1, 2, 4, 8, 8, 8], strict=True):
+        assert base <= delay <= base * 1.5
+    backoff.reset()
+    assert backoff.next_delay() <= 1.5
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 7, 64, 10_000])
+def test_line_splitter_is_independent_of_chunking(chunk_size: int) -> None:
+    big = b'{"x":"' + b"y" * 200_000 + b'"}'
+    stream = b'{"a":1}\n\n' + big + b"\n" + b'{"b":2}\n' + b'{"partial"'
+    splitter = LineSplitter()
+    lines: list[bytes] = []
+    for start in range(0, len(stream), chunk_size):
+        lines += splitter.feed(stream[start : start + chunk_size])
+    assert lines == [b'{"a":1}', big, b'{"b":2}']

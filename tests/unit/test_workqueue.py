@@ -1,0 +1,147 @@
+import asyncio
+
+import pytest
+
+from kubekit.ratelimit import ItemBackoff, TokenBucket
+from kubekit.workqueue import ShutDown, WorkQueue
+
+
+async def test_a_waiting_key_is_queued_once() -> None:
+    queue: WorkQueue[str] = WorkQueue()
+    for key in ["a", "b", "a", "a", "c", "b"]:
+        queue.add(key)
+    assert len(queue) == 3
+    assert [await queue.get() for _ in range(3)] == ["a", "b", "c"]
+
+
+async def test_key_added_while_processing_comes_back_after_done() -> None:
+    queue: WorkQueue[str] = WorkQueue()
+    queue.add("a")
+    key = await queue.get()
+    queue.add("a")
+    assert len(queue) == 0, "never handed to a second worker while the first has it"
+    queue.done(key)
+    assert len(queue) == 1
+    assert await queue.get() == "a"
+
+
+async def test_done_without_re_add_drops_the_key() -> None:
+    queue: WorkQueue[str] = WorkQueue()
+    queue.add("a")
+    queue.done(await queue.get())
+    assert len(queue) == 0
+
+
+async def test_get_blocks_until_a_key_arrives() -> None:
+    queue: WorkQueue[str] = WorkQueue()
+    getter = asyncio.create_task(queue.get())
+    await asyncio.sleep(0.01)
+    assert not getter.done()
+    queue.add("x")
+    assert await asyncio.wait_for(getter, 1) == "x"
+
+
+async def test_add_after_keeps_the_earliest_wakeup() -> None:
+    queue: WorkQueue[str] = WorkQueue()
+    queue.add_after("a", 10)
+    queue.add_after("a", 0.01)
+    queue.add_after("a", 5)
+    assert await asyncio.wait_for(queue.get(), 1) == "a"
+
+
+def test_item_backoff_doubles_up_to_the_cap_and_forgets() -> None:
+    backoff = ItemBackoff(base=1, cap=5)
+    assert [backoff.next_delay("k") for _ in range(5)] == [1, 2, 4, 5, 5]
+    assert backoff.next_delay("other") == 1
+    backoff.forget("k")
+    assert backoff.next_delay("k") == 1
+
+
+def test_token_bucket_allows_a_burst_then_paces() -> None:
+    now = [0.0]
+    bucket = TokenBucket(qps=10, burst=3, clock=lambda: now[0])
+    assert [bucket.reserve() for _ in range(3)] == [0, 0, 0]
+    assert bucket.reserve() == pytest.approx(0.1)
+    assert bucket.reserve() == pytest.approx(0.2)
+    now[0] = 10.0  # refills, but never beyond the burst
+    assert [bucket.reserve() for _ in range(3)] == [0, 0, 0]
+    assert bucket.reserve() > 0
+
+
+def test_token_bucket_without_qps_is_unlimited() -> None:
+    bucket = TokenBucket(qps=0, burst=1)
+    assert all(bucket.reserve() == 0 for _ in range(1000))
+
+
+async def test_shut_down_drains_then_stops_workers() -> None:
+    queue: WorkQueue[str] = WorkQueue()
+    queue.add("a")
+    queue.shut_down()
+    queue.add("late")
+    assert await queue.get() == "a"
+    with pytest.raises(ShutDown):
+        await queue.get()
+
+
+async def test_workers_retry_failures_with_backoff_and_forget_on_success() -> None:
+    queue: WorkQueue[str] = WorkQueue(backoff=ItemBackoff(base=0.001))
+    attempts: dict[str, int] = {}
+    finished = asyncio.Event()
+
+    async def reconcile(key: str) -> None:
+        attempts[key] = attempts.get(key, 0) + 1
+        if key == "flaky" and attempts[key] < 3:
+            raise RuntimeError("transient")
+        if attempts.get("flaky") == 3 and "ok" in attempts:
+            finished.set()
+
+    queue.add("flaky")
+    queue.add("ok")
+    workers = asyncio.create_task(queue.run_workers(2, reconcile))
+    await asyncio.wait_for(finished.wait(), 2)
+    assert attempts == {"flaky": 3, "ok": 1}
+    assert queue.retries("flaky") == 0, "success forgets the backoff"
+    queue.shut_down()
+    await asyncio.wait_for(workers, 1)
+
+
+async def test_workers_give_up_after_max_retries() -> None:
+    queue: WorkQueue[str] = WorkQueue(backoff=ItemBackoff(base=0.001))
+    attempts = 0
+
+    async def always_fails(_key: str) -> None:
+        nonlocal attempts
+        attempts += 1
+        raise RuntimeError("permanent")
+
+    queue.add("bad")
+    workers = asyncio.create_task(queue.run_workers(1, always_fails, max_retries=3))
+    await asyncio.sleep(0.3)
+    assert attempts == 4  # the first try and three retries
+    queue.shut_down()
+    await asyncio.wait_for(workers, 1)
+
+
+async def test_one_key_is_never_reconciled_concurrently() -> None:
+    queue: WorkQueue[str] = WorkQueue()
+    running = 0
+    peak = 0
+    calls = 0
+
+    async def reconcile(_key: str) -> None:
+        nonlocal running, peak, calls
+        running += 1
+        calls += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.005)
+        running -= 1
+
+    workers = asyncio.create_task(queue.run_workers(8, reconcile))
+    for _ in range(50):
+        queue.add("same")
+        await asyncio.sleep(0.001)
+    await asyncio.sleep(0.05)
+    queue.shut_down()
+    await asyncio.wait_for(workers, 1)
+    assert peak == 1
+    assert 1 < calls < 50, "adds during processing coalesce"
