@@ -8,6 +8,7 @@ API whose logs and exec reach real local processes.
 
 from __future__ import annotations
 
+import datetime
 import http.client
 import json
 import socket
@@ -29,6 +30,7 @@ Role = Literal["upper", "lower"]
 
 LOOPBACK = "127.0.0.1"
 SERVICE_CIDR = "10.0.0.0/24"
+POD_CIDR = "10.240.0.0/12"
 READY_TIMEOUT_SECONDS = 120.0
 
 
@@ -153,7 +155,7 @@ class LocalCluster:
             self._start_apiserver(timeout)
             self._start_controllers(timeout)
             if self.spec.role == "lower":
-                self._start_kwok()
+                self._start_kwok(timeout)
                 self.add_nodes(self.spec.nodes, timeout)
             self._wait_default_service_account(timeout)
         except BaseException:
@@ -329,36 +331,33 @@ class LocalCluster:
             lambda: _https_ok(LOOPBACK, self.ports.scheduler, "/healthz", insecure),
         )
 
-    def _start_kwok(self) -> None:
+    def _start_kwok(self, timeout: float) -> None:
         self.exec_dir.mkdir(parents=True, exist_ok=True)
         if not self.pod_log_file.exists():
-            self.pod_log_file.write_text(f"kwok container log of cluster {self.name}\n")
+            self.append_pod_log(f"kwok container log of cluster {self.name}")
         config_path = self.directory / "kwok" / "kwok.yaml"
         config_path.write_text(self.kwok_config())
-        self._launch(
+        process = self._launch(
             "kwok",
             [
                 str(self.toolchain.kwok),
                 f"--kubeconfig={self.kubeconfig}",
                 f"--config={config_path}",
                 "--manage-all-nodes=true",
+                f"--cidr={POD_CIDR}",
                 f"--node-ip={LOOPBACK}",
                 f"--node-port={self.ports.kwok}",
                 f"--server-address={LOOPBACK}:{self.ports.kwok}",
             ],
             (self.ports.kwok,),
         )
+        self._wait(process, timeout, lambda: _http_ok(LOOPBACK, self.ports.kwok, "/healthz"))
 
     def kwok_config(self) -> str:
-        """kwok's configuration: its options, the Stages that make Nodes Ready and pods
-        Running, and logs/exec/attach of every container served by local files and
+        """kwok's configuration: the Stages that make Nodes Ready and pods Running, and
+        logs/exec/attach of every container served by local files and
         processes."""
         documents: list[dict[str, Any]] = [
-            {
-                "apiVersion": "config.kwok.x-k8s.io/v1alpha1",
-                "kind": "KwokConfiguration",
-                "options": {"cidr": "10.240.0.0/12", "nodeIP": LOOPBACK},
-            },
             {
                 "apiVersion": "kwok.x-k8s.io/v1alpha1",
                 "kind": "ClusterLogs",
@@ -445,6 +444,15 @@ class LocalCluster:
                 f"{result.stderr.strip()}"
             )
         return result
+
+    def append_pod_log(self, *lines: str, stream: Literal["stdout", "stderr"] = "stdout") -> None:
+        """Appends lines to the log every simulated container of this cluster serves,
+        in the CRI log format kwok reads (``<RFC3339Nano> <stream> F <text>``)."""
+        self.pod_log_file.parent.mkdir(parents=True, exist_ok=True)
+        with self.pod_log_file.open("a") as log:
+            for line in lines:
+                stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+                log.write(f"{stamp} {stream} F {line}\n")
 
     def records(self) -> list[ProcessRecord]:
         return [p.record() for p in self.processes.values() if p.running()]

@@ -35,9 +35,11 @@ def new_private_key() -> ec.EllipticCurvePrivateKey:
 
 
 def private_key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    # "EC PRIVATE KEY" rather than PKCS#8: kube-apiserver reads service-account public
+    # keys from the private key file and only understands this form there.
     return key.private_bytes(
         serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
+        serialization.PrivateFormat.TraditionalOpenSSL,
         serialization.NoEncryption(),
     )
 

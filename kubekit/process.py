@@ -9,10 +9,16 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+
+# PR_SET_PDEATHSIG fires when the *thread* that forked the child ends, not the process.
+# Children that must die with us are therefore forked from this one long-lived thread,
+# whatever thread asks for them (clusters start in parallel from short-lived threads).
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="process-spawner")
 
 
 def _die_with_parent() -> None:
@@ -109,9 +115,9 @@ class ManagedProcess:
         with self.log_path.open("ab") as log:
             log.write(f"--- {time.strftime('%H:%M:%S')} starting: {' '.join(self.argv)}\n".encode())
             log.flush()
-            preexec: Callable[[], None] | None = _die_with_parent if self.die_with_parent else None
-            try:
-                self._popen = subprocess.Popen(
+
+            def spawn(preexec: Callable[[], None] | None) -> subprocess.Popen[bytes]:
+                return subprocess.Popen(
                     self.argv,
                     stdin=subprocess.DEVNULL,
                     stdout=log,
@@ -120,6 +126,12 @@ class ManagedProcess:
                     start_new_session=True,
                     preexec_fn=preexec,
                 )
+
+            try:
+                if self.die_with_parent:
+                    self._popen = _SPAWNER.submit(spawn, _die_with_parent).result()
+                else:
+                    self._popen = spawn(None)
             except OSError as error:
                 raise ProcessError(f"cannot start {self.name} ({self.argv[0]}): {error}") from error
 

@@ -1,0 +1,39 @@
+"""Real control planes for end-to-end tests: one federation for the whole session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kubekit.federation import Federation, FederationSpec
+from kubekit.toolchain import Toolchain, ToolchainError
+
+# Small nodes keep capacity arithmetic in tests readable.
+TEST_FEDERATION = FederationSpec(lower=2, nodes_per_lower=2, node_cpu="8", node_memory="32Gi")
+
+
+@pytest.fixture(scope="session")
+def toolchain() -> Toolchain:
+    try:
+        return Toolchain.locate()
+    except ToolchainError as error:
+        pytest.fail(str(error), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def federation(
+    tmp_path_factory: pytest.TempPathFactory, toolchain: Toolchain
+) -> Iterator[Federation]:
+    federation = Federation(
+        tmp_path_factory.mktemp("federation"), TEST_FEDERATION.clusters(), toolchain
+    )
+    federation.start()
+    yield federation
+    federation.stop()
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Path:
+    return tmp_path / "state"

@@ -1,0 +1,135 @@
+"""`kubestrata up / down / kubeconfig` as a user runs them, and start-up failures."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kubekit.federation import running_processes
+from kubekit.localcluster import ClusterError, ClusterSpec, LocalCluster, Ports
+from kubekit.toolchain import Toolchain
+
+KUBESTRATA = [sys.executable, "-m", "kubekit.cli"]
+
+
+def kubestrata(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*KUBESTRATA, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def ready_nodes(kubectl: Path, kubeconfig: str) -> list[str]:
+    nodes = json.loads(
+        subprocess.run(
+            [str(kubectl), f"--kubeconfig={kubeconfig}", "get", "nodes", "-o", "json"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout
+    )["items"]
+    return [
+        n["metadata"]["name"]
+        for n in nodes
+        if any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"]["conditions"])
+    ]
+
+
+def test_up_detach_kubeconfig_down(state_dir: Path, toolchain: Toolchain) -> None:
+    try:
+        up = kubestrata(
+            "up", "--detach", "--lower", "1", "--nodes", "2", "--state-dir", str(state_dir)
+        )
+        assert up.returncode == 0, up.stderr
+        assert f"export KUBECONFIG={state_dir / 'upper' / 'kubeconfig'}" in up.stdout
+        assert f"export KUBECONFIG={state_dir / 'lower-1' / 'kubeconfig'}" in up.stdout
+
+        lower = kubestrata("kubeconfig", "--cluster", "lower-1", "--state-dir", str(state_dir))
+        assert lower.returncode == 0, lower.stderr
+        assert sorted(ready_nodes(toolchain.kubectl, lower.stdout.strip())) == [
+            "lower-1-node-0",
+            "lower-1-node-1",
+        ]
+        upper = kubestrata("kubeconfig", "--state-dir", str(state_dir)).stdout.strip()
+        assert upper == str(state_dir / "upper" / "kubeconfig")
+
+        again = kubestrata("up", "--detach", "--state-dir", str(state_dir))
+        assert again.returncode == 1
+        assert "already running" in again.stderr and "kubestrata down" in again.stderr
+
+        unknown = kubestrata("kubeconfig", "--cluster", "nope", "--state-dir", str(state_dir))
+        assert unknown.returncode == 1 and "no cluster 'nope'" in unknown.stderr
+        processes = running_processes(state_dir)
+        assert {p.name for p in processes} == {
+            "etcd",
+            "kube-apiserver",
+            "kube-controller-manager",
+            "kube-scheduler",
+            "kwok",
+        }
+    finally:
+        down = kubestrata("down", "--state-dir", str(state_dir))
+    assert down.returncode == 0, down.stderr
+    assert "stopped 9 processes" in down.stdout
+    assert not state_dir.exists()
+    assert not any(p.alive() for p in processes)
+
+
+def test_foreground_up_stops_everything_on_ctrl_c(state_dir: Path) -> None:
+    up = subprocess.Popen(
+        [*KUBESTRATA, "up", "--lower", "1", "--nodes", "1", "--state-dir", str(state_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert up.stdout is not None
+        for line in up.stdout:
+            if "press Ctrl-C" in line:
+                break
+        else:
+            pytest.fail(f"up ended before it was ready: {up.stderr.read() if up.stderr else ''}")
+        processes = running_processes(state_dir)
+        assert len(processes) == 9
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+        assert not any(p.alive() for p in processes)
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
+def test_port_in_use_is_a_clear_error(tmp_path: Path, toolchain: Toolchain) -> None:
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        taken = blocker.getsockname()[1]
+        ports = Ports.allocate()
+        ports = Ports(
+            ports.etcd_client,
+            ports.etcd_peer,
+            taken,
+            ports.controller_manager,
+            ports.scheduler,
+            ports.kwok,
+        )
+        cluster = LocalCluster(ClusterSpec("busy", "upper"), tmp_path, toolchain, ports=ports)
+        with pytest.raises(
+            ClusterError, match=f"port 127.0.0.1:{taken} for busy/kube-apiserver is in use"
+        ):
+            cluster.start()
+    assert not cluster.processes["etcd"].running(), "what had started is stopped again"
+
+
+def test_component_that_dies_at_start_is_reported_with_its_log(
+    tmp_path: Path, toolchain: Toolchain
+) -> None:
+    cluster = LocalCluster(ClusterSpec("broken", "upper"), tmp_path, toolchain)
+    # etcd refuses a data directory it cannot create.
+    (tmp_path / "etcd").write_text("a file where etcd wants a directory")
+    with pytest.raises(Exception, match=r"(?s)etcd exited with code \d+ while starting.*etcd\.log"):
+        cluster.start(timeout=30)

@@ -1,0 +1,54 @@
+from fractions import Fraction
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kubekit.quantity import QuantityError, format_quantity, parse_quantity
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("1", 1),
+        ("100m", Fraction(1, 10)),
+        ("1.5", Fraction(3, 2)),
+        ("2Gi", 2 * 2**30),
+        ("1k", 1000),
+        ("1M", 10**6),
+        ("1e3", 1000),
+        ("5E-3", Fraction(5, 1000)),
+        ("0.5Ki", 512),
+        ("250u", Fraction(250, 10**6)),
+        (".5", Fraction(1, 2)),
+        ("3", 3),
+    ],
+)
+def test_parse(text: str, value: Fraction | int) -> None:
+    assert parse_quantity(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "abc", "1Xi", "1.2.3", "--1", "1 Gi"])
+def test_parse_rejects_garbage(text: str) -> None:
+    with pytest.raises(QuantityError):
+        parse_quantity(text)
+
+
+def test_format() -> None:
+    assert format_quantity(Fraction(3, 2), "cpu") == "1500m"
+    assert format_quantity(Fraction(8), "cpu") == "8"
+    assert format_quantity(Fraction(64 * 2**30), "memory") == "64Gi"
+    assert format_quantity(Fraction(1000), "memory") == "1000"
+    assert format_quantity(Fraction(1, 3000), "cpu") == "1m"
+    with pytest.raises(QuantityError):
+        format_quantity(Fraction(-1), "cpu")
+
+
+@given(st.integers(min_value=0, max_value=10**15), st.sampled_from(["cpu", "memory", "pods"]))
+def test_format_then_parse_is_identity_for_whole_numbers(value: int, resource: str) -> None:
+    assert parse_quantity(format_quantity(Fraction(value), resource)) == value
+
+
+@given(st.integers(min_value=0, max_value=10**9))
+def test_milli_values_survive_a_round_trip(milli: int) -> None:
+    assert parse_quantity(format_quantity(Fraction(milli, 1000), "cpu")) == Fraction(milli, 1000)
