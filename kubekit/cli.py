@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import shutil
 import signal
 import sys
@@ -50,6 +51,9 @@ def _non_negative(value: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kubestrata", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, package in COMPONENTS.items():
+        # Listed for --help; their own parsers take over in main().
+        commands.add_parser(name, help=f"run the {package} component (see `{name} --help`)")
 
     up = commands.add_parser("up", help="start a local federation: 1 upper + N lower clusters")
     _add_state_dir(up)
@@ -140,6 +144,15 @@ def _kubeconfig(args: argparse.Namespace) -> int:
     return 0
 
 
+# Each component is a package of its own with `main(argv) -> exit code`, imported only
+# when called so `kubestrata up` does not load every component.
+COMPONENTS = {
+    "virtual-node": "virtual_node",
+    "webhook": "webhook",
+    "descheduler": "descheduler",
+    "multischeduler": "multischeduler",
+}
+
 _HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "up": _up,
     "down": _down,
@@ -148,6 +161,12 @@ _HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in COMPONENTS:
+        component: Callable[[Sequence[str]], int] = importlib.import_module(
+            COMPONENTS[argv[0]]
+        ).main
+        return component(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return _HANDLERS[args.command](args)

@@ -1,0 +1,32 @@
+"""Every label, annotation, taint and finalizer key kubestrata reads or writes."""
+
+from __future__ import annotations
+
+PREFIX = "kubestrata.io"
+
+# On virtual Nodes: which lower cluster a Node stands for. Also what the webhook keeps on
+# pods and the schedulers select on.
+CLUSTER_ID_LABEL = f"{PREFIX}/cluster-id"
+NODE_TYPE_LABEL = "type"
+NODE_TYPE_VIRTUAL = "virtual-kubelet"
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+OS_LABEL = "kubernetes.io/os"
+ARCH_LABEL = "kubernetes.io/arch"
+
+# The taint that keeps ordinary pods and DaemonSets off virtual Nodes; federated pods
+# get its toleration from the webhook.
+PROVIDER_TAINT_KEY = "virtual-kubelet.io/provider"
+PROVIDER_TAINT_VALUE = "kubestrata"
+
+# On every lower object kubestrata creates: who made it. MANAGED_BY marks it as ours;
+# ORIGIN names the upper cluster (the UID of its kube-system namespace), so lower
+# clusters shared by several upper clusters keep their objects apart.
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MANAGED_BY_VALUE = "kubestrata"
+ORIGIN_LABEL = f"{PREFIX}/origin"
+VIRTUAL_NODE_LABEL = f"{PREFIX}/virtual-node"
+UPPER_UID_ANNOTATION = f"{PREFIX}/upper-uid"
+UPPER_NAMESPACE_ANNOTATION = f"{PREFIX}/upper-namespace"
+
+# The webhook's stash of scheduling fields on federated pods (kubekit.stash).
+STASH_ANNOTATION = f"{PREFIX}/scheduling-stash"

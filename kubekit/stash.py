@@ -1,0 +1,200 @@
+"""The scheduling stash: which scheduling fields of a federated pod the upper scheduler
+sees, and how the lower cluster gets the originals back (pure functions).
+
+The webhook calls ``stash_scheduling``: every scheduling field it changes is recorded
+whole, as it was, in one versioned JSON annotation, and the pod keeps only the parts that
+speak about clusters (keys the virtual nodes carry: the cluster-id label, the region,
+keys configured as "keep"). The virtual node calls ``restore_scheduling``, which puts the
+recorded originals back: restore(stash(pod)) is the original pod, and stashing a pod
+that carries a stash changes nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from kubekit import keys
+
+JSON = dict[str, Any]
+
+VERSION = 1
+FIELDS = ("nodeSelector", "affinity", "tolerations", "topologySpreadConstraints")
+DEFAULT_KEEP_KEYS = frozenset({keys.CLUSTER_ID_LABEL, "topology.kubernetes.io/region"})
+# Taints the upper cluster puts on virtual nodes; tolerations for them matter above.
+UPPER_TAINT_KEYS = frozenset(
+    {
+        keys.PROVIDER_TAINT_KEY,
+        "node.kubernetes.io/not-ready",
+        "node.kubernetes.io/unreachable",
+        "node.kubernetes.io/unschedulable",
+    }
+)
+PROVIDER_TOLERATION: JSON = {
+    "key": keys.PROVIDER_TAINT_KEY,
+    "operator": "Equal",
+    "value": keys.PROVIDER_TAINT_VALUE,
+    "effect": "NoSchedule",
+}
+
+
+class StashError(ValueError):
+    """A stash annotation that cannot be read."""
+
+
+def encode(originals: Mapping[str, Any]) -> str:
+    return json.dumps(
+        {"version": VERSION, "originals": originals}, sort_keys=True, separators=(",", ":")
+    )
+
+
+def decode(text: str) -> JSON:
+    try:
+        payload = json.loads(text)
+    except ValueError as error:
+        raise StashError(f"not JSON: {error}") from error
+    version = payload.get("version") if isinstance(payload, dict) else None
+    if version != VERSION:
+        raise StashError(f"unknown stash version {version!r} (this kubestrata reads {VERSION})")
+    originals = payload.get("originals")
+    if not isinstance(originals, dict) or not set(originals) <= set(FIELDS):
+        raise StashError(f"originals must be an object with keys among {', '.join(FIELDS)}")
+    return originals
+
+
+def _project_node_selector(selector: Mapping[str, str], keep: Collection[str]) -> JSON | None:
+    kept = {k: v for k, v in selector.items() if k in keep}
+    return kept or None
+
+
+def _project_term(term: Mapping[str, Any], keep: Collection[str]) -> JSON:
+    expressions = [e for e in term.get("matchExpressions") or [] if e.get("key") in keep]
+    return {"matchExpressions": expressions} if expressions else {}
+
+
+def _project_node_affinity(node_affinity: Mapping[str, Any], keep: Collection[str]) -> JSON:
+    projected: JSON = {}
+    required = node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution")
+    if required:
+        terms = [_project_term(t, keep) for t in required.get("nodeSelectorTerms") or []]
+        # Terms are ORed: one with no cluster-level part lets every cluster through.
+        if terms and all(terms):
+            projected["requiredDuringSchedulingIgnoredDuringExecution"] = {
+                "nodeSelectorTerms": terms
+            }
+    preferred = []
+    for entry in node_affinity.get("preferredDuringSchedulingIgnoredDuringExecution") or []:
+        term = _project_term(entry.get("preference") or {}, keep)
+        if term:
+            preferred.append({"weight": entry["weight"], "preference": term})
+    if preferred:
+        projected["preferredDuringSchedulingIgnoredDuringExecution"] = preferred
+    return projected
+
+
+def _project_pod_affinity(pod_affinity: Mapping[str, Any], keep: Collection[str]) -> JSON:
+    projected: JSON = {}
+    required = [
+        t
+        for t in pod_affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or []
+        if t.get("topologyKey") in keep
+    ]
+    if required:
+        projected["requiredDuringSchedulingIgnoredDuringExecution"] = required
+    preferred = [
+        t
+        for t in pod_affinity.get("preferredDuringSchedulingIgnoredDuringExecution") or []
+        if (t.get("podAffinityTerm") or {}).get("topologyKey") in keep
+    ]
+    if preferred:
+        projected["preferredDuringSchedulingIgnoredDuringExecution"] = preferred
+    return projected
+
+
+def _project_affinity(affinity: Mapping[str, Any], keep: Collection[str]) -> JSON | None:
+    projected: JSON = {}
+    if affinity.get("nodeAffinity"):
+        node = _project_node_affinity(affinity["nodeAffinity"], keep)
+        if node:
+            projected["nodeAffinity"] = node
+    for kind in ("podAffinity", "podAntiAffinity"):
+        if affinity.get(kind):
+            pod = _project_pod_affinity(affinity[kind], keep)
+            if pod:
+                projected[kind] = pod
+    return projected or None
+
+
+def _project_tolerations(tolerations: list[JSON]) -> list[JSON]:
+    kept = [t for t in tolerations if t.get("key") in UPPER_TAINT_KEYS]
+    if not any(_tolerates_provider_taint(t) for t in kept):
+        kept.append(dict(PROVIDER_TOLERATION))
+    return kept
+
+
+def _tolerates_provider_taint(toleration: Mapping[str, Any]) -> bool:
+    if toleration.get("key") != keys.PROVIDER_TAINT_KEY:
+        return False
+    if toleration.get("effect") not in (None, "", "NoSchedule"):
+        return False
+    return (
+        toleration.get("operator") == "Exists"
+        or toleration.get("value") == keys.PROVIDER_TAINT_VALUE
+    )
+
+
+def _project_spread(constraints: list[JSON], keep: Collection[str]) -> list[JSON] | None:
+    kept = [c for c in constraints if c.get("topologyKey") in keep]
+    return kept or None
+
+
+def upper_view(spec: Mapping[str, Any], keep: Collection[str] = DEFAULT_KEEP_KEYS) -> JSON:
+    """The scheduling fields as the upper scheduler should see them (None: absent)."""
+    return {
+        "nodeSelector": _project_node_selector(spec.get("nodeSelector") or {}, keep),
+        "affinity": _project_affinity(spec.get("affinity") or {}, keep),
+        "tolerations": _project_tolerations(list(spec.get("tolerations") or [])),
+        "topologySpreadConstraints": _project_spread(
+            list(spec.get("topologySpreadConstraints") or []), keep
+        ),
+    }
+
+
+def stash_scheduling(
+    spec: Mapping[str, Any],
+    annotations: Mapping[str, str],
+    keep: Collection[str] = DEFAULT_KEEP_KEYS,
+) -> tuple[JSON, dict[str, str]]:
+    """The pod spec the upper scheduler should see and the annotations that carry the
+    originals. A pod that already carries a stash is returned unchanged."""
+    if keys.STASH_ANNOTATION in annotations:
+        return copy.deepcopy(dict(spec)), dict(annotations)
+    new_spec: JSON = copy.deepcopy(dict(spec))
+    originals: JSON = {}
+    for field, value in upper_view(spec, keep).items():
+        if spec.get(field) == value or (value is None and field not in spec):
+            continue
+        originals[field] = copy.deepcopy(spec.get(field))
+        if value is None:
+            new_spec.pop(field, None)
+        else:
+            new_spec[field] = value
+    new_annotations = dict(annotations)
+    if originals:
+        new_annotations[keys.STASH_ANNOTATION] = encode(originals)
+    return new_spec, new_annotations
+
+
+def restore_scheduling(spec: Mapping[str, Any], stash: str | None) -> JSON:
+    """The pod spec with its stashed scheduling fields back as they were."""
+    restored: JSON = copy.deepcopy(dict(spec))
+    if stash is None:
+        return restored
+    for field, value in decode(stash).items():
+        if value is None:
+            restored.pop(field, None)
+        else:
+            restored[field] = copy.deepcopy(value)
+    return restored

@@ -1,0 +1,102 @@
+from fractions import Fraction
+from collections.abc import Mapping
+from typing import Any
+
+from virtual_node.capacity import as_resource_list, free_capacity, pod_requests
+
+
+def node(
+    name: str, ready: bool = True, unschedulable: bool = False, **allocatable: str
+) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name},
+        "spec": {"unschedulable": unschedulable},
+        "status": {
+            "allocatable": allocatable,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+def container(name: str, **requests: str) -> dict[str, Any]:
+    return {"name": name, "resources": {"requests": requests}}
+
+
+def pod(
+    node_name: str | None,
+    *containers: dict[str, Any],
+    phase: str = "Running",
+    mirrored: bool = False,
+    **spec: Any,
+) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "p", "labels": {"mirrored": "yes"} if mirrored else {}},
+        "spec": {"nodeName": node_name, "containers": list(containers), **spec},
+        "status": {"phase": phase},
+    }
+
+
+def is_mirrored(p: Mapping[str, Any]) -> bool:
+    return bool(p["metadata"]["labels"].get("mirrored") == "yes")
+
+
+def test_requests_sum_containers_take_init_peak_and_add_overhead() -> None:
+    requests = pod_requests(
+        pod(
+            "n",
+            container("a", cpu="100m", memory="1Gi"),
+            container("b", cpu="200m"),
+            initContainers=[container("init", cpu="1", memory="512Mi")],
+            overhead={"cpu": "50m"},
+        )
+    )
+    assert requests == {"cpu": Fraction(1) + Fraction(50, 1000), "memory": 2**30, "pods": 1}
+
+
+def test_sidecars_run_beside_later_init_containers_and_the_app() -> None:
+    sidecar = {**container("proxy", cpu="100m"), "restartPolicy": "Always"}
+    requests = pod_requests(
+        pod(
+            "n",
+            container("app", cpu="200m"),
+            initContainers=[sidecar, container("migrate", cpu="500m")],
+        )
+    )
+    # max(app 200m + sidecar 100m, init 500m + sidecar 100m)
+    assert requests["cpu"] == Fraction(600, 1000)
+
+
+def test_limits_stand_in_for_missing_requests() -> None:
+    assert pod_requests(pod("n", {"name": "a", "resources": {"limits": {"cpu": "2"}}}))["cpu"] == 2
+
+
+def test_free_capacity_counts_usable_nodes_and_foreign_pods_only() -> None:
+    nodes = [
+        node("a", cpu="8", memory="32Gi", pods="110", **{"example.com/gpu": "2"}),
+        node("b", cpu="8", memory="32Gi", pods="110"),
+        node("not-ready", ready=False, cpu="100", pods="110"),
+        node("cordoned", unschedulable=True, cpu="100", pods="110"),
+    ]
+    pods = [
+        pod("a", container("x", cpu="3", memory="4Gi", **{"example.com/gpu": "1"})),
+        pod("b", container("mirrored", cpu="5"), mirrored=True),
+        pod("b", container("done", cpu="5"), phase="Succeeded"),
+        pod("not-ready", container("elsewhere", cpu="5")),
+        pod(None, container("pending", cpu="5"), phase="Pending"),
+    ]
+    free = free_capacity(nodes, pods, is_mirrored)
+    assert as_resource_list(free) == {
+        "cpu": "13",
+        "example.com/gpu": "1",
+        "memory": "60Gi",
+        "pods": "219",
+    }
+
+
+def test_free_capacity_never_goes_negative() -> None:
+    free = free_capacity(
+        [node("a", cpu="1", pods="1")],
+        [pod("a", container("x", cpu="4")), pod("a", container("y", cpu="4"))],
+        is_mirrored,
+    )
+    assert free == {"cpu": 0, "pods": 0}

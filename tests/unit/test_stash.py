@@ -1,0 +1,165 @@
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kubekit import keys
+from kubekit.stash import PROVIDER_TOLERATION, StashError, restore_scheduling, stash_scheduling
+
+label_keys = st.sampled_from(
+    [
+        keys.CLUSTER_ID_LABEL,
+        "topology.kubernetes.io/region",
+        "topology.kubernetes.io/zone",
+        "disk",
+        "kubernetes.io/hostname",
+        "gpu",
+    ]
+)
+values = st.text("abcdef0123", min_size=1, max_size=4)
+expressions = st.lists(
+    st.fixed_dictionaries(
+        {
+            "key": label_keys,
+            "operator": st.just("In"),
+            "values": st.lists(values, min_size=1, max_size=2),
+        }
+    ),
+    max_size=3,
+)
+terms = st.fixed_dictionaries({"matchExpressions": expressions})
+node_affinity = st.fixed_dictionaries(
+    {},
+    optional={
+        "requiredDuringSchedulingIgnoredDuringExecution": st.fixed_dictionaries(
+            {"nodeSelectorTerms": st.lists(terms, min_size=1, max_size=3)}
+        ),
+        "preferredDuringSchedulingIgnoredDuringExecution": st.lists(
+            st.fixed_dictionaries({"weight": st.integers(1, 100), "preference": terms}), max_size=2
+        ),
+    },
+)
+pod_term = st.fixed_dictionaries(
+    {
+        "topologyKey": label_keys,
+        "labelSelector": st.fixed_dictionaries(
+            {"matchLabels": st.dictionaries(values, values, max_size=1)}
+        ),
+    }
+)
+pod_affinity = st.fixed_dictionaries(
+    {},
+    optional={
+        "requiredDuringSchedulingIgnoredDuringExecution": st.lists(pod_term, max_size=2),
+        "preferredDuringSchedulingIgnoredDuringExecution": st.lists(
+            st.fixed_dictionaries({"weight": st.integers(1, 100), "podAffinityTerm": pod_term}),
+            max_size=2,
+        ),
+    },
+)
+tolerations = st.lists(
+    st.fixed_dictionaries(
+        {
+            "key": st.sampled_from(
+                [keys.PROVIDER_TAINT_KEY, "node.kubernetes.io/not-ready", "dedicated", "gpu"]
+            ),
+            "operator": st.sampled_from(["Exists", "Equal"]),
+        },
+        optional={"effect": st.sampled_from(["NoSchedule", "NoExecute"]), "value": values},
+    ),
+    max_size=4,
+)
+spread = st.lists(
+    st.fixed_dictionaries(
+        {
+            "maxSkew": st.integers(1, 3),
+            "topologyKey": label_keys,
+            "whenUnsatisfiable": st.sampled_from(["DoNotSchedule", "ScheduleAnyway"]),
+        }
+    ),
+    max_size=2,
+)
+specs = st.fixed_dictionaries(
+    {"containers": st.just([{"name": "c", "image": "i"}])},
+    optional={
+        "nodeSelector": st.dictionaries(label_keys, values, max_size=3),
+        "affinity": st.fixed_dictionaries(
+            {},
+            optional={
+                "nodeAffinity": node_affinity,
+                "podAffinity": pod_affinity,
+                "podAntiAffinity": pod_affinity,
+            },
+        ),
+        "tolerations": tolerations,
+        "topologySpreadConstraints": spread,
+    },
+)
+
+
+@given(specs)
+def test_restore_of_stash_is_the_original(spec: dict[str, Any]) -> None:
+    stashed, annotations = stash_scheduling(spec, {"other": "kept"})
+    assert annotations["other"] == "kept"
+    assert restore_scheduling(stashed, annotations.get(keys.STASH_ANNOTATION)) == spec
+
+
+@given(specs)
+def test_stashing_twice_changes_nothing(spec: dict[str, Any]) -> None:
+    once = stash_scheduling(spec, {})
+    assert stash_scheduling(*once) == once
+
+
+@given(specs)
+def test_upper_view_only_speaks_of_cluster_level_keys(spec: dict[str, Any]) -> None:
+    stashed, _ = stash_scheduling(spec, {})
+    kept = {keys.CLUSTER_ID_LABEL, "topology.kubernetes.io/region"}
+    assert set(stashed.get("nodeSelector") or {}) <= kept
+    for constraint in stashed.get("topologySpreadConstraints") or []:
+        assert constraint["topologyKey"] in kept
+    assert PROVIDER_TOLERATION in stashed["tolerations"] or any(
+        t.get("key") == keys.PROVIDER_TAINT_KEY
+        and t.get("operator") == "Exists"
+        and t.get("effect") in (None, "NoSchedule")
+        for t in stashed["tolerations"]
+    )
+    node_affinity = (stashed.get("affinity") or {}).get("nodeAffinity") or {}
+    for term in (node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {}).get(
+        "nodeSelectorTerms", []
+    ):
+        assert term["matchExpressions"] and all(e["key"] in kept for e in term["matchExpressions"])
+
+
+def test_required_affinity_with_an_unconstrained_branch_is_dropped_above() -> None:
+    spec = {
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchExpressions": [
+                                {"key": "disk", "operator": "In", "values": ["ssd"]}
+                            ]
+                        },
+                        {
+                            "matchExpressions": [
+                                {"key": keys.CLUSTER_ID_LABEL, "operator": "In", "values": ["a"]}
+                            ]
+                        },
+                    ]
+                }
+            }
+        }
+    }
+    stashed, _ = stash_scheduling(spec, {})
+    assert "affinity" not in stashed
+
+
+def test_unreadable_stash_is_an_error() -> None:
+    with pytest.raises(StashError, match="not JSON"):
+        restore_scheduling({}, "{")
+    with pytest.raises(StashError, match="unknown stash version 7"):
+        restore_scheduling({}, '{"version": 7, "originals": {}}')
+    with pytest.raises(StashError, match="keys among"):
+        restore_scheduling({}, '{"version": 1, "originals": {"containers": []}}')

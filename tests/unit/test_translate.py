@@ -1,0 +1,167 @@
+import copy
+from typing import Any
+
+import pytest
+
+from kubekit import keys
+from kubekit.stash import stash_scheduling
+from virtual_node.naming import NamespaceMapping, NamingError
+from virtual_node.translate import (
+    Ownership,
+    TranslationError,
+    desired_lower_pod,
+    lower_pod_patch,
+    upper_status,
+)
+
+OWNER = Ownership(origin="upper-uid-0", node_name="vk-lower-1")
+
+
+def upper_pod(**spec: Any) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": "web-1",
+            "namespace": "shop",
+            "uid": "u-1",
+            "resourceVersion": "42",
+            "labels": {"app": "web"},
+            "annotations": {"note": "x"},
+            "ownerReferences": [{"kind": "ReplicaSet", "name": "web", "uid": "rs"}],
+        },
+        "spec": {
+            "nodeName": "vk-lower-1",
+            "priority": 0,
+            "schedulerName": "default-scheduler",
+            "serviceAccountName": "default",
+            "containers": [
+                {
+                    "name": "app",
+                    "image": "nginx:1",
+                    "volumeMounts": [
+                        {
+                            "name": "kube-api-access-abcde",
+                            "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount",
+                        },
+                        {"name": "data", "mountPath": "/data"},
+                    ],
+                }
+            ],
+            "volumes": [
+                {
+                    "name": "kube-api-access-abcde",
+                    "projected": {"sources": [{"serviceAccountToken": {"path": "token"}}]},
+                },
+                {"name": "data", "emptyDir": {}},
+            ],
+            **spec,
+        },
+        "status": {"phase": "Pending"},
+    }
+
+
+def test_lower_pod_is_stripped_and_owned() -> None:
+    lower = desired_lower_pod(upper_pod(), NamespaceMapping(), OWNER)
+    metadata = lower["metadata"]
+    assert set(metadata) == {"name", "namespace", "labels", "annotations"}
+    assert (metadata["name"], metadata["namespace"]) == ("web-1", "shop")
+    assert metadata["labels"] == {"app": "web", **OWNER.labels()}
+    assert metadata["annotations"] == {
+        "note": "x",
+        keys.UPPER_UID_ANNOTATION: "u-1",
+        keys.UPPER_NAMESPACE_ANNOTATION: "shop",
+    }
+    spec = lower["spec"]
+    for stripped in ("nodeName", "priority", "schedulerName"):
+        assert stripped not in spec
+    assert spec["volumes"] == [{"name": "data", "emptyDir": {}}]
+    assert spec["containers"][0]["volumeMounts"] == [{"name": "data", "mountPath": "/data"}]
+    assert "status" not in lower
+    assert OWNER.owns(lower)
+
+
+def test_upper_pod_is_not_modified() -> None:
+    pod = upper_pod()
+    before = copy.deepcopy(pod)
+    desired_lower_pod(pod, NamespaceMapping(), OWNER)
+    assert pod == before
+
+
+def test_stashed_scheduling_fields_are_restored_below() -> None:
+    original = {
+        "nodeSelector": {"disk": "ssd", keys.CLUSTER_ID_LABEL: "lower-1"},
+        "tolerations": [{"key": "dedicated", "operator": "Exists"}],
+        "topologySpreadConstraints": [
+            {
+                "maxSkew": 1,
+                "topologyKey": "topology.kubernetes.io/zone",
+                "whenUnsatisfiable": "DoNotSchedule",
+                "labelSelector": {"matchLabels": {"app": "web"}},
+            }
+        ],
+    }
+    pod = upper_pod(**original)
+    spec, annotations = stash_scheduling(pod["spec"], pod["metadata"]["annotations"])
+    pod["spec"], pod["metadata"]["annotations"] = spec, annotations
+    assert pod["spec"]["nodeSelector"] == {keys.CLUSTER_ID_LABEL: "lower-1"}
+    lower = desired_lower_pod(pod, NamespaceMapping(), OWNER)
+    assert lower["spec"]["nodeSelector"] == {"disk": "ssd"}, (
+        "the cluster-id key means nothing below"
+    )
+    assert lower["spec"]["tolerations"] == original["tolerations"]
+    assert lower["spec"]["topologySpreadConstraints"] == original["topologySpreadConstraints"]
+    assert keys.STASH_ANNOTATION not in lower["metadata"]["annotations"]
+
+
+def test_broken_stash_is_a_translation_error() -> None:
+    pod = upper_pod()
+    pod["metadata"]["annotations"][keys.STASH_ANNOTATION] = "{not json"
+    with pytest.raises(TranslationError, match="scheduling-stash"):
+        desired_lower_pod(pod, NamespaceMapping(), OWNER)
+
+
+def test_prefix_namespace_strategy() -> None:
+    mapping = NamespaceMapping("prefix", "east")
+    assert desired_lower_pod(upper_pod(), mapping, OWNER)["metadata"]["namespace"] == "east-shop"
+    assert mapping.upper("east-shop") == "shop"
+    assert mapping.upper("other") is None
+    with pytest.raises(NamingError, match="longer than 63"):
+        mapping.lower("n" * 60)
+    with pytest.raises(NamingError, match="needs a prefix"):
+        NamespaceMapping("prefix", "")
+
+
+def test_patch_pushes_down_mutable_fields_only() -> None:
+    current = desired_lower_pod(upper_pod(), NamespaceMapping(), OWNER)
+    assert lower_pod_patch(current, current) is None
+    changed = upper_pod(activeDeadlineSeconds=30, tolerations=[{"key": "a", "operator": "Exists"}])
+    changed["metadata"]["labels"] = {"app": "web", "tier": "front"}
+    changed["metadata"]["annotations"] = {}
+    changed["spec"]["containers"][0]["image"] = "nginx:2"
+    patch = lower_pod_patch(current, desired_lower_pod(changed, NamespaceMapping(), OWNER))
+    assert patch == {
+        "metadata": {"labels": {"tier": "front"}, "annotations": {"note": None}},
+        "spec": {
+            "containers": [{"name": "app", "image": "nginx:2"}],
+            "activeDeadlineSeconds": 30,
+            "tolerations": [{"key": "a", "operator": "Exists"}],
+        },
+    }
+
+
+def test_status_comes_up_with_the_virtual_node_as_host() -> None:
+    lower = {
+        "status": {
+            "phase": "Running",
+            "podIP": "10.240.0.7",
+            "podIPs": [{"ip": "10.240.0.7"}],
+            "hostIP": "192.168.1.5",
+            "startTime": "2026-01-01T00:00:00Z",
+            "conditions": [{"type": "Ready", "status": "True"}],
+            "containerStatuses": [{"name": "app", "ready": True}],
+        }
+    }
+    status = upper_status(lower, upper_pod(), host_ip="127.0.0.2")
+    assert status["phase"] == "Running"
+    assert status["podIP"] == "10.240.0.7"
+    assert status["hostIP"] == "127.0.0.2"
+    assert status["containerStatuses"] == [{"name": "app", "ready": True}]

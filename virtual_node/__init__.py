@@ -1,0 +1,1 @@
+"""kubestrata virtual node: one lower cluster as one Node of the upper cluster."""

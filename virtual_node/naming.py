@@ -1,0 +1,45 @@
+"""Where an upper object lives in the lower cluster (pure)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Strategy = Literal["same", "prefix"]
+
+_MAX_NAMESPACE = 63
+
+
+class NamingError(ValueError):
+    """An upper name that has no valid lower counterpart."""
+
+
+@dataclass(frozen=True)
+class NamespaceMapping:
+    """``same``: a namespace keeps its name below. ``prefix``: ``<prefix>-<namespace>``,
+    for lower clusters that several upper clusters share."""
+
+    strategy: Strategy = "same"
+    prefix: str = ""
+
+    def __post_init__(self) -> None:
+        if self.strategy == "prefix" and not self.prefix:
+            raise NamingError("the prefix namespace strategy needs a prefix")
+
+    def lower(self, upper_namespace: str) -> str:
+        if self.strategy == "same":
+            return upper_namespace
+        name = f"{self.prefix}-{upper_namespace}"
+        if len(name) > _MAX_NAMESPACE:
+            raise NamingError(
+                f"namespace {upper_namespace!r} with prefix {self.prefix!r} is longer than "
+                f"{_MAX_NAMESPACE} characters below"
+            )
+        return name
+
+    def upper(self, lower_namespace: str) -> str | None:
+        """The upper namespace of a lower one, or None if it is not one of ours."""
+        if self.strategy == "same":
+            return lower_namespace
+        head = f"{self.prefix}-"
+        return lower_namespace[len(head) :] if lower_namespace.startswith(head) else None

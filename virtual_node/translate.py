@@ -1,0 +1,222 @@
+"""The lower pod an upper pod should have, and the upper status a lower pod reports
+(pure functions: the pod controller only compares and converges)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kubekit import keys
+from kubekit.stash import StashError, restore_scheduling
+from virtual_node.naming import NamespaceMapping
+
+JSON = dict[str, Any]
+
+# Set by the upper apiserver's admission from the PriorityClass; the lower apiserver
+# computes its own and refuses a pod that brings a different one.
+_ADMISSION_COMPUTED = ("priority", "preemptionPolicy")
+# Never valid on create, or meaningful only to the upper cluster.
+_UPPER_ONLY = ("nodeName", "ephemeralContainers", "schedulerName", "schedulingGates")
+_STATUS_FIELDS = (
+    "phase",
+    "conditions",
+    "message",
+    "reason",
+    "podIP",
+    "podIPs",
+    "startTime",
+    "containerStatuses",
+    "initContainerStatuses",
+    "ephemeralContainerStatuses",
+    "resize",
+)
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """Who the lower objects belong to: this virtual node of this upper cluster."""
+
+    origin: str  # UID of the upper cluster's kube-system namespace
+    node_name: str
+
+    def labels(self) -> dict[str, str]:
+        return {
+            keys.MANAGED_BY_LABEL: keys.MANAGED_BY_VALUE,
+            keys.ORIGIN_LABEL: self.origin,
+            keys.VIRTUAL_NODE_LABEL: self.node_name,
+        }
+
+    def selector(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.labels().items())
+
+    def owns(self, lower: Mapping[str, Any]) -> bool:
+        labels = lower.get("metadata", {}).get("labels") or {}
+        return all(labels.get(k) == v for k, v in self.labels().items())
+
+
+class TranslationError(ValueError):
+    """The upper pod cannot be expressed in the lower cluster."""
+
+
+def _is_service_account_token_volume(volume: Mapping[str, Any]) -> bool:
+    sources = (volume.get("projected") or {}).get("sources") or []
+    return volume.get("name", "").startswith("kube-api-access-") and any(
+        "serviceAccountToken" in s for s in sources
+    )
+
+
+def desired_lower_pod(
+    upper: Mapping[str, Any], mapping: NamespaceMapping, owner: Ownership
+) -> JSON:
+    metadata = upper["metadata"]
+    spec: JSON = copy.deepcopy(upper["spec"])
+    for field in (*_UPPER_ONLY, *_ADMISSION_COMPUTED):
+        spec.pop(field, None)
+
+    # The upper cluster's token would not authenticate below; the lower apiserver mounts
+    # a token of the reflected service account instead.
+    token_volumes = {
+        v["name"] for v in spec.get("volumes") or [] if _is_service_account_token_volume(v)
+    }
+    if token_volumes:
+        spec["volumes"] = [v for v in spec["volumes"] if v["name"] not in token_volumes]
+        for kind in ("containers", "initContainers"):
+            for container in spec.get(kind) or []:
+                mounts = [
+                    m for m in container.get("volumeMounts") or [] if m["name"] not in token_volumes
+                ]
+                if mounts:
+                    container["volumeMounts"] = mounts
+                else:
+                    container.pop("volumeMounts", None)
+
+    annotations = dict(metadata.get("annotations") or {})
+    stash = annotations.pop(keys.STASH_ANNOTATION, None)
+    try:
+        spec = restore_scheduling(spec, stash)
+    except StashError as error:
+        raise TranslationError(f"annotation {keys.STASH_ANNOTATION}: {error}") from error
+    spec = _without_virtual_node_terms(spec)
+
+    annotations[keys.UPPER_UID_ANNOTATION] = metadata["uid"]
+    annotations[keys.UPPER_NAMESPACE_ANNOTATION] = metadata["namespace"]
+    labels = {**(metadata.get("labels") or {}), **owner.labels()}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": metadata["name"],
+            "namespace": mapping.lower(metadata["namespace"]),
+            "labels": labels,
+            "annotations": annotations,
+        },
+        "spec": spec,
+    }
+
+
+def _without_virtual_node_terms(spec: JSON) -> JSON:
+    """Drops what only the upper scheduler could satisfy: the toleration of the virtual
+    node's taint and selectors on keys that only virtual nodes carry."""
+    upper_only_keys = {keys.CLUSTER_ID_LABEL}
+    tolerations = [
+        t for t in spec.get("tolerations") or [] if t.get("key") != keys.PROVIDER_TAINT_KEY
+    ]
+    if tolerations:
+        spec["tolerations"] = tolerations
+    else:
+        spec.pop("tolerations", None)
+    selector = {
+        k: v for k, v in (spec.get("nodeSelector") or {}).items() if k not in upper_only_keys
+    }
+    if selector:
+        spec["nodeSelector"] = selector
+    else:
+        spec.pop("nodeSelector", None)
+    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    )
+    if required:
+        terms = []
+        for term in required.get("nodeSelectorTerms") or []:
+            expressions = [
+                e for e in term.get("matchExpressions") or [] if e.get("key") not in upper_only_keys
+            ]
+            kept = (
+                {**term, "matchExpressions": expressions}
+                if expressions
+                else {k: v for k, v in term.items() if k != "matchExpressions"}
+            )
+            if kept:
+                terms.append(kept)
+        node_affinity = spec["affinity"]["nodeAffinity"]
+        if terms:
+            required["nodeSelectorTerms"] = terms
+        else:
+            node_affinity.pop("requiredDuringSchedulingIgnoredDuringExecution")
+            if not node_affinity:
+                spec["affinity"].pop("nodeAffinity")
+                if not spec["affinity"]:
+                    spec.pop("affinity")
+    return spec
+
+
+def lower_pod_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> JSON | None:
+    """A strategic merge patch bringing the fields that may change on a running pod
+    (labels, annotations, images, activeDeadlineSeconds, tolerations) to the desired
+    values, or None when they already match."""
+    patch: JSON = {}
+    metadata: JSON = {}
+    for field in ("labels", "annotations"):
+        have = current["metadata"].get(field) or {}
+        want = desired["metadata"].get(field) or {}
+        change: JSON = {k: v for k, v in want.items() if have.get(k) != v}
+        change.update({k: None for k in have if k not in want})
+        if change:
+            metadata[field] = change
+    if metadata:
+        patch["metadata"] = metadata
+    spec: JSON = {}
+    for kind in ("containers", "initContainers"):
+        have_images = {c["name"]: c.get("image") for c in current["spec"].get(kind) or []}
+        changed = [
+            {"name": c["name"], "image": c.get("image")}
+            for c in desired["spec"].get(kind) or []
+            if c["name"] in have_images and have_images[c["name"]] != c.get("image")
+        ]
+        if changed:
+            spec[kind] = changed
+    deadline = desired["spec"].get("activeDeadlineSeconds")
+    if deadline is not None and deadline != current["spec"].get("activeDeadlineSeconds"):
+        spec["activeDeadlineSeconds"] = deadline
+    have_tolerations = current["spec"].get("tolerations") or []
+    missing = [t for t in desired["spec"].get("tolerations") or [] if t not in have_tolerations]
+    if missing:
+        # Tolerations may only be added to a running pod; the list is replaced whole.
+        spec["tolerations"] = have_tolerations + missing
+    if spec:
+        patch["spec"] = spec
+    return patch or None
+
+
+def upper_status(lower: Mapping[str, Any], upper: Mapping[str, Any], host_ip: str) -> JSON:
+    """The upper pod's status as the lower pod reports it; the host is the virtual node."""
+    status: JSON = {
+        k: copy.deepcopy(v)
+        for k, v in (upper.get("status") or {}).items()
+        if k not in _STATUS_FIELDS
+    }
+    lower_status = lower.get("status") or {}
+    for field in _STATUS_FIELDS:
+        if field in lower_status:
+            status[field] = copy.deepcopy(lower_status[field])
+    status["hostIP"] = host_ip
+    status["hostIPs"] = [{"ip": host_ip}]
+    return status
+
+
+def failed_status(upper: Mapping[str, Any], reason: str, message: str) -> JSON:
+    status: JSON = copy.deepcopy(upper.get("status") or {})
+    status.update({"phase": "Failed", "reason": reason, "message": message})
+    return status

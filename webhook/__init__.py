@@ -1,0 +1,12 @@
+"""kubestrata webhook (entry point: `kubestrata webhook`)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+
+def main(argv: Sequence[str]) -> int:
+    del argv
+    print("kubestrata webhook: not available yet in this version of kubestrata", file=sys.stderr)
+    return 2
