@@ -1,5 +1,5 @@
-from fractions import Fraction
 from collections.abc import Mapping
+from fractions import Fraction
 from typing import Any
 
 from virtual_node.capacity import as_resource_list, free_capacity, pod_requests
@@ -12,7 +12,7 @@ def node(
         "metadata": {"name": name},
         "spec": {"unschedulable": unschedulable},
         "status": {
-            "allocatable": allocatable,
+            "allocatable": {**allocatable, **(extended or {})},
             "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
         },
     }
@@ -72,7 +72,7 @@ def test_limits_stand_in_for_missing_requests() -> None:
 
 def test_free_capacity_counts_usable_nodes_and_foreign_pods_only() -> None:
     nodes = [
-        node("a", cpu="8", memory="32Gi", pods="110", **{"example.com/gpu": "2"}),
+        node("a", cpu="8", memory="32Gi", pods="110", extended={"example.com/gpu": "2"}),
         node("b", cpu="8", memory="32Gi", pods="110"),
         node("not-ready", ready=False, cpu="100", pods="110"),
         node("cordoned", unschedulable=True, cpu="100", pods="110"),
