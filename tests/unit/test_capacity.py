@@ -6,7 +6,12 @@ from virtual_node.capacity import as_resource_list, free_capacity, pod_requests
 
 
 def node(
-    name: str, ready: bool = True, unschedulable: bool = False, **allocatable: str
+    name: str,
+    *,
+    ready: bool = True,
+    unschedulable: bool = False,
+    extended: Mapping[str, str] | None = None,
+    **allocatable: str,
 ) -> dict[str, Any]:
     return {
         "metadata": {"name": name},
