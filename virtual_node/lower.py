@@ -1,0 +1,249 @@
+"""The lower cluster behind a virtual node: the backend of the node and pod controllers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from kubekit import keys
+from kubekit.client import NAMESPACES, PODS, ApiError, KubeClient, is_not_found
+from kubekit.informer import FunctionHandler, Informer
+from kubekit.workqueue import WorkQueue
+from virtual_node.capacity import as_resource_list, free_capacity
+from virtual_node.naming import NamespaceMapping, NamingError
+from virtual_node.node import NodeReport, shared_labels
+from virtual_node.podcontroller import FINISHED, Mirrored, Rejected, SyncResult, Vanished, Waiting
+from virtual_node.translate import (
+    Ownership,
+    TranslationError,
+    desired_lower_pod,
+    lower_pod_patch,
+    upper_status,
+)
+
+log = logging.getLogger(__name__)
+
+JSON = dict[str, Any]
+_SMP = "application/strategic-merge-patch+json"
+# Statuses of the lower apiserver that mean "this pod will never be accepted as is".
+_PERMANENT = frozenset({400, 403, 422})
+
+
+class LowerCluster:
+    """Implements NodeProvider (reachability, capacity, labels) and PodBackend (mirroring)
+    over one watch cache per kind of the lower cluster."""
+
+    def __init__(
+        self,
+        client: KubeClient,
+        pods: Informer,
+        nodes: Informer,
+        owner: Ownership,
+        mapping: NamespaceMapping,
+        host_ip: str,
+        cluster_id: str,
+    ) -> None:
+        self.client = client
+        self.pods = pods
+        self.nodes = nodes
+        self.owner = owner
+        self.mapping = mapping
+        self.host_ip = host_ip
+        self.cluster_id = cluster_id
+        self.version = ""
+        self.changed = asyncio.Event()
+        self._namespaces: set[str] = set()
+        mark = FunctionHandler.on_any(lambda _obj: self.changed.set())
+        pods.add_handler(mark)
+        nodes.add_handler(mark)
+
+    def watch_mirrored_pods(self, queue: WorkQueue[str]) -> None:
+        """Changes of our lower pods wake the upper pod's key."""
+
+        def enqueue(pod: JSON) -> None:
+            key = self.upper_key(pod)
+            if key is not None:
+                queue.add(key)
+
+        self.pods.add_handler(FunctionHandler.on_any(enqueue))
+
+    def upper_key(self, lower: Mapping[str, Any]) -> str | None:
+        if not self.owner.owns(lower):
+            return None
+        metadata = lower["metadata"]
+        namespace = (metadata.get("annotations") or {}).get(keys.UPPER_NAMESPACE_ANNOTATION)
+        return f"{namespace}/{metadata['name']}" if namespace else None
+
+    def lower_key(self, upper_key: str) -> str:
+        namespace, name = upper_key.split("/", 1)
+        return f"{self.mapping.lower(namespace)}/{name}"
+
+    # -- NodeProvider ----------------------------------------------------------------------
+
+    async def ping(self) -> bool:
+        try:
+            version = await self.client.request("GET", "/version", timeout=5)
+        except (TimeoutError, ApiError, OSError) as error:
+            log.debug("lower cluster %s: %s", self.cluster_id, error)
+            return False
+        self.version = str(version.get("gitVersion", ""))
+        return True
+
+    def report(self, reachable: bool) -> NodeReport:
+        nodes = list(self.nodes.items())
+        free = free_capacity(nodes, self.pods.items(), self.owner.owns)
+        return NodeReport(
+            ready=reachable,
+            allocatable=as_resource_list(free),
+            labels=shared_labels(nodes),
+            kubelet_version=self.version,
+        )
+
+    # -- PodBackend ------------------------------------------------------------------------
+
+    async def sync(self, upper: Mapping[str, Any]) -> SyncResult:
+        try:
+            desired = desired_lower_pod(upper, self.mapping, self.owner)
+        except (TranslationError, NamingError) as error:
+            return Rejected("TranslationFailed", str(error))
+        namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
+        lower = self.pods.get(f"{namespace}/{name}")
+        finished = (upper.get("status") or {}).get("phase") in FINISHED
+        if lower is None:
+            if finished:
+                return Waiting()  # never run again
+            if (upper.get("status") or {}).get("hostIP"):
+                # It ran below before; the cache may only lag behind our own create.
+                lower = await self._get_live(namespace, name)
+                if lower is None:
+                    return Vanished(
+                        f"pod {namespace}/{name} is gone from lower cluster {self.cluster_id}"
+                    )
+            else:
+                return await self._create(upper, desired)
+        if not self.owner.owns(lower):
+            return Rejected(
+                "NameConflict",
+                f"pod {namespace}/{name} already exists in lower cluster {self.cluster_id} "
+                "and was not created by this virtual node; it is left alone",
+            )
+        upper_uid = upper["metadata"]["uid"]
+        if (lower["metadata"].get("annotations") or {}).get(keys.UPPER_UID_ANNOTATION) != upper_uid:
+            # Left by an earlier upper pod of the same name: it goes before ours is made.
+            await self._delete_lower(lower, grace_period_seconds=0)
+            return Waiting()
+        patch = lower_pod_patch(lower, desired)
+        if patch is not None and not lower["metadata"].get("deletionTimestamp"):
+            try:
+                lower = await self.client.patch(PODS, name, patch, namespace, patch_type=_SMP)
+            except ApiError as error:
+                if error.status in _PERMANENT:
+                    log.warning(
+                        "update of lower pod %s/%s refused: %s", namespace, name, error.message
+                    )
+                else:
+                    raise
+        return Mirrored(upper_status(lower, upper, self.host_ip))
+
+    async def _create(self, upper: Mapping[str, Any], desired: JSON) -> SyncResult:
+        namespace = desired["metadata"]["namespace"]
+        await self._ensure_namespace(namespace)
+        try:
+            created = await self.client.create(PODS, desired, namespace)
+        except ApiError as error:
+            if error.status == 409:
+                raise  # exists after all: the next round sees it in the cache
+            if error.status in _PERMANENT:
+                return Rejected(
+                    "LowerClusterRejected",
+                    f"lower cluster {self.cluster_id} refused the pod: {error.message}",
+                )
+            raise
+        return Mirrored(upper_status(created, upper, self.host_ip))
+
+    async def _ensure_namespace(self, namespace: str) -> None:
+        if namespace in self._namespaces:
+            return
+        body = {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {
+                "name": namespace,
+                "labels": {
+                    keys.MANAGED_BY_LABEL: keys.MANAGED_BY_VALUE,
+                    keys.ORIGIN_LABEL: self.owner.origin,
+                },
+            },
+        }
+        try:
+            await self.client.create(NAMESPACES, body)
+        except ApiError as error:
+            if error.status != 409:
+                raise
+        self._namespaces.add(namespace)
+
+    async def _get_live(self, namespace: str, name: str) -> JSON | None:
+        try:
+            return await self.client.get(PODS, name, namespace)
+        except ApiError as error:
+            if is_not_found(error):
+                return None
+            raise
+
+    async def _delete_lower(
+        self, lower: Mapping[str, Any], grace_period_seconds: int | None
+    ) -> None:
+        metadata = lower["metadata"]
+        try:
+            await self.client.delete(
+                PODS,
+                metadata["name"],
+                metadata["namespace"],
+                grace_period_seconds=grace_period_seconds,
+                uid=metadata["uid"],
+            )
+        except ApiError as error:
+            if not (is_not_found(error) or error.status == 409):
+                raise
+
+    async def delete(self, upper: Mapping[str, Any]) -> bool:
+        metadata = upper["metadata"]
+        namespace = self.mapping.lower(metadata["namespace"])
+        lower = self.pods.get(f"{namespace}/{metadata['name']}") or await self._get_live(
+            namespace, metadata["name"]
+        )
+        if lower is None or not self.owner.owns(lower):
+            return True
+        if (lower["metadata"].get("annotations") or {}).get(keys.UPPER_UID_ANNOTATION) != metadata[
+            "uid"
+        ]:
+            return True  # not this pod's
+        if not lower["metadata"].get("deletionTimestamp"):
+            await self._delete_lower(lower, upper["metadata"].get("deletionGracePeriodSeconds"))
+        # Gone once the lower informer reports the delete, which wakes this key again.
+        return False
+
+    async def remove_orphan(self, upper_key: str) -> None:
+        try:
+            lower_key = self.lower_key(upper_key)
+        except NamingError:
+            return
+        lower = self.pods.get(lower_key)
+        if (
+            lower is not None
+            and self.owner.owns(lower)
+            and not lower["metadata"].get("deletionTimestamp")
+        ):
+            log.info("removing orphan lower pod %s", lower_key)
+            await self._delete_lower(lower, grace_period_seconds=None)
+
+    def orphan_keys(self, upper_keys: set[str]) -> list[str]:
+        """Upper keys of our lower pods whose upper pod does not exist."""
+        result = []
+        for pod in self.pods.items():
+            key = self.upper_key(pod)
+            if key is not None and key not in upper_keys:
+                result.append(key)
+        return result

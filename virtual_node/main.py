@@ -1,0 +1,213 @@
+"""`kubestrata virtual-node`: wires the controllers for one lower cluster."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import re
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+from aiohttp import web
+
+from kubekit.client import NAMESPACES, NODES, PODS, ClientSettings, KubeClient
+from kubekit.informer import InformerFactory
+from kubekit.workqueue import WorkQueue
+from virtual_node.lower import LowerCluster
+from virtual_node.naming import NamespaceMapping, Strategy
+from virtual_node.node import NodeIdentity
+from virtual_node.nodecontroller import NodeController
+from virtual_node.podcontroller import PodController
+from virtual_node.translate import Ownership
+
+log = logging.getLogger("virtual_node")
+
+ORPHAN_SWEEP_SECONDS = 60.0
+_CLUSTER_ID = re.compile(r"^[a-z0-9]([-a-z0-9]{0,51}[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class VirtualNodeConfig:
+    upper_kubeconfig: str
+    lower_kubeconfig: str
+    cluster_id: str
+    node_name: str = ""
+    taint: bool = True
+    address: str = "127.0.0.1"
+    kubelet_port: int = 10250
+    workers: int = 20
+    upper_qps: float = 200.0
+    upper_burst: int = 400
+    lower_qps: float = 200.0
+    lower_burst: int = 400
+    namespace_strategy: Strategy = "same"
+    namespace_prefix: str = ""
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if not _CLUSTER_ID.match(self.cluster_id):
+            raise ValueError(
+                f"cluster id {self.cluster_id!r} must be a DNS label of at most 53 characters "
+                "(lowercase letters, digits, '-')"
+            )
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, not {self.workers}")
+        if not 0 < self.kubelet_port < 65536:
+            raise ValueError(f"kubelet port {self.kubelet_port} is not a TCP port")
+        NamespaceMapping(self.namespace_strategy, self.namespace_prefix)  # validates
+
+    @property
+    def name(self) -> str:
+        return self.node_name or f"vk-{self.cluster_id}"
+
+
+def parse_args(argv: Sequence[str]) -> VirtualNodeConfig:
+    parser = argparse.ArgumentParser(
+        prog="kubestrata virtual-node",
+        description="Make a lower cluster appear as one Node of an upper cluster.",
+    )
+    parser.add_argument(
+        "--config", type=Path, help="YAML file with any of the options below (snake_case keys)"
+    )
+    parser.add_argument("--upper-kubeconfig")
+    parser.add_argument("--lower-kubeconfig")
+    parser.add_argument("--cluster-id")
+    parser.add_argument("--node-name", help="default vk-<cluster-id>")
+    parser.add_argument(
+        "--no-taint",
+        dest="taint",
+        action="store_const",
+        const=False,
+        help="do not taint the Node with virtual-kubelet.io/provider",
+    )
+    parser.add_argument("--address", help="address the upper apiserver reaches the kubelet API at")
+    parser.add_argument("--kubelet-port", type=int)
+    parser.add_argument("--workers", type=int)
+    parser.add_argument("--upper-qps", type=float)
+    parser.add_argument("--upper-burst", type=int)
+    parser.add_argument("--lower-qps", type=float)
+    parser.add_argument("--lower-burst", type=int)
+    parser.add_argument("--namespace-strategy", choices=["same", "prefix"])
+    parser.add_argument("--namespace-prefix")
+    parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    args = parser.parse_args(argv)
+    values: dict[str, Any] = {}
+    if args.config:
+        loaded = yaml.safe_load(args.config.read_text()) or {}
+        known = {f.name for f in fields(VirtualNodeConfig)}
+        unknown = set(loaded) - known
+        if unknown:
+            parser.error(f"{args.config}: unknown keys {', '.join(sorted(unknown))}")
+        values.update(loaded)
+    values.update({k: v for k, v in vars(args).items() if k != "config" and v is not None})
+    missing = [
+        k for k in ("upper_kubeconfig", "lower_kubeconfig", "cluster_id") if not values.get(k)
+    ]
+    if missing:
+        parser.error("missing " + ", ".join("--" + m.replace("_", "-") for m in missing))
+    try:
+        return VirtualNodeConfig(**values)
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
+
+
+async def _healthz(_request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+async def serve_kubelet_api(config: VirtualNodeConfig) -> web.AppRunner:
+    app = web.Application()
+    app.router.add_get("/healthz", _healthz)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, config.address, config.kubelet_port).start()
+    return runner
+
+
+async def run(config: VirtualNodeConfig) -> None:
+    upper = await KubeClient.connect(
+        ClientSettings(config.upper_kubeconfig, qps=config.upper_qps, burst=config.upper_burst)
+    )
+    lower = await KubeClient.connect(
+        ClientSettings(config.lower_kubeconfig, qps=config.lower_qps, burst=config.lower_burst)
+    )
+    upper_informers = InformerFactory(upper)
+    lower_informers = InformerFactory(lower)
+    runner: web.AppRunner | None = None
+    try:
+        origin = (await upper.get(NAMESPACES, "kube-system"))["metadata"]["uid"]
+        owner = Ownership(origin=origin, node_name=config.name)
+        identity = NodeIdentity(
+            config.name, config.cluster_id, config.address, config.kubelet_port, taint=config.taint
+        )
+        queue: WorkQueue[str] = WorkQueue("pods")
+        upper_pods = upper_informers.informer(PODS, field_selector=f"spec.nodeName={config.name}")
+        backend = LowerCluster(
+            lower,
+            lower_informers.informer(PODS),
+            lower_informers.informer(NODES),
+            owner,
+            NamespaceMapping(config.namespace_strategy, config.namespace_prefix),
+            config.address,
+            config.cluster_id,
+        )
+        backend.watch_mirrored_pods(queue)
+        pods = PodController(upper, upper_pods, backend, config.name, queue)
+        nodes = NodeController(upper, identity, backend)
+        runner = await serve_kubelet_api(config)
+
+        upper_informers.start()
+        lower_informers.start()
+        # Nothing is created, deleted or reported before both sides are known: that is
+        # what makes a restart free of duplicates and spurious deletes.
+        await asyncio.gather(upper_informers.wait_synced(), lower_informers.wait_synced())
+        log.info(
+            "virtual node %s for lower cluster %s: caches synced (%d upper pods, %d lower pods)",
+            config.name,
+            config.cluster_id,
+            len(upper_pods),
+            len(backend.pods),
+        )
+        await asyncio.gather(
+            nodes.run(),
+            pods.run(config.workers),
+            _sweep_orphans(backend, upper_pods.keys, queue),
+        )
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        await upper_informers.stop()
+        await lower_informers.stop()
+        await upper.close()
+        await lower.close()
+
+
+async def _sweep_orphans(backend: LowerCluster, upper_keys: Any, queue: WorkQueue[str]) -> None:
+    while True:
+        for key in backend.orphan_keys(set(upper_keys())):
+            queue.add(key)
+        await asyncio.sleep(ORPHAN_SWEEP_SECONDS)
+
+
+def main(argv: Sequence[str]) -> int:
+    config = parse_args(argv)
+    logging.basicConfig(
+        level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+    async def run_until_signal() -> None:
+        task = asyncio.create_task(run(config))
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run_until_signal())
+    return 0

@@ -1,0 +1,221 @@
+"""The virtual Node and its Lease as the upper cluster should see them (pure)."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kubekit import keys
+from virtual_node.capacity import node_is_usable
+
+JSON = dict[str, Any]
+
+LEASE_NAMESPACE = "kube-node-lease"
+LEASE_DURATION_SECONDS = 40
+
+
+@dataclass(frozen=True)
+class NodeIdentity:
+    name: str
+    cluster_id: str
+    address: str
+    kubelet_port: int
+    taint: bool = True
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """What the lower cluster says about itself, from which the Node status is built."""
+
+    ready: bool
+    allocatable: Mapping[str, str]
+    labels: Mapping[str, str] = field(default_factory=dict)
+    kubelet_version: str = ""
+    message: str = ""
+
+
+def now_rfc3339() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def now_micro() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+_NOT_SHARED = {keys.HOSTNAME_LABEL, "kubernetes.io/hostname", "type"}
+
+
+def shared_labels(lower_nodes: Iterable[Mapping[str, Any]]) -> dict[str, str]:
+    """Labels with one value on every usable lower node (region, zone, ...): they hold
+    for the whole cluster, so the virtual node carries them too."""
+    shared: dict[str, str] | None = None
+    for node in lower_nodes:
+        if not node_is_usable(node):
+            continue
+        labels = {
+            k: v for k, v in (node["metadata"].get("labels") or {}).items() if k not in _NOT_SHARED
+        }
+        shared = (
+            labels if shared is None else {k: v for k, v in shared.items() if labels.get(k) == v}
+        )
+    return shared or {}
+
+
+def node_labels(identity: NodeIdentity, report: NodeReport) -> dict[str, str]:
+    return {
+        **report.labels,
+        keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL,
+        keys.HOSTNAME_LABEL: identity.name,
+        keys.OS_LABEL: report.labels.get(keys.OS_LABEL, "linux"),
+        keys.ARCH_LABEL: report.labels.get(keys.ARCH_LABEL, "amd64"),
+        keys.CLUSTER_ID_LABEL: identity.cluster_id,
+    }
+
+
+def provider_taint() -> JSON:
+    return {
+        "key": keys.PROVIDER_TAINT_KEY,
+        "value": keys.PROVIDER_TAINT_VALUE,
+        "effect": "NoSchedule",
+    }
+
+
+def registration(identity: NodeIdentity, report: NodeReport) -> JSON:
+    """The Node to create when none exists."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": identity.name, "labels": node_labels(identity, report)},
+        "spec": {"taints": [provider_taint()] if identity.taint else []},
+        "status": node_status(identity, report),
+    }
+
+
+def registration_patch(
+    existing: Mapping[str, Any], identity: NodeIdentity, report: NodeReport
+) -> JSON | None:
+    """A merge patch for an existing Node: our labels and our taint, leaving alone what
+    others set (cordon, the node controller's taints, users' labels)."""
+    want_labels = node_labels(identity, report)
+    have_labels = existing["metadata"].get("labels") or {}
+    patch: JSON = {}
+    label_change = {k: v for k, v in want_labels.items() if have_labels.get(k) != v}
+    if label_change:
+        patch["metadata"] = {"labels": label_change}
+    taints = list((existing.get("spec") or {}).get("taints") or [])
+    ours = [t for t in taints if t.get("key") == keys.PROVIDER_TAINT_KEY]
+    if identity.taint and ours != [provider_taint()]:
+        patch["spec"] = {
+            "taints": [t for t in taints if t.get("key") != keys.PROVIDER_TAINT_KEY]
+            + [provider_taint()]
+        }
+    elif not identity.taint and ours:
+        patch["spec"] = {"taints": [t for t in taints if t.get("key") != keys.PROVIDER_TAINT_KEY]}
+    if patch:
+        # Optimistic concurrency: fail rather than overwrite a taint set meanwhile.
+        patch.setdefault("metadata", {})["resourceVersion"] = existing["metadata"][
+            "resourceVersion"
+        ]
+        return patch
+    return None
+
+
+def _condition(kind: str, healthy: bool, reason: str, message: str, now: str) -> JSON:
+    status = "True" if (healthy if kind == "Ready" else not healthy) else "False"
+    return {
+        "type": kind,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastHeartbeatTime": now,
+        "lastTransitionTime": now,
+    }
+
+
+def node_status(
+    identity: NodeIdentity, report: NodeReport, previous: Mapping[str, Any] | None = None
+) -> JSON:
+    now = now_rfc3339()
+    conditions = [
+        _condition(
+            "Ready",
+            report.ready,
+            "KubestrataReady" if report.ready else "LowerClusterUnreachable",
+            report.message
+            or ("lower cluster reachable" if report.ready else "lower cluster unreachable"),
+            now,
+        ),
+        _condition("MemoryPressure", True, "KubestrataHasSufficientMemory", "", now),
+        _condition("DiskPressure", True, "KubestrataHasNoDiskPressure", "", now),
+        _condition("PIDPressure", True, "KubestrataHasSufficientPID", "", now),
+        _condition("NetworkUnavailable", True, "KubestrataNetworkReady", "", now),
+    ]
+    # A transition time only moves when the status does.
+    before = {c["type"]: c for c in ((previous or {}).get("conditions") or [])}
+    for condition in conditions:
+        old = before.get(condition["type"])
+        if old and old.get("status") == condition["status"] and old.get("lastTransitionTime"):
+            condition["lastTransitionTime"] = old["lastTransitionTime"]
+    return {
+        "capacity": dict(report.allocatable),
+        "allocatable": dict(report.allocatable),
+        "conditions": conditions,
+        "addresses": [
+            {"type": "InternalIP", "address": identity.address},
+            {"type": "Hostname", "address": identity.name},
+        ],
+        "daemonEndpoints": {"kubeletEndpoint": {"Port": identity.kubelet_port}},
+        "nodeInfo": {
+            "machineID": "",
+            "systemUUID": "",
+            "bootID": "",
+            "kernelVersion": "",
+            "osImage": f"kubestrata lower cluster {identity.cluster_id}",
+            "containerRuntimeVersion": "kubestrata://0.1.0",
+            "kubeletVersion": report.kubelet_version,
+            "kubeProxyVersion": "",
+            "operatingSystem": report.labels.get(keys.OS_LABEL, "linux"),
+            "architecture": report.labels.get(keys.ARCH_LABEL, "amd64"),
+        },
+    }
+
+
+def status_changed(previous: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
+    """Whether anything but heartbeat times differs."""
+
+    def essence(status: Mapping[str, Any]) -> Any:
+        conditions = sorted(
+            (c.get("type"), c.get("status"), c.get("reason"))
+            for c in status.get("conditions") or []
+        )
+        return (
+            status.get("allocatable"),
+            status.get("capacity"),
+            conditions,
+            status.get("addresses"),
+            status.get("daemonEndpoints"),
+            status.get("nodeInfo"),
+        )
+
+    return bool(essence(previous) != essence(current))
+
+
+def lease(identity: NodeIdentity, node_uid: str) -> JSON:
+    return {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {
+            "name": identity.name,
+            "namespace": LEASE_NAMESPACE,
+            "ownerReferences": [
+                {"apiVersion": "v1", "kind": "Node", "name": identity.name, "uid": node_uid}
+            ],
+        },
+        "spec": {
+            "holderIdentity": identity.name,
+            "leaseDurationSeconds": LEASE_DURATION_SECONDS,
+            "renewTime": now_micro(),
+        },
+    }

@@ -1,0 +1,156 @@
+"""Keeps the virtual Node registered, its Lease renewed and its status current.
+
+Generic kubelet machinery (virtual-kubelet's node controller): what the Node says comes
+from a NodeProvider; this module only talks to the upper apiserver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Protocol
+
+from kubekit.client import LEASES, NODES, ApiError, KubeClient, is_not_found
+from virtual_node.node import (
+    LEASE_NAMESPACE,
+    NodeIdentity,
+    NodeReport,
+    lease,
+    node_status,
+    now_micro,
+    registration,
+    registration_patch,
+    status_changed,
+)
+
+log = logging.getLogger(__name__)
+
+LEASE_INTERVAL_SECONDS = 10.0
+STATUS_INTERVAL_SECONDS = 60.0
+# Changes arriving close together become one status update.
+STATUS_COALESCE_SECONDS = 1.0
+
+_SMP = "application/strategic-merge-patch+json"
+
+
+class NodeProvider(Protocol):
+    """The backend's side of the Node: reachability and what it can run."""
+
+    changed: asyncio.Event
+
+    async def ping(self) -> bool: ...
+
+    def report(self, reachable: bool) -> NodeReport: ...
+
+
+class NodeController:
+    def __init__(self, upper: KubeClient, identity: NodeIdentity, provider: NodeProvider) -> None:
+        self.upper = upper
+        self.identity = identity
+        self.provider = provider
+        self.reachable = False
+        self._node_uid = ""
+        self._last_status: dict[str, object] = {}
+        self._reachability_changed = asyncio.Event()
+
+    async def run(self) -> None:
+        self.reachable = await self.provider.ping()
+        await self.register()
+        await asyncio.gather(self._lease_loop(), self._status_loop())
+
+    async def register(self) -> None:
+        report = self.provider.report(self.reachable)
+        try:
+            existing = await self.upper.get(NODES, self.identity.name)
+        except ApiError as error:
+            if not is_not_found(error):
+                raise
+            created = await self.upper.create(NODES, registration(self.identity, report))
+            log.info("registered node %s", self.identity.name)
+            self._node_uid = created["metadata"]["uid"]
+        else:
+            patch = registration_patch(existing, self.identity, report)
+            if patch:
+                existing = await self.upper.patch(NODES, self.identity.name, patch)
+            self._node_uid = existing["metadata"]["uid"]
+            self._last_status = existing.get("status") or {}
+        await self.update_status(force=True)
+
+    async def _lease_loop(self) -> None:
+        while True:
+            try:
+                reachable = await self.provider.ping()
+                if reachable != self.reachable:
+                    log.warning(
+                        "lower cluster %s %s",
+                        self.identity.cluster_id,
+                        "reachable again" if reachable else "unreachable",
+                    )
+                    self.reachable = reachable
+                    self._reachability_changed.set()
+                # An unreachable lower cluster lets the lease lapse, so the upper node
+                # controller marks the Node NotReady and evicts by its normal path.
+                if reachable:
+                    await self.renew_lease()
+            except (TimeoutError, ApiError, OSError) as error:
+                log.warning("lease of %s not renewed: %s", self.identity.name, error)
+            await asyncio.sleep(LEASE_INTERVAL_SECONDS)
+
+    async def renew_lease(self) -> None:
+        try:
+            await self.upper.patch(
+                LEASES,
+                self.identity.name,
+                {
+                    "spec": {
+                        "holderIdentity": self.identity.name,
+                        "renewTime": now_micro(),
+                    }
+                },
+                LEASE_NAMESPACE,
+            )
+        except ApiError as error:
+            if not is_not_found(error):
+                raise
+            await self.upper.create(LEASES, lease(self.identity, self._node_uid), LEASE_NAMESPACE)
+
+    async def _status_loop(self) -> None:
+        while True:
+            changed = asyncio.ensure_future(self.provider.changed.wait())
+            reachability = asyncio.ensure_future(self._reachability_changed.wait())
+            done, pending = await asyncio.wait(
+                {changed, reachability},
+                timeout=STATUS_INTERVAL_SECONDS,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            for future in pending:
+                future.cancel()
+            if done:
+                await asyncio.sleep(STATUS_COALESCE_SECONDS)
+            self.provider.changed.clear()
+            self._reachability_changed.clear()
+            try:
+                await self.update_status(force=not done)
+            except (TimeoutError, ApiError, OSError) as error:
+                log.warning("status of %s not updated: %s", self.identity.name, error)
+
+    async def update_status(self, force: bool) -> None:
+        """Sends the status when it changed, or when ``force`` (the periodic heartbeat),
+        and never while the lower cluster is unreachable: silence is how the upper node
+        controller learns of it."""
+        if not self.reachable and self._last_status:
+            return
+        status = node_status(self.identity, self.provider.report(self.reachable), self._last_status)
+        if not force and not status_changed(self._last_status, status):
+            return
+        try:
+            node = await self.upper.patch(
+                NODES, self.identity.name, {"status": status}, subresource="status", patch_type=_SMP
+            )
+        except ApiError as error:
+            if not is_not_found(error):
+                raise
+            log.warning("node %s was deleted; registering it again", self.identity.name)
+            await self.register()
+            return
+        self._last_status = node.get("status") or status

@@ -1,0 +1,176 @@
+"""Runs the pods bound to the virtual Node: level-triggered, one key per upper pod.
+
+Generic kubelet machinery (virtual-kubelet's pod controller): the upper side, the work
+queue and the upper status; the lower cluster is reached only through a PodBackend.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kubekit.client import EVENTS, PODS, ApiError, KubeClient, is_conflict, is_not_found
+from kubekit.informer import FunctionHandler, Informer, object_key
+from kubekit.workqueue import WorkQueue
+from virtual_node.node import now_rfc3339
+from virtual_node.translate import failed_status
+
+log = logging.getLogger(__name__)
+
+JSON = dict[str, Any]
+FINISHED = frozenset({"Succeeded", "Failed"})
+
+
+@dataclass(frozen=True)
+class Mirrored:
+    """The lower pod exists; this is the status the upper pod should have."""
+
+    status: JSON
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Nothing to report yet (a stale lower pod is going away, or a pod is finished)."""
+
+
+@dataclass(frozen=True)
+class Vanished:
+    """The lower pod existed and was deleted or evicted by someone else."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """The pod cannot run below; retrying would not help."""
+
+    reason: str
+    message: str
+
+
+SyncResult = Mirrored | Waiting | Vanished | Rejected
+
+
+class PodBackend(Protocol):
+    async def sync(self, upper: Mapping[str, Any]) -> SyncResult: ...
+
+    async def delete(self, upper: Mapping[str, Any]) -> bool:
+        """Starts or continues deleting the lower pod; True once it is gone."""
+        ...
+
+    async def remove_orphan(self, upper_key: str) -> None: ...
+
+
+class PodController:
+    def __init__(
+        self,
+        upper: KubeClient,
+        pods: Informer,
+        backend: PodBackend,
+        node_name: str,
+        queue: WorkQueue[str],
+    ) -> None:
+        self.upper = upper
+        self.pods = pods
+        self.backend = backend
+        self.node_name = node_name
+        self.queue = queue
+        pods.add_handler(FunctionHandler.on_any(lambda pod: queue.add(object_key(pod))))
+
+    async def run(self, workers: int) -> None:
+        await self.queue.run_workers(workers, self.reconcile)
+
+    async def reconcile(self, key: str) -> None:
+        upper = self.pods.get(key)
+        if upper is None:
+            await self.backend.remove_orphan(key)
+            return
+        if upper["metadata"].get("deletionTimestamp"):
+            if await self.backend.delete(upper):
+                await self._remove_upper(upper)
+            return
+        result = await self.backend.sync(upper)
+        match result:
+            case Mirrored(status):
+                await self._set_status(upper, status)
+            case Vanished(message):
+                await self._lost(upper, message)
+            case Rejected(reason, message):
+                if upper.get("status", {}).get("phase") not in FINISHED:
+                    await self.event(upper, "Warning", reason, message)
+                    await self._set_status(upper, failed_status(upper, reason, message))
+            case Waiting():
+                pass
+
+    async def _set_status(self, upper: Mapping[str, Any], status: JSON) -> None:
+        if upper.get("status") == status:
+            return
+        body = {**upper, "status": status}
+        try:
+            await self.upper.replace(
+                PODS, body, upper["metadata"]["namespace"], subresource="status"
+            )
+        except ApiError as error:
+            if is_conflict(error) or is_not_found(error):
+                # The cache is behind; the watch event that follows brings the key back.
+                return
+            raise
+
+    async def _lost(self, upper: Mapping[str, Any], message: str) -> None:
+        """A lower pod gone behind our back: a controlled pod is deleted so its owner
+        makes a new one; a bare pod is marked Failed, as a kubelet would after losing it."""
+        await self.event(upper, "Warning", "LowerPodDeleted", message)
+        if any(ref.get("controller") for ref in upper["metadata"].get("ownerReferences") or []):
+            await self._delete_upper(upper, grace_period_seconds=0)
+        else:
+            await self._set_status(upper, failed_status(upper, "LowerPodDeleted", message))
+
+    async def _remove_upper(self, upper: Mapping[str, Any]) -> None:
+        await self._delete_upper(upper, grace_period_seconds=0)
+
+    async def _delete_upper(self, upper: Mapping[str, Any], grace_period_seconds: int) -> None:
+        metadata = upper["metadata"]
+        try:
+            await self.upper.delete(
+                PODS,
+                metadata["name"],
+                metadata["namespace"],
+                grace_period_seconds=grace_period_seconds,
+                uid=metadata["uid"],
+            )
+        except ApiError as error:
+            # Already gone, or a new pod of the same name (the UID precondition failed).
+            if not (is_not_found(error) or is_conflict(error)):
+                raise
+
+    async def event(self, pod: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
+        metadata = pod["metadata"]
+        now = now_rfc3339()
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {
+                "generateName": f"{metadata['name']}.",
+                "namespace": metadata["namespace"],
+            },
+            "involvedObject": {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "name": metadata["name"],
+                "namespace": metadata["namespace"],
+                "uid": metadata["uid"],
+            },
+            "type": kind,
+            "reason": reason,
+            "message": message,
+            "source": {"component": "kubestrata-virtual-node", "host": self.node_name},
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            await self.upper.create(EVENTS, body, metadata["namespace"])
+        except ApiError as error:
+            log.warning("event %s on %s not recorded: %s", reason, object_key(pod), error)
