@@ -109,6 +109,11 @@ def _up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     print(f"starting {len(federation.clusters)} clusters in {args.state_dir} ...", flush=True)
     federation.start()
+    try:
+        federation.start_virtual_nodes()
+    except BaseException:
+        federation.stop()
+        raise
     print("ready. Point kubectl at a cluster with:")
     for name, cluster in federation.clusters.items():
         print(f"  {name:>10}:  export KUBECONFIG={cluster.kubeconfig}")

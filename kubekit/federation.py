@@ -6,17 +6,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from kubekit.localcluster import ClusterError, ClusterSpec, LocalCluster, NodeSpec
-from kubekit.process import ProcessRecord
+from kubekit.localcluster import ClusterError, ClusterSpec, LocalCluster, NodeSpec, free_port
+from kubekit.process import ManagedProcess, ProcessRecord
 from kubekit.toolchain import Toolchain
 
 STATE_FILE = "federation.json"
 UPPER = "upper"
+COMPONENTS = "components"
 # Two apiservers starting at once already fill two cores.
 _PARALLEL_STARTS = 2
 
@@ -59,14 +62,24 @@ def default_state_dir() -> Path:
     return base / "kubestrata" / "federation"
 
 
+def virtual_node_name(cluster: str) -> str:
+    """The component name of the virtual node of a lower cluster."""
+    return f"virtual-node-{cluster}"
+
+
 class FederationRunning(ClusterError):
     """The state directory belongs to a federation whose processes still run."""
 
 
 def read_state(state_dir: Path) -> dict[str, dict[str, object]]:
+    """The clusters of a state file; the kubestrata components started beside them
+    appear as the pseudo-cluster COMPONENTS."""
     path = state_dir / STATE_FILE
     try:
-        state: dict[str, dict[str, object]] = json.loads(path.read_text())["clusters"]
+        payload = json.loads(path.read_text())
+        state: dict[str, dict[str, object]] = payload["clusters"]
+        if payload.get("components"):
+            state = {**state, COMPONENTS: {"processes": payload["components"]}}
     except FileNotFoundError:
         raise ClusterError(f"no federation in {state_dir} (no {STATE_FILE})") from None
     except (ValueError, KeyError) as error:
@@ -88,6 +101,7 @@ def running_processes(state_dir: Path) -> list[ProcessRecord]:
 
 def kubeconfig_path(state_dir: Path, cluster: str = UPPER) -> Path:
     state = read_state(state_dir)
+    state.pop(COMPONENTS, None)
     if cluster not in state:
         raise ClusterError(f"no cluster {cluster!r} in {state_dir}; clusters: {', '.join(state)}")
     return Path(str(state[cluster]["kubeconfig"]))
@@ -96,9 +110,10 @@ def kubeconfig_path(state_dir: Path, cluster: str = UPPER) -> Path:
 def stop_state_dir(state_dir: Path) -> int:
     """Stops every process recorded in the state directory; returns how many ran."""
     records = running_processes(state_dir)
-    # Dependants before what they depend on: kwok and controllers, apiserver, etcd.
+    # Dependants before what they depend on: kubestrata's components, kwok and
+    # controllers, apiservers, etcd.
     order = {
-        "kwok": 0,
+        "kwok": 1,
         "kube-scheduler": 1,
         "kube-controller-manager": 1,
         "kube-apiserver": 2,
@@ -120,6 +135,8 @@ class Federation:
     ) -> None:
         self.state_dir = state_dir
         self.toolchain = toolchain
+        self.die_with_parent = die_with_parent
+        self.components: dict[str, ManagedProcess] = {}
         self._state_lock = threading.Lock()
         # The state file is rewritten as each process starts, so `kubestrata down` finds
         # everything even if this process is killed half-way through `up`.
@@ -171,6 +188,53 @@ class Federation:
             self.stop()
             raise
 
+    def start_virtual_nodes(self, timeout: float = 120.0) -> None:
+        """One `kubestrata virtual-node` per lower cluster, each with its kubelet-API
+        port; returns once every virtual Node is Ready in the upper cluster."""
+        for lower in self.lowers:
+            self.start_component(
+                virtual_node_name(lower.name),
+                [
+                    "virtual-node",
+                    f"--upper-kubeconfig={self.upper.kubeconfig}",
+                    f"--lower-kubeconfig={lower.kubeconfig}",
+                    f"--cluster-id={lower.name}",
+                    f"--kubelet-port={free_port()}",
+                ],
+            )
+        nodes = [f"node/vk-{lower.name}" for lower in self.lowers]
+        deadline = time.monotonic() + timeout
+        while True:
+            for process in self.components.values():
+                process.check_running()
+            found = self.upper.kubectl("get", *nodes, "-o", "name", check=False)
+            if found.returncode == 0:
+                break
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"virtual nodes not registered after {timeout:.0f} s: {found.stderr}"
+                )
+            time.sleep(0.5)
+        self.upper.kubectl(
+            "wait",
+            "--for=condition=Ready",
+            *nodes,
+            f"--timeout={int(timeout)}s",
+            timeout=timeout + 10,
+        )
+
+    def start_component(self, name: str, kubestrata_args: list[str]) -> ManagedProcess:
+        process = ManagedProcess(
+            name,
+            [sys.executable, "-m", "kubekit.cli", *kubestrata_args],
+            self.state_dir / COMPONENTS / f"{name}.log",
+            die_with_parent=self.die_with_parent,
+        )
+        process.start()
+        self.components[name] = process
+        self._write_state()
+        return process
+
     def _write_state(self) -> None:
         with self._state_lock:
             self._write_state_locked()
@@ -184,11 +248,14 @@ class Federation:
                     "processes": [vars(r) for r in cluster.records()],
                 }
                 for name, cluster in self.clusters.items()
-            }
+            },
+            COMPONENTS: [vars(p.record()) for p in self.components.values() if p.running()],
         }
         (self.state_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
 
     def stop(self) -> None:
+        for component in self.components.values():
+            component.stop()
         for cluster in self.clusters.values():
             cluster.stop()
         if (self.state_dir / STATE_FILE).exists():

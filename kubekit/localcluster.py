@@ -14,6 +14,7 @@ import json
 import socket
 import ssl
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -80,11 +81,22 @@ class ClusterSpec:
     nodes: tuple[NodeSpec, ...] = ()
 
 
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A loopback port free now and never handed out before by this process: a port
+    is only bound by the component that gets it later, so without the memory two
+    components could be given the same one."""
+    with _handed_out_lock:
+        while True:
+            with socket.socket() as sock:
+                sock.bind((LOOPBACK, 0))
+                port: int = sock.getsockname()[1]
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
 
 
 def require_free_port(port: int, purpose: str) -> None:
@@ -304,6 +316,8 @@ class LocalCluster:
                 f"--cluster-signing-key-file={self.ca.key_path}",
                 "--use-service-account-credentials=true",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
+                # Half the default: an unreachable virtual node shows NotReady in 20 s.
+                "--node-monitor-grace-period=20s",
             ],
             (self.ports.controller_manager,),
         )
@@ -462,6 +476,8 @@ class LocalCluster:
         process = self.processes[component]
         process.stop()
         process.start()
+        if self._on_process_started is not None:
+            self._on_process_started()
         if component == "kube-apiserver":
             self._wait(process, timeout, self.apiserver_ready)
 

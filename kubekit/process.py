@@ -164,6 +164,12 @@ class ManagedProcess:
             return "(no log)"
         return "\n".join("    " + line for line in text.splitlines()[-lines:])
 
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: no chance to clean up."""
+        if self._popen is not None and self._popen.poll() is None:
+            self._popen.kill()
+            self._popen.wait()
+
     def stop(self, grace_seconds: float = 10.0) -> None:
         if self._popen is None or self._popen.poll() is not None:
             return

@@ -8,13 +8,21 @@ from collections.abc import Mapping
 from typing import Any
 
 from kubekit import keys
-from kubekit.client import NAMESPACES, PODS, ApiError, KubeClient, is_not_found
+from kubekit.client import NAMESPACES, PODS, SERVICEACCOUNTS, ApiError, KubeClient, is_not_found
 from kubekit.informer import FunctionHandler, Informer
 from kubekit.workqueue import WorkQueue
 from virtual_node.capacity import as_resource_list, free_capacity
 from virtual_node.naming import NamespaceMapping, NamingError
 from virtual_node.node import NodeReport, shared_labels
-from virtual_node.podcontroller import FINISHED, Mirrored, Rejected, SyncResult, Vanished, Waiting
+from virtual_node.podcontroller import (
+    FINISHED,
+    Mirrored,
+    Refused,
+    Rejected,
+    SyncResult,
+    Vanished,
+    Waiting,
+)
 from virtual_node.translate import (
     Ownership,
     TranslationError,
@@ -28,7 +36,9 @@ log = logging.getLogger(__name__)
 JSON = dict[str, Any]
 _SMP = "application/strategic-merge-patch+json"
 # Statuses of the lower apiserver that mean "this pod will never be accepted as is".
-_PERMANENT = frozenset({400, 403, 422})
+# 403 is not one: admission refuses for reasons that pass (quota, a namespace still
+# being set up).
+_PERMANENT = frozenset({400, 422})
 
 
 class LowerCluster:
@@ -55,6 +65,7 @@ class LowerCluster:
         self.version = ""
         self.changed = asyncio.Event()
         self._namespaces: set[str] = set()
+        self._service_accounts: set[tuple[str, str]] = set()
         mark = FunctionHandler.on_any(lambda _obj: self.changed.set())
         pods.add_handler(mark)
         nodes.add_handler(mark)
@@ -150,16 +161,19 @@ class LowerCluster:
     async def _create(self, upper: Mapping[str, Any], desired: JSON) -> SyncResult:
         namespace = desired["metadata"]["namespace"]
         await self._ensure_namespace(namespace)
+        await self._ensure_service_account(
+            namespace, desired["spec"].get("serviceAccountName") or "default"
+        )
         try:
             created = await self.client.create(PODS, desired, namespace)
         except ApiError as error:
             if error.status == 409:
                 raise  # exists after all: the next round sees it in the cache
+            message = f"lower cluster {self.cluster_id} refused the pod: {error.message}"
             if error.status in _PERMANENT:
-                return Rejected(
-                    "LowerClusterRejected",
-                    f"lower cluster {self.cluster_id} refused the pod: {error.message}",
-                )
+                return Rejected("LowerClusterRejected", message)
+            if error.status == 403:
+                return Refused("LowerClusterRefused", message)
             raise
         return Mirrored(upper_status(created, upper, self.host_ip))
 
@@ -183,6 +197,23 @@ class LowerCluster:
             if error.status != 409:
                 raise
         self._namespaces.add(namespace)
+
+    async def _ensure_service_account(self, namespace: str, name: str) -> None:
+        """The pod's service account must exist below before the pod: admission refuses
+        the pod otherwise, and in a new namespace even `default` may not be there yet."""
+        if (namespace, name) in self._service_accounts:
+            return
+        body = {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": {"name": name, "namespace": namespace, "labels": self.owner.labels()},
+        }
+        try:
+            await self.client.create(SERVICEACCOUNTS, body, namespace)
+        except ApiError as error:
+            if error.status != 409:
+                raise
+        self._service_accounts.add((namespace, name))
 
     async def _get_live(self, namespace: str, name: str) -> JSON | None:
         try:

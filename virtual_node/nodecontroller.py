@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Protocol
 
 from kubekit.client import LEASES, NODES, ApiError, KubeClient, is_not_found
@@ -52,6 +53,7 @@ class NodeController:
         self._node_uid = ""
         self._last_status: dict[str, object] = {}
         self._reachability_changed = asyncio.Event()
+        self._last_sent = 0.0
 
     async def run(self) -> None:
         self.reachable = await self.provider.ping()
@@ -116,21 +118,25 @@ class NodeController:
 
     async def _status_loop(self) -> None:
         while True:
+            wait_for = max(0.0, self._last_sent + STATUS_INTERVAL_SECONDS - time.monotonic())
             changed = asyncio.ensure_future(self.provider.changed.wait())
             reachability = asyncio.ensure_future(self._reachability_changed.wait())
             done, pending = await asyncio.wait(
-                {changed, reachability},
-                timeout=STATUS_INTERVAL_SECONDS,
-                return_when=asyncio.FIRST_COMPLETED,
+                {changed, reachability}, timeout=wait_for, return_when=asyncio.FIRST_COMPLETED
             )
             for future in pending:
                 future.cancel()
             if done:
                 await asyncio.sleep(STATUS_COALESCE_SECONDS)
             self.provider.changed.clear()
+            # The upper node controller rewrote the conditions while we were silent, so
+            # what we last sent says nothing of what is there now: send it all again.
+            force = reachability in done or (
+                time.monotonic() - self._last_sent >= STATUS_INTERVAL_SECONDS
+            )
             self._reachability_changed.clear()
             try:
-                await self.update_status(force=not done)
+                await self.update_status(force=force)
             except (TimeoutError, ApiError, OSError) as error:
                 log.warning("status of %s not updated: %s", self.identity.name, error)
 
@@ -154,3 +160,4 @@ class NodeController:
             await self.register()
             return
         self._last_status = node.get("status") or status
+        self._last_sent = time.monotonic()

@@ -43,6 +43,18 @@ class Vanished:
 
 
 @dataclass(frozen=True)
+class Refused:
+    """The lower cluster refused the pod for now (quota, admission); try again later."""
+
+    reason: str
+    message: str
+
+
+class RetryLater(Exception):
+    """Raised to have the work queue retry the key with backoff."""
+
+
+@dataclass(frozen=True)
 class Rejected:
     """The pod cannot run below; retrying would not help."""
 
@@ -50,7 +62,7 @@ class Rejected:
     message: str
 
 
-SyncResult = Mirrored | Waiting | Vanished | Rejected
+SyncResult = Mirrored | Waiting | Vanished | Refused | Rejected
 
 
 class PodBackend(Protocol):
@@ -101,6 +113,10 @@ class PodController:
                 if upper.get("status", {}).get("phase") not in FINISHED:
                     await self.event(upper, "Warning", reason, message)
                     await self._set_status(upper, failed_status(upper, reason, message))
+            case Refused(reason, message):
+                if self.queue.retries(key) == 0:
+                    await self.event(upper, "Warning", reason, message)
+                raise RetryLater(message)
             case Waiting():
                 pass
 

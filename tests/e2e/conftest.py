@@ -11,7 +11,9 @@ from kubekit.federation import Federation, FederationSpec
 from kubekit.toolchain import Toolchain, ToolchainError
 
 # Small nodes keep capacity arithmetic in tests readable.
-TEST_FEDERATION = FederationSpec(lower=2, nodes_per_lower=2, node_cpu="8", node_memory="32Gi")
+TEST_FEDERATION = FederationSpec(
+    lower=2, nodes_per_lower=2, node_cpu="8", node_memory="32Gi", node_pods=300
+)
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +32,7 @@ def federation(
         tmp_path_factory.mktemp("federation"), TEST_FEDERATION.clusters(), toolchain
     )
     federation.start()
+    federation.start_virtual_nodes()
     yield federation
     federation.stop()
 

@@ -1,0 +1,325 @@
+"""A lower cluster as one Node of the upper cluster: registration, capacity, pods both
+ways, conflicts, drain and faults, all through the stock kubectl against real clusters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kubekit import keys
+from kubekit.federation import Federation, virtual_node_name
+from kubekit.quantity import parse_quantity
+
+from .helpers import (
+    apply,
+    federated_deployment,
+    get_json,
+    namespace,
+    pods_by_name,
+    rollout,
+    wait_for,
+)
+
+
+def node_ready(federation: Federation, name: str) -> str:
+    node = get_json(federation.upper, "node", name)
+    return str(next(c["status"] for c in node["status"]["conditions"] if c["type"] == "Ready"))
+
+
+def allocatable(federation: Federation, name: str) -> dict[str, Any]:
+    return dict(get_json(federation.upper, "node", name)["status"]["allocatable"])
+
+
+def test_virtual_nodes_are_registered_with_labels_taint_and_lease(federation: Federation) -> None:
+    nodes = {n["metadata"]["name"]: n for n in get_json(federation.upper, "nodes")["items"]}
+    assert set(nodes) == {"vk-lower-1", "vk-lower-2"}
+    node = nodes["vk-lower-1"]
+    labels = node["metadata"]["labels"]
+    assert labels[keys.NODE_TYPE_LABEL] == "virtual-kubelet"
+    assert labels[keys.HOSTNAME_LABEL] == "vk-lower-1"
+    assert labels[keys.CLUSTER_ID_LABEL] == "lower-1"
+    assert (labels["kubernetes.io/os"], labels["kubernetes.io/arch"]) == ("linux", "amd64")
+    assert labels["topology.kubernetes.io/region"] == "lower-1", "same on every lower node"
+    assert "topology.kubernetes.io/zone" not in labels, "differs between lower nodes"
+    assert node["spec"]["taints"] == [
+        {"key": "virtual-kubelet.io/provider", "value": "kubestrata", "effect": "NoSchedule"}
+    ]
+    status = node["status"]
+    assert status["nodeInfo"]["kubeletVersion"] == "v1.35.4"
+    assert {"type": "InternalIP", "address": "127.0.0.1"} in status["addresses"]
+    assert status["daemonEndpoints"]["kubeletEndpoint"]["Port"] > 0
+    assert node_ready(federation, "vk-lower-1") == "True"
+    lease = get_json(federation.upper, "lease", "-n", "kube-node-lease", "vk-lower-1")
+    assert lease["spec"]["holderIdentity"] == "vk-lower-1"
+    assert lease["metadata"]["ownerReferences"][0]["uid"] == node["metadata"]["uid"]
+
+
+def lower_free(federation: Federation, cluster: str) -> tuple[Any, int]:
+    """Free cpu and pod slots of a lower cluster computed from kubectl's view of it,
+    counting every pod that is not mirrored by kubestrata."""
+    lower = federation.clusters[cluster]
+    nodes = get_json(lower, "nodes")["items"]
+    cpu = sum(parse_quantity(n["status"]["allocatable"]["cpu"]) for n in nodes)
+    slots = sum(int(n["status"]["allocatable"]["pods"]) for n in nodes)
+    for pod in get_json(lower, "pods", "-A")["items"]:
+        if pod["metadata"].get("labels", {}).get(keys.MANAGED_BY_LABEL) == keys.MANAGED_BY_VALUE:
+            continue
+        if not pod["spec"].get("nodeName") or pod["status"].get("phase") in ("Succeeded", "Failed"):
+            continue
+        slots -= 1
+        for container in pod["spec"]["containers"]:
+            cpu -= parse_quantity(
+                container.get("resources", {}).get("requests", {}).get("cpu", "0")
+            )
+    return cpu, slots
+
+
+def test_capacity_is_free_allocatable_and_drops_with_foreign_pods(federation: Federation) -> None:
+    lower = federation.clusters["lower-2"]
+
+    def matches() -> bool:
+        have = allocatable(federation, "vk-lower-2")
+        cpu, slots = lower_free(federation, "lower-2")
+        return parse_quantity(have["cpu"]) == cpu and int(have["pods"]) == slots
+
+    wait_for(matches, "vk-lower-2 capacity to equal lower-2's free allocatable")
+    before = allocatable(federation, "vk-lower-2")
+    lower.kubectl(
+        "run",
+        "foreign",
+        "-n",
+        "default",
+        "--image=registry.k8s.io/pause:3.10",
+        "--overrides",
+        '{"spec":{"containers":[{"name":"foreign","image":"pause",'
+        '"resources":{"requests":{"cpu":"3","memory":"1Gi"}}}]}}',
+    )
+    wait_for(
+        lambda: (
+            parse_quantity(allocatable(federation, "vk-lower-2")["cpu"])
+            == parse_quantity(before["cpu"]) - 3
+        ),
+        "cpu to drop by 3",
+    )
+    after = allocatable(federation, "vk-lower-2")
+    assert int(after["pods"]) == int(before["pods"]) - 1
+    assert parse_quantity(after["memory"]) == parse_quantity(before["memory"]) - 2**30
+    lower.kubectl("delete", "pod", "foreign", "-n", "default", "--grace-period=0", "--force")
+    wait_for(lambda: allocatable(federation, "vk-lower-2") == before, "capacity to come back")
+
+
+def test_deployment_spreads_over_both_virtual_nodes_and_deletes_cleanly(
+    federation: Federation,
+) -> None:
+    upper = federation.upper
+    apply(upper, namespace("spread"), federated_deployment("web", "spread", 4, cpu="6"))
+    # 16 cpu per virtual node: at most two of these fit on each.
+    rollout(upper, "web", "spread")
+    pods = pods_by_name(upper, "spread", "app=web")
+    assert sorted(p["spec"]["nodeName"] for p in pods.values()) == [
+        "vk-lower-1",
+        "vk-lower-1",
+        "vk-lower-2",
+        "vk-lower-2",
+    ]
+    for name, pod in pods.items():
+        cluster = federation.clusters[pod["spec"]["nodeName"].removeprefix("vk-")]
+        lower = get_json(cluster, "pod", "-n", "spread", name)
+        assert lower["status"]["phase"] == pod["status"]["phase"] == "Running"
+        assert pod["status"]["podIP"] == lower["status"]["podIP"]
+        assert lower["metadata"]["annotations"][keys.UPPER_UID_ANNOTATION] == pod["metadata"]["uid"]
+        assert lower["metadata"]["labels"][keys.MANAGED_BY_LABEL] == keys.MANAGED_BY_VALUE
+        assert lower["spec"]["nodeName"].startswith(cluster.name + "-node-")
+        assert not any(
+            v["name"].startswith("kube-api-access-")
+            and v.get("projected", {}).get("sources")
+            and "upper" in str(v)
+            for v in lower["spec"].get("volumes", [])
+        )
+
+    upper.kubectl("delete", "deployment", "web", "-n", "spread")
+    for lower_name in ("lower-1", "lower-2"):
+        cluster = federation.clusters[lower_name]
+        wait_for(
+            lambda c=cluster: not pods_by_name(c, "spread", "app=web"),  # type: ignore[misc]
+            f"lower pods in {lower_name} to go",
+        )
+    wait_for(lambda: not pods_by_name(upper, "spread", "app=web"), "upper pods to go")
+
+
+def test_lower_pod_deleted_behind_our_back_is_replaced(federation: Federation) -> None:
+    upper, lower = federation.upper, federation.clusters["lower-1"]
+    apply(
+        upper,
+        namespace("lost"),
+        federated_deployment("victim", "lost", 1, node_selector={keys.CLUSTER_ID_LABEL: "lower-1"}),
+    )
+    rollout(upper, "victim", "lost")
+    (first,) = pods_by_name(upper, "lost", "app=victim")
+    lower.kubectl("delete", "pod", first, "-n", "lost", "--grace-period=0", "--force")
+
+    def replaced() -> list[str]:
+        pods = pods_by_name(upper, "lost", "app=victim")
+        return [n for n, p in pods.items() if n != first and p["status"].get("phase") == "Running"]
+
+    (second,) = wait_for(replaced, "a replacement pod Running")
+    events = get_json(
+        upper, "events", "-n", "lost", "--field-selector", f"involvedObject.name={first}"
+    )
+    assert any(e["reason"] == "LowerPodDeleted" for e in events["items"])
+    assert second in pods_by_name(lower, "lost", "app=victim")
+    upper.kubectl("delete", "namespace", "lost", "--wait=false")
+
+
+def test_name_taken_below_by_someone_else_fails_the_pod_and_leaves_theirs(
+    federation: Federation,
+) -> None:
+    upper, lower = federation.upper, federation.clusters["lower-1"]
+    lower.kubectl("create", "namespace", "clash")
+    lower.kubectl(
+        "run",
+        "taken",
+        "-n",
+        "clash",
+        "--image=registry.k8s.io/pause:3.10",
+        "--labels=owner=someone",
+    )
+    theirs = get_json(lower, "pod", "-n", "clash", "taken")
+    apply(
+        upper,
+        namespace("clash"),
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "taken", "namespace": "clash"},
+            "spec": {
+                "nodeName": "vk-lower-1",
+                "tolerations": [{"key": "virtual-kubelet.io/provider", "operator": "Exists"}],
+                "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10"}],
+            },
+        },
+    )
+    pod = wait_for(
+        lambda: (
+            (p := get_json(upper, "pod", "-n", "clash", "taken"))["status"].get("phase") == "Failed"
+            and p
+        ),
+        "the upper pod to fail",
+    )
+    assert pod["status"]["reason"] == "NameConflict"
+    assert "not created by this virtual node" in pod["status"]["message"]
+    events = get_json(
+        upper, "events", "-n", "clash", "--field-selector", "involvedObject.name=taken"
+    )
+    assert any(e["reason"] == "NameConflict" for e in events["items"])
+    still = get_json(lower, "pod", "-n", "clash", "taken")
+    assert still["metadata"]["uid"] == theirs["metadata"]["uid"]
+    assert still["metadata"]["labels"] == theirs["metadata"]["labels"]
+
+
+def test_kill_9_during_a_burst_loses_and_duplicates_nothing(federation: Federation) -> None:
+    upper, lower = federation.upper, federation.clusters["lower-2"]
+    replicas = 500
+    apply(
+        upper,
+        namespace("burst"),
+        federated_deployment(
+            "burst", "burst", replicas, node_selector={keys.CLUSTER_ID_LABEL: "lower-2"}
+        ),
+    )
+    virtual_node = federation.components[virtual_node_name("lower-2")]
+    wait_for(
+        lambda: len(pods_by_name(lower, "burst", "app=burst")) >= 100,
+        "the burst to be under way",
+        interval=0.2,
+    )
+    virtual_node.kill()
+    created_before_restart = len(pods_by_name(lower, "burst", "app=burst"))
+    assert created_before_restart < replicas, "killed in the middle of the burst"
+    virtual_node.start()
+
+    def all_running() -> bool:
+        pods = pods_by_name(lower, "burst", "app=burst")
+        return len(pods) == replicas and all(
+            p["status"].get("phase") == "Running" for p in pods.values()
+        )
+
+    wait_for(all_running, f"{replicas} lower pods Running", timeout=240, interval=2)
+    upper_pods = pods_by_name(upper, "burst", "app=burst")
+    lower_pods = pods_by_name(lower, "burst", "app=burst")
+    assert len(upper_pods) == replicas
+    assert {n: p["metadata"]["uid"] for n, p in upper_pods.items()} == {
+        n: p["metadata"]["annotations"][keys.UPPER_UID_ANNOTATION] for n, p in lower_pods.items()
+    }
+    wait_for(
+        lambda: all(
+            p["status"].get("phase") == "Running"
+            for p in pods_by_name(upper, "burst", "app=burst").values()
+        ),
+        "upper statuses Running",
+        timeout=120,
+        interval=2,
+    )
+    upper.kubectl("delete", "namespace", "burst", "--wait=false")
+    wait_for(
+        lambda: not pods_by_name(lower, "burst", "app=burst"),
+        "the burst to be removed below",
+        timeout=240,
+        interval=2,
+    )
+
+
+def test_cordon_and_drain_move_every_replica_to_the_other_cluster(federation: Federation) -> None:
+    upper = federation.upper
+    apply(upper, namespace("drain"), federated_deployment("app", "drain", 6))
+    rollout(upper, "app", "drain")
+    try:
+        upper.kubectl("cordon", "vk-lower-1")
+        upper.kubectl("drain", "vk-lower-1", "--ignore-daemonsets", "--timeout=120s", timeout=130)
+
+        def all_on_lower_2() -> bool:
+            pods = pods_by_name(upper, "drain", "app=app").values()
+            return len(pods) == 6 and all(
+                p["spec"]["nodeName"] == "vk-lower-2" and p["status"].get("phase") == "Running"
+                for p in pods
+            )
+
+        wait_for(all_on_lower_2, "all six replicas Running on vk-lower-2")
+        wait_for(
+            lambda: not pods_by_name(federation.clusters["lower-1"], "drain", "app=app"),
+            "the evicted pods removed from lower-1",
+        )
+        assert len(pods_by_name(federation.clusters["lower-2"], "drain", "app=app")) == 6
+        assert get_json(upper, "node", "vk-lower-1")["spec"]["unschedulable"] is True
+    finally:
+        upper.kubectl("uncordon", "vk-lower-1")
+        upper.kubectl("delete", "namespace", "drain", "--wait=false")
+
+
+# Last: after its lower apiserver restarts, kwok's simulated nodes miss heartbeats and the
+# lower controller-manager marks new pods there NotReady, which the virtual node reports.
+def test_lower_apiserver_down_makes_node_not_ready_then_recovers(federation: Federation) -> None:
+    lower = federation.clusters["lower-1"]
+    lower.stop_component("kube-apiserver")
+    try:
+        wait_for(
+            lambda: node_ready(federation, "vk-lower-1") == "Unknown",
+            "vk-lower-1 NotReady",
+            timeout=120,
+            interval=2,
+        )
+    finally:
+        lower.restart("kube-apiserver")
+    wait_for(
+        lambda: node_ready(federation, "vk-lower-1") == "True",
+        "vk-lower-1 Ready again",
+        timeout=120,
+        interval=2,
+    )
+    taints = get_json(federation.upper, "node", "vk-lower-1")["spec"].get("taints", [])
+    wait_for(
+        lambda: (
+            [t["key"] for t in get_json(federation.upper, "node", "vk-lower-1")["spec"]["taints"]]
+            == ["virtual-kubelet.io/provider"]
+        ),
+        f"unreachable taints cleared (now {taints})",
+    )
