@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from kubekit import keys
 from kubekit.client import NAMESPACES, PODS, SERVICEACCOUNTS, ApiError, KubeClient, is_not_found
@@ -41,6 +41,10 @@ _SMP = "application/strategic-merge-patch+json"
 _PERMANENT = frozenset({400, 422})
 
 
+class PodDependencies(Protocol):
+    async def ensure_for_pod(self, pod: Mapping[str, Any]) -> None: ...
+
+
 class LowerCluster:
     """Implements NodeProvider (reachability, capacity, labels) and PodBackend (mirroring)
     over one watch cache per kind of the lower cluster."""
@@ -54,6 +58,7 @@ class LowerCluster:
         mapping: NamespaceMapping,
         host_ip: str,
         cluster_id: str,
+        dependencies: PodDependencies | None = None,
     ) -> None:
         self.client = client
         self.pods = pods
@@ -62,6 +67,7 @@ class LowerCluster:
         self.mapping = mapping
         self.host_ip = host_ip
         self.cluster_id = cluster_id
+        self.dependencies = dependencies
         self.version = ""
         self.changed = asyncio.Event()
         self._namespaces: set[str] = set()
@@ -164,6 +170,8 @@ class LowerCluster:
         await self._ensure_service_account(
             namespace, desired["spec"].get("serviceAccountName") or "default"
         )
+        if self.dependencies is not None:
+            await self.dependencies.ensure_for_pod(upper)
         try:
             created = await self.client.create(PODS, desired, namespace)
         except ApiError as error:

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import re
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,8 @@ from virtual_node.naming import NamespaceMapping, Strategy
 from virtual_node.node import NodeIdentity
 from virtual_node.nodecontroller import NodeController
 from virtual_node.podcontroller import PodController
+from virtual_node.reflector import RESOURCES as REFLECTED
+from virtual_node.reflector import Reflector
 from virtual_node.translate import Ownership
 
 log = logging.getLogger("virtual_node")
@@ -148,14 +150,28 @@ async def run(config: VirtualNodeConfig) -> None:
         )
         queue: WorkQueue[str] = WorkQueue("pods")
         upper_pods = upper_informers.informer(PODS, field_selector=f"spec.nodeName={config.name}")
+        mapping = NamespaceMapping(config.namespace_strategy, config.namespace_prefix)
+        reflector = Reflector(
+            upper_pods,
+            {kind: upper_informers.informer(resource) for kind, resource in REFLECTED.items()},
+            lower,
+            {
+                kind: lower_informers.informer(resource, label_selector=owner.selector())
+                for kind, resource in REFLECTED.items()
+            },
+            mapping,
+            owner,
+            WorkQueue("reflected"),
+        )
         backend = LowerCluster(
             lower,
             lower_informers.informer(PODS),
             lower_informers.informer(NODES),
             owner,
-            NamespaceMapping(config.namespace_strategy, config.namespace_prefix),
+            mapping,
             config.address,
             config.cluster_id,
+            reflector,
         )
         backend.watch_mirrored_pods(queue)
         pods = PodController(upper, upper_pods, backend, config.name, queue)
@@ -177,7 +193,8 @@ async def run(config: VirtualNodeConfig) -> None:
         await asyncio.gather(
             nodes.run(),
             pods.run(config.workers),
-            _sweep_orphans(backend, upper_pods.keys, queue),
+            reflector.run(config.workers),
+            _sweep_orphans(backend, upper_pods.keys, queue, reflector),
         )
     finally:
         if runner is not None:
@@ -188,10 +205,19 @@ async def run(config: VirtualNodeConfig) -> None:
         await lower.close()
 
 
-async def _sweep_orphans(backend: LowerCluster, upper_keys: Any, queue: WorkQueue[str]) -> None:
+async def _sweep_orphans(
+    backend: LowerCluster,
+    upper_keys: Callable[[], list[str]],
+    queue: WorkQueue[str],
+    reflector: Reflector,
+) -> None:
+    """Lower pods and copies nobody above wants any more: at start, then periodically,
+    for whatever the event handlers could not see (deleted while we were down)."""
     while True:
         for key in backend.orphan_keys(set(upper_keys())):
             queue.add(key)
+        for copy_key in reflector.orphan_keys():
+            reflector.queue.add(copy_key)
         await asyncio.sleep(ORPHAN_SWEEP_SECONDS)
 
 

@@ -23,8 +23,9 @@ def test_kubectl_get_nodes_shows_the_simulated_nodes(federation: Federation) -> 
     assert {n["status"]["allocatable"]["cpu"] for n in nodes} == {"8"}
 
 
-def test_upper_cluster_has_no_nodes_of_its_own(federation: Federation) -> None:
-    assert federation.upper.kubectl("get", "nodes", "-o", "name").stdout.strip() == ""
+def test_upper_cluster_has_only_the_virtual_nodes(federation: Federation) -> None:
+    names = federation.upper.kubectl("get", "nodes", "-o", "name").stdout.split()
+    assert sorted(names) == ["node/vk-lower-1", "node/vk-lower-2"]
 
 
 def _running_pods(federation: Federation, selector: str) -> list[dict[str, object]]:

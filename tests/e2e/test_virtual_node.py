@@ -295,6 +295,50 @@ def test_cordon_and_drain_move_every_replica_to_the_other_cluster(federation: Fe
         upper.kubectl("delete", "namespace", "drain", "--wait=false")
 
 
+def test_config_maps_and_secrets_follow_their_pods_down_and_away(federation: Federation) -> None:
+    upper, lower = federation.upper, federation.clusters["lower-2"]
+    deployment = federated_deployment(
+        "configured", "config", 1, node_selector={keys.CLUSTER_ID_LABEL: "lower-2"}
+    )
+    pod_spec = deployment["spec"]["template"]["spec"]
+    pod_spec["volumes"] = [{"name": "settings", "configMap": {"name": "settings"}}]
+    pod_spec["containers"][0]["env"] = [
+        {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "token", "key": "value"}}}
+    ]
+    apply(upper, namespace("config"))
+    upper.kubectl("create", "configmap", "settings", "-n", "config", "--from-literal=mode=v1")
+    upper.kubectl(
+        "create", "secret", "generic", "token", "-n", "config", "--from-literal=value=s3cret"
+    )
+    upper.kubectl("create", "configmap", "unused", "-n", "config", "--from-literal=x=y")
+    apply(upper, deployment)
+    rollout(upper, "configured", "config")
+
+    copy = get_json(lower, "configmap", "-n", "config", "settings")
+    assert copy["data"] == {"mode": "v1"}
+    assert copy["metadata"]["labels"][keys.MANAGED_BY_LABEL] == keys.MANAGED_BY_VALUE
+    secret = get_json(lower, "secret", "-n", "config", "token")
+    assert secret["data"] == get_json(upper, "secret", "-n", "config", "token")["data"]
+    assert lower.kubectl("get", "configmap", "-n", "config", "unused", check=False).returncode != 0
+
+    upper.kubectl("patch", "configmap", "settings", "-n", "config", "-p", '{"data":{"mode":"v2"}}')
+    wait_for(
+        lambda: get_json(lower, "configmap", "-n", "config", "settings")["data"] == {"mode": "v2"},
+        "the update to reach the lower copy",
+    )
+
+    upper.kubectl("delete", "deployment", "configured", "-n", "config")
+
+    def copies_gone() -> bool:
+        names = lower.kubectl(
+            "get", "configmaps,secrets", "-n", "config", "-o", "name"
+        ).stdout.split()
+        return "configmap/settings" not in names and "secret/token" not in names
+
+    wait_for(copies_gone, "copies no longer referenced to be removed")
+    upper.kubectl("delete", "namespace", "config", "--wait=false")
+
+
 # Last: after its lower apiserver restarts, kwok's simulated nodes miss heartbeats and the
 # lower controller-manager marks new pods there NotReady, which the virtual node reports.
 def test_lower_apiserver_down_makes_node_not_ready_then_recovers(federation: Federation) -> None:

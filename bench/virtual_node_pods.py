@@ -1,0 +1,176 @@
+"""Pods through a virtual node vs the same pods created directly in the lower cluster.
+
+    .venv/bin/python bench/virtual_node_pods.py [--pods 1000]
+
+One run, one federation (1 upper + 1 lower cluster): N pods created in the lower cluster
+directly, then N pods created in the upper cluster and scheduled onto the virtual node.
+Prints time to all Running both ways and the ratio, per-pod start latency (p50/p99) both
+ways and what the virtual node adds, the virtual node's RSS per mirrored pod, and the
+time a restarted virtual node takes to list both sides again with N pods.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kubekit import keys
+from kubekit.client import NAMESPACES, PODS, ClientSettings, KubeClient
+from kubekit.federation import Federation, virtual_node_name
+from kubekit.informer import FunctionHandler, Informer
+from kubekit.localcluster import ClusterSpec, LocalCluster, NodeSpec
+from kubekit.toolchain import Toolchain
+
+
+def pod(name: str, federated: bool) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10"}],
+        "terminationGracePeriodSeconds": 0,
+    }
+    if federated:
+        spec["tolerations"] = [{"key": keys.PROVIDER_TAINT_KEY, "operator": "Exists"}]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+
+async def run_pods(
+    cluster: LocalCluster, namespace: str, count: int, federated: bool
+) -> tuple[float, list[float]]:
+    """Creates ``count`` pods and returns (seconds to all Running, per-pod latencies)."""
+    async with await KubeClient.connect(
+        ClientSettings(str(cluster.kubeconfig), qps=0, burst=1)
+    ) as client:
+        await client.create(
+            NAMESPACES, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
+        )
+        created: dict[str, float] = {}
+        running: dict[str, float] = {}
+        done = asyncio.Event()
+
+        def observe(obj: dict[str, Any]) -> None:
+            name = obj["metadata"]["name"]
+            if obj.get("status", {}).get("phase") == "Running" and name not in running:
+                running[name] = time.monotonic()
+                if len(running) == count:
+                    done.set()
+
+        informer = Informer(client, PODS, namespace=namespace)
+        informer.add_handler(FunctionHandler.on_any(observe))
+        watcher = asyncio.create_task(informer.run())
+        await informer.wait_synced()
+        limit = asyncio.Semaphore(32)
+
+        async def create(index: int) -> None:
+            name = f"p-{index:05d}"
+            async with limit:
+                await client.create(PODS, pod(name, federated), namespace)
+                created[name] = time.monotonic()
+
+        began = time.monotonic()
+        await asyncio.gather(*(create(i) for i in range(count)))
+        await asyncio.wait_for(done.wait(), timeout=60 + count * 0.2)
+        total = time.monotonic() - began
+        watcher.cancel()
+        latencies = sorted(running[n] - created[n] for n in created)
+        return total, latencies
+
+
+def percentile(sorted_values: list[float], fraction: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(fraction * len(sorted_values)))]
+
+
+def rss_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    match = re.search(r"VmRSS:\s+(\d+)", status)
+    return int(match.group(1)) if match else 0
+
+
+def wait_log(path: Path, marker: str, after: int, timeout: float = 300) -> float:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = path.read_text()
+        if marker in text[after:]:
+            return time.monotonic()
+        time.sleep(0.05)
+    raise TimeoutError(f"{marker!r} not in {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--pods", type=int, default=1000)
+    args = parser.parse_args()
+    count = args.pods
+    nodes = max(2, -(-count // 500))
+    specs = [
+        ClusterSpec("upper", "upper"),
+        ClusterSpec(
+            "lower-1",
+            "lower",
+            tuple(
+                NodeSpec(
+                    f"lower-1-node-{i}", cpu="64", memory="256Gi", pods=-(-count * 2 // nodes) + 10
+                )
+                for i in range(nodes)
+            ),
+        ),
+    ]
+    with tempfile.TemporaryDirectory(prefix="kubestrata-bench-") as state:
+        federation = Federation(Path(state), specs, Toolchain.locate())
+        federation.start()
+        federation.start_virtual_nodes()
+        try:
+            lower = federation.clusters["lower-1"]
+            component = federation.components[virtual_node_name("lower-1")]
+            time.sleep(5)
+            idle_rss = rss_kib(component.pid)
+
+            direct_total, direct_lat = asyncio.run(
+                run_pods(lower, "direct", count, federated=False)
+            )
+            via_total, via_lat = asyncio.run(
+                run_pods(federation.upper, "bench", count, federated=True)
+            )
+            time.sleep(5)
+            loaded_rss = rss_kib(component.pid)
+
+            log = component.log_path
+            offset = len(log.read_text())
+            component.kill()
+            restarted = time.monotonic()
+            component.start()
+            resync = wait_log(log, "caches synced", offset) - restarted
+
+            d50, d99 = percentile(direct_lat, 0.5), percentile(direct_lat, 0.99)
+            v50, v99 = percentile(via_lat, 0.5), percentile(via_lat, 0.99)
+            per_pod = (loaded_rss - idle_rss) / count
+            print(f"pods: {count} (lower cluster: {nodes} kwok nodes)")
+            print(
+                f"direct in lower:  all Running in {direct_total:6.2f} s, "
+                f"start latency p50 {d50:.3f} s, p99 {d99:.3f} s"
+            )
+            print(
+                f"via virtual node: all Running in {via_total:6.2f} s, "
+                f"start latency p50 {v50:.3f} s, p99 {v99:.3f} s"
+            )
+            print(f"ratio (direct time / virtual-node time): {direct_total / via_total:.2f}")
+            print(f"added start latency: p50 {v50 - d50:+.3f} s, p99 {v99 - d99:+.3f} s")
+            print(
+                f"virtual-node RSS: idle {idle_rss / 1024:.0f} MiB, loaded "
+                f"{loaded_rss / 1024:.0f} MiB, {per_pod:.1f} KiB per mirrored pod"
+            )
+            print(f"restart resync (start to both sides listed, {count} pods): {resync:.2f} s")
+            print(
+                f"mean start latency: direct {statistics.mean(direct_lat):.3f} s, "
+                f"virtual node {statistics.mean(via_lat):.3f} s"
+            )
+        finally:
+            federation.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""Keeps lower copies of the ConfigMaps and Secrets that mirrored pods refer to.
+
+Level-triggered: for each (kind, upper namespace, name) the desired state is "a copy
+equal to the upper object" while a pod on this node refers to it, and "no copy"
+otherwise; every change on either side only enqueues that key.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from kubekit import keys
+from kubekit.client import (
+    CONFIGMAPS,
+    SECRETS,
+    ApiError,
+    KubeClient,
+    Resource,
+    is_conflict,
+    is_not_found,
+)
+from kubekit.informer import FunctionHandler, Informer, object_key
+from kubekit.workqueue import WorkQueue
+from virtual_node.naming import NamespaceMapping, NamingError
+from virtual_node.references import (
+    Kind,
+    copy_differs,
+    desired_copy,
+    referenced_objects,
+    reflectable,
+)
+from virtual_node.translate import Ownership
+
+log = logging.getLogger(__name__)
+
+Key = tuple[Kind, str, str]  # kind, upper namespace, name
+RESOURCES: dict[Kind, Resource] = {"configmaps": CONFIGMAPS, "secrets": SECRETS}
+
+
+class Reflector:
+    def __init__(
+        self,
+        upper_pods: Informer,
+        upper_objects: Mapping[Kind, Informer],
+        lower: KubeClient,
+        lower_copies: Mapping[Kind, Informer],
+        mapping: NamespaceMapping,
+        owner: Ownership,
+        queue: WorkQueue[Key],
+    ) -> None:
+        self.upper_objects = upper_objects
+        self.lower = lower
+        self.lower_copies = lower_copies
+        self.mapping = mapping
+        self.owner = owner
+        self.queue = queue
+        # Which upper pods refer to each object: the desired state, kept by the pod handler.
+        self._users: dict[Key, set[str]] = {}
+        self._refs_of_pod: dict[str, set[Key]] = {}
+        upper_pods.add_handler(
+            FunctionHandler(
+                add=self._pod_changed,
+                update=lambda _old, new: self._pod_changed(new),
+                delete=self._pod_gone,
+            )
+        )
+        for kind, informer in upper_objects.items():
+            informer.add_handler(
+                FunctionHandler.on_any(functools.partial(self._upper_changed, kind))
+            )
+        for kind, informer in lower_copies.items():
+            informer.add_handler(
+                FunctionHandler.on_any(functools.partial(self._lower_changed, kind))
+            )
+
+    def _pod_changed(self, pod: Mapping[str, Any]) -> None:
+        key = object_key(pod)
+        namespace = pod["metadata"]["namespace"]
+        refs = {(kind, namespace, name) for kind, name in referenced_objects(pod.get("spec") or {})}
+        if pod["metadata"].get("deletionTimestamp") or (pod.get("status") or {}).get("phase") in {
+            "Succeeded",
+            "Failed",
+        }:
+            refs = set()  # a pod on its way out needs nothing more
+        self._set_refs(key, refs)
+
+    def _pod_gone(self, pod: Mapping[str, Any]) -> None:
+        self._set_refs(object_key(pod), set())
+
+    def _set_refs(self, pod_key: str, refs: set[Key]) -> None:
+        before = self._refs_of_pod.get(pod_key, set())
+        for ref in before - refs:
+            users = self._users.get(ref, set())
+            users.discard(pod_key)
+            if not users:
+                self._users.pop(ref, None)
+            self.queue.add(ref)
+        for ref in refs - before:
+            self._users.setdefault(ref, set()).add(pod_key)
+            self.queue.add(ref)
+        if refs:
+            self._refs_of_pod[pod_key] = refs
+        else:
+            self._refs_of_pod.pop(pod_key, None)
+
+    def _upper_changed(self, kind: Kind, obj: Mapping[str, Any]) -> None:
+        key: Key = (kind, obj["metadata"]["namespace"], obj["metadata"]["name"])
+        if key in self._users:
+            self.queue.add(key)
+
+    def _lower_changed(self, kind: Kind, obj: Mapping[str, Any]) -> None:
+        metadata = obj["metadata"]
+        namespace = (metadata.get("annotations") or {}).get(keys.UPPER_NAMESPACE_ANNOTATION)
+        if namespace:
+            self.queue.add((kind, namespace, metadata["name"]))
+
+    def orphan_keys(self) -> list[Key]:
+        """Keys of lower copies that no pod needs any more (for the periodic sweep)."""
+        found: list[Key] = []
+        for kind, informer in self.lower_copies.items():
+            for obj in informer.items():
+                namespace = (obj["metadata"].get("annotations") or {}).get(
+                    keys.UPPER_NAMESPACE_ANNOTATION
+                )
+                key: Key = (kind, namespace or "", obj["metadata"]["name"])
+                if key not in self._users:
+                    found.append(key)
+        return found
+
+    async def ensure_for_pod(self, pod: Mapping[str, Any]) -> None:
+        """Brings the copies a pod needs up to date now, before the pod is created below."""
+        namespace = pod["metadata"]["namespace"]
+        for kind, name in sorted(referenced_objects(pod.get("spec") or {})):
+            await self.reconcile((kind, namespace, name))
+
+    async def run(self, workers: int) -> None:
+        await self.queue.run_workers(workers, self.reconcile)
+
+    async def reconcile(self, key: Key) -> None:
+        kind, namespace, name = key
+        resource = RESOURCES[kind]
+        try:
+            lower_namespace = self.mapping.lower(namespace)
+        except NamingError:
+            return
+        upper = self.upper_objects[kind].get(f"{namespace}/{name}")
+        lower = self.lower_copies[kind].get(f"{lower_namespace}/{name}")
+        if key in self._users and upper is not None and reflectable(upper):
+            desired = desired_copy(upper, self.mapping, self.owner)
+            if lower is None:
+                await self._create(resource, desired, lower_namespace)
+            elif copy_differs(lower, desired):
+                await self._replace(resource, lower, desired, lower_namespace)
+        elif lower is not None:
+            try:
+                await self.lower.delete(
+                    resource, name, lower_namespace, uid=lower["metadata"]["uid"]
+                )
+            except ApiError as error:
+                if not (is_not_found(error) or is_conflict(error)):
+                    raise
+
+    async def _create(self, resource: Resource, desired: dict[str, Any], namespace: str) -> None:
+        try:
+            await self.lower.create(resource, desired, namespace)
+        except ApiError as error:
+            if error.status != 409:
+                raise
+            # Someone else's object of that name: never overwritten.
+            existing = await self.lower.get(resource, desired["metadata"]["name"], namespace)
+            if not self.owner.owns(existing):
+                log.warning(
+                    "%s %s/%s exists below and is not ours; left alone",
+                    resource.plural,
+                    namespace,
+                    desired["metadata"]["name"],
+                )
+
+    async def _replace(
+        self, resource: Resource, lower: Mapping[str, Any], desired: dict[str, Any], namespace: str
+    ) -> None:
+        body = {
+            **desired,
+            "metadata": {
+                **desired["metadata"],
+                "resourceVersion": lower["metadata"]["resourceVersion"],
+            },
+        }
+        try:
+            await self.lower.replace(resource, body, namespace)
+        except ApiError as error:
+            if error.status != 422:
+                raise
+            # An immutable copy cannot change: it is made again.
+            await self.lower.delete(
+                resource, desired["metadata"]["name"], namespace, uid=lower["metadata"]["uid"]
+            )
+            await self._create(resource, desired, namespace)
