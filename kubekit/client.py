@@ -84,6 +84,7 @@ NAMESPACES = Resource("", "v1", "namespaces", namespaced=False)
 CONFIGMAPS = Resource("", "v1", "configmaps")
 SECRETS = Resource("", "v1", "secrets")
 SERVICEACCOUNTS = Resource("", "v1", "serviceaccounts")
+PERSISTENTVOLUMECLAIMS = Resource("", "v1", "persistentvolumeclaims")
 EVENTS = Resource("", "v1", "events")
 LEASES = Resource("coordination.k8s.io", "v1", "leases")
 

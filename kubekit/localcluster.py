@@ -316,8 +316,6 @@ class LocalCluster:
                 f"--cluster-signing-key-file={self.ca.key_path}",
                 "--use-service-account-credentials=true",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
-                # Half the default: an unreachable virtual node shows NotReady in 20 s.
-                "--node-monitor-grace-period=20s",
             ],
             (self.ports.controller_manager,),
         )

@@ -16,9 +16,10 @@ from typing import Any
 import yaml
 from aiohttp import web
 
-from kubekit.client import NAMESPACES, NODES, PODS, ClientSettings, KubeClient
+from kubekit.client import EVENTS, NAMESPACES, NODES, PODS, ClientSettings, KubeClient
 from kubekit.informer import InformerFactory
 from kubekit.workqueue import WorkQueue
+from virtual_node.events import EventReflector
 from virtual_node.lower import LowerCluster
 from virtual_node.naming import NamespaceMapping, Strategy
 from virtual_node.node import NodeIdentity
@@ -174,6 +175,14 @@ async def run(config: VirtualNodeConfig) -> None:
             reflector,
         )
         backend.watch_mirrored_pods(queue)
+        events = EventReflector(
+            upper,
+            lower_informers.informer(EVENTS, field_selector="involvedObject.kind=Pod"),
+            backend.pods,
+            owner,
+            config.cluster_id,
+            WorkQueue("events"),
+        )
         pods = PodController(upper, upper_pods, backend, config.name, queue)
         nodes = NodeController(upper, identity, backend)
         runner = await serve_kubelet_api(config)
@@ -194,6 +203,7 @@ async def run(config: VirtualNodeConfig) -> None:
             nodes.run(),
             pods.run(config.workers),
             reflector.run(config.workers),
+            events.run(max(1, config.workers // 4)),
             _sweep_orphans(backend, upper_pods.keys, queue, reflector),
         )
     finally:

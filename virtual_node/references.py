@@ -10,7 +10,7 @@ from virtual_node.naming import NamespaceMapping
 from virtual_node.translate import Ownership
 
 JSON = dict[str, Any]
-Kind = Literal["configmaps", "secrets"]
+Kind = Literal["configmaps", "secrets", "persistentvolumeclaims"]
 
 # Secrets whose content the lower cluster makes for itself.
 _NOT_REFLECTED_SECRET_TYPES = frozenset({"kubernetes.io/service-account-token"})
@@ -22,10 +22,12 @@ def _containers(spec: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
 
 
 def referenced_objects(spec: Mapping[str, Any]) -> set[tuple[Kind, str]]:
-    """ConfigMaps and Secrets a pod spec refers to: volumes, projected volumes, env,
-    envFrom and imagePullSecrets."""
+    """ConfigMaps, Secrets and PersistentVolumeClaims a pod spec refers to: volumes,
+    projected volumes, env, envFrom and imagePullSecrets."""
     refs: set[tuple[Kind, str]] = set()
     for volume in spec.get("volumes") or []:
+        if "persistentVolumeClaim" in volume:
+            refs.add(("persistentvolumeclaims", volume["persistentVolumeClaim"]["claimName"]))
         if "configMap" in volume:
             refs.add(("configmaps", volume["configMap"]["name"]))
         if "secret" in volume:
@@ -77,10 +79,15 @@ def desired_copy(upper: Mapping[str, Any], mapping: NamespaceMapping, owner: Own
     for field in ("data", "binaryData", "stringData", "type", "immutable"):
         if field in upper:
             copy[field] = upper[field]
+    if "spec" in upper:
+        # A claim is bound below, to the lower cluster's own volumes.
+        copy["spec"] = {k: v for k, v in upper["spec"].items() if k != "volumeName"}
     return copy
 
 
 def copy_differs(lower: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
+    # A claim's spec is fixed once created (only a storage request may grow): what
+    # differs there is not brought over.
     fields = ("data", "binaryData", "type", "immutable")
     if any(lower.get(f) != desired.get(f) for f in fields):
         return True

@@ -1,4 +1,5 @@
-"""Keeps lower copies of the ConfigMaps and Secrets that mirrored pods refer to.
+"""Keeps lower copies of the ConfigMaps, Secrets and PersistentVolumeClaims that
+mirrored pods refer to.
 
 Level-triggered: for each (kind, upper namespace, name) the desired state is "a copy
 equal to the upper object" while a pod on this node refers to it, and "no copy"
@@ -15,6 +16,7 @@ from typing import Any
 from kubekit import keys
 from kubekit.client import (
     CONFIGMAPS,
+    PERSISTENTVOLUMECLAIMS,
     SECRETS,
     ApiError,
     KubeClient,
@@ -37,7 +39,11 @@ from virtual_node.translate import Ownership
 log = logging.getLogger(__name__)
 
 Key = tuple[Kind, str, str]  # kind, upper namespace, name
-RESOURCES: dict[Kind, Resource] = {"configmaps": CONFIGMAPS, "secrets": SECRETS}
+RESOURCES: dict[Kind, Resource] = {
+    "configmaps": CONFIGMAPS,
+    "secrets": SECRETS,
+    "persistentvolumeclaims": PERSISTENTVOLUMECLAIMS,
+}
 
 
 class Reflector:

@@ -136,6 +136,19 @@ def test_deployment_spreads_over_both_virtual_nodes_and_deletes_cleanly(
             for v in lower["spec"].get("volumes", [])
         )
 
+    # What happened below is told above: the lower scheduler's event on each upper pod.
+    for name, pod in pods.items():
+        lower_node = f"{pod['spec']['nodeName'].removeprefix('vk-')}-node-"
+        wait_for(
+            lambda n=name, ln=lower_node: any(  # type: ignore[misc]
+                e["reason"] == "Scheduled" and ln in e.get("message", "")
+                for e in get_json(
+                    upper, "events", "-n", "spread", "--field-selector", f"involvedObject.name={n}"
+                )["items"]
+            ),
+            f"the lower Scheduled event on {name}",
+        )
+
     upper.kubectl("delete", "deployment", "web", "-n", "spread")
     for lower_name in ("lower-1", "lower-2"):
         cluster = federation.clusters[lower_name]

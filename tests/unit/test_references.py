@@ -22,6 +22,7 @@ def test_every_kind_of_reference_is_found() -> None:
                 },
             },
             {"name": "d", "emptyDir": {}},
+            {"name": "e", "persistentVolumeClaim": {"claimName": "data"}},
         ],
         "initContainers": [{"name": "i", "envFrom": [{"configMapRef": {"name": "cm-envfrom"}}]}],
         "containers": [
@@ -51,6 +52,7 @@ def test_every_kind_of_reference_is_found() -> None:
         ("secrets", "secret-env"),
         ("secrets", "secret-envfrom"),
         ("secrets", "registry"),
+        ("persistentvolumeclaims", "data"),
     }
 
 
@@ -83,3 +85,20 @@ def test_service_account_tokens_are_not_reflected() -> None:
     assert not reflectable({"type": "kubernetes.io/service-account-token"})
     assert reflectable({"type": "Opaque"})
     assert reflectable({"data": {}})
+
+
+def test_claim_copy_is_unbound_below() -> None:
+    upper = {
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "data", "namespace": "db", "uid": "u"},
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "volumeName": "pv-upper",
+            "resources": {"requests": {"storage": "1Gi"}},
+        },
+    }
+    copy = desired_copy(upper, NamespaceMapping(), OWNER)
+    assert copy["spec"] == {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": "1Gi"}},
+    }
