@@ -229,6 +229,24 @@ class KubeClient:
             options["preconditions"] = {"uid": uid}
         return await self.request("DELETE", resource.path(namespace, name), body=options)
 
+    async def delete_exact(
+        self, resource: Resource, obj: Mapping[str, Any], *, grace_period_seconds: int | None = None
+    ) -> None:
+        """Deletes this very object: a UID precondition spares a newer one of the same name,
+        and an object already gone (404) or replaced (409) counts as deleted."""
+        metadata = obj["metadata"]
+        try:
+            await self.delete(
+                resource,
+                metadata["name"],
+                metadata.get("namespace"),
+                grace_period_seconds=grace_period_seconds,
+                uid=metadata["uid"],
+            )
+        except ApiError as error:
+            if error.status not in (404, 409):
+                raise
+
     async def watch(
         self,
         resource: Resource,

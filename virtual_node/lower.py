@@ -149,7 +149,7 @@ class LowerCluster:
         upper_uid = upper["metadata"]["uid"]
         if (lower["metadata"].get("annotations") or {}).get(keys.UPPER_UID_ANNOTATION) != upper_uid:
             # Left by an earlier upper pod of the same name: it goes before ours is made.
-            await self._delete_lower(lower, grace_period_seconds=0)
+            await self.client.delete_exact(PODS, lower, grace_period_seconds=0)
             return Waiting()
         patch = lower_pod_patch(lower, desired)
         if patch is not None and not lower["metadata"].get("deletionTimestamp"):
@@ -231,22 +231,6 @@ class LowerCluster:
                 return None
             raise
 
-    async def _delete_lower(
-        self, lower: Mapping[str, Any], grace_period_seconds: int | None
-    ) -> None:
-        metadata = lower["metadata"]
-        try:
-            await self.client.delete(
-                PODS,
-                metadata["name"],
-                metadata["namespace"],
-                grace_period_seconds=grace_period_seconds,
-                uid=metadata["uid"],
-            )
-        except ApiError as error:
-            if not (is_not_found(error) or error.status == 409):
-                raise
-
     async def delete(self, upper: Mapping[str, Any]) -> bool:
         metadata = upper["metadata"]
         namespace = self.mapping.lower(metadata["namespace"])
@@ -260,7 +244,11 @@ class LowerCluster:
         ]:
             return True  # not this pod's
         if not lower["metadata"].get("deletionTimestamp"):
-            await self._delete_lower(lower, upper["metadata"].get("deletionGracePeriodSeconds"))
+            await self.client.delete_exact(
+                PODS,
+                lower,
+                grace_period_seconds=upper["metadata"].get("deletionGracePeriodSeconds"),
+            )
         # Gone once the lower informer reports the delete, which wakes this key again.
         return False
 
@@ -276,7 +264,7 @@ class LowerCluster:
             and not lower["metadata"].get("deletionTimestamp")
         ):
             log.info("removing orphan lower pod %s", lower_key)
-            await self._delete_lower(lower, grace_period_seconds=None)
+            await self.client.delete_exact(PODS, lower, grace_period_seconds=None)
 
     def orphan_keys(self, upper_keys: set[str]) -> list[str]:
         """Upper keys of our lower pods whose upper pod does not exist."""

@@ -101,7 +101,7 @@ class PodController:
             return
         if upper["metadata"].get("deletionTimestamp"):
             if await self.backend.delete(upper):
-                await self._remove_upper(upper)
+                await self.upper.delete_exact(PODS, upper, grace_period_seconds=0)
             return
         result = await self.backend.sync(upper)
         match result:
@@ -139,27 +139,9 @@ class PodController:
         makes a new one; a bare pod is marked Failed, as a kubelet would after losing it."""
         await self.event(upper, "Warning", "LowerPodDeleted", message)
         if any(ref.get("controller") for ref in upper["metadata"].get("ownerReferences") or []):
-            await self._delete_upper(upper, grace_period_seconds=0)
+            await self.upper.delete_exact(PODS, upper, grace_period_seconds=0)
         else:
             await self._set_status(upper, failed_status(upper, "LowerPodDeleted", message))
-
-    async def _remove_upper(self, upper: Mapping[str, Any]) -> None:
-        await self._delete_upper(upper, grace_period_seconds=0)
-
-    async def _delete_upper(self, upper: Mapping[str, Any], grace_period_seconds: int) -> None:
-        metadata = upper["metadata"]
-        try:
-            await self.upper.delete(
-                PODS,
-                metadata["name"],
-                metadata["namespace"],
-                grace_period_seconds=grace_period_seconds,
-                uid=metadata["uid"],
-            )
-        except ApiError as error:
-            # Already gone, or a new pod of the same name (the UID precondition failed).
-            if not (is_not_found(error) or is_conflict(error)):
-                raise
 
     async def event(self, pod: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
         metadata = pod["metadata"]

@@ -21,8 +21,6 @@ from kubekit.client import (
     ApiError,
     KubeClient,
     Resource,
-    is_conflict,
-    is_not_found,
 )
 from kubekit.informer import FunctionHandler, Informer, object_key
 from kubekit.workqueue import WorkQueue
@@ -161,13 +159,7 @@ class Reflector:
             elif copy_differs(lower, desired):
                 await self._replace(resource, lower, desired, lower_namespace)
         elif lower is not None:
-            try:
-                await self.lower.delete(
-                    resource, name, lower_namespace, uid=lower["metadata"]["uid"]
-                )
-            except ApiError as error:
-                if not (is_not_found(error) or is_conflict(error)):
-                    raise
+            await self.lower.delete_exact(resource, lower)
 
     async def _create(self, resource: Resource, desired: dict[str, Any], namespace: str) -> None:
         try:
@@ -201,7 +193,5 @@ class Reflector:
             if error.status != 422:
                 raise
             # An immutable copy cannot change: it is made again.
-            await self.lower.delete(
-                resource, desired["metadata"]["name"], namespace, uid=lower["metadata"]["uid"]
-            )
+            await self.lower.delete_exact(resource, lower)
             await self._create(resource, desired, namespace)
