@@ -356,6 +356,9 @@ class LocalCluster:
                 f"--kubeconfig={self.kubeconfig}",
                 f"--config={config_path}",
                 "--manage-all-nodes=true",
+                # Without it kwok renews no Lease, and the controller-manager finds the
+                # simulated nodes silent after its grace period and marks their pods NotReady.
+                "--node-lease-duration-seconds=40",
                 f"--cidr={POD_CIDR}",
                 f"--node-ip={LOOPBACK}",
                 f"--node-port={self.ports.kwok}",

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from kubekit import keys
 from virtual_node.naming import NamespaceMapping
-from virtual_node.translate import Ownership
+from virtual_node.translate import Ownership, is_service_account_token_volume
 
 JSON = dict[str, Any]
 Kind = Literal["configmaps", "secrets", "persistentvolumeclaims"]
@@ -26,6 +26,8 @@ def referenced_objects(spec: Mapping[str, Any]) -> set[tuple[Kind, str]]:
     projected volumes, env, envFrom and imagePullSecrets."""
     refs: set[tuple[Kind, str]] = set()
     for volume in spec.get("volumes") or []:
+        if is_service_account_token_volume(volume):
+            continue  # not mirrored: the lower cluster mounts its own token and CA
         if "persistentVolumeClaim" in volume:
             refs.add(("persistentvolumeclaims", volume["persistentVolumeClaim"]["claimName"]))
         if "configMap" in volume:

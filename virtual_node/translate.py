@@ -60,7 +60,7 @@ class TranslationError(ValueError):
     """The upper pod cannot be expressed in the lower cluster."""
 
 
-def _is_service_account_token_volume(volume: Mapping[str, Any]) -> bool:
+def is_service_account_token_volume(volume: Mapping[str, Any]) -> bool:
     sources = (volume.get("projected") or {}).get("sources") or []
     return volume.get("name", "").startswith("kube-api-access-") and any(
         "serviceAccountToken" in s for s in sources
@@ -78,7 +78,7 @@ def desired_lower_pod(
     # The upper cluster's token would not authenticate below; the lower apiserver mounts
     # a token of the reflected service account instead.
     token_volumes = {
-        v["name"] for v in spec.get("volumes") or [] if _is_service_account_token_volume(v)
+        v["name"] for v in spec.get("volumes") or [] if is_service_account_token_volume(v)
     }
     if token_volumes:
         spec["volumes"] = [v for v in spec["volumes"] if v["name"] not in token_volumes]

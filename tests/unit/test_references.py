@@ -102,3 +102,16 @@ def test_claim_copy_is_unbound_below() -> None:
         "accessModes": ["ReadWriteOnce"],
         "resources": {"requests": {"storage": "1Gi"}},
     }
+
+
+def test_the_service_account_token_volume_needs_nothing_below() -> None:
+    token_volume = {
+        "name": "kube-api-access-x7k2p",
+        "projected": {
+            "sources": [
+                {"serviceAccountToken": {"path": "token"}},
+                {"configMap": {"name": "kube-root-ca.crt"}},
+            ]
+        },
+    }
+    assert referenced_objects({"volumes": [token_volume]}) == set()
