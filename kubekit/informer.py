@@ -31,6 +31,12 @@ def object_key(obj: Mapping[str, Any]) -> str:
     return f"{namespace}/{metadata['name']}" if namespace else str(metadata["name"])
 
 
+def strip_for_cache(obj: JSON) -> None:
+    """Drops what no controller here reads, before an object is cached: managedFields
+    are often the larger half of an object, and there is one cached copy per object."""
+    obj.get("metadata", {}).pop("managedFields", None)
+
+
 def resource_version(obj: Mapping[str, Any]) -> str:
     return str(obj.get("metadata", {}).get("resourceVersion", ""))
 
@@ -219,6 +225,7 @@ class Informer:
                 # List items come without kind/apiVersion; watch objects have them.
                 obj.setdefault("kind", kind)
                 obj.setdefault("apiVersion", api_version)
+                strip_for_cache(obj)
                 listed[object_key(obj)] = obj
             continue_token = page.get("metadata", {}).get("continue") or None
             if not continue_token:
@@ -255,6 +262,7 @@ class Informer:
         """Applies one watch event to the cache and tells the handlers."""
         kind = event["type"]
         obj: JSON = event["object"]
+        strip_for_cache(obj)
         version = resource_version(obj)
         if kind == "BOOKMARK":
             self.resource_version = version

@@ -49,6 +49,8 @@ class VirtualNodeConfig:
     upper_burst: int = 400
     lower_qps: float = 200.0
     lower_burst: int = 400
+    event_qps: float = 50.0
+    event_burst: int = 100
     namespace_strategy: Strategy = "same"
     namespace_prefix: str = ""
     log_level: str = "INFO"
@@ -96,6 +98,8 @@ def parse_args(argv: Sequence[str]) -> VirtualNodeConfig:
     parser.add_argument("--upper-burst", type=int)
     parser.add_argument("--lower-qps", type=float)
     parser.add_argument("--lower-burst", type=int)
+    parser.add_argument("--event-qps", type=float, help="re-emitted events per second (default 50)")
+    parser.add_argument("--event-burst", type=int)
     parser.add_argument("--namespace-strategy", choices=["same", "prefix"])
     parser.add_argument("--namespace-prefix")
     parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -140,6 +144,11 @@ async def run(config: VirtualNodeConfig) -> None:
     lower = await KubeClient.connect(
         ClientSettings(config.lower_kubeconfig, qps=config.lower_qps, burst=config.lower_burst)
     )
+    # Re-emitted events get their own budget (the kubelet's --event-qps), so a burst of
+    # them never slows pod creates and status updates.
+    upper_events = await KubeClient.connect(
+        ClientSettings(config.upper_kubeconfig, qps=config.event_qps, burst=config.event_burst)
+    )
     upper_informers = InformerFactory(upper)
     lower_informers = InformerFactory(lower)
     runner: web.AppRunner | None = None
@@ -176,7 +185,7 @@ async def run(config: VirtualNodeConfig) -> None:
         )
         backend.watch_mirrored_pods(queue)
         events = EventReflector(
-            upper,
+            upper_events,
             lower_informers.informer(EVENTS, field_selector="involvedObject.kind=Pod"),
             backend.pods,
             owner,
@@ -212,6 +221,7 @@ async def run(config: VirtualNodeConfig) -> None:
         await upper_informers.stop()
         await lower_informers.stop()
         await upper.close()
+        await upper_events.close()
         await lower.close()
 
 

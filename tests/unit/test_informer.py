@@ -74,6 +74,14 @@ def test_apply_watch_events_updates_cache_and_handlers() -> None:
     assert cache.resource_version == "10"
 
 
+def test_cached_objects_carry_no_managed_fields() -> None:
+    cache = informer()
+    managed = obj("a", "1")
+    managed["metadata"]["managedFields"] = [{"manager": "kubectl", "fieldsV1": {"f:data": {}}}]
+    cache.apply({"type": "ADDED", "object": managed})
+    assert "managedFields" not in cache.get("ns/a")["metadata"]  # type: ignore[index]
+
+
 def test_a_modified_event_for_an_unknown_object_is_an_add() -> None:
     cache = informer()
     recorder = Recorder()
