@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="pod capacity of each simulated node (default 110)",
     )
     up.add_argument(
+        "--k3s",
+        action="store_true",
+        help="lower clusters as K3s containers (needs Docker and pip install -e '.[k3s]')",
+    )
+    up.add_argument(
         "--detach",
         action="store_true",
         help="return once ready and leave the federation running (stop: kubestrata down)",
@@ -96,6 +101,7 @@ def _up(args: argparse.Namespace) -> int:
         node_cpu=args.node_cpu,
         node_memory=args.node_memory,
         node_pods=args.node_pods,
+        k3s=args.k3s,
     )
     federation = Federation(
         args.state_dir, spec.clusters(), Toolchain.locate(), die_with_parent=not args.detach

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from kubekit.k3s import K3sCluster
 from kubekit.localcluster import ClusterError, ClusterSpec, LocalCluster, NodeSpec, free_port
 from kubekit.process import ManagedProcess, ProcessRecord
 from kubekit.toolchain import Toolchain
@@ -31,6 +32,7 @@ class FederationSpec:
     node_cpu: str = "16"
     node_memory: str = "64Gi"
     node_pods: int = 110
+    k3s: bool = False  # lower clusters as K3s containers (needs a Docker engine)
 
     def clusters(self) -> list[ClusterSpec]:
         if self.lower < 1:
@@ -53,7 +55,10 @@ class FederationSpec:
                 )
                 for n in range(self.nodes_per_lower)
             )
-            specs.append(ClusterSpec(name, "lower", nodes))
+            if self.k3s:
+                specs.append(ClusterSpec(name, "lower", runtime="k3s"))
+            else:
+                specs.append(ClusterSpec(name, "lower", nodes))
         return specs
 
 
@@ -149,15 +154,31 @@ class Federation:
                 on_process_started=self._write_state,
             )
             for spec in clusters
+            if spec.runtime == "local"
         }
+        self.k3s_clusters = {
+            spec.name: K3sCluster(spec, state_dir / spec.name, toolchain)
+            for spec in clusters
+            if spec.runtime == "k3s"
+        }
+        if self.k3s_clusters and not die_with_parent:
+            raise ClusterError(
+                "K3s lower clusters run only as long as `kubestrata up` does (no --detach)"
+            )
 
     @property
     def upper(self) -> LocalCluster:
         return self.clusters[UPPER]
 
     @property
-    def lowers(self) -> list[LocalCluster]:
-        return [c for c in self.clusters.values() if c.spec.role == "lower"]
+    def lowers(self) -> list[LocalCluster | K3sCluster]:
+        local: list[LocalCluster | K3sCluster] = [
+            c for c in self.clusters.values() if c.spec.role == "lower"
+        ]
+        return local + list(self.k3s_clusters.values())
+
+    def _all_clusters(self) -> list[LocalCluster | K3sCluster]:
+        return [*self.clusters.values(), *self.k3s_clusters.values()]
 
     def _claim_state_dir(self) -> None:
         if self.state_dir.exists() and any(self.state_dir.iterdir()):
@@ -182,7 +203,7 @@ class Federation:
         self._write_state()
         try:
             with ThreadPoolExecutor(_PARALLEL_STARTS) as pool:
-                for future in [pool.submit(c.start) for c in self.clusters.values()]:
+                for future in [pool.submit(c.start) for c in self._all_clusters()]:
                     future.result()
         except BaseException:
             self.stop()
@@ -256,7 +277,7 @@ class Federation:
     def stop(self) -> None:
         for component in self.components.values():
             component.stop()
-        for cluster in self.clusters.values():
+        for cluster in self._all_clusters():
             cluster.stop()
         if (self.state_dir / STATE_FILE).exists():
             self._write_state()

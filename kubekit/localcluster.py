@@ -79,6 +79,8 @@ class ClusterSpec:
     name: str
     role: Role
     nodes: tuple[NodeSpec, ...] = ()
+    # "k3s": a K3s container through testcontainers (kubekit.k3s), lower clusters only.
+    runtime: Literal["local", "k3s"] = "local"
 
 
 _handed_out: set[int] = set()

@@ -13,7 +13,7 @@ kwok_dir="$cache/kwok-$KWOK_VERSION"
 die() { echo "hack/k8s/build.sh: $*" >&2; exit 1; }
 
 command -v go >/dev/null 2>&1 ||
-  die "the Go toolchain is missing: install Go 1.25 or newer (https://go.dev/doc/install) and put 'go' on PATH"
+  die "the Go toolchain is missing: install Go 1.26 or newer (https://go.dev/doc/install) and put 'go' on PATH"
 grep -qE "^(require )?[[:space:]]*k8s.io/kubernetes $KUBERNETES_VERSION\$" "$here/go.mod" ||
   die "go.mod does not require k8s.io/kubernetes $KUBERNETES_VERSION: run hack/k8s/gen-gomod.sh after changing versions.env"
 

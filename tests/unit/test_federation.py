@@ -121,3 +121,25 @@ def test_cli_rejects_bad_counts() -> None:
         parser.parse_args(["up", "--lower", "0"])
     args = parser.parse_args(["up", "--lower", "3", "--nodes", "0", "--detach"])
     assert (args.lower, args.nodes, args.detach) == (3, 0, True)
+
+
+def test_k3s_lowers_are_containers_and_need_the_foreground() -> None:
+    clusters = FederationSpec(lower=1, k3s=True).clusters()
+    assert [(c.name, c.runtime) for c in clusters] == [("upper", "local"), ("lower-1", "k3s")]
+    with pytest.raises(ClusterError, match="no --detach"):
+        Federation(Path("/nonexistent"), clusters, FAKE_TOOLCHAIN, die_with_parent=False)
+
+
+def test_k3s_without_docker_says_what_is_missing(tmp_path: Path) -> None:
+    from kubekit.k3s import K3sCluster
+
+    cluster = K3sCluster(FederationSpec(lower=1, k3s=True).clusters()[1], tmp_path, FAKE_TOOLCHAIN)
+    try:
+        import docker
+
+        docker.from_env().ping()
+    except Exception:
+        with pytest.raises(ClusterError, match=r"testcontainers|Docker engine"):
+            cluster.start()
+    else:
+        pytest.skip("a Docker engine is running here: the e2e path applies instead")
