@@ -71,13 +71,14 @@ async def test_cache_follows_changes_and_survives_an_apiserver_restart(
     async with await KubeClient.connect(
         ClientSettings(kubeconfig=str(cluster.kubeconfig))
     ) as client:
+        await kubectl(cluster, "create", "configmap", "before-start", "--from-literal=k=0")
         informer = Informer(client, CONFIGMAPS, namespace="default")
         recorder = Recorder()
         informer.add_handler(recorder)
         async with running(informer):
             async with asyncio.timeout(60):
                 await informer.wait_synced()
-            assert informer.get("default/kube-root-ca.crt") is not None
+            assert informer.get("default/before-start") is not None, "listed at start"
 
             await kubectl(cluster, "create", "configmap", "alpha", "--from-literal=k=1")
             await eventually(lambda: ("add", "default/alpha", "{'k': '1'}") in recorder.events)
