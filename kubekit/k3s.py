@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from kubekit.localcluster import ClusterError, ClusterSpec
+from kubekit.localcluster import ClusterError, ClusterSpec, run_kubectl
 from kubekit.process import ProcessRecord
 from kubekit.toolchain import Toolchain
 
@@ -56,19 +56,15 @@ class K3sCluster:
     def kubectl(
         self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120.0
     ) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(
-            [str(self.toolchain.kubectl), f"--kubeconfig={self.kubeconfig}", *args],
+        return run_kubectl(
+            self.toolchain,
+            self.kubeconfig,
+            self.name,
+            *args,
             input=input,
-            capture_output=True,
-            text=True,
+            check=check,
             timeout=timeout,
-            check=False,
         )
-        if check and result.returncode != 0:
-            raise ClusterError(
-                f"kubectl {' '.join(args)} on {self.name} failed: {result.stderr.strip()}"
-            )
-        return result
 
     def records(self) -> list[ProcessRecord]:
         return []  # a container, not a process of ours: stopped by stop(), not by PID

@@ -450,20 +450,15 @@ class LocalCluster:
         self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120.0
     ) -> subprocess.CompletedProcess[str]:
         """Runs the stock kubectl against this cluster."""
-        result = subprocess.run(
-            [str(self.toolchain.kubectl), f"--kubeconfig={self.kubeconfig}", *args],
+        return run_kubectl(
+            self.toolchain,
+            self.kubeconfig,
+            self.name,
+            *args,
             input=input,
-            capture_output=True,
-            text=True,
+            check=check,
             timeout=timeout,
-            check=False,
         )
-        if check and result.returncode != 0:
-            raise ClusterError(
-                f"kubectl {' '.join(args)} on {self.name} failed ({result.returncode}): "
-                f"{result.stderr.strip()}"
-            )
-        return result
 
     def append_pod_log(self, *lines: str, stream: Literal["stdout", "stderr"] = "stdout") -> None:
         """Appends lines to the log every simulated container of this cluster serves,
@@ -494,6 +489,31 @@ class LocalCluster:
         # Reverse start order: dependants first, etcd last.
         for process in reversed(list(self.processes.values())):
             process.stop()
+
+
+def run_kubectl(
+    toolchain: Toolchain,
+    kubeconfig: Path,
+    cluster: str,
+    *args: str,
+    input: str | None = None,
+    check: bool = True,
+    timeout: float = 120.0,
+) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [str(toolchain.kubectl), f"--kubeconfig={kubeconfig}", *args],
+        input=input,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if check and result.returncode != 0:
+        raise ClusterError(
+            f"kubectl {' '.join(args)} on {cluster} failed ({result.returncode}): "
+            f"{result.stderr.strip()}"
+        )
+    return result
 
 
 def _http_ok(host: str, port: int, path: str) -> bool:
