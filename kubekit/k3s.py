@@ -4,11 +4,10 @@ default and what CI uses."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Any
 
-from kubekit.localcluster import ClusterError, ClusterSpec, run_kubectl
+from kubekit.localcluster import ClusterError, ClusterSpec, KubectlClient
 from kubekit.process import ProcessRecord
 from kubekit.toolchain import Toolchain
 
@@ -30,7 +29,7 @@ def _docker_engine() -> Any:
     return client
 
 
-class K3sCluster:
+class K3sCluster(KubectlClient):
     """The same surface as LocalCluster for what a federation needs of a lower cluster."""
 
     def __init__(self, spec: ClusterSpec, directory: Path, toolchain: Toolchain) -> None:
@@ -52,19 +51,6 @@ class K3sCluster:
         self._container = K3SContainer(K3S_IMAGE).start()
         self.kubeconfig.write_text(self._container.config_yaml())
         self.kubeconfig.chmod(0o600)
-
-    def kubectl(
-        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120.0
-    ) -> subprocess.CompletedProcess[str]:
-        return run_kubectl(
-            self.toolchain,
-            self.kubeconfig,
-            self.name,
-            *args,
-            input=input,
-            check=check,
-            timeout=timeout,
-        )
 
     def records(self) -> list[ProcessRecord]:
         return []  # a container, not a process of ours: stopped by stop(), not by PID

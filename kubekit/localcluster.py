@@ -126,7 +126,38 @@ class Ports:
         return cls(*(free_port() for _ in range(6)))
 
 
-class LocalCluster:
+class KubectlClient:
+    """`kubectl()` for anything with a toolchain, a kubeconfig and a name: local
+    clusters and K3s containers alike."""
+
+    toolchain: Toolchain
+    kubeconfig: Path
+
+    @property
+    def name(self) -> str:
+        raise NotImplementedError
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120.0
+    ) -> subprocess.CompletedProcess[str]:
+        """Runs the stock kubectl against this cluster."""
+        result = subprocess.run(
+            [str(self.toolchain.kubectl), f"--kubeconfig={self.kubeconfig}", *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if check and result.returncode != 0:
+            raise ClusterError(
+                f"kubectl {' '.join(args)} on {self.name} failed ({result.returncode}): "
+                f"{result.stderr.strip()}"
+            )
+        return result
+
+
+class LocalCluster(KubectlClient):
     """One control plane on loopback; all files live under ``directory``."""
 
     def __init__(
@@ -446,20 +477,6 @@ class LocalCluster:
 
     # -- use ---------------------------------------------------------------------------------
 
-    def kubectl(
-        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120.0
-    ) -> subprocess.CompletedProcess[str]:
-        """Runs the stock kubectl against this cluster."""
-        return run_kubectl(
-            self.toolchain,
-            self.kubeconfig,
-            self.name,
-            *args,
-            input=input,
-            check=check,
-            timeout=timeout,
-        )
-
     def append_pod_log(self, *lines: str, stream: Literal["stdout", "stderr"] = "stdout") -> None:
         """Appends lines to the log every simulated container of this cluster serves,
         in the CRI log format kwok reads (``<RFC3339Nano> <stream> F <text>``)."""
@@ -489,31 +506,6 @@ class LocalCluster:
         # Reverse start order: dependants first, etcd last.
         for process in reversed(list(self.processes.values())):
             process.stop()
-
-
-def run_kubectl(
-    toolchain: Toolchain,
-    kubeconfig: Path,
-    cluster: str,
-    *args: str,
-    input: str | None = None,
-    check: bool = True,
-    timeout: float = 120.0,
-) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [str(toolchain.kubectl), f"--kubeconfig={kubeconfig}", *args],
-        input=input,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    if check and result.returncode != 0:
-        raise ClusterError(
-            f"kubectl {' '.join(args)} on {cluster} failed ({result.returncode}): "
-            f"{result.stderr.strip()}"
-        )
-    return result
 
 
 def _http_ok(host: str, port: int, path: str) -> bool:
