@@ -117,6 +117,7 @@ def _up(args: argparse.Namespace) -> int:
     federation.start()
     try:
         federation.start_virtual_nodes()
+        federation.start_webhook()
     except BaseException:
         federation.stop()
         raise

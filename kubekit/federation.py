@@ -17,6 +17,8 @@ from kubekit.k3s import K3sCluster
 from kubekit.localcluster import ClusterError, ClusterSpec, LocalCluster, NodeSpec, free_port
 from kubekit.process import ManagedProcess, ProcessRecord
 from kubekit.toolchain import Toolchain
+from webhook.configuration import CONFIGURATION_NAME as WEBHOOK_CONFIGURATION
+from webhook.configuration import PATH as WEBHOOK_PATH
 
 STATE_FILE = "federation.json"
 UPPER = "upper"
@@ -139,6 +141,7 @@ class Federation:
         die_with_parent: bool = True,
     ) -> None:
         self.state_dir = state_dir
+        self.webhook_url: str | None = None
         self.toolchain = toolchain
         self.die_with_parent = die_with_parent
         self.components: dict[str, ManagedProcess] = {}
@@ -243,6 +246,39 @@ class Federation:
             f"--timeout={int(timeout)}s",
             timeout=timeout + 10,
         )
+
+    def start_webhook(self, timeout: float = 60.0) -> str:
+        """`kubestrata webhook` on a loopback port, registered with the upper apiserver;
+        returns its URL once the MutatingWebhookConfiguration is in place."""
+        port = free_port()
+        url = f"https://127.0.0.1:{port}{WEBHOOK_PATH}"
+        self.start_component(
+            "webhook",
+            [
+                "webhook",
+                f"--listen=127.0.0.1:{port}",
+                f"--cert-dir={self.state_dir / 'webhook'}",
+                f"--kubeconfig={self.upper.kubeconfig}",
+                f"--register-url={url}",
+            ],
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            self.components["webhook"].check_running()
+            found = self.upper.kubectl(
+                "get",
+                "mutatingwebhookconfiguration",
+                WEBHOOK_CONFIGURATION,
+                "-o",
+                "jsonpath={.webhooks[0].clientConfig.url}",
+                check=False,
+            )
+            if found.returncode == 0 and found.stdout.strip() == url:
+                self.webhook_url = url
+                return url
+            if time.monotonic() > deadline:
+                raise ClusterError(f"webhook not registered after {timeout:.0f} s")
+            time.sleep(0.3)
 
     def start_component(self, name: str, kubestrata_args: list[str]) -> ManagedProcess:
         process = ManagedProcess(

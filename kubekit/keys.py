@@ -30,3 +30,9 @@ UPPER_NAMESPACE_ANNOTATION = f"{PREFIX}/upper-namespace"
 
 # The webhook's stash of scheduling fields on federated pods (kubekit.stash).
 STASH_ANNOTATION = f"{PREFIX}/scheduling-stash"
+
+# Namespaces whose pods the webhook federates carry this label with value "enabled";
+# a pod opts out with the same label set to "disabled".
+FEDERATION_LABEL = f"{PREFIX}/federation"
+FEDERATION_ENABLED = "enabled"
+FEDERATION_DISABLED = "disabled"

@@ -171,3 +171,29 @@ def write_kubeconfig(path: Path, *, cluster: str, server: str, ca: Path, user: K
     }
     _write(path, yaml.safe_dump(config).encode(), private=True)
     return path
+
+
+def serving_pair(directory: Path, common_name: str, server_names: tuple[str, ...]) -> KeyPair:
+    """A serving certificate for ``server_names`` signed by a CA of its own, both kept in
+    ``directory`` (the CA as ``<common_name>-ca.crt``, the bundle clients must trust). An
+    existing pair is reused while it covers the names and is valid for another day."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ca = KeyPair(directory / f"{common_name}-ca.crt", directory / f"{common_name}-ca.key")
+    prefix = directory / common_name
+    pair = KeyPair(prefix.with_suffix(".crt"), prefix.with_suffix(".key"))
+    if ca.cert_path.exists() and pair.cert_path.exists() and pair.key_path.exists():
+        cert = x509.load_pem_x509_certificate(pair.cert_path.read_bytes())
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        covered = {str(n.value) for n in names}
+        fresh = cert.not_valid_after_utc - datetime.datetime.now(datetime.UTC)
+        if set(server_names) <= covered and fresh > datetime.timedelta(days=1):
+            return pair
+    if not (ca.cert_path.exists() and ca.key_path.exists()):
+        ca = create_ca(directory, common_name)
+    # A leaf named like its CA would look self-signed to OpenSSL clients.
+    return issue(ca, prefix, server_names[0], server_names=server_names)
+
+
+def ca_path(pair: KeyPair) -> Path:
+    """The CA certificate next to a pair made by ``serving_pair``."""
+    return pair.cert_path.with_name(pair.cert_path.stem + "-ca.crt")

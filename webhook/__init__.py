@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 
 
 def main(argv: Sequence[str]) -> int:
-    del argv
-    print("kubestrata webhook: not available yet in this version of kubestrata", file=sys.stderr)
-    return 2
+    from webhook.server import main as serve
+
+    return serve(argv)

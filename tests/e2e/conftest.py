@@ -33,6 +33,7 @@ def federation(
     )
     federation.start()
     federation.start_virtual_nodes()
+    federation.start_webhook()
     yield federation
     federation.stop()
 

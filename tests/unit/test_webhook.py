@@ -1,0 +1,175 @@
+from __future__ import annotations
+
+import base64
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonpatch
+import pytest
+import yaml
+from aiohttp.test_utils import TestClient, TestServer
+from hypothesis import given
+
+from kubekit import keys, pki, stash
+from tests.unit.test_stash import specs
+from webhook.admission import BadReview, parse_review, review_response
+from webhook.configuration import stash_webhook, url_configuration
+from webhook.server import make_app
+
+MANIFESTS = Path(__file__).parents[2] / "manifests"
+
+
+def review(
+    pod: dict[str, Any] | None = None, *, operation: str = "CREATE", **request: Any
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "uid": "d2c1",
+        "kind": {"group": "", "version": "v1", "kind": "Pod"},
+        "resource": {"group": "", "version": "v1", "resource": "pods"},
+        "operation": operation,
+        "object": pod,
+        **request,
+    }
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": body}
+
+
+def pod(spec: dict[str, Any], annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"name": "p", "namespace": "ns"}
+    if annotations is not None:
+        metadata["annotations"] = annotations
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+
+
+def answer(body: dict[str, Any]) -> dict[str, Any]:
+    response: dict[str, Any] = review_response(
+        parse_review(json.dumps(body).encode()), stash.DEFAULT_KEEP_KEYS
+    )["response"]
+    return response
+
+
+def patched(original: dict[str, Any], response: dict[str, Any]) -> dict[str, Any]:
+    if "patch" not in response:
+        return original
+    assert response["patchType"] == "JSONPatch"
+    operations = json.loads(base64.b64decode(response["patch"]))
+    result: dict[str, Any] = jsonpatch.apply_patch(original, operations)
+    return result
+
+
+@given(specs)
+def test_the_patch_makes_the_stashed_pod(spec: dict[str, Any]) -> None:
+    for existing in (None, {"a/b~c": "x"}):
+        original = pod(spec, existing)
+        response = answer(review(copy.deepcopy(original)))
+        assert response["uid"] == "d2c1" and response["allowed"]
+        result = patched(original, response)
+        new_spec, new_annotations = stash.stash_scheduling(spec, existing or {})
+        assert result["spec"] == new_spec
+        assert result["metadata"].get("annotations", {}) == new_annotations
+        # The lower cluster gets the original back.
+        restored = stash.restore_scheduling(
+            result["spec"], new_annotations.get(keys.STASH_ANNOTATION)
+        )
+        assert restored == spec
+
+
+def test_a_pod_gets_the_provider_toleration_and_keeps_cluster_level_selectors() -> None:
+    spec = {
+        "containers": [{"name": "c", "image": "i"}],
+        "nodeSelector": {"disk": "ssd", keys.CLUSTER_ID_LABEL: "lower-1"},
+    }
+    result = patched(pod(spec), answer(review(pod(spec))))
+    assert result["spec"]["nodeSelector"] == {keys.CLUSTER_ID_LABEL: "lower-1"}
+    assert result["spec"]["tolerations"] == [stash.PROVIDER_TOLERATION]
+    saved = stash.decode(result["metadata"]["annotations"][keys.STASH_ANNOTATION])
+    assert saved == {"nodeSelector": spec["nodeSelector"], "tolerations": None}
+
+
+def test_dry_run_gets_the_same_answer() -> None:
+    spec = {"containers": [{"name": "c", "image": "i"}], "nodeSelector": {"disk": "ssd"}}
+    assert answer(review(pod(spec), dryRun=True)) == answer(review(pod(spec)))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        review(pod({"nodeSelector": {"disk": "ssd"}}), operation="UPDATE"),
+        review(pod({"nodeSelector": {"disk": "ssd"}}), subResource="ephemeralcontainers"),
+        review(
+            {"metadata": {"name": "c"}, "data": {}},
+            kind={"group": "", "version": "v1", "kind": "ConfigMap"},
+        ),
+        review(None, operation="DELETE", oldObject=pod({})),
+    ],
+    ids=["update", "subresource", "configmap", "delete"],
+)
+def test_what_is_not_a_pod_creation_passes_untouched(body: dict[str, Any]) -> None:
+    assert answer(body) == {"uid": "d2c1", "allowed": True}
+
+
+def test_a_pod_with_a_stash_is_left_alone_and_a_bad_stash_is_refused() -> None:
+    stashed_spec, annotations = stash.stash_scheduling({"nodeSelector": {"disk": "ssd"}}, {})
+    assert answer(review(pod(stashed_spec, annotations))) == {"uid": "d2c1", "allowed": True}
+    refused = answer(review(pod({}, {keys.STASH_ANNOTATION: '{"version": 9}'})))
+    assert refused["allowed"] is False
+    assert refused["status"]["code"] == 400
+    assert "unknown stash version 9" in refused["status"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"{not json", "body is not JSON"),
+        (b"[]", "the AdmissionReview must be a JSON object, not list"),
+        (b'{"apiVersion": "admission.k8s.io/v1beta1", "kind": "AdmissionReview"}', "v1beta1"),
+        (json.dumps({**review(pod({})), "request": "x"}).encode(), "request must be a JSON object"),
+        (json.dumps(review(pod({}), uid="")).encode(), "request.uid must be a non-empty string"),
+        (json.dumps(review(None)).encode(), "request.object must be a JSON object, not NoneType"),
+        (json.dumps(review({"metadata": {}})).encode(), "request.object.spec must be"),
+        (
+            json.dumps(review(pod({}, {"a": 1}))).encode(),  # type: ignore[dict-item]
+            "annotations must map strings to strings",
+        ),
+    ],
+)
+def test_unreadable_reviews_say_what_is_wrong(body: bytes, message: str) -> None:
+    with pytest.raises(BadReview, match=message):
+        parse_review(body)
+
+
+async def test_the_server_answers_400_for_bad_bodies_and_200_with_a_patch() -> None:
+    async with TestClient(TestServer(make_app(stash.DEFAULT_KEEP_KEYS))) as client:
+        bad = await client.post("/mutate", data=b"{", headers={"Content-Type": "application/json"})
+        assert bad.status == 400
+        assert "body is not JSON" in (await bad.json())["message"]
+        wrong_type = await client.post(
+            "/mutate", data=b"{}", headers={"Content-Type": "text/plain"}
+        )
+        assert wrong_type.status == 400
+        assert "Content-Type must be application/json" in (await wrong_type.json())["message"]
+        good = await client.post("/mutate", json=review(pod({"nodeSelector": {"disk": "ssd"}})))
+        assert good.status == 200
+        assert (await good.json())["response"]["patchType"] == "JSONPatch"
+
+
+def test_the_manifest_configuration_has_the_same_rules_as_the_code() -> None:
+    manifest = yaml.safe_load(
+        (MANIFESTS / "webhook" / "mutatingwebhookconfiguration.yaml").read_text()
+    )
+    local = url_configuration("https://127.0.0.1:1/mutate", b"ca")
+    assert manifest["metadata"]["name"] == local["metadata"]["name"]
+    [in_manifest] = manifest["webhooks"]
+    assert in_manifest == stash_webhook(in_manifest["clientConfig"])
+    assert in_manifest["clientConfig"]["service"]["path"] == "/mutate"
+
+
+def test_a_serving_pair_is_reused_while_it_covers_the_names(tmp_path: Path) -> None:
+    first = pki.serving_pair(tmp_path, "webhook", ("127.0.0.1",))
+    created = first.cert_path.read_bytes()
+    assert pki.serving_pair(tmp_path, "webhook", ("127.0.0.1",)).cert_path.read_bytes() == created
+    ca = pki.ca_path(first).read_bytes()
+    wider = pki.serving_pair(tmp_path, "webhook", ("127.0.0.1", "webhook.svc"))
+    assert wider.cert_path.read_bytes() != created
+    assert pki.ca_path(wider).read_bytes() == ca

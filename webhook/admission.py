@@ -1,0 +1,134 @@
+"""AdmissionReview v1 in, AdmissionReview v1 out (pure functions).
+
+The webhook answers with a JSONPatch that stashes the scheduling fields (kubekit.stash)
+or allows the object unchanged; it refuses only a pod that arrives with a stash
+annotation the virtual node could not read. A body it cannot read is a ``BadReview``,
+which the server turns into a 400 naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from kubekit import keys, stash
+
+JSON = dict[str, Any]
+
+API_VERSION = "admission.k8s.io/v1"
+
+
+class BadReview(ValueError):
+    """A request body that is not an AdmissionReview v1 the webhook can answer."""
+
+
+def _object(value: Any, what: str) -> JSON:
+    if not isinstance(value, dict):
+        raise BadReview(f"{what} must be a JSON object, not {type(value).__name__}")
+    return value
+
+
+def parse_review(body: bytes) -> JSON:
+    """The ``request`` of an AdmissionReview v1, checked as far as the webhook relies on it."""
+    try:
+        review = json.loads(body)
+    except ValueError as error:
+        raise BadReview(f"body is not JSON: {error}") from error
+    review = _object(review, "the AdmissionReview")
+    if review.get("apiVersion") != API_VERSION or review.get("kind") != "AdmissionReview":
+        raise BadReview(
+            f"expected apiVersion {API_VERSION} kind AdmissionReview, got apiVersion "
+            f"{review.get('apiVersion')!r} kind {review.get('kind')!r}"
+        )
+    request = _object(review.get("request"), "request")
+    uid = request.get("uid")
+    if not isinstance(uid, str) or not uid:
+        raise BadReview("request.uid must be a non-empty string")
+    if request.get("operation") == "CREATE" and _is_pod(request):
+        pod = _object(request.get("object"), "request.object")
+        _object(pod.get("spec"), "request.object.spec")
+        metadata = _object(pod.get("metadata", {}), "request.object.metadata")
+        annotations = metadata.get("annotations")
+        if annotations is not None and not (
+            isinstance(annotations, dict) and all(isinstance(v, str) for v in annotations.values())
+        ):
+            raise BadReview("request.object.metadata.annotations must map strings to strings")
+    return request
+
+
+def _is_pod(request: Mapping[str, Any]) -> bool:
+    kind = request.get("kind") or {}
+    return (
+        isinstance(kind, dict)
+        and kind.get("group") == ""
+        and kind.get("kind") == "Pod"
+        and not request.get("subResource")
+    )
+
+
+def _pointer(*segments: str) -> str:
+    return "".join("/" + s.replace("~", "~0").replace("/", "~1") for s in segments)
+
+
+def stash_patch(pod: Mapping[str, Any], keep: Collection[str]) -> list[JSON]:
+    """The JSONPatch that turns ``pod`` into its upper view with the stash annotation."""
+    spec = pod["spec"]
+    annotations = (pod.get("metadata") or {}).get("annotations")
+    new_spec, new_annotations = stash.stash_scheduling(spec, annotations or {}, keep)
+    patch: list[JSON] = []
+    for field in stash.FIELDS:
+        path = _pointer("spec", field)
+        if field not in new_spec:
+            if field in spec:
+                patch.append({"op": "remove", "path": path})
+        elif field not in spec:
+            patch.append({"op": "add", "path": path, "value": new_spec[field]})
+        elif spec[field] != new_spec[field]:
+            patch.append({"op": "replace", "path": path, "value": new_spec[field]})
+    if new_annotations != (annotations or {}):
+        if annotations is None:
+            patch.append({"op": "add", "path": "/metadata/annotations", "value": new_annotations})
+        else:
+            for key in new_annotations.keys() - annotations.keys():
+                patch.append(
+                    {
+                        "op": "add",
+                        "path": _pointer("metadata", "annotations", key),
+                        "value": new_annotations[key],
+                    }
+                )
+    return patch
+
+
+def review_response(request: Mapping[str, Any], keep: Collection[str]) -> JSON:
+    """The AdmissionReview answering ``request`` (as returned by ``parse_review``). dryRun
+    requests get the same answer: the webhook has no side effects to hold back."""
+    response: JSON = {"uid": request["uid"], "allowed": True}
+    if request.get("operation") == "CREATE" and _is_pod(request):
+        existing = ((request["object"].get("metadata") or {}).get("annotations") or {}).get(
+            keys.STASH_ANNOTATION
+        )
+        if existing is not None:
+            try:
+                stash.decode(existing)
+            except stash.StashError as error:
+                response["allowed"] = False
+                response["status"] = {
+                    "code": 400,
+                    "reason": "BadRequest",
+                    "message": f"annotation {keys.STASH_ANNOTATION}: {error}",
+                }
+                return _review(response)
+        patch = stash_patch(request["object"], keep)
+        if patch:
+            response["patchType"] = "JSONPatch"
+            response["patch"] = base64.b64encode(
+                json.dumps(patch, separators=(",", ":")).encode()
+            ).decode()
+    return _review(response)
+
+
+def _review(response: JSON) -> JSON:
+    return {"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response}

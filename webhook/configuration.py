@@ -1,0 +1,93 @@
+"""The MutatingWebhookConfiguration that routes federated pods to the webhook (pure).
+
+One definition serves both deployments: ``kubestrata webhook --register-url`` applies it
+for a local federation, and ``manifests/webhook/`` carries the same rules (a unit test
+keeps the two equal).
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from kubekit import keys
+
+JSON = dict[str, Any]
+
+CONFIGURATION_NAME = "kubestrata-webhook"
+WEBHOOK_NAME = "stash.kubestrata.io"
+PATH = "/mutate"
+SYSTEM_NAMESPACE = "kubestrata-system"
+# Never federated, whatever their labels say: the cluster's own and ours.
+PROTECTED_NAMESPACES = ("kube-system", "kube-node-lease", "kube-public", SYSTEM_NAMESPACE)
+TIMEOUT_SECONDS = 5
+
+
+def stash_webhook(client_config: JSON) -> JSON:
+    """One webhook entry of the configuration.
+
+    - failurePolicy Fail: a federated pod admitted without its stash would carry
+      lower-cluster scheduling fields to the upper scheduler and never schedule (or land
+      on the wrong cluster); refusing it makes its controller retry until we are back.
+    - timeoutSeconds 5: the work is a pure function of the pod; a slow answer means the
+      webhook is unwell, and failing fast keeps pod creation from stalling for 10 s.
+    - sideEffects None: nothing is written anywhere, so dryRun requests are served.
+    - reinvocationPolicy Never: the stash records the pod as it reached us, and a pod
+      with a stash is left alone; webhooks that add scheduling fields must run first.
+    """
+    return {
+        "name": WEBHOOK_NAME,
+        "admissionReviewVersions": ["v1"],
+        "clientConfig": client_config,
+        "rules": [
+            {
+                "apiGroups": [""],
+                "apiVersions": ["v1"],
+                "operations": ["CREATE"],
+                "resources": ["pods"],
+                "scope": "Namespaced",
+            }
+        ],
+        "namespaceSelector": {
+            "matchExpressions": [
+                {
+                    "key": keys.FEDERATION_LABEL,
+                    "operator": "In",
+                    "values": [keys.FEDERATION_ENABLED],
+                },
+                {
+                    "key": "kubernetes.io/metadata.name",
+                    "operator": "NotIn",
+                    "values": list(PROTECTED_NAMESPACES),
+                },
+            ]
+        },
+        "objectSelector": {
+            "matchExpressions": [
+                {
+                    "key": keys.FEDERATION_LABEL,
+                    "operator": "NotIn",
+                    "values": [keys.FEDERATION_DISABLED],
+                }
+            ]
+        },
+        "failurePolicy": "Fail",
+        "matchPolicy": "Equivalent",
+        "sideEffects": "None",
+        "timeoutSeconds": TIMEOUT_SECONDS,
+        "reinvocationPolicy": "Never",
+    }
+
+
+def url_configuration(url: str, ca_bundle: bytes) -> JSON:
+    """The configuration for a webhook reached by URL (a local federation)."""
+    client_config = {"url": url, "caBundle": base64.b64encode(ca_bundle).decode()}
+    return {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "MutatingWebhookConfiguration",
+        "metadata": {
+            "name": CONFIGURATION_NAME,
+            "labels": {keys.MANAGED_BY_LABEL: keys.MANAGED_BY_VALUE},
+        },
+        "webhooks": [stash_webhook(client_config)],
+    }

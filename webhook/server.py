@@ -1,0 +1,238 @@
+"""`kubestrata webhook`: the HTTPS shell around webhook.admission."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import logging
+import signal
+import ssl
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from kubekit import pki, stash
+from kubekit.client import ApiError, ClientSettings, KubeClient, Resource
+from webhook.admission import BadReview, parse_review, review_response
+from webhook.configuration import CONFIGURATION_NAME, PATH, url_configuration
+
+log = logging.getLogger("webhook")
+
+MUTATING_WEBHOOK_CONFIGURATIONS = Resource(
+    "admissionregistration.k8s.io", "v1", "mutatingwebhookconfigurations", namespaced=False
+)
+# An AdmissionReview of a pod is a few KiB; 3 MiB covers the largest object etcd stores.
+MAX_BODY = 3 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class WebhookConfig:
+    host: str
+    port: int
+    cert_file: Path
+    key_file: Path
+    keep_keys: frozenset[str]
+    kubeconfig: str | None
+    register_url: str | None
+    inject_ca_bundle: str | None
+    ca_file: Path | None
+
+
+def make_app(keep: Collection[str]) -> web.Application:
+    async def mutate(request: web.Request) -> web.Response:
+        if request.content_type != "application/json":
+            return _bad_request(
+                f"Content-Type must be application/json, not {request.content_type}"
+            )
+        try:
+            review = parse_review(await request.read())
+        except BadReview as error:
+            return _bad_request(str(error))
+        return web.json_response(review_response(review, keep))
+
+    async def healthz(_request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application(client_max_size=MAX_BODY)
+    app.router.add_post(PATH, mutate)
+    app.router.add_get("/healthz", healthz)
+    return app
+
+
+def _bad_request(message: str) -> web.Response:
+    log.info("bad admission request: %s", message)
+    return web.json_response(
+        {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "status": "Failure",
+            "code": 400,
+            "reason": "BadRequest",
+            "message": message,
+        },
+        status=400,
+    )
+
+
+def server_ssl_context(cert_file: Path, key_file: Path) -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert_file, key_file)
+    return context
+
+
+async def publish_ca_bundle(config: WebhookConfig) -> None:
+    """Points the apiserver at us: applies the whole configuration for a URL, or puts our
+    CA into an existing one (deployed from manifests/) for an in-cluster Service."""
+    assert config.ca_file is not None
+    ca_bundle = config.ca_file.read_bytes()
+    async with await KubeClient.connect(ClientSettings(config.kubeconfig)) as client:
+        if config.register_url is not None:
+            desired = url_configuration(config.register_url, ca_bundle)
+            try:
+                current = await client.get(MUTATING_WEBHOOK_CONFIGURATIONS, CONFIGURATION_NAME)
+            except ApiError as error:
+                if error.status != 404:
+                    raise
+                await client.create(MUTATING_WEBHOOK_CONFIGURATIONS, desired)
+            else:
+                desired["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+                await client.replace(MUTATING_WEBHOOK_CONFIGURATIONS, desired)
+            log.info("registered %s for %s", CONFIGURATION_NAME, config.register_url)
+        if config.inject_ca_bundle is not None:
+            name = config.inject_ca_bundle
+            current = await client.get(MUTATING_WEBHOOK_CONFIGURATIONS, name)
+            encoded = base64.b64encode(ca_bundle).decode()
+            patch = [
+                {
+                    "op": "replace" if "caBundle" in w["clientConfig"] else "add",
+                    "path": f"/webhooks/{i}/clientConfig/caBundle",
+                    "value": encoded,
+                }
+                for i, w in enumerate(current.get("webhooks") or [])
+            ]
+            await client.patch(
+                MUTATING_WEBHOOK_CONFIGURATIONS,
+                name,
+                patch,
+                patch_type="application/json-patch+json",
+            )
+            log.info("put our CA bundle into %s", name)
+
+
+def parse_args(argv: Sequence[str]) -> WebhookConfig:
+    parser = argparse.ArgumentParser(
+        prog="kubestrata webhook",
+        description="Mutating admission webhook: stashes the scheduling fields of federated "
+        "pods so the upper scheduler sees clusters, not lower nodes.",
+    )
+    parser.add_argument("--listen", default="0.0.0.0:8443", help="HOST:PORT (default %(default)s)")
+    parser.add_argument("--tls-cert-file", type=Path, help="serving certificate (PEM)")
+    parser.add_argument("--tls-key-file", type=Path, help="its private key (PEM)")
+    parser.add_argument(
+        "--cert-dir",
+        type=Path,
+        help="without --tls-cert-file: generate a CA and a serving certificate here",
+    )
+    parser.add_argument(
+        "--server-name",
+        action="append",
+        default=[],
+        help="DNS name or IP the generated certificate covers (repeatable)",
+    )
+    parser.add_argument(
+        "--keep-key",
+        action="append",
+        default=[],
+        help="label key that speaks about clusters and stays visible to the upper scheduler "
+        f"(repeatable; always kept: {', '.join(sorted(stash.DEFAULT_KEEP_KEYS))})",
+    )
+    parser.add_argument(
+        "--kubeconfig", help="for --register-url/--inject-ca-bundle (default: in-cluster)"
+    )
+    parser.add_argument(
+        "--register-url",
+        help=f"create or update MutatingWebhookConfiguration {CONFIGURATION_NAME} calling this "
+        "https URL with our CA",
+    )
+    parser.add_argument(
+        "--inject-ca-bundle",
+        metavar="CONFIGURATION",
+        help="put our CA into every webhook of this existing MutatingWebhookConfiguration",
+    )
+    parser.add_argument(
+        "--ca-file", type=Path, help="the CA to publish (default: the generated one)"
+    )
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    host, _, port_text = args.listen.rpartition(":")
+    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        parser.error(f"--listen must be HOST:PORT, not {args.listen!r}")
+    if (args.tls_cert_file is None) != (args.tls_key_file is None):
+        parser.error("--tls-cert-file and --tls-key-file go together")
+    ca_file = args.ca_file
+    if args.tls_cert_file is not None:
+        cert_file, key_file = args.tls_cert_file, args.tls_key_file
+    elif args.cert_dir is not None:
+        names = tuple(args.server_name) or (host,)
+        pair = pki.serving_pair(args.cert_dir, "webhook", names)
+        cert_file, key_file = pair.cert_path, pair.key_path
+        ca_file = ca_file or pki.ca_path(pair)
+    else:
+        parser.error("give --tls-cert-file/--tls-key-file or --cert-dir")
+    if (args.register_url or args.inject_ca_bundle) and ca_file is None:
+        parser.error("--register-url/--inject-ca-bundle need --ca-file with --tls-cert-file")
+    if args.register_url is not None and not args.register_url.startswith("https://"):
+        parser.error(f"--register-url must be an https URL, not {args.register_url!r}")
+    return WebhookConfig(
+        host=host,
+        port=int(port_text),
+        cert_file=cert_file,
+        key_file=key_file,
+        keep_keys=stash.DEFAULT_KEEP_KEYS | frozenset(args.keep_key),
+        kubeconfig=args.kubeconfig,
+        register_url=args.register_url,
+        inject_ca_bundle=args.inject_ca_bundle,
+        ca_file=ca_file,
+    )
+
+
+async def run(config: WebhookConfig) -> None:
+    runner = web.AppRunner(make_app(config.keep_keys), access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(
+            runner,
+            config.host,
+            config.port,
+            ssl_context=server_ssl_context(config.cert_file, config.key_file),
+        )
+        await site.start()
+        log.info("serving admission reviews on https://%s:%d%s", config.host, config.port, PATH)
+        if config.register_url or config.inject_ca_bundle:
+            await publish_ca_bundle(config)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: Sequence[str]) -> int:
+    config = parse_args(argv)
+    try:
+        asyncio.run(run(config))
+    except (OSError, ApiError) as error:
+        log.error("%s", error)
+        return 1
+    return 0
