@@ -1,0 +1,1 @@
+"""The kubelet API served by a virtual node."""
