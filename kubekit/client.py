@@ -10,7 +10,7 @@ the work together.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,6 +161,40 @@ class KubeClient:
                 payload = text
             raise ApiError(response.status, payload, method, path)
         return response
+
+    async def websocket(
+        self, path: str, query: Sequence[tuple[str, str]], protocols: Sequence[str]
+    ) -> aiohttp.ClientWebSocketResponse:
+        """Opens a WebSocket to the apiserver (exec, attach, portforward subresources) over
+        the client's own connection pool and credentials."""
+        await self.limiter.acquire()
+        configuration = self.api.configuration
+        headers: dict[str, str] = {}
+        await self.api.update_params_for_auth(headers, [], ["BearerToken"])
+        url = str(configuration.host).rstrip("/") + path
+        session: aiohttp.ClientSession = self.api.rest_client.pool_manager
+        try:
+            return await session.ws_connect(
+                url,
+                params=list(query),
+                protocols=tuple(protocols),
+                headers=headers,
+                max_msg_size=0,
+                autoping=True,
+            )
+        except aiohttp.WSServerHandshakeError as error:
+            raise ApiError(error.status, error.message, "GET", path) from error
+
+    async def stream(
+        self, path: str, query: Mapping[str, Any], *, timeout: float | None = None
+    ) -> aiohttp.ClientResponse:
+        """A GET whose body the caller reads as it arrives (logs); the caller releases it."""
+        return await self._open(
+            "GET",
+            path,
+            query=query,
+            timeout=aiohttp.ClientTimeout(total=timeout, sock_read=None),
+        )
 
     async def request(
         self,

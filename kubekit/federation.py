@@ -224,6 +224,8 @@ class Federation:
                     f"--lower-kubeconfig={lower.kubeconfig}",
                     f"--cluster-id={lower.name}",
                     f"--kubelet-port={free_port()}",
+                    f"--client-ca-file={self.upper.ca.cert_path}",
+                    f"--cert-dir={self.state_dir / COMPONENTS / virtual_node_name(lower.name)}",
                 ],
             )
         nodes = [f"node/vk-{lower.name}" for lower in self.lowers]

@@ -120,10 +120,13 @@ class Ports:
     controller_manager: int
     scheduler: int
     kwok: int
+    # Where kwok forwards every pod port of `kubectl port-forward`; whoever wants a pod
+    # to serve something listens here.
+    pod_ports: int
 
     @classmethod
     def allocate(cls) -> Ports:
-        return cls(*(free_port() for _ in range(6)))
+        return cls(*(free_port() for _ in range(7)))
 
 
 class KubectlClient:
@@ -406,8 +409,8 @@ class LocalCluster(KubectlClient):
 
     def kwok_config(self) -> str:
         """kwok's configuration: the Stages that make Nodes Ready and pods Running, and
-        logs/exec/attach of every container served by local files and
-        processes."""
+        logs/exec/attach/port-forward of every container served by local files, processes
+        and one loopback port."""
         documents: list[dict[str, Any]] = [
             {
                 "apiVersion": "kwok.x-k8s.io/v1alpha1",
@@ -420,6 +423,14 @@ class LocalCluster(KubectlClient):
                 "kind": "ClusterAttach",
                 "metadata": {"name": "local-file"},
                 "spec": {"attaches": [{"logsFile": str(self.pod_log_file)}]},
+            },
+            {
+                "apiVersion": "kwok.x-k8s.io/v1alpha1",
+                "kind": "ClusterPortForward",
+                "metadata": {"name": "local-port"},
+                "spec": {
+                    "forwards": [{"target": {"address": LOOPBACK, "port": self.ports.pod_ports}}]
+                },
             },
             {
                 "apiVersion": "kwok.x-k8s.io/v1alpha1",

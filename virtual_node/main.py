@@ -8,6 +8,7 @@ import contextlib
 import logging
 import re
 import signal
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -20,6 +21,10 @@ from kubekit.client import EVENTS, NAMESPACES, NODES, PODS, ClientSettings, Kube
 from kubekit.informer import InformerFactory
 from kubekit.workqueue import WorkQueue
 from virtual_node.events import EventReflector
+from virtual_node.kubeletapi.auth import Authorizer
+from virtual_node.kubeletapi.certificates import serving_certificate
+from virtual_node.kubeletapi.server import KubeletServer, server_ssl_context
+from virtual_node.kubeletstreams import LowerKubelet
 from virtual_node.lower import LowerCluster
 from virtual_node.naming import NamespaceMapping, Strategy
 from virtual_node.node import NodeIdentity
@@ -51,6 +56,10 @@ class VirtualNodeConfig:
     lower_burst: int = 400
     event_qps: float = 50.0
     event_burst: int = 100
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    client_ca_file: str = ""
+    cert_dir: str = ""
     namespace_strategy: Strategy = "same"
     namespace_prefix: str = ""
     log_level: str = "INFO"
@@ -66,6 +75,13 @@ class VirtualNodeConfig:
         if not 0 < self.kubelet_port < 65536:
             raise ValueError(f"kubelet port {self.kubelet_port} is not a TCP port")
         NamespaceMapping(self.namespace_strategy, self.namespace_prefix)  # validates
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if not self.client_ca_file:
+            raise ValueError(
+                "client_ca_file is required: the CA of the upper apiserver's kubelet client "
+                "certificate (callers without a certificate need a bearer token)"
+            )
 
     @property
     def name(self) -> str:
@@ -93,6 +109,16 @@ def parse_args(argv: Sequence[str]) -> VirtualNodeConfig:
     )
     parser.add_argument("--address", help="address the upper apiserver reaches the kubelet API at")
     parser.add_argument("--kubelet-port", type=int)
+    parser.add_argument("--tls-cert-file", help="kubelet API serving certificate (PEM)")
+    parser.add_argument("--tls-key-file", help="its key; without both: a CSR, else self-signed")
+    parser.add_argument(
+        "--client-ca-file", help="CA that signs client certificates (the apiserver's)"
+    )
+    parser.add_argument(
+        "--cert-dir",
+        help="where an obtained or generated certificate is kept (default: a "
+        "directory under the system temporary directory)",
+    )
     parser.add_argument("--workers", type=int)
     parser.add_argument("--upper-qps", type=float)
     parser.add_argument("--upper-burst", type=int)
@@ -124,16 +150,19 @@ def parse_args(argv: Sequence[str]) -> VirtualNodeConfig:
         parser.error(str(error))
 
 
-async def _healthz(_request: web.Request) -> web.Response:
-    return web.Response(text="ok")
-
-
-async def serve_kubelet_api(config: VirtualNodeConfig) -> web.AppRunner:
-    app = web.Application()
-    app.router.add_get("/healthz", _healthz)
-    runner = web.AppRunner(app, access_log=None)
+async def serve_kubelet_api(
+    config: VirtualNodeConfig, upper: KubeClient, provider: LowerKubelet
+) -> web.AppRunner:
+    directory = Path(config.cert_dir or Path(tempfile.gettempdir()) / f"kubestrata-{config.name}")
+    files = (
+        (Path(config.tls_cert_file), Path(config.tls_key_file)) if config.tls_cert_file else None
+    )
+    pair = await serving_certificate(upper, config.name, [config.address], directory, files)
+    server = KubeletServer(provider, Authorizer(upper, config.name))
+    runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, config.address, config.kubelet_port).start()
+    context = server_ssl_context(pair.cert_path, pair.key_path, Path(config.client_ca_file))
+    await web.TCPSite(runner, config.address, config.kubelet_port, ssl_context=context).start()
     return runner
 
 
@@ -194,7 +223,8 @@ async def run(config: VirtualNodeConfig) -> None:
         )
         pods = PodController(upper, upper_pods, backend, config.name, queue)
         nodes = NodeController(upper, identity, backend)
-        runner = await serve_kubelet_api(config)
+        kubelet = LowerKubelet(config.name, upper_pods, backend.pods, lower, mapping)
+        runner = await serve_kubelet_api(config, upper, kubelet)
 
         upper_informers.start()
         lower_informers.start()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import socket
@@ -109,15 +110,7 @@ def test_port_in_use_is_a_clear_error(tmp_path: Path, toolchain: Toolchain) -> N
         blocker.bind(("127.0.0.1", 0))
         blocker.listen()
         taken = blocker.getsockname()[1]
-        ports = Ports.allocate()
-        ports = Ports(
-            ports.etcd_client,
-            ports.etcd_peer,
-            taken,
-            ports.controller_manager,
-            ports.scheduler,
-            ports.kwok,
-        )
+        ports = dataclasses.replace(Ports.allocate(), apiserver=taken)
         cluster = LocalCluster(ClusterSpec("busy", "upper"), tmp_path, toolchain, ports=ports)
         with pytest.raises(
             ClusterError, match=f"port 127.0.0.1:{taken} for busy/kube-apiserver is in use"

@@ -1,0 +1,168 @@
+"""Who may call the kubelet API: x509 client certificates or bearer tokens (TokenReview),
+then a SubjectAccessReview on the node, with decisions cached briefly as the kubelet does
+(2 min for tokens, 5 min for allows, 30 s for denials)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kubekit.client import ApiError, KubeClient
+
+TOKEN_TTL = 120.0
+ALLOW_TTL = 300.0
+DENY_TTL = 30.0
+_CACHE_LIMIT = 4096
+
+_VERBS = {
+    "GET": "get",
+    "HEAD": "get",
+    "POST": "create",
+    "PUT": "update",
+    "PATCH": "patch",
+    "DELETE": "delete",
+}
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    uid: str = ""
+    groups: tuple[str, ...] = ()
+    extra: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
+class AuthError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def node_attributes(method: str, path: str) -> tuple[str, str]:
+    """(verb, subresource) of a kubelet request, as the kubelet's authorizer sees it."""
+    verb = _VERBS.get(method.upper(), method.lower())
+    for prefix, subresource in (("/stats", "stats"), ("/metrics", "metrics"), ("/logs", "log")):
+        if path == prefix or path.startswith(prefix + "/"):
+            return verb, subresource
+    return verb, "proxy"
+
+
+def user_from_certificate(peercert: dict[str, Any] | None) -> User | None:
+    """The user a verified client certificate names: CN the name, O the groups."""
+    if not peercert:
+        return None
+    name = ""
+    groups = []
+    for rdn in peercert.get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName":
+                name = value
+            elif key == "organizationName":
+                groups.append(value)
+    return User(name, groups=tuple(groups)) if name else None
+
+
+class _TtlCache:
+    def __init__(self) -> None:
+        self._entries: dict[Any, tuple[float, Any]] = {}
+
+    def get(self, key: Any) -> Any:
+        entry = self._entries.get(key)
+        if entry is None or entry[0] < time.monotonic():
+            return None
+        return entry[1]
+
+    def put(self, key: Any, value: Any, ttl: float) -> None:
+        if len(self._entries) >= _CACHE_LIMIT:
+            now = time.monotonic()
+            self._entries = {k: v for k, v in self._entries.items() if v[0] >= now}
+            if len(self._entries) >= _CACHE_LIMIT:
+                self._entries.clear()
+        self._entries[key] = (time.monotonic() + ttl, value)
+
+
+class Authorizer:
+    """Authenticates and authorizes requests against the upper apiserver."""
+
+    def __init__(self, upper: KubeClient, node_name: str) -> None:
+        self.upper = upper
+        self.node_name = node_name
+        self._tokens = _TtlCache()
+        self._decisions = _TtlCache()
+
+    async def authenticate(self, peercert: dict[str, Any] | None, authorization: str) -> User:
+        user = user_from_certificate(peercert)
+        if user is not None:
+            return user
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return await self._review_token(token.strip())
+        raise AuthError(401, "Unauthorized: no client certificate or bearer token")
+
+    async def _review_token(self, token: str) -> User:
+        cached: User | None = self._tokens.get(token)
+        if cached is not None:
+            return cached
+        review = await self._post(
+            "/apis/authentication.k8s.io/v1/tokenreviews",
+            {
+                "apiVersion": "authentication.k8s.io/v1",
+                "kind": "TokenReview",
+                "spec": {"token": token},
+            },
+        )
+        status = review.get("status") or {}
+        if not status.get("authenticated"):
+            raise AuthError(401, "Unauthorized: " + (status.get("error") or "invalid token"))
+        info = status.get("user") or {}
+        user = User(
+            info.get("username", ""),
+            info.get("uid", ""),
+            tuple(info.get("groups") or ()),
+            tuple(sorted((k, tuple(v)) for k, v in (info.get("extra") or {}).items())),
+        )
+        self._tokens.put(token, user, TOKEN_TTL)
+        return user
+
+    async def authorize(self, user: User, method: str, path: str) -> None:
+        verb, subresource = node_attributes(method, path)
+        key = (user, verb, subresource)
+        allowed: bool | None = self._decisions.get(key)
+        if allowed is None:
+            review = await self._post(
+                "/apis/authorization.k8s.io/v1/subjectaccessreviews",
+                {
+                    "apiVersion": "authorization.k8s.io/v1",
+                    "kind": "SubjectAccessReview",
+                    "spec": {
+                        "user": user.name,
+                        "uid": user.uid,
+                        "groups": list(user.groups),
+                        "extra": {k: list(v) for k, v in user.extra},
+                        "resourceAttributes": {
+                            "verb": verb,
+                            "resource": "nodes",
+                            "subresource": subresource,
+                            "name": self.node_name,
+                        },
+                    },
+                },
+            )
+            allowed = bool((review.get("status") or {}).get("allowed"))
+            self._decisions.put(key, allowed, ALLOW_TTL if allowed else DENY_TTL)
+        if not allowed:
+            raise AuthError(
+                403,
+                f"Forbidden (user={user.name}, verb={verb}, resource=nodes, "
+                f"subresource={subresource})",
+            )
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return await self.upper.request("POST", path, body=body)
+        except (ApiError, OSError) as error:
+            raise AuthError(
+                503, f"cannot check access with the upper apiserver: {error}"
+            ) from error

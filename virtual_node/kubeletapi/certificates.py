@@ -1,0 +1,153 @@
+"""The kubelet API's serving certificate: from files, or through a CSR with signer
+``kubernetes.io/kubelet-serving`` that we approve ourselves, for our own node only, or
+self-signed as a last resort (the apiserver verifies kubelets only when told to)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import ipaddress
+import logging
+import secrets
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.x509.oid import NameOID
+
+from kubekit import pki
+from kubekit.client import ApiError, KubeClient, Resource
+
+log = logging.getLogger("virtual_node.kubeletapi")
+
+CSRS = Resource("certificates.k8s.io", "v1", "certificatesigningrequests", namespaced=False)
+SIGNER = "kubernetes.io/kubelet-serving"
+USAGES = ("digital signature", "server auth")
+ISSUE_TIMEOUT = 30.0
+
+
+def signing_request(node_name: str, names: Collection[str]) -> tuple[bytes, bytes]:
+    """(CSR PEM, private key PEM) for the node's serving certificate."""
+    key = pki.new_private_key()
+    general: list[x509.GeneralName] = []
+    for name in names:
+        try:
+            general.append(x509.IPAddress(ipaddress.ip_address(name)))
+        except ValueError:
+            general.append(x509.DNSName(name))
+    csr = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(
+            x509.Name(
+                [
+                    x509.NameAttribute(NameOID.ORGANIZATION_NAME, "system:nodes"),
+                    x509.NameAttribute(NameOID.COMMON_NAME, f"system:node:{node_name}"),
+                ]
+            )
+        )
+        .add_extension(x509.SubjectAlternativeName(general), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return csr.public_bytes(serialization.Encoding.PEM), pki.private_key_pem(key)
+
+
+def approvable(csr: Mapping[str, Any], node_name: str, names: Collection[str]) -> str:
+    """Why this CSR must not be approved by us ("" when it may): only a kubelet-serving
+    request for our node with exactly our names and usages."""
+    spec = csr.get("spec") or {}
+    if spec.get("signerName") != SIGNER:
+        return f"signer is {spec.get('signerName')!r}, not {SIGNER}"
+    if set(spec.get("usages") or ()) - {*USAGES, "key encipherment"}:
+        return f"usages {spec.get('usages')} go beyond serving"
+    try:
+        request = x509.load_pem_x509_csr(base64.b64decode(spec.get("request", "")))
+    except ValueError as error:
+        return f"request is not a PEM CSR: {error}"
+    subject = request.subject
+    common = [a.value for a in subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    orgs = [a.value for a in subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)]
+    if common != [f"system:node:{node_name}"] or orgs != ["system:nodes"]:
+        return f"subject {subject.rfc4514_string()} is not node {node_name}"
+    try:
+        san = request.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return "no subject alternative names"
+    requested = {str(n.value) for n in san}
+    if requested != set(names) or len(requested) != len(list(san)):
+        return f"names {sorted(requested)} are not {sorted(names)}"
+    return ""
+
+
+async def request_certificate(
+    upper: KubeClient, node_name: str, names: Collection[str], directory: Path
+) -> pki.KeyPair:
+    """Creates, approves and waits for a kubelet-serving CSR; raises on any failure."""
+    csr_pem, key_pem = signing_request(node_name, names)
+    body = {
+        "apiVersion": "certificates.k8s.io/v1",
+        "kind": "CertificateSigningRequest",
+        "metadata": {"name": f"kubestrata-{node_name}-{secrets.token_hex(4)}"},
+        "spec": {
+            "request": base64.b64encode(csr_pem).decode(),
+            "signerName": SIGNER,
+            "usages": list(USAGES),
+        },
+    }
+    created = await upper.create(CSRS, body)
+    name = created["metadata"]["name"]
+    reason = approvable(created, node_name, names)
+    if reason:
+        raise ValueError(f"refusing to approve {name}: {reason}")
+    created.setdefault("status", {})["conditions"] = [
+        {
+            "type": "Approved",
+            "status": "True",
+            "reason": "KubestrataVirtualNode",
+            "message": f"serving certificate of virtual node {node_name}",
+        }
+    ]
+    await upper.replace(CSRS, created, subresource="approval")
+    issued = await _issued_certificate(upper, name)
+    return _write_pair(directory, key_pem, issued)
+
+
+async def _issued_certificate(upper: KubeClient, name: str) -> bytes:
+    # The signer reports through the object only; a short poll is all there is to wait on.
+    deadline = asyncio.get_running_loop().time() + ISSUE_TIMEOUT
+    while asyncio.get_running_loop().time() < deadline:
+        issued = (await upper.get(CSRS, name)).get("status", {}).get("certificate")
+        if issued:
+            return base64.b64decode(issued)
+        await asyncio.sleep(0.5)
+    raise TimeoutError(f"{name} approved but not signed within {ISSUE_TIMEOUT:.0f} s")
+
+
+def _write_pair(directory: Path, key_pem: bytes, cert_pem: bytes) -> pki.KeyPair:
+    directory.mkdir(parents=True, exist_ok=True)
+    pair = pki.KeyPair(directory / "kubelet-serving.crt", directory / "kubelet-serving.key")
+    pair.key_path.write_bytes(key_pem)
+    pair.key_path.chmod(0o600)
+    pair.cert_path.write_bytes(cert_pem)
+    return pair
+
+
+async def serving_certificate(
+    upper: KubeClient,
+    node_name: str,
+    names: Collection[str],
+    directory: Path,
+    files: tuple[Path, Path] | None,
+) -> pki.KeyPair:
+    if files is not None:
+        return pki.KeyPair(*files)
+    try:
+        return await request_certificate(upper, node_name, names, directory)
+    except (ApiError, OSError, TimeoutError, ValueError) as error:
+        log.warning(
+            "no kubelet-serving certificate from the upper cluster (%s); serving a "
+            "self-signed one, which apiservers that verify kubelets will refuse",
+            error,
+        )
+        return pki.serving_pair(directory, node_name, tuple(names))

@@ -1,0 +1,521 @@
+"""The kubelet API over HTTPS: routes, query validation, authentication and the streaming
+protocols (SPDY/3.1 from the apiserver, WebSocket channels from direct clients). What
+runs the containers is a KubeletProvider."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import ssl
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from aiohttp import WSMsgType, web
+
+from virtual_node.kubeletapi import channels
+from virtual_node.kubeletapi.auth import AuthError, Authorizer
+from virtual_node.kubeletapi.provider import (
+    ExecOptions,
+    KubeletProvider,
+    LogOptions,
+    PortConnection,
+    ProviderError,
+    RemoteProcess,
+)
+from virtual_node.kubeletapi.spdysession import (
+    SpdySession,
+    SpdyStream,
+    choose_protocol,
+    is_spdy_upgrade,
+    offered_protocols,
+    upgrade,
+)
+
+log = logging.getLogger("virtual_node.kubeletapi")
+
+EXEC_SPDY_PROTOCOLS = (channels.V5_PROTOCOL, channels.V4_PROTOCOL)
+PORT_FORWARD_SPDY_PROTOCOL = "portforward.k8s.io"
+# The apiserver creates every stream right after the upgrade; 30 s is the kubelet's limit.
+STREAM_CREATION_TIMEOUT = 30.0
+_RFC3339 = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?(Z|[+-]\d{2}:\d{2})$")
+_REASONS = {
+    400: "BadRequest",
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "NotFound",
+    502: "InternalError",
+    503: "ServiceUnavailable",
+}
+
+
+class BadParameter(ValueError):
+    pass
+
+
+def status_response(code: int, message: str) -> web.Response:
+    body = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": _REASONS.get(code, "InternalError"),
+        "code": code,
+    }
+    return web.json_response(body, status=code)
+
+
+def _boolean(query: Mapping[str, str], name: str) -> bool:
+    value = query.get(name)
+    if value is None:
+        return False
+    if value.lower() in ("true", "1"):
+        return True
+    if value.lower() in ("false", "0", ""):
+        return False
+    raise BadParameter(f"{name}: {value!r} is not a boolean")
+
+
+def _integer(query: Mapping[str, str], name: str, minimum: int) -> int | None:
+    value = query.get(name)
+    if value is None:
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        raise BadParameter(f"{name}: {value!r} is not an integer") from None
+    if number < minimum:
+        raise BadParameter(f"{name}: must be at least {minimum}, not {number}")
+    return number
+
+
+def parse_log_options(query: Mapping[str, str]) -> LogOptions:
+    """containerLogs query → options; BadParameter names the parameter that is wrong."""
+    since_time = query.get("sinceTime")
+    if since_time is not None and not _RFC3339.match(since_time):
+        raise BadParameter(f"sinceTime: {since_time!r} is not an RFC 3339 time")
+    options = LogOptions(
+        follow=_boolean(query, "follow"),
+        tail_lines=_integer(query, "tailLines", 0),
+        limit_bytes=_integer(query, "limitBytes", 1),
+        previous=_boolean(query, "previous"),
+        since_seconds=_integer(query, "sinceSeconds", 1),
+        since_time=since_time,
+        timestamps=_boolean(query, "timestamps"),
+    )
+    if options.since_seconds is not None and options.since_time is not None:
+        raise BadParameter("sinceSeconds and sinceTime: give at most one")
+    return options
+
+
+def parse_exec_options(query: Any, *, attach: bool) -> ExecOptions:
+    """exec/attach query → options. The apiserver names the streams input/output/error."""
+
+    def flag(*names: str) -> bool:
+        return any(_boolean(query, n) for n in names if n in query)
+
+    command = tuple(query.getall("command", []))
+    if not attach and not command:
+        raise BadParameter("command: required")
+    options = ExecOptions(
+        command=command,
+        stdin=flag("input", "stdin"),
+        stdout=flag("output", "stdout"),
+        stderr=flag("error", "stderr"),
+        tty=flag("tty"),
+    )
+    if not (options.stdin or options.stdout or options.stderr):
+        raise BadParameter("input, output, error: at least one stream is required")
+    if options.tty and options.stderr:
+        raise BadParameter("tty and error: stderr cannot be used with a terminal")
+    return options
+
+
+def parse_ports(query: Any) -> tuple[int, ...]:
+    ports = []
+    for value in query.getall("port", []):
+        for part in value.split(","):
+            try:
+                port = int(part)
+            except ValueError:
+                raise BadParameter(f"port: {part!r} is not a port number") from None
+            if not 0 < port < 65536:
+                raise BadParameter(f"port: {port} is not in 1..65535")
+            ports.append(port)
+    return tuple(ports)
+
+
+class KubeletServer:
+    def __init__(self, provider: KubeletProvider, authorizer: Authorizer) -> None:
+        self.provider = provider
+        self.authorizer = authorizer
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._authenticate])
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/pods", self._pods)
+        app.router.add_get("/containerLogs/{namespace}/{pod}/{container}", self._logs)
+        for verb in ("exec", "attach"):
+            for method in ("GET", "POST"):
+                app.router.add_route(
+                    method, f"/{verb}/{{namespace}}/{{pod}}/{{container}}", self._exec
+                )
+        for method in ("GET", "POST"):
+            app.router.add_route(method, "/portForward/{namespace}/{pod}", self._port_forward)
+        app.router.add_get("/stats/summary", self._stats_summary)
+        app.router.add_get("/metrics/resource", self._resource_metrics)
+        return app
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        transport = request.transport
+        peercert = transport.get_extra_info("peercert") if transport is not None else None
+        try:
+            user = await self.authorizer.authenticate(
+                peercert, request.headers.get("Authorization", "")
+            )
+            await self.authorizer.authorize(user, request.method, request.path)
+        except AuthError as error:
+            return status_response(error.status, error.message)
+        try:
+            response: web.StreamResponse = await handler(request)
+        except BadParameter as error:
+            return status_response(400, str(error))
+        except ProviderError as error:
+            return status_response(error.status, error.message)
+        return response
+
+    async def _healthz(self, _request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def _pods(self, _request: web.Request) -> web.Response:
+        return web.json_response(
+            {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": self.provider.pods()}
+        )
+
+    def _pod(self, request: web.Request, container: str | None = None) -> Mapping[str, Any]:
+        namespace, name = request.match_info["namespace"], request.match_info["pod"]
+        pod = self.provider.pod(namespace, name)
+        if pod is None:
+            raise ProviderError(404, f"pod {namespace}/{name} not found on this node")
+        if container is not None:
+            spec = pod["spec"]
+            names = {
+                c["name"]
+                for field in ("containers", "initContainers", "ephemeralContainers")
+                for c in spec.get(field) or []
+            }
+            if container not in names:
+                raise ProviderError(
+                    404, f"container {container!r} not found in pod {namespace}/{name}"
+                )
+        return pod
+
+    async def _logs(self, request: web.Request) -> web.StreamResponse:
+        container = request.match_info["container"]
+        options = parse_log_options(request.query)
+        pod = self._pod(request, container)
+        chunks = self.provider.container_logs(pod, container, options)
+        # The first chunk (or the error) arrives before any header is sent, so a lower
+        # failure still becomes a proper status.
+        first = await anext(chunks, b"")
+        response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await response.prepare(request)
+        try:
+            if first:
+                await response.write(first)
+            async for chunk in chunks:
+                await response.write(chunk)
+        except (ConnectionError, ProviderError):
+            pass  # the client left, or the lower stream broke after the headers went out
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]  # an async generator
+        with contextlib.suppress(ConnectionError):
+            await response.write_eof()
+        return response
+
+    async def _exec(self, request: web.Request) -> web.StreamResponse:
+        container = request.match_info["container"]
+        attach = request.path.startswith("/attach/")
+        options = parse_exec_options(request.query, attach=attach)
+        pod = self._pod(request, container)
+        if is_spdy_upgrade(request):
+            protocol = choose_protocol(offered_protocols(request), EXEC_SPDY_PROTOCOLS)
+            if protocol is None:
+                return _no_common_protocol(request, EXEC_SPDY_PROTOCOLS)
+            process = await self.provider.exec(pod, container, options, attach=attach)
+            session = await upgrade(request, protocol)
+            await _serve_exec_spdy(session, process, options)
+            return web.Response()  # never sent: the connection is already closed
+        if request.headers.get("Upgrade", "").lower() == "websocket":
+            socket = web.WebSocketResponse(protocols=channels.EXEC_PROTOCOLS)
+            if not socket.can_prepare(request).ok:
+                raise BadParameter("Sec-WebSocket-Protocol: no supported channel protocol")
+            process = await self.provider.exec(pod, container, options, attach=attach)
+            await socket.prepare(request)
+            await _serve_exec_websocket(socket, process, options)
+            return socket
+        raise BadParameter("Upgrade: exec and attach need SPDY/3.1 or WebSocket")
+
+    async def _port_forward(self, request: web.Request) -> web.StreamResponse:
+        pod = self._pod(request)
+        if is_spdy_upgrade(request):
+            protocols = (PORT_FORWARD_SPDY_PROTOCOL,)
+            if choose_protocol(offered_protocols(request), protocols) is None:
+                return _no_common_protocol(request, protocols)
+            session = await upgrade(request, PORT_FORWARD_SPDY_PROTOCOL)
+            await _serve_port_forward_spdy(session, self.provider, pod)
+            return web.Response()
+        if request.headers.get("Upgrade", "").lower() == "websocket":
+            ports = parse_ports(request.query)
+            if not ports:
+                raise BadParameter("port: required for a WebSocket port-forward")
+            socket = web.WebSocketResponse(protocols=channels.PORT_FORWARD_PROTOCOLS)
+            if not socket.can_prepare(request).ok:
+                raise BadParameter("Sec-WebSocket-Protocol: no supported port-forward protocol")
+            connections = [await self.provider.port_forward(pod, port) for port in ports]
+            await socket.prepare(request)
+            await _serve_port_forward_websocket(socket, connections, ports)
+            return socket
+        raise BadParameter("Upgrade: port-forward needs SPDY/3.1 or WebSocket")
+
+    async def _stats_summary(self, _request: web.Request) -> web.Response:
+        return web.json_response(await self.provider.stats_summary())
+
+    async def _resource_metrics(self, _request: web.Request) -> web.Response:
+        return web.Response(text=await self.provider.resource_metrics(), content_type="text/plain")
+
+
+def _no_common_protocol(request: web.Request, supported: tuple[str, ...]) -> web.Response:
+    offered = ", ".join(offered_protocols(request)) or "none"
+    return status_response(
+        403,
+        f"unable to upgrade: no common stream protocol (offered {offered}; "
+        f"supported {', '.join(supported)})",
+    )
+
+
+async def _collect_streams(session: SpdySession, wanted: set[str]) -> dict[str, SpdyStream]:
+    found: dict[str, SpdyStream] = {}
+    async with asyncio.timeout(STREAM_CREATION_TIMEOUT):
+        while not wanted <= found.keys():
+            stream = await session.accept()
+            if stream is None:
+                break
+            found[stream.header("streamtype")] = stream
+    return found
+
+
+async def _pump_stdin(read: Any, process: RemoteProcess) -> None:
+    while data := await read():
+        await process.send_stdin(data)
+    await process.close_stdin()
+
+
+async def _pump_resize(read: Any, process: RemoteProcess) -> None:
+    while data := await read():
+        await process.resize(data)
+
+
+async def _serve_exec_spdy(
+    session: SpdySession, process: RemoteProcess, options: ExecOptions
+) -> None:
+    wanted = {"error"}
+    wanted |= {
+        name
+        for name, on in (
+            ("stdin", options.stdin),
+            ("stdout", options.stdout),
+            ("stderr", options.stderr),
+            ("resize", options.tty),
+        )
+        if on
+    }
+    inputs: list[asyncio.Task[None]] = []
+    try:
+        try:
+            streams = await _collect_streams(session, wanted)
+        except TimeoutError:
+            log.info("exec: streams %s not created in time", sorted(wanted))
+            return
+        if "stdin" in streams:
+            inputs.append(asyncio.create_task(_pump_stdin(streams["stdin"].read, process)))
+        if "resize" in streams:
+            inputs.append(asyncio.create_task(_pump_resize(streams["resize"].read, process)))
+        outputs = {channels.STDOUT: streams.get("stdout"), channels.STDERR: streams.get("stderr")}
+        finished = asyncio.create_task(_forward_output(process, outputs))
+        gone = asyncio.create_task(session.closed.wait())
+        await asyncio.wait((finished, gone), return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if finished.done() and not session.closed.is_set():
+            for stream in outputs.values():
+                if stream is not None:
+                    await stream.close()
+            if (error := streams.get("error")) is not None:
+                await error.write(process.status(), fin=True)
+        finished.cancel()
+    finally:
+        for task in inputs:
+            task.cancel()
+        await process.close()
+        await session.close()
+
+
+async def _forward_output(process: RemoteProcess, outputs: Mapping[int, SpdyStream | None]) -> None:
+    async for channel, data in process.output():
+        stream = outputs.get(channel) or outputs.get(channels.STDOUT)
+        if stream is not None:
+            await stream.write(data)
+
+
+async def _serve_port_forward_spdy(
+    session: SpdySession, provider: KubeletProvider, pod: Mapping[str, Any]
+) -> None:
+    pending: dict[str, dict[str, SpdyStream]] = {}
+    tasks: set[asyncio.Task[None]] = set()
+    try:
+        while (stream := await session.accept()) is not None:
+            pair = pending.setdefault(stream.header("requestid"), {})
+            pair[stream.header("streamtype")] = stream
+            if "data" in pair and "error" in pair:
+                del pending[stream.header("requestid")]
+                task = asyncio.create_task(_forward_port(provider, pod, pair))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await session.close()
+
+
+async def _forward_port(
+    provider: KubeletProvider, pod: Mapping[str, Any], pair: dict[str, SpdyStream]
+) -> None:
+    data, error = pair["data"], pair["error"]
+    try:
+        port = int(data.header("port"))
+        if not 0 < port < 65536:
+            raise ValueError(port)
+    except ValueError:
+        await error.write(f"invalid port {data.header('port')!r}".encode(), fin=True)
+        data.reset()
+        return
+    try:
+        connection = await provider.port_forward(pod, port)
+    except ProviderError as failure:
+        await error.write(failure.message.encode(), fin=True)
+        await data.close()
+        return
+    upstream = asyncio.create_task(_pump_to_pod(data.read, connection))
+    try:
+        while chunk := await connection.receive():
+            await data.write(chunk)
+        if message := connection.error():
+            await error.write(message.encode())
+        await data.close()
+        await error.close()
+    finally:
+        upstream.cancel()
+        await connection.close()
+
+
+async def _pump_to_pod(read: Any, connection: PortConnection) -> None:
+    while chunk := await read():
+        await connection.send(chunk)
+
+
+async def _serve_exec_websocket(
+    socket: web.WebSocketResponse, process: RemoteProcess, options: ExecOptions
+) -> None:
+    codec = channels.ChannelCodec(socket.ws_protocol or "", 5)
+
+    async def send(channel: int, payload: bytes) -> None:
+        message = codec.encode(channel, payload)
+        if isinstance(message, str):
+            await socket.send_str(message)
+        else:
+            await socket.send_bytes(message)
+
+    async def read_input() -> None:
+        async for message in socket:
+            if message.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
+                break
+            try:
+                decoded = codec.decode(message.data)
+            except channels.ChannelProtocolError:
+                continue
+            if isinstance(decoded, channels.CloseChannel):
+                if decoded.channel == channels.STDIN:
+                    await process.close_stdin()
+            elif decoded.channel == channels.STDIN and options.stdin:
+                await process.send_stdin(decoded.payload)
+            elif decoded.channel == channels.RESIZE and options.tty:
+                await process.resize(decoded.payload)
+
+    # Upstream announces each writable channel with an empty message.
+    for channel in (channels.STDOUT, channels.STDERR, channels.ERROR):
+        await send(channel, b"")
+    reader = asyncio.create_task(read_input())
+    try:
+        async for channel, data in process.output():
+            await send(channel, data)
+        await send(channels.ERROR, process.status())
+    except ConnectionError:
+        pass
+    finally:
+        reader.cancel()
+        await process.close()
+        await socket.close()
+
+
+async def _serve_port_forward_websocket(
+    socket: web.WebSocketResponse, connections: list[PortConnection], ports: tuple[int, ...]
+) -> None:
+    layout = channels.PortForwardChannels(ports)
+    codec = channels.ChannelCodec(socket.ws_protocol or "", layout.channel_count)
+
+    async def send(channel: int, payload: bytes) -> None:
+        message = codec.encode(channel, payload)
+        if isinstance(message, str):
+            await socket.send_str(message)
+        else:
+            await socket.send_bytes(message)
+
+    async def from_pod(index: int, connection: PortConnection) -> None:
+        while chunk := await connection.receive():
+            await send(layout.data_channel(index), chunk)
+        if message := connection.error():
+            await send(layout.error_channel(index), message.encode())
+
+    for channel, payload in layout.announcements():
+        await send(channel, payload)
+    readers = [asyncio.create_task(from_pod(i, c)) for i, c in enumerate(connections)]
+    try:
+        async for message in socket:
+            if message.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
+                break
+            try:
+                decoded = codec.decode(message.data)
+            except channels.ChannelProtocolError:
+                continue
+            if isinstance(decoded, channels.ChannelData) and decoded.channel % 2 == 0:
+                await connections[decoded.channel // 2].send(decoded.payload)
+    finally:
+        for reader in readers:
+            reader.cancel()
+        for connection in connections:
+            await connection.close()
+
+
+def server_ssl_context(cert_file: Path, key_file: Path, client_ca: Path | None) -> ssl.SSLContext:
+    """TLS 1.2+, asking for (not requiring) a client certificate: token callers have none."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert_file, key_file)
+    if client_ca is not None:
+        context.load_verify_locations(cafile=str(client_ca))
+        context.verify_mode = ssl.CERT_OPTIONAL
+    return context

@@ -1,0 +1,232 @@
+"""The asyncio shell around the sans-IO SpdyConnection, on a connection aiohttp upgraded.
+
+aiohttp only upgrades WebSocket connections itself, so after answering 101 the handler
+installs ``_RawFeed`` as the connection's payload parser: every byte read from the socket
+then goes to the SPDY state machine instead of the HTTP parser, and frames go out through
+a plain aiohttp ``StreamWriter`` (no chunking), which also gives write backpressure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http_writer import StreamWriter
+
+from virtual_node.kubeletapi import spdy
+
+log = logging.getLogger("virtual_node.kubeletapi")
+
+# Read pausing: beyond this many bytes received and not yet consumed, stop reading the
+# socket so a slow lower leg pushes back on the sender instead of growing memory.
+_PAUSE_ABOVE = 4 * 1024 * 1024
+_RESUME_BELOW = 1024 * 1024
+
+
+class _RawFeed:
+    """aiohttp's payload-parser interface, handing raw bytes to the session."""
+
+    def __init__(self, session: SpdySession) -> None:
+        self._session = session
+
+    def feed_data(self, data: bytes) -> tuple[bool, bytes]:
+        self._session._received(data)
+        return False, b""
+
+    def feed_eof(self) -> None:
+        self._session._lost()
+
+
+class SpdyStream:
+    """One stream the peer opened: its headers, what it sends, and our half."""
+
+    def __init__(self, session: SpdySession, opened: spdy.StreamOpened) -> None:
+        self.session = session
+        self.id = opened.stream_id
+        self.headers = opened.headers
+        self._chunks: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.remote_closed = opened.fin
+        self.local_closed = False
+        if opened.fin:
+            self._chunks.put_nowait(b"")
+
+    def header(self, name: str) -> str:
+        return self.headers.get(name, "").split("\x00")[0]
+
+    async def read(self) -> bytes:
+        """The next data the peer sent; b"" once it half-closed or the stream ended."""
+        chunk = await self._chunks.get()
+        if chunk is None or chunk == b"":
+            self._chunks.put_nowait(chunk)  # later reads see the end again
+            return b""
+        self.session._consumed(len(chunk))
+        return chunk
+
+    async def write(self, data: bytes, *, fin: bool = False) -> None:
+        if self.local_closed:
+            return
+        self.local_closed = fin
+        if self.session.send(lambda c: c.send_data(self.id, data, fin=fin)):
+            await self.session.drain()
+
+    async def close(self) -> None:
+        await self.write(b"", fin=True)
+
+    def reset(self) -> None:
+        self.local_closed = True
+        self.session.send(lambda c: c.reset(self.id))
+
+    def _push(self, data: bytes, fin: bool) -> None:
+        if data:
+            self._chunks.put_nowait(data)
+        if fin and not self.remote_closed:
+            self.remote_closed = True
+            self._chunks.put_nowait(b"")
+
+    def _end(self) -> None:
+        self.local_closed = True
+        self._chunks.put_nowait(None)
+
+
+class SpdySession:
+    """A server-side SPDY/3.1 connection: ``accept()`` yields the streams the peer opens."""
+
+    def __init__(self, request: web.BaseRequest) -> None:
+        self._connection = spdy.SpdyConnection()
+        protocol = request.protocol
+        assert protocol is not None and request.transport is not None
+        self._transport = request.transport
+        self._writer = StreamWriter(protocol, asyncio.get_running_loop())
+        self._streams: dict[int, SpdyStream] = {}
+        self._opened: asyncio.Queue[SpdyStream | None] = asyncio.Queue()
+        self._buffered = 0
+        self._paused = False
+        self.closed = asyncio.Event()
+        protocol.keep_alive(False)
+        protocol.set_parser(_RawFeed(self))  # type: ignore[arg-type]  # duck-typed by aiohttp
+
+    async def accept(self) -> SpdyStream | None:
+        """The next stream the peer opened; None once the connection is gone."""
+        stream = await self._opened.get()
+        if stream is None:
+            self._opened.put_nowait(None)
+        return stream
+
+    def send(self, action: Any) -> bool:
+        """Runs a send method of the connection and writes what it queued; False when the
+        stream or connection is already gone."""
+        if self.closed.is_set():
+            return False
+        try:
+            action(self._connection)
+        except spdy.LocalProtocolError:
+            return False
+        self._flush()
+        return True
+
+    async def drain(self) -> None:
+        if not self.closed.is_set():
+            try:
+                await self._writer.drain()
+            except ConnectionError:
+                self._lost()
+
+    async def close(self) -> None:
+        """GOAWAY, then close the socket once written."""
+        if self.closed.is_set():
+            return
+        self.send(lambda c: c.goaway())
+        await self.drain()
+        self._transport.close()
+        self._lost()
+
+    def _flush(self) -> None:
+        data = self._connection.data_to_send()
+        if data and not self._transport.is_closing():
+            self._transport.write(data)
+
+    def _received(self, data: bytes) -> None:
+        try:
+            events = self._connection.receive_data(data)
+        except spdy.SpdyProtocolError as error:
+            log.info("closing a SPDY connection: %s", error)
+            self._flush()
+            self._transport.close()
+            self._lost()
+            return
+        for event in events:
+            self._dispatch(event)
+        self._flush()
+
+    def _dispatch(self, event: spdy.Event) -> None:
+        match event:
+            case spdy.StreamOpened(unidirectional=False):
+                # Every stream is accepted; the handler decides what it is for.
+                self._connection.reply(event.stream_id, {})
+                stream = SpdyStream(self, event)
+                self._streams[event.stream_id] = stream
+                self._opened.put_nowait(stream)
+            case spdy.DataReceived(stream_id=stream_id, data=data, fin=fin):
+                if (receiver := self._streams.get(stream_id)) is not None:
+                    self._buffered += len(data)
+                    receiver._push(data, fin)
+                    if self._buffered > _PAUSE_ABOVE and not self._paused:
+                        self._paused = True
+                        self._transport.pause_reading()
+            case spdy.StreamReset(stream_id=stream_id):
+                if (reset := self._streams.pop(stream_id, None)) is not None:
+                    reset._end()
+            case spdy.GoAwayReceived():
+                self._opened.put_nowait(None)
+            case _:
+                pass  # pings are answered by the connection; replies do not occur here
+
+    def _consumed(self, size: int) -> None:
+        self._buffered -= size
+        if self._paused and self._buffered < _RESUME_BELOW:
+            self._paused = False
+            self._transport.resume_reading()
+
+    def _lost(self) -> None:
+        if self.closed.is_set():
+            return
+        self.closed.set()
+        self._opened.put_nowait(None)
+        for stream in self._streams.values():
+            stream._end()
+        self._streams.clear()
+
+
+def choose_protocol(offered: Sequence[str], supported: Sequence[str]) -> str | None:
+    """The first protocol of the client's X-Stream-Protocol-Version list we speak."""
+    for protocol in offered:
+        if protocol in supported:
+            return protocol
+    return None
+
+
+def offered_protocols(request: web.BaseRequest) -> list[str]:
+    values = request.headers.getall("X-Stream-Protocol-Version", [])
+    return [p.strip() for value in values for p in value.split(",") if p.strip()]
+
+
+def is_spdy_upgrade(request: web.BaseRequest) -> bool:
+    connection = request.headers.get("Connection", "").lower()
+    return "upgrade" in connection and request.headers.get("Upgrade", "").lower() == "spdy/3.1"
+
+
+async def upgrade(request: web.Request, protocol: str) -> SpdySession:
+    """Answers 101 with the chosen protocol and takes the connection over."""
+    response = web.StreamResponse(
+        status=101,
+        headers={
+            "Connection": "Upgrade",
+            "Upgrade": "SPDY/3.1",
+            "X-Stream-Protocol-Version": protocol,
+        },
+    )
+    await response.prepare(request)
+    return SpdySession(request)

@@ -1,0 +1,275 @@
+"""The kubelet API's provider for a lower cluster: every call becomes a call to the lower
+apiserver's pod subresources for the mirrored pod (pods/log streamed, pods/exec,
+pods/attach and pods/portforward over WebSocket, so stdin EOF reaches the process)."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import re
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import aiohttp
+
+from kubekit import keys
+from kubekit.client import PODS, ApiError, KubeClient
+from kubekit.informer import Informer
+from virtual_node.kubeletapi import channels, metrics
+from virtual_node.kubeletapi.provider import (
+    JSON,
+    ExecOptions,
+    LogOptions,
+    PortConnection,
+    ProviderError,
+    RemoteProcess,
+)
+from virtual_node.naming import NamespaceMapping
+
+METRICS_GROUP = "/apis/metrics.k8s.io/v1beta1"
+# Container runtimes that wrap Go's os/exec error (kwok among them) report a non-zero
+# exit as a plain failure ending in this; it is still the command's exit code.
+_GO_EXIT_STATUS = re.compile(r"exit status (\d{1,3})$")
+
+
+def _unavailable(error: Exception) -> ProviderError:
+    return ProviderError(503, f"the lower cluster is unreachable: {error}")
+
+
+def _lower_failure(error: ApiError) -> ProviderError:
+    message = error.body.get("message") if isinstance(error.body, dict) else str(error.body)
+    status = error.status if 400 <= error.status < 500 else 502
+    return ProviderError(status, f"lower cluster: {message}")
+
+
+def exec_status(error_channel: bytes, command: tuple[str, ...]) -> bytes:
+    """The Status to report upward for what the lower error channel carried."""
+    if not error_channel:
+        return channels.success_status()
+    try:
+        channels.parse_exec_status(error_channel)
+    except channels.ExecFailure as failure:
+        found = _GO_EXIT_STATUS.search(failure.message)
+        if found and 0 < int(found.group(1)) <= 255:
+            return channels.exit_code_status(int(found.group(1)), command)
+    except channels.ChannelProtocolError:
+        pass
+    return error_channel
+
+
+class WebSocketProcess:
+    """An exec/attach session on the lower apiserver over v5.channel.k8s.io (or v4)."""
+
+    def __init__(self, socket: aiohttp.ClientWebSocketResponse, command: tuple[str, ...]) -> None:
+        self._socket = socket
+        self._codec = channels.ChannelCodec(socket.protocol or channels.V4_PROTOCOL, 5)
+        self._command = command
+        self._error = bytearray()
+
+    async def send_stdin(self, data: bytes) -> None:
+        await self._send(self._codec.encode(channels.STDIN, data))
+
+    async def close_stdin(self) -> None:
+        if self._codec.supports_close:
+            await self._send(self._codec.encode_close(channels.STDIN))
+
+    async def resize(self, payload: bytes) -> None:
+        await self._send(self._codec.encode(channels.RESIZE, payload))
+
+    async def _send(self, message: bytes | str) -> None:
+        if self._socket.closed:
+            return
+        try:
+            if isinstance(message, str):
+                await self._socket.send_str(message)
+            else:
+                await self._socket.send_bytes(message)
+        except ConnectionError:
+            pass  # the process ended; output() reports how
+
+    async def output(self) -> AsyncIterator[tuple[int, bytes]]:
+        async for message in self._socket:
+            if message.type not in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT):
+                break
+            try:
+                decoded = self._codec.decode(message.data)
+            except channels.ChannelProtocolError:
+                continue  # upstream skips empty and unknown-channel messages too
+            if isinstance(decoded, channels.CloseChannel):
+                continue
+            if decoded.channel == channels.ERROR:
+                self._error += decoded.payload
+            elif decoded.channel in (channels.STDOUT, channels.STDERR) and decoded.payload:
+                yield decoded.channel, decoded.payload
+
+    def status(self) -> bytes:
+        return exec_status(bytes(self._error), self._command)
+
+    async def close(self) -> None:
+        await self._socket.close()
+
+
+class WebSocketPort:
+    """One connection to a lower pod's port over the v4 port-forward channels."""
+
+    def __init__(self, socket: aiohttp.ClientWebSocketResponse, port: int) -> None:
+        self._socket = socket
+        self._channels = channels.PortForwardChannels((port,))
+        self._codec = channels.ChannelCodec(socket.protocol or channels.V4_PROTOCOL, 2)
+        self._error = bytearray()
+
+    async def send(self, data: bytes) -> None:
+        if not self._socket.closed:
+            message = self._codec.encode(self._channels.data_channel(0), data)
+            assert isinstance(message, bytes)
+            with contextlib.suppress(ConnectionError):  # the pod side went away: receive() says
+                await self._socket.send_bytes(message)
+
+    async def receive(self) -> bytes:
+        while True:
+            message = await self._socket.receive()
+            if message.type not in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT):
+                return b""
+            try:
+                decoded = self._codec.decode(message.data)
+            except channels.ChannelProtocolError:
+                continue
+            if isinstance(decoded, channels.CloseChannel):
+                continue
+            try:
+                payload = self._channels.receive(decoded.channel, decoded.payload)
+            except (ValueError, channels.ChannelProtocolError):
+                continue
+            if decoded.channel == self._channels.error_channel(0):
+                self._error += payload
+            elif payload:
+                return payload
+
+    def error(self) -> str:
+        return self._error.decode(errors="replace")
+
+    async def close(self) -> None:
+        await self._socket.close()
+
+
+class LowerKubelet:
+    """KubeletProvider backed by the lower apiserver."""
+
+    def __init__(
+        self,
+        node_name: str,
+        upper_pods: Informer,
+        lower_pods: Informer,
+        lower: KubeClient,
+        mapping: NamespaceMapping,
+    ) -> None:
+        self.node_name = node_name
+        self.upper_pods = upper_pods
+        self.lower_pods = lower_pods
+        self.lower = lower
+        self.mapping = mapping
+        self._cpu_counters = metrics.CpuCounters()
+
+    def pod(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+        pod = self.upper_pods.get(f"{namespace}/{name}")
+        if pod is None or pod["spec"].get("nodeName") != self.node_name:
+            return None
+        return pod
+
+    def pods(self) -> list[JSON]:
+        return list(self.upper_pods.items())
+
+    def _lower_path(self, pod: Mapping[str, Any], subresource: str) -> str:
+        metadata = pod["metadata"]
+        namespace = self.mapping.lower(metadata["namespace"])
+        lower = self.lower_pods.get(f"{namespace}/{metadata['name']}")
+        annotations = (lower or {}).get("metadata", {}).get("annotations") or {}
+        if lower is None or annotations.get(keys.UPPER_UID_ANNOTATION) != metadata["uid"]:
+            raise ProviderError(
+                404, f"pod {metadata['namespace']}/{metadata['name']} is not running below yet"
+            )
+        return PODS.path(namespace, metadata["name"], subresource)
+
+    async def container_logs(
+        self, pod: Mapping[str, Any], container: str, options: LogOptions
+    ) -> AsyncIterator[bytes]:
+        path = self._lower_path(pod, "log")
+        try:
+            response = await self.lower.stream(path, {"container": container, **options.query()})
+        except ApiError as error:
+            raise _lower_failure(error) from error
+        except (aiohttp.ClientError, OSError) as error:
+            raise _unavailable(error) from error
+        try:
+            async for chunk in response.content.iter_any():
+                yield chunk
+        finally:
+            response.release()
+
+    async def exec(
+        self, pod: Mapping[str, Any], container: str, options: ExecOptions, *, attach: bool
+    ) -> RemoteProcess:
+        path = self._lower_path(pod, "attach" if attach else "exec")
+        query = [("container", container)]
+        query += [("command", c) for c in options.command]
+        for name, enabled in (
+            ("stdin", options.stdin),
+            ("stdout", options.stdout),
+            ("stderr", options.stderr),
+            ("tty", options.tty),
+        ):
+            if enabled:
+                query.append((name, "true"))
+        socket = await self._websocket(path, query, (channels.V5_PROTOCOL, channels.V4_PROTOCOL))
+        return WebSocketProcess(socket, options.command)
+
+    async def port_forward(self, pod: Mapping[str, Any], port: int) -> PortConnection:
+        path = self._lower_path(pod, "portforward")
+        socket = await self._websocket(path, [("ports", str(port))], (channels.V4_PROTOCOL,))
+        return WebSocketPort(socket, port)
+
+    async def _websocket(
+        self, path: str, query: list[tuple[str, str]], protocols: tuple[str, ...]
+    ) -> aiohttp.ClientWebSocketResponse:
+        try:
+            return await self.lower.websocket(path, query, protocols)
+        except ApiError as error:
+            raise _lower_failure(error) from error
+        except (aiohttp.ClientError, OSError) as error:
+            raise _unavailable(error) from error
+
+    async def _metrics(self, plural: str) -> list[JSON]:
+        try:
+            listed = await self.lower.request("GET", f"{METRICS_GROUP}/{plural}")
+        except ApiError as error:
+            if error.status in (404, 503):
+                raise ProviderError(
+                    503,
+                    "resource metrics are not available: the lower cluster serves no "
+                    "metrics.k8s.io API (install metrics-server there)",
+                ) from error
+            raise _lower_failure(error) from error
+        except (aiohttp.ClientError, OSError) as error:
+            raise _unavailable(error) from error
+        items: list[JSON] = listed.get("items") or []
+        return items
+
+    async def stats_summary(self) -> JSON:
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return metrics.summary(
+            self.node_name, await self._metrics("pods"), self._mirrored_by_lower_key(), now
+        )
+
+    async def resource_metrics(self) -> str:
+        return metrics.prometheus_text(
+            await self._metrics("pods"), self._mirrored_by_lower_key(), self._cpu_counters
+        )
+
+    def _mirrored_by_lower_key(self) -> dict[str, tuple[str, str]]:
+        """lower namespace/name → upper (namespace, name) of the pods we mirror."""
+        mirrored = {}
+        for pod in self.upper_pods.items():
+            metadata = pod["metadata"]
+            lower_key = f"{self.mapping.lower(metadata['namespace'])}/{metadata['name']}"
+            mirrored[lower_key] = (metadata["namespace"], metadata["name"])
+        return mirrored
