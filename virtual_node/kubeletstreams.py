@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
 import aiohttp
@@ -192,7 +192,7 @@ class LowerKubelet:
 
     async def container_logs(
         self, pod: Mapping[str, Any], container: str, options: LogOptions
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         path = self._lower_path(pod, "log")
         try:
             response = await self.lower.stream(path, {"container": container, **options.query()})

@@ -4,7 +4,7 @@ authenticates and speaks the protocols; a provider reaches the containers."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -98,7 +98,7 @@ class KubeletProvider(Protocol):
 
     def container_logs(
         self, pod: Mapping[str, Any], container: str, options: LogOptions
-    ) -> AsyncIterator[bytes]: ...
+    ) -> AsyncGenerator[bytes, None]: ...
 
     async def exec(
         self, pod: Mapping[str, Any], container: str, options: ExecOptions, *, attach: bool

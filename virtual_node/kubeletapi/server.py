@@ -232,7 +232,7 @@ class KubeletServer:
         except (ConnectionError, ProviderError):
             pass  # the client left, or the lower stream broke after the headers went out
         finally:
-            await chunks.aclose()  # type: ignore[attr-defined]  # an async generator
+            await chunks.aclose()
         with contextlib.suppress(ConnectionError):
             await response.write_eof()
         return response
