@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
+from fractions import Fraction
 from typing import Any
 
 from kubekit.quantity import parse_quantity
@@ -16,8 +17,12 @@ from kubekit.quantity import parse_quantity
 JSON = dict[str, Any]
 
 
-def _cores(usage: Mapping[str, Any]) -> float:
-    return float(parse_quantity(str(usage.get("cpu", "0"))))
+def _cores(usage: Mapping[str, Any]) -> Fraction:
+    return parse_quantity(str(usage.get("cpu", "0")))
+
+
+def _nanocores(cores: Fraction) -> int:
+    return int(cores * 1_000_000_000)
 
 
 def _bytes(usage: Mapping[str, Any]) -> int:
@@ -64,10 +69,10 @@ def summary(
 ) -> JSON:
     """A kubelet Summary: the node is what our mirrored pods use."""
     pods = []
-    node_cores, node_memory = 0.0, 0
+    node_cores, node_memory = Fraction(0), 0
     for namespace, name, item in mirrored_pod_metrics(pod_metrics, mirrored):
         containers = []
-        pod_cores, pod_memory = 0.0, 0
+        pod_cores, pod_memory = Fraction(0), 0
         for container in item.get("containers") or []:
             usage = container.get("usage") or {}
             cores, memory = _cores(usage), _bytes(usage)
@@ -76,7 +81,7 @@ def summary(
             containers.append(
                 {
                     "name": container.get("name", ""),
-                    "cpu": {"time": timestamp, "usageNanoCores": int(cores * 1e9)},
+                    "cpu": {"time": timestamp, "usageNanoCores": _nanocores(cores)},
                     "memory": {"time": timestamp, "workingSetBytes": memory},
                 }
             )
@@ -86,14 +91,14 @@ def summary(
             {
                 "podRef": {"name": name, "namespace": namespace},
                 "containers": containers,
-                "cpu": {"time": timestamp, "usageNanoCores": int(pod_cores * 1e9)},
+                "cpu": {"time": timestamp, "usageNanoCores": _nanocores(pod_cores)},
                 "memory": {"time": timestamp, "workingSetBytes": pod_memory},
             }
         )
     return {
         "node": {
             "nodeName": node_name,
-            "cpu": {"time": timestamp, "usageNanoCores": int(node_cores * 1e9)},
+            "cpu": {"time": timestamp, "usageNanoCores": _nanocores(node_cores)},
             "memory": {"time": timestamp, "workingSetBytes": node_memory},
         },
         "pods": pods,
@@ -113,7 +118,7 @@ def prometheus_text(
     """The kubelet's /metrics/resource families for the node and our mirrored pods."""
     now = time.time() if now is None else now
     stamp = int(now * 1000)
-    node_cores, node_memory = 0.0, 0
+    node_cores, node_memory = Fraction(0), 0
     cpu_lines, memory_lines = [], []
     keys = []
     for namespace, name, item in mirrored_pod_metrics(pod_metrics, mirrored):
@@ -128,11 +133,11 @@ def prometheus_text(
                 f'container="{_label(container.get("name", ""))}",'
                 f'namespace="{_label(namespace)}",pod="{_label(name)}"'
             )
-            total = counters.advance(key, cores, now)
+            total = counters.advance(key, float(cores), now)
             cpu_lines.append(f"container_cpu_usage_seconds_total{{{labels}}} {total:.9f} {stamp}")
             memory_lines.append(f"container_memory_working_set_bytes{{{labels}}} {memory} {stamp}")
     keys.append("")
-    node_total = counters.advance("", node_cores, now)
+    node_total = counters.advance("", float(node_cores), now)
     counters.forget_except(keys)
     lines = [
         "# HELP container_cpu_usage_seconds_total [STABLE] Cumulative cpu time consumed by "

@@ -95,7 +95,7 @@ def _integer(query: Mapping[str, str], name: str, minimum: int) -> int | None:
 def parse_log_options(query: Mapping[str, str]) -> LogOptions:
     """containerLogs query → options; BadParameter names the parameter that is wrong."""
     since_time = query.get("sinceTime")
-    if since_time is not None and not _RFC3339.match(since_time):
+    if since_time is not None and not _RFC3339.fullmatch(since_time):
         raise BadParameter(f"sinceTime: {since_time!r} is not an RFC 3339 time")
     options = LogOptions(
         follow=_boolean(query, "follow"),
@@ -120,18 +120,18 @@ def parse_exec_options(query: Any, *, attach: bool) -> ExecOptions:
     command = tuple(query.getall("command", []))
     if not attach and not command:
         raise BadParameter("command: required")
-    options = ExecOptions(
+    tty = flag("tty")
+    stderr = flag("error", "stderr")
+    if not (flag("input", "stdin") or flag("output", "stdout") or stderr):
+        raise BadParameter("input, output, error: at least one stream is required")
+    return ExecOptions(
         command=command,
         stdin=flag("input", "stdin"),
         stdout=flag("output", "stdout"),
-        stderr=flag("error", "stderr"),
-        tty=flag("tty"),
+        # A terminal merges stderr into stdout; the kubelet drops the flag the same way.
+        stderr=stderr and not tty,
+        tty=tty,
     )
-    if not (options.stdin or options.stdout or options.stderr):
-        raise BadParameter("input, output, error: at least one stream is required")
-    if options.tty and options.stderr:
-        raise BadParameter("tty and error: stderr cannot be used with a terminal")
-    return options
 
 
 def parse_ports(query: Any) -> tuple[int, ...]:
@@ -252,7 +252,7 @@ class KubeletServer:
             return web.Response()  # never sent: the connection is already closed
         if request.headers.get("Upgrade", "").lower() == "websocket":
             socket = web.WebSocketResponse(protocols=channels.EXEC_PROTOCOLS)
-            if not socket.can_prepare(request).ok:
+            if _negotiated(socket, request) is None:
                 raise BadParameter("Sec-WebSocket-Protocol: no supported channel protocol")
             process = await self.provider.exec(pod, container, options, attach=attach)
             await socket.prepare(request)
@@ -274,9 +274,16 @@ class KubeletServer:
             if not ports:
                 raise BadParameter("port: required for a WebSocket port-forward")
             socket = web.WebSocketResponse(protocols=channels.PORT_FORWARD_PROTOCOLS)
-            if not socket.can_prepare(request).ok:
+            if _negotiated(socket, request) is None:
                 raise BadParameter("Sec-WebSocket-Protocol: no supported port-forward protocol")
-            connections = [await self.provider.port_forward(pod, port) for port in ports]
+            connections: list[PortConnection] = []
+            try:
+                for port in ports:
+                    connections.append(await self.provider.port_forward(pod, port))
+            except ProviderError:
+                for connection in connections:
+                    await connection.close()
+                raise
             await socket.prepare(request)
             await _serve_port_forward_websocket(socket, connections, ports)
             return socket
@@ -287,6 +294,18 @@ class KubeletServer:
 
     async def _resource_metrics(self, _request: web.Request) -> web.Response:
         return web.Response(text=await self.provider.resource_metrics(), content_type="text/plain")
+
+
+def _negotiated(socket: web.WebSocketResponse, request: web.Request) -> str | None:
+    """The subprotocol the handshake would pick; None when the client offered none we
+    speak (aiohttp would go on without one, upstream refuses). No offer at all means the
+    plain binary framing, as upstream."""
+    ready = socket.can_prepare(request)
+    if not ready.ok:
+        return None
+    if ready.protocol is None:
+        return "" if "Sec-WebSocket-Protocol" not in request.headers else None
+    return ready.protocol
 
 
 def _no_common_protocol(request: web.Request, supported: tuple[str, ...]) -> web.Response:

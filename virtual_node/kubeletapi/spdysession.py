@@ -24,6 +24,7 @@ log = logging.getLogger("virtual_node.kubeletapi")
 # socket so a slow lower leg pushes back on the sender instead of growing memory.
 _PAUSE_ABOVE = 4 * 1024 * 1024
 _RESUME_BELOW = 1024 * 1024
+MAX_FRAME_SIZE = 1024 * 1024
 
 
 class _RawFeed:
@@ -95,7 +96,9 @@ class SpdySession:
     """A server-side SPDY/3.1 connection: ``accept()`` yields the streams the peer opens."""
 
     def __init__(self, request: web.BaseRequest) -> None:
-        self._connection = spdy.SpdyConnection()
+        # Peers send frames of at most 32 KiB of data (io.Copy buffers) and small header
+        # blocks: anything near the protocol's 16 MiB limit is refused, not buffered.
+        self._connection = spdy.SpdyConnection(max_frame_size=MAX_FRAME_SIZE)
         protocol = request.protocol
         assert protocol is not None and request.transport is not None
         self._transport = request.transport

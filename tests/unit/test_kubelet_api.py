@@ -1,0 +1,591 @@
+"""The pure parts of the kubelet API: query parsing, authorization attributes, metrics,
+serving-certificate approval and the exec status translation."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from collections.abc import Collection
+from typing import Any
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.x509.oid import NameOID
+from multidict import MultiDict
+
+from kubekit import pki
+from virtual_node.kubeletapi import channels
+from virtual_node.kubeletapi.auth import User, node_attributes, user_from_certificate
+from virtual_node.kubeletapi.certificates import SIGNER, USAGES, approvable, signing_request
+from virtual_node.kubeletapi.metrics import (
+    CpuCounters,
+    mirrored_pod_metrics,
+    prometheus_text,
+    summary,
+)
+from virtual_node.kubeletapi.provider import ExecOptions, LogOptions
+from virtual_node.kubeletapi.server import (
+    BadParameter,
+    parse_exec_options,
+    parse_log_options,
+    parse_ports,
+    status_response,
+)
+from virtual_node.kubeletstreams import exec_status
+
+# --- containerLogs query ---------------------------------------------------------------------
+
+
+def test_log_options_default_to_nothing() -> None:
+    assert parse_log_options(MultiDict()) == LogOptions()
+    assert LogOptions().query() == {}
+
+
+def test_log_options_read_every_parameter() -> None:
+    query = MultiDict(
+        follow="true",
+        tailLines="0",
+        limitBytes="1",
+        previous="1",
+        sinceSeconds="30",
+        timestamps="TRUE",
+    )
+    assert parse_log_options(query) == LogOptions(
+        follow=True,
+        tail_lines=0,
+        limit_bytes=1,
+        previous=True,
+        since_seconds=30,
+        since_time=None,
+        timestamps=True,
+    )
+
+
+@pytest.mark.parametrize("since_time", ["2024-05-01T10:20:30Z", "2024-05-01T10:20:30.123456+02:00"])
+def test_log_options_accept_rfc3339_since_time(since_time: str) -> None:
+    options = parse_log_options(MultiDict(sinceTime=since_time, follow="false"))
+    assert options.since_time == since_time
+    assert options.follow is False
+
+
+@pytest.mark.parametrize(
+    ("query", "parameter"),
+    [
+        ({"tailLines": "-1"}, "tailLines"),
+        ({"tailLines": "ten"}, "tailLines"),
+        ({"limitBytes": "0"}, "limitBytes"),
+        ({"sinceSeconds": "0"}, "sinceSeconds"),
+        ({"sinceTime": "2024-05-01 10:20:30"}, "sinceTime"),
+        ({"sinceTime": "yesterday"}, "sinceTime"),
+        ({"follow": "maybe"}, "follow"),
+        ({"previous": "yes"}, "previous"),
+        ({"timestamps": "2"}, "timestamps"),
+        ({"sinceSeconds": "5", "sinceTime": "2024-05-01T10:20:30Z"}, "sinceSeconds and sinceTime"),
+    ],
+)
+def test_bad_log_parameter_is_named(query: dict[str, str], parameter: str) -> None:
+    with pytest.raises(BadParameter) as raised:
+        parse_log_options(MultiDict(query))
+    assert str(raised.value).startswith(f"{parameter}:")
+
+
+def test_since_time_with_trailing_newline_is_refused() -> None:
+    with pytest.raises(BadParameter, match="sinceTime"):
+        parse_log_options(MultiDict(sinceTime="2024-05-01T10:20:30Z\n"))
+
+
+def test_log_options_query_uses_apiserver_names_and_round_trips() -> None:
+    options = LogOptions(
+        follow=True, tail_lines=0, limit_bytes=512, previous=True, since_seconds=9, timestamps=True
+    )
+    assert options.query() == {
+        "follow": "true",
+        "tailLines": "0",
+        "limitBytes": "512",
+        "previous": "true",
+        "sinceSeconds": "9",
+        "timestamps": "true",
+    }
+    assert parse_log_options(MultiDict(options.query())) == options
+    timed = LogOptions(since_time="2024-05-01T10:20:30Z")
+    assert timed.query() == {"sinceTime": "2024-05-01T10:20:30Z"}
+    assert parse_log_options(MultiDict(timed.query())) == timed
+
+
+# --- exec, attach and port-forward queries -----------------------------------------------------
+
+
+def test_exec_options_from_apiserver_names() -> None:
+    query = MultiDict(
+        [
+            ("command", "sh"),
+            ("command", "-c"),
+            ("command", "echo hi"),
+            ("input", "1"),
+            ("output", "1"),
+            ("error", "1"),
+        ]
+    )
+    assert parse_exec_options(query, attach=False) == ExecOptions(
+        command=("sh", "-c", "echo hi"), stdin=True, stdout=True, stderr=True, tty=False
+    )
+
+
+def test_exec_options_from_kubectl_names() -> None:
+    query = MultiDict([("command", "bash"), ("stdin", "true"), ("stdout", "true"), ("tty", "1")])
+    assert parse_exec_options(query, attach=False) == ExecOptions(
+        command=("bash",), stdin=True, stdout=True, stderr=False, tty=True
+    )
+
+
+def test_exec_stream_flag_false_is_not_a_stream() -> None:
+    query = MultiDict(command="ls", output="0", error="1")
+    options = parse_exec_options(query, attach=False)
+    assert (options.stdin, options.stdout, options.stderr) == (False, False, True)
+
+
+@pytest.mark.parametrize(
+    ("query", "attach", "parameter"),
+    [
+        ([("command", "ls")], False, "input, output, error"),
+        ([("command", "ls"), ("output", "0"), ("stdout", "false")], False, "input, output, error"),
+        ([("output", "1")], False, "command"),
+        ([("output", "perhaps"), ("command", "ls")], False, "output"),
+        ([], True, "input, output, error"),
+    ],
+)
+def test_bad_exec_query_is_named(
+    query: list[tuple[str, str]], attach: bool, parameter: str
+) -> None:
+    with pytest.raises(BadParameter) as raised:
+        parse_exec_options(MultiDict(query), attach=attach)
+    assert str(raised.value).startswith(parameter)
+
+
+def test_attach_needs_no_command() -> None:
+    options = parse_exec_options(MultiDict(input="1", output="1", tty="1"), attach=True)
+    assert options == ExecOptions(command=(), stdin=True, stdout=True, stderr=False, tty=True)
+
+
+def test_ports_comma_separated_and_repeated() -> None:
+    assert parse_ports(MultiDict([("port", "80,443"), ("port", "8080")])) == (80, 443, 8080)
+    assert parse_ports(MultiDict([("port", "1"), ("port", "65535")])) == (1, 65535)
+    assert parse_ports(MultiDict()) == ()
+
+
+@pytest.mark.parametrize("value", ["0", "65536", "-1", "http", "80,", "80,,443", "8o"])
+def test_bad_port_is_named(value: str) -> None:
+    with pytest.raises(BadParameter, match=r"^port: "):
+        parse_ports(MultiDict(port=value))
+
+
+def test_status_response_is_a_kubernetes_status() -> None:
+    response = status_response(404, "pod default/x not found on this node")
+    assert response.status == 404
+    assert response.content_type == "application/json"
+    assert isinstance(response.body, bytes)
+    assert json.loads(response.body) == {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": "pod default/x not found on this node",
+        "reason": "NotFound",
+        "code": 404,
+    }
+    unknown = status_response(418, "odd").body
+    assert isinstance(unknown, bytes)
+    assert json.loads(unknown)["reason"] == "InternalError"
+
+
+# --- authorization attributes and certificate users --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "expected"),
+    [
+        ("GET", "/containerLogs/default/p/app", ("get", "proxy")),
+        ("POST", "/exec/default/p/app", ("create", "proxy")),
+        ("GET", "/exec/default/p/app", ("get", "proxy")),
+        ("HEAD", "/pods", ("get", "proxy")),
+        ("PUT", "/pods", ("update", "proxy")),
+        ("PATCH", "/pods", ("patch", "proxy")),
+        ("DELETE", "/pods", ("delete", "proxy")),
+        ("OPTIONS", "/healthz", ("options", "proxy")),
+        ("GET", "/stats", ("get", "stats")),
+        ("GET", "/stats/summary", ("get", "stats")),
+        ("GET", "/metrics", ("get", "metrics")),
+        ("GET", "/metrics/resource", ("get", "metrics")),
+        ("GET", "/logs/x", ("get", "log")),
+        ("GET", "/logs", ("get", "log")),
+        ("GET", "/statsfoo", ("get", "proxy")),
+        ("GET", "/metricsx/resource", ("get", "proxy")),
+        ("GET", "/logsy", ("get", "proxy")),
+    ],
+)
+def test_node_attributes(method: str, path: str, expected: tuple[str, str]) -> None:
+    assert node_attributes(method, path) == expected
+
+
+def test_user_from_certificate_names_and_groups() -> None:
+    peercert: dict[str, Any] = {
+        "subject": (
+            (("organizationName", "system:masters"),),
+            (("organizationName", "ops"),),
+            (("commonName", "kube-apiserver-kubelet-client"),),
+        ),
+        "issuer": ((("commonName", "kubernetes"),),),
+    }
+    assert user_from_certificate(peercert) == User(
+        "kube-apiserver-kubelet-client", groups=("system:masters", "ops")
+    )
+
+
+def test_user_from_certificate_without_common_name_or_certificate() -> None:
+    assert user_from_certificate({"subject": ((("organizationName", "system:masters"),),)}) is None
+    assert user_from_certificate({}) is None  # what getpeercert() gives for no certificate
+    assert user_from_certificate(None) is None
+
+
+# --- metrics ---------------------------------------------------------------------------------
+
+LOWER_METRICS: list[dict[str, Any]] = [
+    {
+        "metadata": {"name": "p", "namespace": "lower-default"},
+        "containers": [
+            {"name": "app", "usage": {"cpu": "250m", "memory": "64Mi"}},
+            {"name": "side", "usage": {"cpu": "125m", "memory": "1Ki"}},
+        ],
+    },
+    {
+        # A lower pod we do not mirror: it counts nowhere.
+        "metadata": {"name": "intruder", "namespace": "lower-default"},
+        "containers": [{"name": "x", "usage": {"cpu": "8", "memory": "8Gi"}}],
+    },
+    {
+        "metadata": {"name": "q", "namespace": "lower-team"},
+        "containers": [{"name": "main", "usage": {"cpu": "1", "memory": "1Gi"}}],
+    },
+]
+MIRRORED = {"lower-default/p": ("default", "p"), "lower-team/q": ("team", "q")}
+
+
+def test_mirrored_pod_metrics_maps_lower_keys_to_upper_pods() -> None:
+    found = mirrored_pod_metrics(LOWER_METRICS, MIRRORED)
+    assert [(ns, name, item["metadata"]["name"]) for ns, name, item in found] == [
+        ("default", "p", "p"),
+        ("team", "q", "q"),
+    ]
+    assert mirrored_pod_metrics(LOWER_METRICS, {"default/p": ("default", "p")}) == []
+
+
+def test_summary_sums_containers_into_pods_and_mirrored_pods_into_the_node() -> None:
+    result = summary("vn-1", LOWER_METRICS, MIRRORED, "2024-05-01T10:20:30Z")
+    stamp = "2024-05-01T10:20:30Z"
+    assert result["node"] == {
+        "nodeName": "vn-1",
+        "cpu": {"time": stamp, "usageNanoCores": 1_375_000_000},
+        "memory": {"time": stamp, "workingSetBytes": 64 * 2**20 + 1024 + 2**30},
+    }
+    pods = {(p["podRef"]["namespace"], p["podRef"]["name"]): p for p in result["pods"]}
+    assert set(pods) == {("default", "p"), ("team", "q")}
+    p = pods["default", "p"]
+    assert p["cpu"] == {"time": stamp, "usageNanoCores": 375_000_000}
+    assert p["memory"] == {"time": stamp, "workingSetBytes": 64 * 2**20 + 1024}
+    assert p["containers"] == [
+        {
+            "name": "app",
+            "cpu": {"time": stamp, "usageNanoCores": 250_000_000},
+            "memory": {"time": stamp, "workingSetBytes": 64 * 2**20},
+        },
+        {
+            "name": "side",
+            "cpu": {"time": stamp, "usageNanoCores": 125_000_000},
+            "memory": {"time": stamp, "workingSetBytes": 1024},
+        },
+    ]
+    assert pods["team", "q"]["cpu"]["usageNanoCores"] == 1_000_000_000
+
+
+def test_summary_of_no_mirrored_pods_is_an_idle_node() -> None:
+    result = summary("vn-1", LOWER_METRICS, {}, "t")
+    assert result["pods"] == []
+    assert result["node"]["cpu"]["usageNanoCores"] == 0
+    assert result["node"]["memory"]["workingSetBytes"] == 0
+
+
+@pytest.mark.parametrize(("cpu", "nanocores"), [("1001m", 1_001_000_000), ("131071n", 131_071)])
+def test_summary_nanocores_are_exact(cpu: str, nanocores: int) -> None:
+    item = {
+        "metadata": {"name": "p", "namespace": "lower-default"},
+        "containers": [{"name": "app", "usage": {"cpu": cpu, "memory": "0"}}],
+    }
+    result = summary("vn-1", [item], MIRRORED, "t")
+    assert result["pods"][0]["containers"][0]["cpu"]["usageNanoCores"] == nanocores
+
+
+def _samples(text: str) -> dict[str, float]:
+    """'name{labels}' → value of each sample line (the timestamp dropped)."""
+    found = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, value, _stamp = line.rsplit(" ", 2)
+            found[series] = float(value)
+    return found
+
+
+APP = 'container_cpu_usage_seconds_total{container="app",namespace="default",pod="p"}'
+MAIN = 'container_cpu_usage_seconds_total{container="main",namespace="team",pod="q"}'
+NODE = "node_cpu_usage_seconds_total"
+
+
+def test_prometheus_text_families_have_help_and_type() -> None:
+    text = prometheus_text(LOWER_METRICS, MIRRORED, CpuCounters(), now=1000.0)
+    assert text.endswith("\n")
+    for family, kind in (
+        ("container_cpu_usage_seconds_total", "counter"),
+        ("container_memory_working_set_bytes", "gauge"),
+        ("node_cpu_usage_seconds_total", "counter"),
+        ("node_memory_working_set_bytes", "gauge"),
+    ):
+        lines = text.splitlines()
+        help_at = next(i for i, line in enumerate(lines) if line.startswith(f"# HELP {family} "))
+        assert lines[help_at + 1] == f"# TYPE {family} {kind}"
+        assert lines[help_at + 2].startswith(family)
+    samples = _samples(text)
+    assert samples[APP] == 0.0  # nothing has elapsed yet
+    memory = 'container_memory_working_set_bytes{container="app",namespace="default",pod="p"}'
+    assert samples[memory] == 64 * 2**20
+    assert samples["node_memory_working_set_bytes"] == 64 * 2**20 + 1024 + 2**30
+    assert not any("intruder" in line for line in text.splitlines())
+    assert re.search(r"^node_cpu_usage_seconds_total 0\.000000000 1000000$", text, re.M)
+
+
+def test_prometheus_labels_are_escaped() -> None:
+    item = {
+        "metadata": {"name": "p", "namespace": "lower-default"},
+        "containers": [{"name": 'a"b\\c\nd', "usage": {"cpu": "1", "memory": "1"}}],
+    }
+    text = prometheus_text([item], MIRRORED, CpuCounters(), now=1.0)
+    assert 'container="a\\"b\\\\c\\nd",namespace="default",pod="p"' in text
+    # The newline inside the name did not split a sample line.
+    assert all(line.startswith(("#", "container_", "node_")) for line in text.splitlines())
+
+
+def test_cpu_counters_integrate_the_rate_monotonically() -> None:
+    counters = CpuCounters()
+    first = _samples(prometheus_text(LOWER_METRICS, MIRRORED, counters, now=1000.0))
+    second = _samples(prometheus_text(LOWER_METRICS, MIRRORED, counters, now=1010.0))
+    faster = [
+        {**item, "containers": [{"name": "main", "usage": {"cpu": "3", "memory": "1"}}]}
+        if item["metadata"]["name"] == "q"
+        else item
+        for item in LOWER_METRICS
+    ]
+    third = _samples(prometheus_text(faster, MIRRORED, counters, now=1012.0))
+    assert (first[APP], second[APP], third[APP]) == pytest.approx((0.0, 2.5, 3.0))
+    assert (first[MAIN], second[MAIN], third[MAIN]) == pytest.approx((0.0, 10.0, 16.0))
+    assert (first[NODE], second[NODE], third[NODE]) == pytest.approx((0.0, 13.75, 13.75 + 6.75))
+
+
+def test_cpu_counters_forget_pods_that_are_gone() -> None:
+    counters = CpuCounters()
+    prometheus_text(LOWER_METRICS, MIRRORED, counters, now=1000.0)
+    prometheus_text(LOWER_METRICS, MIRRORED, counters, now=1010.0)
+    only_q = {"lower-team/q": ("team", "q")}
+    later = _samples(prometheus_text(LOWER_METRICS, only_q, counters, now=1020.0))
+    assert APP not in later and MAIN in later
+    # p's counter was dropped: were it kept, 20 s at 0.25 cores would show up as 5.0.
+    assert counters.advance("default/p/app", 0.25, 1030.0) == 0.0
+    assert counters.advance("team/q/main", 1.0, 1030.0) == pytest.approx(30.0)
+    # The node's counter survives the pod going away.
+    assert later[NODE] == pytest.approx(13.75 + 10.0)
+
+
+def test_cpu_counter_ignores_a_clock_going_back() -> None:
+    counters = CpuCounters()
+    assert counters.advance("k", 1.0, 100.0) == 0.0
+    assert counters.advance("k", 1.0, 110.0) == pytest.approx(10.0)
+    assert counters.advance("k", 1.0, 105.0) == pytest.approx(10.0)
+
+
+# --- serving certificate approval ------------------------------------------------------------
+
+NODE_NAME = "vn-lower-1"
+NAMES = ("vn-lower-1.example", "10.0.0.7")
+
+
+def csr_object(
+    pem: bytes, signer: str = SIGNER, usages: Collection[str] = USAGES
+) -> dict[str, Any]:
+    """A CertificateSigningRequest as the apiserver returns it."""
+    return {
+        "apiVersion": "certificates.k8s.io/v1",
+        "kind": "CertificateSigningRequest",
+        "metadata": {"name": "kubestrata-vn-lower-1-0a0b"},
+        "spec": {
+            "request": base64.b64encode(pem).decode(),
+            "signerName": signer,
+            "usages": list(usages),
+            "username": "system:serviceaccount:kubestrata:vn",
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def own_request() -> bytes:
+    return signing_request(NODE_NAME, NAMES)[0]
+
+
+def test_signing_request_names_the_node(own_request: bytes) -> None:
+    request = x509.load_pem_x509_csr(own_request)
+    assert request.is_signature_valid
+    assert request.subject.rfc4514_string() == f"CN=system:node:{NODE_NAME},O=system:nodes"
+    san = request.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["vn-lower-1.example"]
+    assert [str(a) for a in san.get_values_for_type(x509.IPAddress)] == ["10.0.0.7"]
+
+
+def test_own_request_is_approvable(own_request: bytes) -> None:
+    assert approvable(csr_object(own_request), NODE_NAME, NAMES) == ""
+    assert approvable(csr_object(own_request), NODE_NAME, list(reversed(NAMES))) == ""
+    with_encipherment = csr_object(own_request, usages=(*USAGES, "key encipherment"))
+    assert approvable(with_encipherment, NODE_NAME, NAMES) == ""
+
+
+def test_refuses_another_signer(own_request: bytes) -> None:
+    csr = csr_object(own_request, signer="kubernetes.io/kube-apiserver-client")
+    assert "signer" in approvable(csr, NODE_NAME, NAMES)
+    del csr["spec"]["signerName"]
+    assert "signer" in approvable(csr, NODE_NAME, NAMES)
+
+
+def test_refuses_client_auth_usage(own_request: bytes) -> None:
+    csr = csr_object(own_request, usages=(*USAGES, "client auth"))
+    assert "usages" in approvable(csr, NODE_NAME, NAMES)
+
+
+def test_refuses_another_node(own_request: bytes) -> None:
+    other = csr_object(signing_request("vn-lower-2", NAMES)[0])
+    assert "is not node vn-lower-1" in approvable(other, NODE_NAME, NAMES)
+    assert "is not node vn-lower-2" in approvable(csr_object(own_request), "vn-lower-2", NAMES)
+
+
+@pytest.mark.parametrize(
+    "requested",
+    [
+        ("vn-lower-1.example",),
+        (*NAMES, "kubernetes.default.svc"),
+        ("vn-lower-1.example", "10.0.0.8"),
+        (*NAMES, "10.0.0.7"),  # a duplicate still counts
+    ],
+)
+def test_refuses_other_names(requested: tuple[str, ...]) -> None:
+    csr = csr_object(signing_request(NODE_NAME, requested)[0])
+    assert approvable(csr, NODE_NAME, NAMES).startswith("names ")
+
+
+def _build_request(subject: x509.Name, names: list[x509.GeneralName] | None) -> bytes:
+    builder = x509.CertificateSigningRequestBuilder().subject_name(subject)
+    if names is not None:
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+    request = builder.sign(pki.new_private_key(), hashes.SHA256())
+    return request.public_bytes(serialization.Encoding.PEM)
+
+
+NODE_SUBJECT = x509.Name(
+    [
+        x509.NameAttribute(NameOID.ORGANIZATION_NAME, "system:nodes"),
+        x509.NameAttribute(NameOID.COMMON_NAME, f"system:node:{NODE_NAME}"),
+    ]
+)
+
+
+def test_refuses_missing_names_and_other_groups() -> None:
+    assert approvable(csr_object(_build_request(NODE_SUBJECT, None)), NODE_NAME, NAMES) == (
+        "no subject alternative names"
+    )
+    masters = x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "system:masters"),
+            x509.NameAttribute(NameOID.COMMON_NAME, f"system:node:{NODE_NAME}"),
+        ]
+    )
+    names: list[x509.GeneralName] = [x509.DNSName(NAMES[0])]
+    assert "is not node" in approvable(
+        csr_object(_build_request(masters, names)), NODE_NAME, NAMES[:1]
+    )
+
+
+@pytest.mark.parametrize(
+    "request_field",
+    [
+        base64.b64encode(b"not a certificate request").decode(),
+        base64.b64encode(b"-----BEGIN CERTIFICATE REQUEST-----\nAAAA\n").decode(),
+        "%%% not base64 %%%",
+        "",
+    ],
+)
+def test_refuses_garbage_request(request_field: str, own_request: bytes) -> None:
+    csr = csr_object(own_request)
+    csr["spec"]["request"] = request_field
+    assert approvable(csr, NODE_NAME, NAMES).startswith("request is not a PEM CSR")
+
+
+# --- exec status translation -----------------------------------------------------------------
+
+COMMAND = ("sh", "-c", "exit 3")
+
+
+def test_empty_error_channel_is_success() -> None:
+    status = exec_status(b"", COMMAND)
+    assert json.loads(status) == {"metadata": {}, "status": "Success"}
+    assert channels.parse_exec_status(status) is None
+
+
+def test_non_zero_exit_code_passes_through_unchanged() -> None:
+    lower = channels.exit_code_status(7, ("false",))
+    assert exec_status(lower, COMMAND) is lower
+
+
+def test_go_exit_status_failure_becomes_non_zero_exit_code() -> None:
+    lower = json.dumps(
+        {
+            "metadata": {},
+            "status": "Failure",
+            "message": "Internal error occurred: error executing command in container: "
+            "exit status 3",
+            "reason": "InternalError",
+            "code": 500,
+        }
+    ).encode()
+    status = exec_status(lower, COMMAND)
+    assert channels.parse_exec_status(status) == 3
+    decoded = json.loads(status)
+    assert decoded["reason"] == "NonZeroExitCode"
+    assert decoded["details"]["causes"] == [{"reason": "ExitCode", "message": "3"}]
+    assert "[sh -c exit 3]" in decoded["message"]
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "container not found",
+        "exit status 0",
+        "exit status 256",
+        "exit status 3 and then some",
+        "exit status -1",
+    ],
+)
+def test_other_failures_pass_through_unchanged(message: str) -> None:
+    lower = json.dumps(
+        {"metadata": {}, "status": "Failure", "message": message, "reason": "InternalError"}
+    ).encode()
+    assert exec_status(lower, COMMAND) is lower
+
+
+@pytest.mark.parametrize("payload", [b"not json", b"[1, 2]", b'{"status": "Pending"}', b"\xff"])
+def test_unreadable_error_channel_passes_through_unchanged(payload: bytes) -> None:
+    assert exec_status(payload, COMMAND) is payload
