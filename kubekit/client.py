@@ -87,6 +87,8 @@ SERVICEACCOUNTS = Resource("", "v1", "serviceaccounts")
 PERSISTENTVOLUMECLAIMS = Resource("", "v1", "persistentvolumeclaims")
 EVENTS = Resource("", "v1", "events")
 LEASES = Resource("coordination.k8s.io", "v1", "leases")
+SERVICES = Resource("", "v1", "services")
+ENDPOINTSLICES = Resource("discovery.k8s.io", "v1", "endpointslices")
 
 
 @dataclass(frozen=True)

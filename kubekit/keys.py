@@ -36,3 +36,8 @@ STASH_ANNOTATION = f"{PREFIX}/scheduling-stash"
 FEDERATION_LABEL = f"{PREFIX}/federation"
 FEDERATION_ENABLED = "enabled"
 FEDERATION_DISABLED = "disabled"
+
+# Kubernetes' own keys on EndpointSlices: the Service a slice belongs to, and which
+# controller manages it (the lower cluster's controllers leave slices marked as ours).
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+ENDPOINT_SLICE_MANAGED_BY_LABEL = "endpointslice.kubernetes.io/managed-by"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 from kubekit import keys
@@ -10,7 +10,7 @@ from virtual_node.naming import NamespaceMapping
 from virtual_node.translate import Ownership, is_service_account_token_volume
 
 JSON = dict[str, Any]
-Kind = Literal["configmaps", "secrets", "persistentvolumeclaims"]
+Kind = Literal["configmaps", "secrets", "persistentvolumeclaims", "services", "endpointslices"]
 
 # Secrets whose content the lower cluster makes for itself.
 _NOT_REFLECTED_SECRET_TYPES = frozenset({"kubernetes.io/service-account-token"})
@@ -57,26 +57,110 @@ def referenced_objects(spec: Mapping[str, Any]) -> set[tuple[Kind, str]]:
     return {(kind, name) for kind, name in refs if name}
 
 
+def selecting_services(pod: Mapping[str, Any], services: Iterable[Mapping[str, Any]]) -> set[str]:
+    """Names of the Services (of the pod's namespace) whose selector picks the pod."""
+    labels = pod["metadata"].get("labels") or {}
+    names = set()
+    for service in services:
+        spec = service.get("spec") or {}
+        selector = spec.get("selector") or {}
+        if spec.get("type") == "ExternalName" or not selector:
+            continue
+        if all(labels.get(k) == v for k, v in selector.items()):
+            names.add(service["metadata"]["name"])
+    return names
+
+
+def service_of_slice(endpoint_slice: Mapping[str, Any]) -> str:
+    return str((endpoint_slice["metadata"].get("labels") or {}).get(keys.SERVICE_NAME_LABEL, ""))
+
+
 def reflectable(upper: Mapping[str, Any]) -> bool:
     return upper.get("type") not in _NOT_REFLECTED_SECRET_TYPES
 
 
-def desired_copy(upper: Mapping[str, Any], mapping: NamespaceMapping, owner: Ownership) -> JSON:
-    """The lower copy of an upper ConfigMap or Secret."""
+def _copy_metadata(
+    upper: Mapping[str, Any], mapping: NamespaceMapping, owner: Ownership, **labels: str
+) -> JSON:
     metadata = upper["metadata"]
+    return {
+        "name": metadata["name"],
+        "namespace": mapping.lower(metadata["namespace"]),
+        "labels": {**(metadata.get("labels") or {}), **labels, **owner.labels()},
+        "annotations": {
+            **(metadata.get("annotations") or {}),
+            keys.UPPER_UID_ANNOTATION: metadata["uid"],
+            keys.UPPER_NAMESPACE_ANNOTATION: metadata["namespace"],
+        },
+    }
+
+
+# The Service fields that mean the same below; addresses, node ports and load balancers
+# are the lower cluster's own.
+_SERVICE_FIELDS = (
+    "sessionAffinity",
+    "sessionAffinityConfig",
+    "publishNotReadyAddresses",
+    "internalTrafficPolicy",
+)
+
+
+def desired_service(upper: Mapping[str, Any], mapping: NamespaceMapping, owner: Ownership) -> JSON:
+    """The lower Service: no cluster IP (the lower cluster allocates one; headless stays
+    headless), type ClusterIP, no node ports, and no selector: its endpoints are the
+    upper Service's, in every lower cluster, reflected as EndpointSlices."""
+    spec = upper.get("spec") or {}
+    lower_spec: JSON = {"type": "ClusterIP"}
+    if spec.get("clusterIP") == "None":
+        lower_spec["clusterIP"] = "None"
+    ports = [{k: v for k, v in port.items() if k != "nodePort"} for port in spec.get("ports") or []]
+    if ports:
+        lower_spec["ports"] = ports
+    lower_spec.update({f: spec[f] for f in _SERVICE_FIELDS if f in spec})
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _copy_metadata(upper, mapping, owner),
+        "spec": lower_spec,
+    }
+
+
+def desired_endpoint_slice(
+    upper: Mapping[str, Any], mapping: NamespaceMapping, owner: Ownership
+) -> JSON:
+    """The lower copy of an upper EndpointSlice: marked as ours so the lower
+    controllers leave it alone, without upper node names and pod UIDs."""
+    endpoints = []
+    for endpoint in upper.get("endpoints") or []:
+        copy = {k: v for k, v in endpoint.items() if k not in ("nodeName", "targetRef")}
+        target = endpoint.get("targetRef")
+        if target and target.get("kind") == "Pod" and target.get("namespace"):
+            copy["targetRef"] = {
+                "kind": "Pod",
+                "name": target["name"],
+                "namespace": mapping.lower(target["namespace"]),
+            }
+        endpoints.append(copy)
+    reflected: JSON = {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": _copy_metadata(
+            upper, mapping, owner, **{keys.ENDPOINT_SLICE_MANAGED_BY_LABEL: keys.PREFIX}
+        ),
+        "addressType": upper.get("addressType", "IPv4"),
+        "endpoints": endpoints,
+    }
+    if upper.get("ports") is not None:
+        reflected["ports"] = upper["ports"]
+    return reflected
+
+
+def desired_copy(upper: Mapping[str, Any], mapping: NamespaceMapping, owner: Ownership) -> JSON:
+    """The lower copy of an upper ConfigMap, Secret or PersistentVolumeClaim."""
     copy: JSON = {
         "apiVersion": "v1",
         "kind": upper.get("kind") or "ConfigMap",
-        "metadata": {
-            "name": metadata["name"],
-            "namespace": mapping.lower(metadata["namespace"]),
-            "labels": {**(metadata.get("labels") or {}), **owner.labels()},
-            "annotations": {
-                **(metadata.get("annotations") or {}),
-                keys.UPPER_UID_ANNOTATION: metadata["uid"],
-                keys.UPPER_NAMESPACE_ANNOTATION: metadata["namespace"],
-            },
-        },
+        "metadata": _copy_metadata(upper, mapping, owner),
     }
     for field in ("data", "binaryData", "stringData", "type", "immutable"):
         if field in upper:
@@ -90,9 +174,14 @@ def desired_copy(upper: Mapping[str, Any], mapping: NamespaceMapping, owner: Own
 def copy_differs(lower: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
     # A claim's spec is fixed once created (only a storage request may grow): what
     # differs there is not brought over.
-    fields = ("data", "binaryData", "type", "immutable")
+    fields = ("data", "binaryData", "type", "immutable", "addressType", "endpoints", "ports")
     if any(lower.get(f) != desired.get(f) for f in fields):
         return True
+    if desired.get("kind") == "Service":
+        # The lower apiserver fills in defaults (cluster IP, families): only what we set counts.
+        lower_spec = lower.get("spec") or {}
+        if any(lower_spec.get(k) != v for k, v in desired["spec"].items()):
+            return True
     return any(
         (lower["metadata"].get(part) or {}) != desired["metadata"][part]
         for part in ("labels", "annotations")

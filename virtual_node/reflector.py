@@ -1,23 +1,26 @@
 """Keeps lower copies of the ConfigMaps, Secrets and PersistentVolumeClaims that
-mirrored pods refer to.
+mirrored pods refer to, and of the Services that select them with their EndpointSlices.
 
 Level-triggered: for each (kind, upper namespace, name) the desired state is "a copy
-equal to the upper object" while a pod on this node refers to it, and "no copy"
-otherwise; every change on either side only enqueues that key.
+equal to the upper object" while a pod on this node refers to it (a Service: selects
+it; an EndpointSlice: belongs to such a Service), and "no copy" otherwise; every change
+on either side only enqueues that key.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kubekit import keys
 from kubekit.client import (
     CONFIGMAPS,
+    ENDPOINTSLICES,
     PERSISTENTVOLUMECLAIMS,
     SECRETS,
+    SERVICES,
     ApiError,
     KubeClient,
     Resource,
@@ -26,11 +29,16 @@ from kubekit.informer import FunctionHandler, Informer, object_key
 from kubekit.workqueue import WorkQueue
 from virtual_node.naming import NamespaceMapping, NamingError
 from virtual_node.references import (
+    JSON,
     Kind,
     copy_differs,
     desired_copy,
+    desired_endpoint_slice,
+    desired_service,
     referenced_objects,
     reflectable,
+    selecting_services,
+    service_of_slice,
 )
 from virtual_node.translate import Ownership
 
@@ -41,6 +49,15 @@ RESOURCES: dict[Kind, Resource] = {
     "configmaps": CONFIGMAPS,
     "secrets": SECRETS,
     "persistentvolumeclaims": PERSISTENTVOLUMECLAIMS,
+    "services": SERVICES,
+    "endpointslices": ENDPOINTSLICES,
+}
+DESIRED: dict[Kind, Callable[[Mapping[str, Any], NamespaceMapping, Ownership], JSON]] = {
+    "configmaps": desired_copy,
+    "secrets": desired_copy,
+    "persistentvolumeclaims": desired_copy,
+    "services": desired_service,
+    "endpointslices": desired_endpoint_slice,
 }
 
 
@@ -55,6 +72,7 @@ class Reflector:
         owner: Ownership,
         queue: WorkQueue[Key],
     ) -> None:
+        self.upper_pods = upper_pods
         self.upper_objects = upper_objects
         self.lower = lower
         self.lower_copies = lower_copies
@@ -84,6 +102,12 @@ class Reflector:
         key = object_key(pod)
         namespace = pod["metadata"]["namespace"]
         refs = {(kind, namespace, name) for kind, name in referenced_objects(pod.get("spec") or {})}
+        services = (
+            s
+            for s in self.upper_objects["services"].items()
+            if s["metadata"]["namespace"] == namespace
+        )
+        refs |= {("services", namespace, name) for name in selecting_services(pod, services)}
         if pod["metadata"].get("deletionTimestamp") or (pod.get("status") or {}).get("phase") in {
             "Succeeded",
             "Failed",
@@ -101,8 +125,11 @@ class Reflector:
             users.discard(pod_key)
             if not users:
                 self._users.pop(ref, None)
+                self._enqueue_slices_of(ref)
             self.queue.add(ref)
         for ref in refs - before:
+            if ref not in self._users:
+                self._enqueue_slices_of(ref)
             self._users.setdefault(ref, set()).add(pod_key)
             self.queue.add(ref)
         if refs:
@@ -110,10 +137,32 @@ class Reflector:
         else:
             self._refs_of_pod.pop(pod_key, None)
 
+    def _enqueue_slices_of(self, ref: Key) -> None:
+        kind, namespace, name = ref
+        if kind != "services":
+            return
+        for endpoint_slice in self.upper_objects["endpointslices"].items():
+            metadata = endpoint_slice["metadata"]
+            if metadata["namespace"] == namespace and service_of_slice(endpoint_slice) == name:
+                self.queue.add(("endpointslices", namespace, metadata["name"]))
+
     def _upper_changed(self, kind: Kind, obj: Mapping[str, Any]) -> None:
-        key: Key = (kind, obj["metadata"]["namespace"], obj["metadata"]["name"])
-        if key in self._users:
+        namespace = obj["metadata"]["namespace"]
+        key: Key = (kind, namespace, obj["metadata"]["name"])
+        if kind == "services":
+            # A new or changed selector changes which pods need this Service.
+            for pod in self.upper_pods.items():
+                if pod["metadata"]["namespace"] == namespace:
+                    self._pod_changed(pod)
+        if self._wanted(key):
             self.queue.add(key)
+
+    def _wanted(self, key: Key) -> bool:
+        kind, namespace, name = key
+        if kind != "endpointslices":
+            return key in self._users
+        upper = self.upper_objects[kind].get(f"{namespace}/{name}")
+        return upper is not None and ("services", namespace, service_of_slice(upper)) in self._users
 
     def _lower_changed(self, kind: Kind, obj: Mapping[str, Any]) -> None:
         metadata = obj["metadata"]
@@ -130,7 +179,7 @@ class Reflector:
                     keys.UPPER_NAMESPACE_ANNOTATION
                 )
                 key: Key = (kind, namespace or "", obj["metadata"]["name"])
-                if key not in self._users:
+                if not self._wanted(key):
                     found.append(key)
         return found
 
@@ -152,8 +201,8 @@ class Reflector:
             return
         upper = self.upper_objects[kind].get(f"{namespace}/{name}")
         lower = self.lower_copies[kind].get(f"{lower_namespace}/{name}")
-        if key in self._users and upper is not None and reflectable(upper):
-            desired = desired_copy(upper, self.mapping, self.owner)
+        if self._wanted(key) and upper is not None and reflectable(upper):
+            desired = DESIRED[kind](upper, self.mapping, self.owner)
             if lower is None:
                 await self._create(resource, desired, lower_namespace)
             elif copy_differs(lower, desired):

@@ -3,10 +3,12 @@ ways, conflicts, drain and faults, all through the stock kubectl against real cl
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from kubekit import keys
 from kubekit.federation import Federation, virtual_node_name
+from kubekit.localcluster import LocalCluster
 from kubekit.quantity import parse_quantity
 
 from .helpers import (
@@ -354,6 +356,68 @@ def test_config_maps_and_secrets_follow_their_pods_down_and_away(federation: Fed
 
 # Last: after its lower apiserver restarts, kwok's simulated nodes miss heartbeats and the
 # lower controller-manager marks new pods there NotReady, which the virtual node reports.
+def reflected_endpoints(lower: LocalCluster) -> list[str] | None:
+    """Addresses of the lower copy of Service svc/api, sorted (None: no copy, nor slices).
+    A list: the simulated lower clusters hand out pod IPs from the same range."""
+    found = lower.kubectl("get", "service", "-n", "svc", "api", "-o", "json", check=False)
+    slices = get_json(lower, "endpointslices", "-n", "svc", "-l", "kubernetes.io/service-name=api")
+    if found.returncode != 0 and not slices["items"]:
+        return None
+    return sorted(
+        a for s in slices["items"] for e in s.get("endpoints") or [] for a in e["addresses"]
+    )
+
+
+def endpoints_are(lower: LocalCluster, expected: list[str] | None) -> bool:
+    return reflected_endpoints(lower) == expected
+
+
+def test_a_service_and_its_endpoints_reach_every_cluster_running_its_pods(
+    federation: Federation,
+) -> None:
+    upper = federation.upper
+    apply(
+        upper,
+        namespace("svc"),
+        federated_deployment("api", "svc", 4, cpu="6"),
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "api", "namespace": "svc"},
+            "spec": {
+                "type": "NodePort",
+                "selector": {"app": "api"},
+                "ports": [{"port": 80, "targetPort": 8080, "protocol": "TCP"}],
+            },
+        },
+    )
+    rollout(upper, "api", "svc")
+    upper_ip = get_json(upper, "service", "-n", "svc", "api")["spec"]["clusterIP"]
+
+    def upper_addresses() -> list[str]:
+        slices = get_json(
+            upper, "endpointslices", "-n", "svc", "-l", "kubernetes.io/service-name=api"
+        )["items"]
+        found = sorted(a for s in slices for e in s.get("endpoints") or [] for a in e["addresses"])
+        return found if len(found) == 4 else []
+
+    everywhere = wait_for(upper_addresses, "4 endpoints")
+    for name in ("lower-1", "lower-2"):
+        lower = federation.clusters[name]
+        # Every cluster sees the endpoints of all clusters, not only its own pods.
+        wait_for(partial(endpoints_are, lower, everywhere), f"endpoints in {name}")
+        service = get_json(lower, "service", "-n", "svc", "api")
+        assert service["spec"]["type"] == "ClusterIP" and "selector" not in service["spec"]
+        assert service["spec"]["clusterIP"] != upper_ip
+        assert service["metadata"]["labels"][keys.MANAGED_BY_LABEL] == keys.MANAGED_BY_VALUE
+
+    upper.kubectl("delete", "service", "-n", "svc", "api")
+    for name in ("lower-1", "lower-2"):
+        lower = federation.clusters[name]
+        wait_for(partial(endpoints_are, lower, None), f"the copies in {name} removed")
+    upper.kubectl("delete", "namespace", "svc", "--wait=false")
+
+
 def test_lower_apiserver_down_makes_node_not_ready_then_recovers(federation: Federation) -> None:
     lower = federation.clusters["lower-1"]
     lower.stop_component("kube-apiserver")

@@ -1,9 +1,19 @@
 from kubekit import keys
 from virtual_node.naming import NamespaceMapping
-from virtual_node.references import copy_differs, desired_copy, referenced_objects, reflectable
+from virtual_node.references import (
+    copy_differs,
+    desired_copy,
+    desired_endpoint_slice,
+    desired_service,
+    referenced_objects,
+    reflectable,
+    selecting_services,
+    service_of_slice,
+)
 from virtual_node.translate import Ownership
 
 OWNER = Ownership(origin="o", node_name="vk-a")
+MAPPING = NamespaceMapping("same")
 
 
 def test_every_kind_of_reference_is_found() -> None:
@@ -115,3 +125,87 @@ def test_the_service_account_token_volume_needs_nothing_below() -> None:
         },
     }
     assert referenced_objects({"volumes": [token_volume]}) == set()
+
+
+def service(name: str, selector: dict[str, str] | None, **spec: object) -> dict[str, object]:
+    return {
+        "metadata": {"name": name, "namespace": "shop", "uid": f"uid-{name}"},
+        "spec": {**({"selector": selector} if selector is not None else {}), **spec},
+    }
+
+
+def test_services_select_pods_by_their_whole_selector() -> None:
+    pod = {"metadata": {"name": "p", "namespace": "shop", "labels": {"app": "web", "tier": "1"}}}
+    services = [
+        service("web", {"app": "web"}),
+        service("web-tier-2", {"app": "web", "tier": "2"}),
+        service("manual", None),
+        service("empty", {}),
+        service("alias", {"app": "web"}, type="ExternalName", externalName="example.com"),
+    ]
+    assert selecting_services(pod, services) == {"web"}
+
+
+def test_lower_service_gets_its_own_addresses_and_no_selector() -> None:
+    upper = service(
+        "web",
+        {"app": "web"},
+        type="NodePort",
+        clusterIP="10.0.0.7",
+        clusterIPs=["10.0.0.7"],
+        ports=[{"port": 80, "targetPort": 8080, "protocol": "TCP", "nodePort": 30080}],
+        sessionAffinity="ClientIP",
+    )
+    lower = desired_service(upper, NamespaceMapping("prefix", "up"), OWNER)
+    assert lower["metadata"]["namespace"] == "up-shop"
+    assert lower["metadata"]["annotations"][keys.UPPER_UID_ANNOTATION] == "uid-web"
+    assert lower["spec"] == {
+        "type": "ClusterIP",
+        "ports": [{"port": 80, "targetPort": 8080, "protocol": "TCP"}],
+        "sessionAffinity": "ClientIP",
+    }
+    headless = desired_service(service("db", {"app": "db"}, clusterIP="None"), MAPPING, OWNER)
+    assert headless["spec"]["clusterIP"] == "None"
+    # What the lower apiserver fills in is no difference; what we set is.
+    defaulted = {**lower, "spec": {**lower["spec"], "clusterIP": "10.96.0.9"}}
+    assert not copy_differs(defaulted, lower)
+    assert copy_differs({**defaulted, "spec": {**defaulted["spec"], "ports": []}}, lower)
+
+
+def test_lower_endpoint_slice_is_ours_without_upper_node_names() -> None:
+    upper = {
+        "metadata": {
+            "name": "web-abcde",
+            "namespace": "shop",
+            "uid": "u1",
+            "labels": {
+                keys.SERVICE_NAME_LABEL: "web",
+                keys.ENDPOINT_SLICE_MANAGED_BY_LABEL: "endpointslice-controller.k8s.io",
+            },
+        },
+        "addressType": "IPv4",
+        "endpoints": [
+            {
+                "addresses": ["10.1.0.5"],
+                "conditions": {"ready": True},
+                "nodeName": "vk-lower-1",
+                "targetRef": {"kind": "Pod", "name": "web-1", "namespace": "shop", "uid": "x"},
+            }
+        ],
+        "ports": [{"name": "", "port": 8080, "protocol": "TCP"}],
+    }
+    assert service_of_slice(upper) == "web"
+    lower = desired_endpoint_slice(upper, MAPPING, OWNER)
+    labels = lower["metadata"]["labels"]
+    assert labels[keys.ENDPOINT_SLICE_MANAGED_BY_LABEL] == keys.PREFIX
+    assert labels[keys.SERVICE_NAME_LABEL] == "web"
+    assert lower["endpoints"] == [
+        {
+            "addresses": ["10.1.0.5"],
+            "conditions": {"ready": True},
+            "targetRef": {"kind": "Pod", "name": "web-1", "namespace": "shop"},
+        }
+    ]
+    assert lower["ports"] == upper["ports"]
+    assert not copy_differs(lower, lower)
+    assert copy_differs({**lower, "endpoints": []}, lower)
