@@ -61,6 +61,14 @@ def lower(federation: Federation) -> LocalCluster:
     return cluster
 
 
+def kubectl_process(federation: Federation, *args: str, **popen: Any) -> subprocess.Popen[Any]:
+    """The stock kubectl against the upper cluster, running on while the test acts."""
+    return subprocess.Popen(
+        [str(federation.toolchain.kubectl), f"--kubeconfig={federation.upper.kubeconfig}", *args],
+        **popen,
+    )
+
+
 def logs(federation: Federation, *args: str) -> str:
     return federation.upper.kubectl("logs", "-n", NS, POD, *args).stdout
 
@@ -85,17 +93,14 @@ def test_logs_with_tail_timestamps_limit_and_since(federation: Federation, pod: 
 
 
 def test_logs_follow_sees_lines_written_after_it_started(federation: Federation, pod: str) -> None:
-    follower = subprocess.Popen(
-        [
-            str(federation.toolchain.kubectl),
-            f"--kubeconfig={federation.upper.kubeconfig}",
-            "logs",
-            "-f",
-            "--tail=0",
-            "-n",
-            NS,
-            POD,
-        ],
+    follower = kubectl_process(
+        federation,
+        "logs",
+        "-f",
+        "--tail=0",
+        "-n",
+        NS,
+        POD,
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -139,21 +144,18 @@ def test_exec_stdout_stderr_stdin_and_exit_code(federation: Federation, pod: str
 
 def test_exec_with_a_terminal(federation: Federation, pod: str) -> None:
     controller, terminal = pty.openpty()
-    process = subprocess.Popen(
-        [
-            str(federation.toolchain.kubectl),
-            f"--kubeconfig={federation.upper.kubeconfig}",
-            "exec",
-            "-it",
-            "-n",
-            NS,
-            POD,
-            "--",
-            "sh",
-            "-c",
-            # kwok drops terminal output of a command that exits at once.
-            "test -t 0 && echo is-a-tty; sleep 1; exit 5",
-        ],
+    process = kubectl_process(
+        federation,
+        "exec",
+        "-it",
+        "-n",
+        NS,
+        POD,
+        "--",
+        "sh",
+        "-c",
+        # kwok drops terminal output of a command that exits at once.
+        "test -t 0 && echo is-a-tty; sleep 1; exit 5",
         stdin=terminal,
         stdout=terminal,
         stderr=terminal,
@@ -211,15 +213,12 @@ def test_cp_of_a_multi_megabyte_file_into_the_pod(
 
 
 def test_attach_streams_the_container_output(federation: Federation, pod: str) -> None:
-    attach = subprocess.Popen(
-        [
-            str(federation.toolchain.kubectl),
-            f"--kubeconfig={federation.upper.kubeconfig}",
-            "attach",
-            "-n",
-            NS,
-            POD,
-        ],
+    attach = kubectl_process(
+        federation,
+        "attach",
+        "-n",
+        NS,
+        POD,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -269,17 +268,14 @@ class UppercaseServer:
 
 def test_port_forward_carries_data_both_ways(federation: Federation, pod: str) -> None:
     server = UppercaseServer(lower(federation).ports.pod_ports)
-    forward = subprocess.Popen(
-        [
-            str(federation.toolchain.kubectl),
-            f"--kubeconfig={federation.upper.kubeconfig}",
-            "port-forward",
-            "-n",
-            NS,
-            f"pod/{POD}",
-            ":80",
-            ":8080",
-        ],
+    forward = kubectl_process(
+        federation,
+        "port-forward",
+        "-n",
+        NS,
+        f"pod/{POD}",
+        ":80",
+        ":8080",
         stdout=subprocess.PIPE,
         text=True,
     )

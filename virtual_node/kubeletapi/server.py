@@ -9,7 +9,7 @@ import contextlib
 import logging
 import re
 import ssl
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -446,26 +446,37 @@ async def _pump_to_pod(read: Any, connection: PortConnection) -> None:
         await connection.send(chunk)
 
 
+class _ChannelSocket:
+    """A served WebSocket speaking one of the channel protocols."""
+
+    def __init__(self, socket: web.WebSocketResponse, channel_count: int) -> None:
+        self.socket = socket
+        self.codec = channels.ChannelCodec(socket.ws_protocol or "", channel_count)
+
+    async def send(self, channel: int, payload: bytes) -> None:
+        message = self.codec.encode(channel, payload)
+        if isinstance(message, str):
+            await self.socket.send_str(message)
+        else:
+            await self.socket.send_bytes(message)
+
+    async def received(self) -> AsyncIterator[channels.ChannelData | channels.CloseChannel]:
+        async for message in self.socket:
+            if message.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
+                return
+            try:
+                yield self.codec.decode(message.data)
+            except channels.ChannelProtocolError:
+                continue  # upstream skips empty and unknown-channel messages too
+
+
 async def _serve_exec_websocket(
     socket: web.WebSocketResponse, process: RemoteProcess, options: ExecOptions
 ) -> None:
-    codec = channels.ChannelCodec(socket.ws_protocol or "", 5)
-
-    async def send(channel: int, payload: bytes) -> None:
-        message = codec.encode(channel, payload)
-        if isinstance(message, str):
-            await socket.send_str(message)
-        else:
-            await socket.send_bytes(message)
+    client = _ChannelSocket(socket, 5)
 
     async def read_input() -> None:
-        async for message in socket:
-            if message.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
-                break
-            try:
-                decoded = codec.decode(message.data)
-            except channels.ChannelProtocolError:
-                continue
+        async for decoded in client.received():
             if isinstance(decoded, channels.CloseChannel):
                 if decoded.channel == channels.STDIN:
                     await process.close_stdin()
@@ -476,12 +487,12 @@ async def _serve_exec_websocket(
 
     # Upstream announces each writable channel with an empty message.
     for channel in (channels.STDOUT, channels.STDERR, channels.ERROR):
-        await send(channel, b"")
+        await client.send(channel, b"")
     reader = asyncio.create_task(read_input())
     try:
         async for channel, data in process.output():
-            await send(channel, data)
-        await send(channels.ERROR, process.status())
+            await client.send(channel, data)
+        await client.send(channels.ERROR, process.status())
     except ConnectionError:
         pass
     finally:
@@ -494,32 +505,19 @@ async def _serve_port_forward_websocket(
     socket: web.WebSocketResponse, connections: list[PortConnection], ports: tuple[int, ...]
 ) -> None:
     layout = channels.PortForwardChannels(ports)
-    codec = channels.ChannelCodec(socket.ws_protocol or "", layout.channel_count)
-
-    async def send(channel: int, payload: bytes) -> None:
-        message = codec.encode(channel, payload)
-        if isinstance(message, str):
-            await socket.send_str(message)
-        else:
-            await socket.send_bytes(message)
+    client = _ChannelSocket(socket, layout.channel_count)
 
     async def from_pod(index: int, connection: PortConnection) -> None:
         while chunk := await connection.receive():
-            await send(layout.data_channel(index), chunk)
+            await client.send(layout.data_channel(index), chunk)
         if message := connection.error():
-            await send(layout.error_channel(index), message.encode())
+            await client.send(layout.error_channel(index), message.encode())
 
     for channel, payload in layout.announcements():
-        await send(channel, payload)
+        await client.send(channel, payload)
     readers = [asyncio.create_task(from_pod(i, c)) for i, c in enumerate(connections)]
     try:
-        async for message in socket:
-            if message.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
-                break
-            try:
-                decoded = codec.decode(message.data)
-            except channels.ChannelProtocolError:
-                continue
+        async for decoded in client.received():
             if isinstance(decoded, channels.ChannelData) and decoded.channel % 2 == 0:
                 await connections[decoded.channel // 2].send(decoded.payload)
     finally:
