@@ -72,11 +72,12 @@ def test_up_detach_kubeconfig_down(state_dir: Path, toolchain: Toolchain) -> Non
             "kube-scheduler",
             "kwok",
             "virtual-node-lower-1",
+            "webhook",
         }
     finally:
         down = kubestrata("down", "--state-dir", str(state_dir))
     assert down.returncode == 0, down.stderr
-    assert "stopped 10 processes" in down.stdout
+    assert "stopped 11 processes" in down.stdout
     assert not state_dir.exists()
     assert not any(p.alive() for p in processes)
 
@@ -96,7 +97,7 @@ def test_foreground_up_stops_everything_on_ctrl_c(state_dir: Path) -> None:
         else:
             pytest.fail(f"up ended before it was ready: {up.stderr.read() if up.stderr else ''}")
         processes = running_processes(state_dir)
-        assert len(processes) == 10
+        assert len(processes) == 11
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
         assert not any(p.alive() for p in processes)

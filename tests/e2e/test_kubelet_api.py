@@ -53,6 +53,9 @@ def pod(federation: Federation) -> Iterator[str]:
     )
     upper.kubectl("wait", "--for=condition=Ready", f"pod/{POD}", "-n", NS, "--timeout=90s")
     yield POD
+    # A bare pod left on the node would stop other tests' drains.
+    upper.kubectl("delete", "pod", POD, "-n", NS, "--timeout=90s")
+    upper.kubectl("delete", "namespace", NS, "--wait=false")
 
 
 def lower(federation: Federation) -> LocalCluster:
@@ -365,3 +368,18 @@ def test_bad_requests_get_clear_statuses(federation: Federation, pod: str) -> No
     assert status == 503 and "metrics.k8s.io" in body["message"]
     result = federation.upper.kubectl("logs", "-n", NS, POD, "-c", "nope", check=False)
     assert result.returncode != 0 and "nope" in result.stderr
+
+
+def test_the_serving_certificate_comes_from_an_approved_kubelet_serving_csr(
+    federation: Federation, pod: str
+) -> None:
+    upper = federation.upper
+    csrs = get_json(upper, "certificatesigningrequests")["items"]
+    ours = [c for c in csrs if c["spec"]["signerName"] == "kubernetes.io/kubelet-serving"]
+    assert {c["spec"]["username"] for c in ours} == {"kubestrata-admin"}
+    assert all(c["status"].get("certificate") for c in ours)
+    # Signed by the upper cluster's signer, so an apiserver that verifies kubelets trusts it.
+    context = ssl.create_default_context(cafile=str(upper.ca.cert_path))
+    context.load_cert_chain(upper.admin_cert.cert_path, upper.admin_cert.key_path)
+    with urllib.request.urlopen(kubelet_url(federation, "/healthz"), context=context) as answer:
+        assert answer.read() == b"ok"
