@@ -16,6 +16,7 @@ from aiohttp import ClientResponse, WSMsgType
 from aiohttp.test_utils import BaseTestServer, TestClient, TestServer
 
 from virtual_node.kubeletapi import channels
+from virtual_node.kubeletapi import server as server_module
 from virtual_node.kubeletapi.auth import AuthError, Authorizer, User, node_attributes
 from virtual_node.kubeletapi.provider import (
     JSON,
@@ -536,6 +537,18 @@ async def test_spdy_port_forward_pairs_streams_by_request_id(kubelet: Kubelet) -
         await peer.until(lambda p: False)
         assert peer.eof
     await asyncio.wait_for(connection.closed.wait(), TIMEOUT)
+
+
+async def test_half_a_port_forward_pair_is_reset_after_the_creation_timeout(
+    kubelet: Kubelet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server_module, "STREAM_CREATION_TIMEOUT", 0.2)
+    async with spdy_upgrade(kubelet.server, "/portForward/default/p", "portforward.k8s.io") as peer:
+        lonely = peer.open(streamtype="data", port="8080", requestid="7")
+        await peer.until(
+            lambda p: any(isinstance(e, StreamReset) and e.stream_id == lonely for e in p.events)
+        )
+    assert kubelet.provider.connections == []
 
 
 @pytest.mark.parametrize(

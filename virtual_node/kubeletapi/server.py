@@ -395,16 +395,31 @@ async def _serve_port_forward_spdy(
 ) -> None:
     pending: dict[str, dict[str, SpdyStream]] = {}
     tasks: set[asyncio.Task[None]] = set()
+    timers: dict[str, asyncio.TimerHandle] = {}
+    loop = asyncio.get_running_loop()
+
+    def expire(request_id: str) -> None:
+        # Half a pair that never completes would otherwise be kept for the whole session.
+        timers.pop(request_id, None)
+        for stream in pending.pop(request_id, {}).values():
+            stream.reset()
+
     try:
         while (stream := await session.accept()) is not None:
-            pair = pending.setdefault(stream.header("requestid"), {})
+            request_id = stream.header("requestid")
+            if request_id not in pending:
+                timers[request_id] = loop.call_later(STREAM_CREATION_TIMEOUT, expire, request_id)
+            pair = pending.setdefault(request_id, {})
             pair[stream.header("streamtype")] = stream
             if "data" in pair and "error" in pair:
-                del pending[stream.header("requestid")]
+                del pending[request_id]
+                timers.pop(request_id).cancel()
                 task = asyncio.create_task(_forward_port(provider, pod, pair))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
     finally:
+        for timer in timers.values():
+            timer.cancel()
         for task in tasks:
             task.cancel()
         await session.close()
