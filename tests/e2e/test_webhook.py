@@ -163,15 +163,19 @@ def test_topology_spread_across_zones_keeps_its_semantics_below(federation: Fede
     assert sorted(per_zone.values()) == [2, 2], per_zone
 
 
+def ssd_pod(name: str, namespace: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"nodeSelector": SSD, "containers": [container()]},
+    }
+
+
 def test_pods_of_other_namespaces_are_untouched(federation: Federation) -> None:
     upper = federation.upper
     upper.kubectl("create", "namespace", "wh-plain")
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "plain", "namespace": "wh-plain"},
-        "spec": {"nodeSelector": SSD, "containers": [container()]},
-    }
+    pod = ssd_pod("plain", "wh-plain")
     created = json.loads(
         upper.kubectl("create", "-f", "-", "-o", "json", input=json.dumps(pod)).stdout
     )
@@ -183,12 +187,7 @@ def test_pods_of_other_namespaces_are_untouched(federation: Federation) -> None:
 def test_server_side_dry_run_shows_the_stash(federation: Federation) -> None:
     upper = federation.upper
     apply(upper, federated_namespace("wh-dry"))
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "dry", "namespace": "wh-dry"},
-        "spec": {"nodeSelector": SSD, "containers": [container()]},
-    }
+    pod = ssd_pod("dry", "wh-dry")
     shown = json.loads(
         upper.kubectl(
             "create", "--dry-run=server", "-f", "-", "-o", "json", input=json.dumps(pod)

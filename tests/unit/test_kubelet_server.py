@@ -349,15 +349,21 @@ async def test_websocket_exec_echoes_and_reports_the_exit_code(kubelet: Kubelet)
     await asyncio.wait_for(process.closed.wait(), TIMEOUT)
 
 
+# A handshake offering only the protocols each test names.
+WEBSOCKET_UPGRADE = {
+    **AUTH,
+    "Connection": "Upgrade",
+    "Upgrade": "websocket",
+    "Sec-WebSocket-Version": "13",
+    "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+}
+
+
 async def test_websocket_exec_without_a_channel_protocol_is_refused(kubelet: Kubelet) -> None:
     response = await kubelet.client.post(
         "/exec/default/p/app?command=ls&output=1",
         headers={
-            **AUTH,
-            "Connection": "Upgrade",
-            "Upgrade": "websocket",
-            "Sec-WebSocket-Version": "13",
-            "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+            **WEBSOCKET_UPGRADE,
             "Sec-WebSocket-Protocol": "chat.example",
         },
     )
@@ -388,11 +394,7 @@ async def test_websocket_port_forward_closes_opened_ports_when_one_fails(kubelet
     response = await kubelet.client.post(
         "/portForward/default/p?port=8080&port=81",
         headers={
-            **AUTH,
-            "Connection": "Upgrade",
-            "Upgrade": "websocket",
-            "Sec-WebSocket-Version": "13",
-            "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+            **WEBSOCKET_UPGRADE,
             "Sec-WebSocket-Protocol": channels.V4_PROTOCOL,
         },
     )
