@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import statistics
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +92,67 @@ def rss_kib(pid: int) -> int:
     return int(match.group(1)) if match else 0
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def federation_processes(federation: Federation) -> dict[str, int]:
+    pids = {
+        f"{cluster}/{name}": process.pid
+        for cluster, local in federation.clusters.items()
+        for name, process in local.processes.items()
+    }
+    pids.update({name: process.pid for name, process in federation.components.items()})
+    pids["benchmark client (this process)"] = os.getpid()
+    return pids
+
+
+def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
+    return {name: cpu_seconds(pid) for name, pid in pids.items()}
+
+
+def print_cpu(title: str, wall: float, before: dict[str, float], after: dict[str, float]) -> None:
+    used = {name: after[name] - before[name] for name in before}
+    total = sum(used.values())
+    print(
+        f"CPU {title}: {total:.1f} s in {wall:.1f} s of wall time "
+        f"({total / wall:.2f} of {os.cpu_count()} cores)"
+    )
+    for name, seconds in sorted(used.items(), key=lambda item: -item[1]):
+        if seconds >= 0.05 * total:
+            print(f"    {name:40} {seconds:6.1f} s")
+
+
+REQUEST_SAMPLE = re.compile(r"^apiserver_request_total\{([^}]*)\} (\S+)$", re.MULTILINE)
+LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+async def request_counts(cluster: LocalCluster) -> Counter[str]:
+    """apiserver_request_total of one apiserver, summed by verb, resource and subresource."""
+    async with await KubeClient.connect(ClientSettings(str(cluster.kubeconfig))) as client:
+        response = await client.stream("/metrics", {})
+        try:
+            text = await response.text()
+        finally:
+            response.release()
+    counts: Counter[str] = Counter()
+    for labels, value in REQUEST_SAMPLE.findall(text):
+        label = dict(LABEL.findall(labels))
+        resource = "/".join(filter(None, (label.get("resource"), label.get("subresource"))))
+        counts[f"{label.get('verb')} {resource}"] += int(float(value))
+    return counts
+
+
+def print_requests(title: str, count: int, before: Counter[str], after: Counter[str]) -> None:
+    made = after - before
+    print(f"API requests {title}: {sum(made.values()) / count:.1f} per pod")
+    for request, number in made.most_common():
+        if number >= count // 4:
+            print(f"    {request:40} {number / count:6.2f} per pod")
+
+
 def wait_log(path: Path, marker: str, after: int, timeout: float = 300) -> float:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -129,12 +192,24 @@ def main() -> None:
             time.sleep(5)
             idle_rss = rss_kib(component.pid)
 
+            apiservers = {"upper": federation.upper, "lower": lower}
+
+            def requests_now() -> dict[str, Counter[str]]:
+                return {name: asyncio.run(request_counts(c)) for name, c in apiservers.items()}
+
+            pids = federation_processes(federation)
+            requests_before = requests_now()
+            before_direct = cpu_snapshot(pids)
             direct_total, direct_lat = asyncio.run(
                 run_pods(lower, "direct", count, federated=False)
             )
+            before_via = cpu_snapshot(pids)
+            requests_between = requests_now()
             via_total, via_lat = asyncio.run(
                 run_pods(federation.upper, "bench", count, federated=True)
             )
+            after_via = cpu_snapshot(pids)
+            requests_after = requests_now()
             time.sleep(5)
             loaded_rss = rss_kib(component.pid)
 
@@ -168,6 +243,21 @@ def main() -> None:
                 f"mean start latency: direct {statistics.mean(direct_lat):.3f} s, "
                 f"virtual node {statistics.mean(via_lat):.3f} s"
             )
+            print_cpu("direct (federation processes)", direct_total, before_direct, before_via)
+            print_cpu("via virtual node", via_total, before_via, after_via)
+            for name in apiservers:
+                print_requests(
+                    f"direct, {name} apiserver",
+                    count,
+                    requests_before[name],
+                    requests_between[name],
+                )
+                print_requests(
+                    f"via virtual node, {name} apiserver",
+                    count,
+                    requests_between[name],
+                    requests_after[name],
+                )
         finally:
             federation.stop()
 

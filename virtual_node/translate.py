@@ -201,19 +201,38 @@ def lower_pod_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> J
 
 
 def upper_status(lower: Mapping[str, Any], upper: Mapping[str, Any], host_ip: str) -> JSON:
-    """The upper pod's status as the lower pod reports it; the host is the virtual node."""
-    status: JSON = {
-        k: copy.deepcopy(v)
-        for k, v in (upper.get("status") or {}).items()
-        if k not in _STATUS_FIELDS
-    }
+    """The upper pod's status as the lower pod reports it. The host is the virtual node,
+    from when a node below has taken the pod (a kubelet sets hostIP when it admits one).
+    PodScheduled belongs to the upper scheduler: the lower scheduler's success is no news
+    above (and an upper write per pod saved), its failure tells why the pod waits."""
+    upper_status = upper.get("status") or {}
+    status: JSON = {k: copy.deepcopy(v) for k, v in upper_status.items() if k not in _STATUS_FIELDS}
     lower_status = lower.get("status") or {}
     for field in _STATUS_FIELDS:
         if field in lower_status:
             status[field] = copy.deepcopy(lower_status[field])
-    status["hostIP"] = host_ip
-    status["hostIPs"] = [{"ip": host_ip}]
+    conditions = _with_upper_scheduling(
+        status.get("conditions") or [], upper_status.get("conditions") or []
+    )
+    if conditions:
+        status["conditions"] = conditions
+    if lower_status.get("hostIP"):
+        status["hostIP"] = host_ip
+        status["hostIPs"] = [{"ip": host_ip}]
     return status
+
+
+def _with_upper_scheduling(
+    lower_conditions: list[JSON], upper_conditions: list[Mapping[str, Any]]
+) -> list[JSON]:
+    scheduled_above = next((c for c in upper_conditions if c.get("type") == "PodScheduled"), None)
+    if scheduled_above is None:
+        return lower_conditions
+    conditions = [c for c in lower_conditions if c.get("type") != "PodScheduled"]
+    failed_below = [
+        c for c in lower_conditions if c.get("type") == "PodScheduled" and c.get("status") != "True"
+    ]
+    return conditions + (failed_below or [copy.deepcopy(dict(scheduled_above))])
 
 
 def failed_status(upper: Mapping[str, Any], reason: str, message: str) -> JSON:

@@ -165,3 +165,66 @@ def test_status_comes_up_with_the_virtual_node_as_host() -> None:
     assert status["podIP"] == "10.240.0.7"
     assert status["hostIP"] == "127.0.0.2"
     assert status["containerStatuses"] == [{"name": "app", "ready": True}]
+
+
+SCHEDULED_ABOVE = {
+    "type": "PodScheduled",
+    "status": "True",
+    "lastTransitionTime": "2026-01-01T00:00:00Z",
+}
+
+
+def bound_upper_pod() -> dict[str, Any]:
+    return {**upper_pod(), "status": {"phase": "Pending", "conditions": [SCHEDULED_ABOVE]}}
+
+
+def test_status_of_a_pod_scheduled_below_but_not_started_is_what_the_upper_pod_has() -> None:
+    lower = {
+        "status": {
+            "phase": "Pending",
+            "qosClass": "BestEffort",
+            "conditions": [
+                {
+                    "type": "PodScheduled",
+                    "status": "True",
+                    "lastTransitionTime": "2026-01-01T00:00:09Z",
+                }
+            ],
+        }
+    }
+    upper = bound_upper_pod()
+    assert upper_status(lower, upper, host_ip="127.0.0.2") == upper["status"]
+
+
+def test_status_of_a_pod_just_created_below_is_what_the_upper_pod_has() -> None:
+    upper = bound_upper_pod()
+    lower = {"status": {"phase": "Pending", "qosClass": "BestEffort"}}
+    assert upper_status(lower, upper, host_ip="127.0.0.2") == upper["status"]
+
+
+def test_upper_scheduling_condition_stays_when_the_pod_runs_below() -> None:
+    ready = {"type": "Ready", "status": "True"}
+    lower = {
+        "status": {
+            "phase": "Running",
+            "hostIP": "192.168.1.5",
+            "conditions": [ready, {"type": "PodScheduled", "status": "True"}],
+        }
+    }
+    status = upper_status(lower, bound_upper_pod(), host_ip="127.0.0.2")
+    assert status["conditions"] == [ready, SCHEDULED_ABOVE]
+    assert status["hostIPs"] == [{"ip": "127.0.0.2"}]
+
+
+def test_lower_scheduling_failure_comes_up() -> None:
+    unschedulable = {
+        "type": "PodScheduled",
+        "status": "False",
+        "reason": "Unschedulable",
+        "message": "0/3 nodes are available: 3 Insufficient cpu.",
+    }
+    lower = {"status": {"phase": "Pending", "conditions": [unschedulable]}}
+    status = upper_status(lower, bound_upper_pod(), host_ip="127.0.0.2")
+    assert status["conditions"] == [unschedulable]
+    assert status["phase"] == "Pending"
+    assert "hostIP" not in status
