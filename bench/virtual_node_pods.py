@@ -6,7 +6,14 @@ One run, one federation (1 upper + 1 lower cluster): N pods created in the lower
 directly, then N pods created in the upper cluster and scheduled onto the virtual node.
 Prints time to all Running both ways and the ratio, per-pod start latency (p50/p99) both
 ways and what the virtual node adds, the virtual node's RSS per mirrored pod, and the
-time a restarted virtual node takes to list both sides again with N pods.
+time a restarted virtual node takes to list both sides again with N pods; then the CPU
+each process used and the API requests each apiserver served per pod.
+
+By default the machine's CPUs are split in two, as if upper and lower clusters ran on
+machines of their own: the lower cluster's processes on one half, the upper cluster's,
+the virtual node's and this client's on the other, in both runs. `--shared-cpus` lets
+everything share all CPUs instead: then the via run also pays for the upper control
+plane out of the lower cluster's CPU, and the ratio measures the machine.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import statistics
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +117,16 @@ def federation_processes(federation: Federation) -> dict[str, int]:
     return pids
 
 
+def pin(pids: Iterable[int], cpus: set[int]) -> None:
+    """Every thread of each process onto ``cpus`` (threads made later inherit it)."""
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                os.sched_setaffinity(int(task.name), cpus)
+            except ProcessLookupError:
+                continue  # a thread that has just ended
+
+
 def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
     return {name: cpu_seconds(pid) for name, pid in pids.items()}
 
@@ -166,6 +184,11 @@ def wait_log(path: Path, marker: str, after: int, timeout: float = 300) -> float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--pods", type=int, default=1000)
+    parser.add_argument(
+        "--shared-cpus",
+        action="store_true",
+        help="do not split the CPUs between the upper and the lower side",
+    )
     args = parser.parse_args()
     count = args.pods
     nodes = max(2, -(-count // 500))
@@ -189,20 +212,37 @@ def main() -> None:
         try:
             lower = federation.clusters["lower-1"]
             component = federation.components[virtual_node_name("lower-1")]
+            pids = federation_processes(federation)
+            all_cpus = os.sched_getaffinity(0)
+            if not args.shared_cpus and len(all_cpus) >= 2:
+                ordered = sorted(all_cpus)
+                lower_cpus = set(ordered[: len(ordered) // 2])
+                pin([pid for name, pid in pids.items() if name.startswith("lower-1/")], lower_cpus)
+                pin(
+                    [pid for name, pid in pids.items() if not name.startswith("lower-1/")],
+                    all_cpus - lower_cpus,
+                )
+                print(
+                    f"CPUs: lower cluster on {sorted(lower_cpus)}, upper cluster, virtual node "
+                    f"and client on {sorted(all_cpus - lower_cpus)}"
+                )
+            else:
+                print(f"CPUs: every process on all of {sorted(all_cpus)}")
             time.sleep(5)
-            idle_rss = rss_kib(component.pid)
 
             apiservers = {"upper": federation.upper, "lower": lower}
 
             def requests_now() -> dict[str, Counter[str]]:
                 return {name: asyncio.run(request_counts(c)) for name, c in apiservers.items()}
 
-            pids = federation_processes(federation)
             requests_before = requests_now()
             before_direct = cpu_snapshot(pids)
             direct_total, direct_lat = asyncio.run(
                 run_pods(lower, "direct", count, federated=False)
             )
+            # After the direct run: the lower pods it made stay cached but are not mirrored.
+            time.sleep(5)
+            idle_rss = rss_kib(component.pid)
             before_via = cpu_snapshot(pids)
             requests_between = requests_now()
             via_total, via_lat = asyncio.run(
@@ -212,6 +252,7 @@ def main() -> None:
             requests_after = requests_now()
             time.sleep(5)
             loaded_rss = rss_kib(component.pid)
+            pin(pids.values(), all_cpus)
 
             log = component.log_path
             offset = len(log.read_text())
@@ -235,7 +276,7 @@ def main() -> None:
             print(f"ratio (direct time / virtual-node time): {direct_total / via_total:.2f}")
             print(f"added start latency: p50 {v50 - d50:+.3f} s, p99 {v99 - d99:+.3f} s")
             print(
-                f"virtual-node RSS: idle {idle_rss / 1024:.0f} MiB, loaded "
+                f"virtual-node RSS: before {idle_rss / 1024:.0f} MiB, after "
                 f"{loaded_rss / 1024:.0f} MiB, {per_pod:.1f} KiB per mirrored pod"
             )
             print(f"restart resync (start to both sides listed, {count} pods): {resync:.2f} s")

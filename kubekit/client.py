@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import orjson
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
 
@@ -225,7 +226,8 @@ class KubeClient:
             method, path, query=query, body=body, content_type=content_type, timeout=timeout
         )
         try:
-            result: JSON = await response.json(content_type=None)
+            body = await response.read()
+            result: JSON = orjson.loads(body) if body.strip() else {}
         finally:
             response.release()
         return result
@@ -315,7 +317,7 @@ class KubeClient:
         try:
             async for chunk in response.content.iter_any():
                 for line in lines.feed(chunk):
-                    event: JSON = json.loads(line)
+                    event: JSON = orjson.loads(line)
                     if event.get("type") == "ERROR":
                         status = event.get("object") or {}
                         raise ApiError(

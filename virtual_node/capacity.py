@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
@@ -73,29 +74,34 @@ def pod_holds_resources(pod: JSON) -> bool:
     return bool((pod.get("spec") or {}).get("nodeName")) and phase not in {"Succeeded", "Failed"}
 
 
-def free_capacity(
-    nodes: Iterable[JSON],
-    pods: Iterable[JSON],
-    is_mirrored: Callable[[JSON], bool],
-) -> Resources:
-    """Allocatable of usable lower nodes minus the requests of the lower pods on them that
-    are not our own mirrored pods (those are accounted in the upper cluster already),
-    never below zero."""
-    usable = {}
-    for node in nodes:
-        if node_is_usable(node):
-            usable[node["metadata"]["name"]] = node
+@dataclass(frozen=True, slots=True)
+class PodUsage:
+    """What one lower pod takes from its node."""
+
+    node_name: str
+    requests: Resources
+
+
+def pod_usage(pod: JSON, is_mirrored: Callable[[JSON], bool]) -> PodUsage | None:
+    """What a lower pod takes from the capacity the virtual Node offers: None for our own
+    mirrored pods (the upper cluster accounts for those already) and for pods that hold
+    nothing."""
+    if not pod_holds_resources(pod) or is_mirrored(pod):
+        return None
+    return PodUsage(pod["spec"]["nodeName"], pod_requests(pod))
+
+
+def free_capacity(nodes: Iterable[JSON], usages: Iterable[PodUsage]) -> Resources:
+    """Allocatable of usable lower nodes minus what the pods on them take, never below
+    zero."""
+    usable = {node["metadata"]["name"]: node for node in nodes if node_is_usable(node)}
     free: Resources = {}
     for node in usable.values():
         allocatable = (node.get("status") or {}).get("allocatable") or {}
         add(free, {name: parse_quantity(value) for name, value in allocatable.items()})
-    for pod in pods:
-        if (
-            pod["spec"].get("nodeName") in usable
-            and pod_holds_resources(pod)
-            and not is_mirrored(pod)
-        ):
-            for name, value in pod_requests(pod).items():
+    for usage in usages:
+        if usage.node_name in usable:
+            for name, value in usage.requests.items():
                 if name in free:
                     free[name] -= value
     return {name: max(Fraction(0), value) for name, value in free.items()}

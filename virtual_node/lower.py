@@ -9,9 +9,9 @@ from typing import Any, Protocol
 
 from kubekit import keys
 from kubekit.client import NAMESPACES, PODS, SERVICEACCOUNTS, ApiError, KubeClient, is_not_found
-from kubekit.informer import FunctionHandler, Informer
+from kubekit.informer import FunctionHandler, Informer, object_key
 from kubekit.workqueue import WorkQueue
-from virtual_node.capacity import as_resource_list, free_capacity
+from virtual_node.capacity import PodUsage, as_resource_list, free_capacity, pod_usage
 from virtual_node.naming import NamespaceMapping, NamingError
 from virtual_node.node import NodeReport, shared_labels
 from virtual_node.podcontroller import (
@@ -72,9 +72,29 @@ class LowerCluster:
         self.changed = asyncio.Event()
         self._namespaces: set[str] = set()
         self._service_accounts: set[tuple[str, str]] = set()
-        mark = FunctionHandler.on_any(lambda _obj: self.changed.set())
-        pods.add_handler(mark)
-        nodes.add_handler(mark)
+        # What each foreign lower pod takes, kept by the pod handler: a report sums this
+        # table (never running totals that could drift) instead of decoding every pod.
+        self._usage: dict[str, PodUsage] = {}
+        pods.add_handler(
+            FunctionHandler(
+                add=self._pod_changed,
+                update=lambda _old, new: self._pod_changed(new),
+                delete=lambda pod: self._set_usage(object_key(pod), None),
+            )
+        )
+        nodes.add_handler(FunctionHandler.on_any(lambda _node: self.changed.set()))
+
+    def _pod_changed(self, pod: JSON) -> None:
+        self._set_usage(object_key(pod), pod_usage(pod, self.owner.owns))
+
+    def _set_usage(self, key: str, usage: PodUsage | None) -> None:
+        if self._usage.get(key) == usage:
+            return
+        if usage is None:
+            del self._usage[key]
+        else:
+            self._usage[key] = usage
+        self.changed.set()
 
     def watch_mirrored_pods(self, queue: WorkQueue[str]) -> None:
         """Changes of our lower pods wake the upper pod's key."""
@@ -110,7 +130,7 @@ class LowerCluster:
 
     def report(self, reachable: bool) -> NodeReport:
         nodes = list(self.nodes.items())
-        free = free_capacity(nodes, self.pods.items(), self.owner.owns)
+        free = free_capacity(nodes, self._usage.values())
         return NodeReport(
             ready=reachable,
             allocatable=as_resource_list(free),

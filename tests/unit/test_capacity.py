@@ -2,7 +2,13 @@ from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
 
-from virtual_node.capacity import as_resource_list, free_capacity, pod_requests
+from virtual_node.capacity import (
+    PodUsage,
+    as_resource_list,
+    free_capacity,
+    pod_requests,
+    pod_usage,
+)
 
 
 def node(
@@ -89,7 +95,9 @@ def test_free_capacity_counts_usable_nodes_and_foreign_pods_only() -> None:
         pod("not-ready", container("elsewhere", cpu="5")),
         pod(None, container("pending", cpu="5"), phase="Pending"),
     ]
-    free = free_capacity(nodes, pods, is_mirrored)
+    usages = [u for u in (pod_usage(p, is_mirrored) for p in pods) if u is not None]
+    assert [u.node_name for u in usages] == ["a", "not-ready"]
+    free = free_capacity(nodes, usages)
     assert as_resource_list(free) == {
         "cpu": "13",
         "example.com/gpu": "1",
@@ -99,9 +107,6 @@ def test_free_capacity_counts_usable_nodes_and_foreign_pods_only() -> None:
 
 
 def test_free_capacity_never_goes_negative() -> None:
-    free = free_capacity(
-        [node("a", cpu="1", pods="1")],
-        [pod("a", container("x", cpu="4")), pod("a", container("y", cpu="4"))],
-        is_mirrored,
-    )
+    usage = PodUsage("a", {"cpu": Fraction(4), "pods": Fraction(1)})
+    free = free_capacity([node("a", cpu="1", pods="1")], [usage, usage])
     assert free == {"cpu": 0, "pods": 0}

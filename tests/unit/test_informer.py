@@ -37,26 +37,35 @@ def test_object_key_namespaced_and_cluster_scoped() -> None:
 
 
 def test_diff_snapshot_reports_what_was_missed() -> None:
-    cached = {
-        "ns/kept": obj("kept", "1"),
-        "ns/changed": obj("changed", "1"),
-        "ns/gone": obj("gone", "1"),
-    }
+    cached = {"ns/kept": "1", "ns/changed": "1", "ns/gone": "1"}
     listed = {
         "ns/kept": obj("kept", "1"),
         "ns/changed": obj("changed", "2"),
         "ns/new": obj("new", "3"),
     }
     diff = diff_snapshot(cached, listed)
-    assert [object_key(o) for o in diff.added] == ["ns/new"]
-    assert [(object_key(a), resource_versions(a, b)) for a, b in diff.updated] == [
-        ("ns/changed", ("1", "2"))
-    ]
-    assert [object_key(o) for o in diff.deleted] == ["ns/gone"]
+    assert diff.added == ["ns/new"]
+    assert diff.updated == ["ns/changed"]
+    assert diff.deleted == ["ns/gone"]
 
 
-def resource_versions(a: JSON, b: JSON) -> tuple[str, str]:
-    return a["metadata"]["resourceVersion"], b["metadata"]["resourceVersion"]
+def test_each_read_of_the_cache_is_a_copy_of_its_own() -> None:
+    cache = informer()
+    cache.apply({"type": "ADDED", "object": obj("a", "1", data={"k": "v"})})
+    first = cache.get("ns/a")
+    assert first is not None
+    first["data"]["k"] = "changed by a careless reader"
+    assert cache.get("ns/a") == obj("a", "1", data={"k": "v"})
+    assert list(cache.items()) == [obj("a", "1", data={"k": "v"})]
+
+
+def test_an_update_hands_the_handler_the_object_as_it_was() -> None:
+    cache = informer()
+    seen: list[tuple[JSON, JSON]] = []
+    cache.add_handler(FunctionHandler(update=lambda old, new: seen.append((old, new))))
+    cache.apply({"type": "ADDED", "object": obj("a", "1", data={"k": "v"})})
+    cache.apply({"type": "MODIFIED", "object": obj("a", "2", data={"k": "w"})})
+    assert seen == [(obj("a", "1", data={"k": "v"}), obj("a", "2", data={"k": "w"}))]
 
 
 def test_apply_watch_events_updates_cache_and_handlers() -> None:
