@@ -104,7 +104,9 @@ class _Cached:
 
     @classmethod
     def of(cls, obj: JSON) -> _Cached:
-        return cls(resource_version(obj), orjson.dumps(obj))
+        # orjson's result keeps its whole growth buffer (about 8 KiB for a pod): the cache
+        # keeps an exact copy instead.
+        return cls(resource_version(obj), memoryview(orjson.dumps(obj)).tobytes())
 
     def decode(self) -> JSON:
         decoded: JSON = orjson.loads(self.compact)
