@@ -1,10 +1,10 @@
 """Kubernetes API access for every component, on top of ``kubernetes_asyncio``.
 
-``kubernetes_asyncio`` loads kubeconfig and in-cluster credentials and owns the aiohttp
-session; this module adds client-side rate limits (QPS and burst, as client-go has) and
-plain-JSON requests. Controllers keep objects as dicts: deserialising every watched
-object into generated model classes would cost more CPU and memory than the rest of
-the work together.
+``kubernetes_asyncio`` loads kubeconfig and in-cluster credentials (and refreshes them);
+this module sends plain-JSON requests with them on its own aiohttp session and adds
+client-side rate limits (QPS and burst, as client-go has). Controllers keep objects as
+dicts: deserialising every watched object into generated model classes would cost more
+CPU and memory than the rest of the work together.
 """
 
 from __future__ import annotations
@@ -155,18 +155,32 @@ class KubeClient:
         content_type: str = "application/json",
         timeout: float | aiohttp.ClientTimeout | None = 60.0,
     ) -> aiohttp.ClientResponse:
+        # Straight to the session rather than through the library's call_api, which
+        # walks every request body in Python to "sanitize" it and encodes it again with
+        # the json module: a tenth of a busy virtual node's CPU.
         await self.limiter.acquire()
         headers = {"Accept": "application/json", "Content-Type": content_type}
+        await self.api.update_params_for_auth(headers, [], ["BearerToken"])
         params = [(k, _query_value(v)) for k, v in (query or {}).items() if v is not None]
-        response: aiohttp.ClientResponse = await self.api.call_api(
-            path,
+        rest = self.api.rest_client
+        options: dict[str, Any] = {}
+        if rest.proxy:
+            options["proxy"] = rest.proxy
+        if rest.proxy_headers:
+            options["proxy_headers"] = rest.proxy_headers
+        if rest.server_hostname:
+            options["server_hostname"] = rest.server_hostname
+        session: aiohttp.ClientSession = rest.pool_manager
+        response = await session.request(
             method,
-            query_params=params,
-            header_params=headers,
-            body=body,
-            auth_settings=["BearerToken"],
-            _preload_content=False,
-            _request_timeout=timeout,
+            self._url(path),
+            params=params,
+            data=body if body is None or isinstance(body, str | bytes) else orjson.dumps(body),
+            headers=headers,
+            timeout=timeout
+            if isinstance(timeout, aiohttp.ClientTimeout)
+            else aiohttp.ClientTimeout(total=timeout),
+            **options,
         )
         if response.status >= 300:
             text = await response.text()
@@ -178,20 +192,21 @@ class KubeClient:
             raise ApiError(response.status, payload, method, path)
         return response
 
+    def _url(self, path: str) -> str:
+        return str(self.api.configuration.host).rstrip("/") + path
+
     async def websocket(
         self, path: str, query: Sequence[tuple[str, str]], protocols: Sequence[str]
     ) -> aiohttp.ClientWebSocketResponse:
         """Opens a WebSocket to the apiserver (exec, attach, portforward subresources) over
         the client's own connection pool and credentials."""
         await self.limiter.acquire()
-        configuration = self.api.configuration
         headers: dict[str, str] = {}
         await self.api.update_params_for_auth(headers, [], ["BearerToken"])
-        url = str(configuration.host).rstrip("/") + path
         session: aiohttp.ClientSession = self.api.rest_client.pool_manager
         try:
             return await session.ws_connect(
-                url,
+                self._url(path),
                 params=list(query),
                 protocols=tuple(protocols),
                 headers=headers,

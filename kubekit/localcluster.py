@@ -454,13 +454,19 @@ class LocalCluster(KubectlClient):
             input=json.dumps({"apiVersion": "v1", "kind": "List", "items": manifests}),
         )
         names = [f"node/{m['metadata']['name']}" for m in manifests]
-        self.kubectl(
-            "wait",
-            "--for=condition=Ready",
-            *names,
-            f"--timeout={int(timeout)}s",
-            timeout=timeout + 10,
-        )
+        # kwok may report Ready before the address: until it has one, the apiserver cannot
+        # reach the node's kubelet API (logs, exec) and says "no preferred addresses".
+        for condition in (
+            "condition=Ready",
+            f"jsonpath={{.status.addresses[0].address}}={LOOPBACK}",
+        ):
+            self.kubectl(
+                "wait",
+                f"--for={condition}",
+                *names,
+                f"--timeout={int(timeout)}s",
+                timeout=timeout + 10,
+            )
 
     def _wait_default_service_account(self, timeout: float) -> None:
         # Pods are refused until the controller-manager has made the default account.
