@@ -27,6 +27,10 @@ ORIGIN_LABEL = f"{PREFIX}/origin"
 VIRTUAL_NODE_LABEL = f"{PREFIX}/virtual-node"
 UPPER_UID_ANNOTATION = f"{PREFIX}/upper-uid"
 UPPER_NAMESPACE_ANNOTATION = f"{PREFIX}/upper-namespace"
+# Which labels and annotations of a lower pod came from the upper pod: only those are
+# removed below when they go above; what the lower cluster adds (topology labels at
+# binding, its webhooks' annotations) is left alone.
+UPPER_KEYS_ANNOTATION = f"{PREFIX}/upper-keys"
 
 # The webhook's stash of scheduling fields on federated pods (kubekit.stash).
 STASH_ANNOTATION = f"{PREFIX}/scheduling-stash"

@@ -11,12 +11,12 @@ that carries a stash changes nothing.
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Collection, Mapping
 from typing import Any
 
 from kubekit import keys
+from kubekit.jsonvalue import json_copy
 
 JSON = dict[str, Any]
 
@@ -170,13 +170,13 @@ def stash_scheduling(
     """The pod spec the upper scheduler should see and the annotations that carry the
     originals. A pod that already carries a stash is returned unchanged."""
     if keys.STASH_ANNOTATION in annotations:
-        return copy.deepcopy(dict(spec)), dict(annotations)
-    new_spec: JSON = copy.deepcopy(dict(spec))
+        return json_copy(dict(spec)), dict(annotations)
+    new_spec: JSON = json_copy(dict(spec))
     originals: JSON = {}
     for field, value in upper_view(spec, keep).items():
         if spec.get(field) == value or (value is None and field not in spec):
             continue
-        originals[field] = copy.deepcopy(spec.get(field))
+        originals[field] = json_copy(spec.get(field))
         if value is None:
             new_spec.pop(field, None)
         else:
@@ -189,12 +189,12 @@ def stash_scheduling(
 
 def restore_scheduling(spec: Mapping[str, Any], stash: str | None) -> JSON:
     """The pod spec with its stashed scheduling fields back as they were."""
-    restored: JSON = copy.deepcopy(dict(spec))
+    restored: JSON = json_copy(dict(spec))
     if stash is None:
         return restored
     for field, value in decode(stash).items():
         if value is None:
             restored.pop(field, None)
         else:
-            restored[field] = copy.deepcopy(value)
+            restored[field] = json_copy(value)
     return restored

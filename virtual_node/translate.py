@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
-import copy
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kubekit import keys
+from kubekit.jsonvalue import json_copy
 from kubekit.stash import StashError, restore_scheduling
 from virtual_node.naming import NamespaceMapping
 
@@ -71,7 +72,12 @@ def desired_lower_pod(
     upper: Mapping[str, Any], mapping: NamespaceMapping, owner: Ownership
 ) -> JSON:
     metadata = upper["metadata"]
-    spec: JSON = copy.deepcopy(upper["spec"])
+    annotations = dict(metadata.get("annotations") or {})
+    stash = annotations.pop(keys.STASH_ANNOTATION, None)
+    try:
+        spec = restore_scheduling(upper["spec"], stash)  # a copy of our own from here
+    except StashError as error:
+        raise TranslationError(f"annotation {keys.STASH_ANNOTATION}: {error}") from error
     for field in (*_UPPER_ONLY, *_ADMISSION_COMPUTED):
         spec.pop(field, None)
 
@@ -92,17 +98,16 @@ def desired_lower_pod(
                 else:
                     container.pop("volumeMounts", None)
 
-    annotations = dict(metadata.get("annotations") or {})
-    stash = annotations.pop(keys.STASH_ANNOTATION, None)
-    try:
-        spec = restore_scheduling(spec, stash)
-    except StashError as error:
-        raise TranslationError(f"annotation {keys.STASH_ANNOTATION}: {error}") from error
     spec = _without_virtual_node_terms(spec)
 
+    upper_labels = metadata.get("labels") or {}
+    annotations[keys.UPPER_KEYS_ANNOTATION] = json.dumps(
+        {"labels": sorted(upper_labels), "annotations": sorted(annotations)},
+        separators=(",", ":"),
+    )
     annotations[keys.UPPER_UID_ANNOTATION] = metadata["uid"]
     annotations[keys.UPPER_NAMESPACE_ANNOTATION] = metadata["namespace"]
-    labels = {**(metadata.get("labels") or {}), **owner.labels()}
+    labels = {**upper_labels, **owner.labels()}
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -162,17 +167,35 @@ def _without_virtual_node_terms(spec: JSON) -> JSON:
     return spec
 
 
+def _upper_keys(lower: Mapping[str, Any]) -> dict[str, list[str]]:
+    """The label and annotation keys a lower pod got from its upper pod (none when the
+    annotation is missing or unreadable: then nothing is removed)."""
+    value = (lower["metadata"].get("annotations") or {}).get(keys.UPPER_KEYS_ANNOTATION)
+    try:
+        decoded = json.loads(value) if value else {}
+    except ValueError:
+        return {}
+    if not isinstance(decoded, dict):
+        return {}
+    return {
+        field: [k for k in decoded.get(field) or [] if isinstance(k, str)]
+        for field in ("labels", "annotations")
+        if isinstance(decoded.get(field), list)
+    }
+
+
 def lower_pod_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> JSON | None:
     """A strategic merge patch bringing the fields that may change on a running pod
     (labels, annotations, images, activeDeadlineSeconds, tolerations) to the desired
     values, or None when they already match."""
     patch: JSON = {}
     metadata: JSON = {}
+    from_above = _upper_keys(current)
     for field in ("labels", "annotations"):
         have = current["metadata"].get(field) or {}
         want = desired["metadata"].get(field) or {}
         change: JSON = {k: v for k, v in want.items() if have.get(k) != v}
-        change.update({k: None for k in have if k not in want})
+        change.update({k: None for k in from_above.get(field, ()) if k in have and k not in want})
         if change:
             metadata[field] = change
     if metadata:
@@ -206,11 +229,11 @@ def upper_status(lower: Mapping[str, Any], upper: Mapping[str, Any], host_ip: st
     PodScheduled belongs to the upper scheduler: the lower scheduler's success is no news
     above (and an upper write per pod saved), its failure tells why the pod waits."""
     upper_status = upper.get("status") or {}
-    status: JSON = {k: copy.deepcopy(v) for k, v in upper_status.items() if k not in _STATUS_FIELDS}
+    status: JSON = {k: json_copy(v) for k, v in upper_status.items() if k not in _STATUS_FIELDS}
     lower_status = lower.get("status") or {}
     for field in _STATUS_FIELDS:
         if field in lower_status:
-            status[field] = copy.deepcopy(lower_status[field])
+            status[field] = json_copy(lower_status[field])
     conditions = _with_upper_scheduling(
         status.get("conditions") or [], upper_status.get("conditions") or []
     )
@@ -232,10 +255,10 @@ def _with_upper_scheduling(
     failed_below = [
         c for c in lower_conditions if c.get("type") == "PodScheduled" and c.get("status") != "True"
     ]
-    return conditions + (failed_below or [copy.deepcopy(dict(scheduled_above))])
+    return conditions + (failed_below or [json_copy(dict(scheduled_above))])
 
 
 def failed_status(upper: Mapping[str, Any], reason: str, message: str) -> JSON:
-    status: JSON = copy.deepcopy(upper.get("status") or {})
+    status: JSON = json_copy(upper.get("status") or {})
     status.update({"phase": "Failed", "reason": reason, "message": message})
     return status

@@ -1,4 +1,5 @@
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -69,6 +70,7 @@ def test_lower_pod_is_stripped_and_owned() -> None:
         "note": "x",
         keys.UPPER_UID_ANNOTATION: "u-1",
         keys.UPPER_NAMESPACE_ANNOTATION: "shop",
+        keys.UPPER_KEYS_ANNOTATION: '{"labels":["app"],"annotations":["note"]}',
     }
     spec = lower["spec"]
     for stripped in ("nodeName", "priority", "schedulerName"):
@@ -138,8 +140,15 @@ def test_patch_pushes_down_mutable_fields_only() -> None:
     changed["metadata"]["annotations"] = {}
     changed["spec"]["containers"][0]["image"] = "nginx:2"
     patch = lower_pod_patch(current, desired_lower_pod(changed, NamespaceMapping(), OWNER))
+    assert patch is not None
+    assert patch["metadata"]["labels"] == {"tier": "front"}
+    assert patch["metadata"]["annotations"]["note"] is None
+    assert json.loads(patch["metadata"]["annotations"][keys.UPPER_KEYS_ANNOTATION]) == {
+        "labels": ["app", "tier"],
+        "annotations": [],
+    }
     assert patch == {
-        "metadata": {"labels": {"tier": "front"}, "annotations": {"note": None}},
+        "metadata": patch["metadata"],
         "spec": {
             "containers": [{"name": "app", "image": "nginx:2"}],
             "activeDeadlineSeconds": 30,
@@ -228,3 +237,25 @@ def test_lower_scheduling_failure_comes_up() -> None:
     assert status["conditions"] == [unschedulable]
     assert status["phase"] == "Pending"
     assert "hostIP" not in status
+
+
+def test_labels_and_annotations_added_below_are_left_alone() -> None:
+    desired = desired_lower_pod(upper_pod(), NamespaceMapping(), OWNER)
+    current = json.loads(json.dumps(desired))
+    current["metadata"]["labels"]["topology.kubernetes.io/zone"] = "zone-b"
+    current["metadata"]["annotations"]["sidecar.example.com/injected"] = "true"
+    assert lower_pod_patch(current, desired) is None
+
+
+def test_without_a_record_of_keys_from_above_nothing_is_removed() -> None:
+    desired = desired_lower_pod(upper_pod(), NamespaceMapping(), OWNER)
+    current = json.loads(json.dumps(desired))
+    current["metadata"]["labels"]["old"] = "x"
+    for record in (None, "not json", "[1]", '{"labels": "old"}'):
+        if record is None:
+            current["metadata"]["annotations"].pop(keys.UPPER_KEYS_ANNOTATION, None)
+        else:
+            current["metadata"]["annotations"][keys.UPPER_KEYS_ANNOTATION] = record
+        patch = lower_pod_patch(current, desired)
+        assert patch is not None
+        assert "labels" not in patch["metadata"]
