@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -230,6 +231,7 @@ class Informer:
         await asyncio.sleep(delay)
 
     async def _relist(self) -> None:
+        began = time.monotonic()
         listed: dict[str, JSON] = {}
         continue_token: str | None = None
         while True:
@@ -266,6 +268,7 @@ class Informer:
         for key in diff.deleted:
             self._notify("on_delete", before[key].decode())
         self.synced.set()
+        log.info("%r: listed %d objects in %.2f s", self, len(listed), time.monotonic() - began)
 
     async def _watch_once(self) -> None:
         # Spread the server-side timeouts so many informers do not reconnect together.

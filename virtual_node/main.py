@@ -180,6 +180,9 @@ async def run(config: VirtualNodeConfig) -> None:
     )
     upper_informers = InformerFactory(upper)
     lower_informers = InformerFactory(lower)
+    # Events are listed beside the rest but not waited for: copying them up needs no
+    # complete picture, and with many pods their list is a third of a restart.
+    lower_event_informers = InformerFactory(lower)
     runner: web.AppRunner | None = None
     try:
         origin = (await upper.get(NAMESPACES, "kube-system"))["metadata"]["uid"]
@@ -215,7 +218,7 @@ async def run(config: VirtualNodeConfig) -> None:
         backend.watch_mirrored_pods(queue)
         events = EventReflector(
             upper_events,
-            lower_informers.informer(EVENTS, field_selector="involvedObject.kind=Pod"),
+            lower_event_informers.informer(EVENTS, field_selector="involvedObject.kind=Pod"),
             backend.pods,
             owner,
             config.cluster_id,
@@ -228,6 +231,7 @@ async def run(config: VirtualNodeConfig) -> None:
 
         upper_informers.start()
         lower_informers.start()
+        lower_event_informers.start()
         # Nothing is created, deleted or reported before both sides are known: that is
         # what makes a restart free of duplicates and spurious deletes.
         await asyncio.gather(upper_informers.wait_synced(), lower_informers.wait_synced())
@@ -250,6 +254,7 @@ async def run(config: VirtualNodeConfig) -> None:
             await runner.cleanup()
         await upper_informers.stop()
         await lower_informers.stop()
+        await lower_event_informers.stop()
         await upper.close()
         await upper_events.close()
         await lower.close()
