@@ -180,8 +180,8 @@ async def run(config: VirtualNodeConfig) -> None:
     )
     upper_informers = InformerFactory(upper)
     lower_informers = InformerFactory(lower)
-    # Events are listed beside the rest but not waited for: copying them up needs no
-    # complete picture, and with many pods their list is a third of a restart.
+    # Events are listed once the rest is: copying them up needs no complete picture, and
+    # with many pods their list would be a third of the work of a restart.
     lower_event_informers = InformerFactory(lower)
     runner: web.AppRunner | None = None
     try:
@@ -231,7 +231,6 @@ async def run(config: VirtualNodeConfig) -> None:
 
         upper_informers.start()
         lower_informers.start()
-        lower_event_informers.start()
         # Nothing is created, deleted or reported before both sides are known: that is
         # what makes a restart free of duplicates and spurious deletes.
         await asyncio.gather(upper_informers.wait_synced(), lower_informers.wait_synced())
@@ -242,6 +241,7 @@ async def run(config: VirtualNodeConfig) -> None:
             len(upper_pods),
             len(backend.pods),
         )
+        lower_event_informers.start()
         await asyncio.gather(
             nodes.run(),
             pods.run(config.workers),
