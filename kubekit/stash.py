@@ -176,7 +176,7 @@ def stash_scheduling(
     for field, value in upper_view(spec, keep).items():
         if spec.get(field) == value or (value is None and field not in spec):
             continue
-        originals[field] = json_copy(spec.get(field))
+        originals[field] = spec.get(field)  # only encoded, never changed
         if value is None:
             new_spec.pop(field, None)
         else:
@@ -196,5 +196,5 @@ def restore_scheduling(spec: Mapping[str, Any], stash: str | None) -> JSON:
         if value is None:
             restored.pop(field, None)
         else:
-            restored[field] = json_copy(value)
+            restored[field] = value  # decoded afresh, nobody else holds it
     return restored

@@ -2,6 +2,8 @@ from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
 
+from kubekit.client import PODS, Resource
+from kubekit.informer import Informer
 from virtual_node.capacity import (
     PodUsage,
     as_resource_list,
@@ -9,6 +11,9 @@ from virtual_node.capacity import (
     pod_requests,
     pod_usage,
 )
+from virtual_node.lower import LowerCluster
+from virtual_node.naming import NamespaceMapping
+from virtual_node.translate import Ownership
 
 
 def node(
@@ -110,3 +115,44 @@ def test_free_capacity_never_goes_negative() -> None:
     usage = PodUsage("a", {"cpu": Fraction(4), "pods": Fraction(1)})
     free = free_capacity([node("a", cpu="1", pods="1")], [usage, usage])
     assert free == {"cpu": 0, "pods": 0}
+
+
+def test_lower_cluster_capacity_follows_each_foreign_pod_through_its_life() -> None:
+    owner = Ownership(origin="upper-uid", node_name="vk-lower-1")
+    pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
+    nodes = Informer(client=None, resource=Resource("", "v1", "nodes"))  # type: ignore[arg-type]
+    lower = LowerCluster(
+        None,  # type: ignore[arg-type]
+        pods,
+        nodes,
+        owner,
+        NamespaceMapping(),
+        "127.0.0.1",
+        "lower-1",
+    )
+    nodes.apply({"type": "ADDED", "object": node("a", cpu="8", pods="110")})
+
+    def cpu() -> str:
+        return lower.report(True).allocatable["cpu"]
+
+    def event(kind: str, obj: dict[str, Any]) -> None:
+        obj["metadata"]["namespace"] = "ns"
+        pods.apply({"type": kind, "object": obj})
+
+    foreign = pod("a", container("x", cpu="3"))
+    event("ADDED", foreign)
+    assert cpu() == "5"
+    mirrored = pod("a", container("y", cpu="2"))
+    mirrored["metadata"].update(name="ours", labels=owner.labels())
+    event("ADDED", mirrored)
+    assert cpu() == "5"
+    lower.changed.clear()
+    event("MODIFIED", pod("a", container("x", cpu="3")))
+    assert not lower.changed.is_set(), "an unchanged usage is no news for the Node"
+    event("MODIFIED", pod("a", container("x", cpu="3"), phase="Succeeded"))
+    assert cpu() == "8"
+    assert lower.changed.is_set()
+    event("MODIFIED", pod("a", container("x", cpu="4")))
+    assert cpu() == "4"
+    event("DELETED", pod("a", container("x", cpu="4")))
+    assert cpu() == "8"

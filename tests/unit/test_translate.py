@@ -142,6 +142,7 @@ def test_patch_pushes_down_mutable_fields_only() -> None:
     patch = lower_pod_patch(current, desired_lower_pod(changed, NamespaceMapping(), OWNER))
     assert patch is not None
     assert patch["metadata"]["labels"] == {"tier": "front"}
+    assert set(patch["metadata"]["annotations"]) == {"note", keys.UPPER_KEYS_ANNOTATION}
     assert patch["metadata"]["annotations"]["note"] is None
     assert json.loads(patch["metadata"]["annotations"][keys.UPPER_KEYS_ANNOTATION]) == {
         "labels": ["app", "tier"],
