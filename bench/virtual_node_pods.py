@@ -3,7 +3,9 @@
     .venv/bin/python bench/virtual_node_pods.py [--pods 1000]
 
 One run, one federation (1 upper + 1 lower cluster): N pods created in the lower cluster
-directly, then N pods created in the upper cluster and scheduled onto the virtual node.
+directly, then N pods created in the upper cluster bound to the virtual node (their
+`spec.nodeName` set, as a scheduler or a user binding them would; `--upper-scheduler`
+has the upper kube-scheduler place them instead, which adds its binding and event).
 Prints time to all Running both ways and the ratio, per-pod start latency (p50/p99) both
 ways and what the virtual node adds, the virtual node's RSS per mirrored pod, and the
 time a restarted virtual node takes to list both sides again with N pods; then the CPU
@@ -38,18 +40,24 @@ from kubekit.localcluster import ClusterSpec, LocalCluster, NodeSpec
 from kubekit.toolchain import Toolchain
 
 
-def pod(name: str, federated: bool) -> dict[str, Any]:
+def pod(name: str, federated: bool, node_name: str | None) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10"}],
         "terminationGracePeriodSeconds": 0,
     }
     if federated:
         spec["tolerations"] = [{"key": keys.PROVIDER_TAINT_KEY, "operator": "Exists"}]
+    if node_name:
+        spec["nodeName"] = node_name
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
 
 
 async def run_pods(
-    cluster: LocalCluster, namespace: str, count: int, federated: bool
+    cluster: LocalCluster,
+    namespace: str,
+    count: int,
+    federated: bool,
+    node_name: str | None = None,
 ) -> tuple[float, list[float]]:
     """Creates ``count`` pods and returns (seconds to all Running, per-pod latencies)."""
     async with await KubeClient.connect(
@@ -78,7 +86,7 @@ async def run_pods(
         async def create(index: int) -> None:
             name = f"p-{index:05d}"
             async with limit:
-                await client.create(PODS, pod(name, federated), namespace)
+                await client.create(PODS, pod(name, federated, node_name), namespace)
                 created[name] = time.monotonic()
 
         began = time.monotonic()
@@ -189,6 +197,11 @@ def main() -> None:
         action="store_true",
         help="do not split the CPUs between the upper and the lower side",
     )
+    parser.add_argument(
+        "--upper-scheduler",
+        action="store_true",
+        help="have the upper kube-scheduler place the pods instead of binding them",
+    )
     args = parser.parse_args()
     count = args.pods
     nodes = max(2, -(-count // 500))
@@ -246,7 +259,13 @@ def main() -> None:
             before_via = cpu_snapshot(pids)
             requests_between = requests_now()
             via_total, via_lat = asyncio.run(
-                run_pods(federation.upper, "bench", count, federated=True)
+                run_pods(
+                    federation.upper,
+                    "bench",
+                    count,
+                    federated=True,
+                    node_name=None if args.upper_scheduler else keys.default_node_name("lower-1"),
+                )
             )
             after_via = cpu_snapshot(pids)
             requests_after = requests_now()
@@ -264,7 +283,8 @@ def main() -> None:
             d50, d99 = percentile(direct_lat, 0.5), percentile(direct_lat, 0.99)
             v50, v99 = percentile(via_lat, 0.5), percentile(via_lat, 0.99)
             per_pod = (loaded_rss - idle_rss) / count
-            print(f"pods: {count} (lower cluster: {nodes} kwok nodes)")
+            placed = "upper kube-scheduler" if args.upper_scheduler else "spec.nodeName"
+            print(f"pods: {count} (lower cluster: {nodes} kwok nodes; upper pods: {placed})")
             print(
                 f"direct in lower:  all Running in {direct_total:6.2f} s, "
                 f"start latency p50 {d50:.3f} s, p99 {d99:.3f} s"

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from kubekit import keys
 from kubekit.k3s import K3sCluster
 from kubekit.localcluster import ClusterError, ClusterSpec, LocalCluster, NodeSpec, free_port
 from kubekit.process import ManagedProcess, ProcessRecord
@@ -228,7 +229,7 @@ class Federation:
                     f"--cert-dir={self.state_dir / COMPONENTS / virtual_node_name(lower.name)}",
                 ],
             )
-        nodes = [f"node/vk-{lower.name}" for lower in self.lowers]
+        nodes = [f"node/{keys.default_node_name(lower.name)}" for lower in self.lowers]
         deadline = time.monotonic() + timeout
         while True:
             for process in self.components.values():

@@ -13,6 +13,12 @@ HOSTNAME_LABEL = "kubernetes.io/hostname"
 OS_LABEL = "kubernetes.io/os"
 ARCH_LABEL = "kubernetes.io/arch"
 
+
+def default_node_name(cluster_id: str) -> str:
+    """The name of a lower cluster's virtual Node unless one is given."""
+    return f"vk-{cluster_id}"
+
+
 # The taint that keeps ordinary pods and DaemonSets off virtual Nodes; federated pods
 # get its toleration from the webhook.
 PROVIDER_TAINT_KEY = "virtual-kubelet.io/provider"

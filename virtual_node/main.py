@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 from aiohttp import web
 
+from kubekit import keys
 from kubekit.client import EVENTS, NAMESPACES, NODES, PODS, ClientSettings, KubeClient
 from kubekit.informer import InformerFactory
 from kubekit.workqueue import WorkQueue
@@ -85,7 +86,7 @@ class VirtualNodeConfig:
 
     @property
     def name(self) -> str:
-        return self.node_name or f"vk-{self.cluster_id}"
+        return self.node_name or keys.default_node_name(self.cluster_id)
 
 
 def parse_args(argv: Sequence[str]) -> VirtualNodeConfig:
