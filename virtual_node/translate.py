@@ -227,7 +227,10 @@ def upper_status(lower: Mapping[str, Any], upper: Mapping[str, Any], host_ip: st
     """The upper pod's status as the lower pod reports it. The host is the virtual node,
     from when a node below has taken the pod (a kubelet sets hostIP when it admits one).
     PodScheduled belongs to the upper scheduler: the lower scheduler's success is no news
-    above (and an upper write per pod saved), its failure tells why the pod waits."""
+    above (and an upper write per pod saved), its failure tells why the pod waits. A pod
+    bound by its nodeName has no PodScheduled above; a kubelet reports one with its first
+    status, so the lower scheduler's success comes up with the lower kubelet's first
+    status rather than in a write of its own."""
     upper_status = upper.get("status") or {}
     status: JSON = {k: json_copy(v) for k, v in upper_status.items() if k not in _STATUS_FIELDS}
     lower_status = lower.get("status") or {}
@@ -239,6 +242,8 @@ def upper_status(lower: Mapping[str, Any], upper: Mapping[str, Any], host_ip: st
     )
     if conditions:
         status["conditions"] = conditions
+    else:
+        status.pop("conditions", None)
     if lower_status.get("hostIP"):
         status["hostIP"] = host_ip
         status["hostIPs"] = [{"ip": host_ip}]
@@ -250,7 +255,10 @@ def _with_upper_scheduling(
 ) -> list[JSON]:
     scheduled_above = next((c for c in upper_conditions if c.get("type") == "PodScheduled"), None)
     if scheduled_above is None:
-        return lower_conditions
+        only_bound_below = all(
+            c.get("type") == "PodScheduled" and c.get("status") == "True" for c in lower_conditions
+        )
+        return [] if only_bound_below else lower_conditions
     conditions = [c for c in lower_conditions if c.get("type") != "PodScheduled"]
     failed_below = [
         c for c in lower_conditions if c.get("type") == "PodScheduled" and c.get("status") != "True"

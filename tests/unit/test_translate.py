@@ -240,6 +240,34 @@ def test_lower_scheduling_failure_comes_up() -> None:
     assert "hostIP" not in status
 
 
+def test_pod_bound_by_node_name_shows_lower_scheduling_with_the_first_kubelet_status() -> None:
+    upper = {**upper_pod(), "status": {"phase": "Pending", "qosClass": "BestEffort"}}
+    scheduled_below = {"type": "PodScheduled", "status": "True"}
+    bound_below = {
+        "status": {"phase": "Pending", "qosClass": "BestEffort", "conditions": [scheduled_below]}
+    }
+    assert upper_status(bound_below, upper, host_ip="127.0.0.2") == upper["status"]
+    ready = {"type": "Ready", "status": "True"}
+    running = {
+        "status": {
+            "phase": "Running",
+            "qosClass": "BestEffort",
+            "hostIP": "192.168.1.5",
+            "conditions": [ready, scheduled_below],
+        }
+    }
+    status = upper_status(running, upper, host_ip="127.0.0.2")
+    assert status["conditions"] == [ready, scheduled_below]
+    assert status["phase"] == "Running"
+
+
+def test_lower_scheduling_failure_of_a_pod_bound_by_node_name_comes_up() -> None:
+    upper = {**upper_pod(), "status": {"phase": "Pending"}}
+    unschedulable = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}
+    lower = {"status": {"phase": "Pending", "conditions": [unschedulable]}}
+    assert upper_status(lower, upper, host_ip="127.0.0.2")["conditions"] == [unschedulable]
+
+
 def test_labels_and_annotations_added_below_are_left_alone() -> None:
     desired = desired_lower_pod(upper_pod(), NamespaceMapping(), OWNER)
     current = json.loads(json.dumps(desired))
