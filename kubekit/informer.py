@@ -48,8 +48,12 @@ def resource_version(obj: Mapping[str, Any]) -> str:
 
 
 class EventHandler(Protocol):
+    """What a watch cache tells. An update carries the object as it is now, not as it
+    was: handlers are level-triggered, and decoding the cached old object for each of
+    them would cost every watch event for nothing."""
+
     def on_add(self, obj: JSON) -> None: ...
-    def on_update(self, old: JSON, new: JSON) -> None: ...
+    def on_update(self, obj: JSON) -> None: ...
     def on_delete(self, obj: JSON) -> None: ...
 
 
@@ -59,20 +63,20 @@ class FunctionHandler:
     enqueues a key for any change."""
 
     add: Callable[[JSON], None] | None = None
-    update: Callable[[JSON, JSON], None] | None = None
+    update: Callable[[JSON], None] | None = None
     delete: Callable[[JSON], None] | None = None
 
     @classmethod
     def on_any(cls, notify: Callable[[JSON], None]) -> FunctionHandler:
-        return cls(add=notify, update=lambda _old, new: notify(new), delete=notify)
+        return cls(add=notify, update=notify, delete=notify)
 
     def on_add(self, obj: JSON) -> None:
         if self.add:
             self.add(obj)
 
-    def on_update(self, old: JSON, new: JSON) -> None:
+    def on_update(self, obj: JSON) -> None:
         if self.update:
-            self.update(old, new)
+            self.update(obj)
 
     def on_delete(self, obj: JSON) -> None:
         if self.delete:
@@ -264,7 +268,7 @@ class Informer:
         for key in diff.added:
             self._notify("on_add", listed[key])
         for key in diff.updated:
-            self._notify("on_update", before[key].decode(), listed[key])
+            self._notify("on_update", listed[key])
         for key in diff.deleted:
             self._notify("on_delete", before[key].decode())
         self.synced.set()
@@ -295,16 +299,13 @@ class Informer:
             self.resource_version = version
             return
         key = object_key(obj)
-        old = self._store.get(key)
         if kind == "DELETED":
             self._store.pop(key, None)
             self._notify("on_delete", obj)
-        elif old is None:
-            self._store[key] = _Cached.of(obj)
-            self._notify("on_add", obj)
         else:
+            known = key in self._store
             self._store[key] = _Cached.of(obj)
-            self._notify("on_update", old.decode(), obj)
+            self._notify("on_update" if known else "on_add", obj)
         self.resource_version = version
 
     def _notify(self, method: str, *args: JSON) -> None:

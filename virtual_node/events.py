@@ -93,7 +93,7 @@ class EventReflector:
         lower_events.add_handler(
             FunctionHandler(
                 add=self._changed,
-                update=lambda _old, new: self._changed(new),
+                update=self._changed,
                 delete=self._forget,
             )
         )

@@ -78,7 +78,7 @@ class LowerCluster:
         pods.add_handler(
             FunctionHandler(
                 add=self._pod_changed,
-                update=lambda _old, new: self._pod_changed(new),
+                update=self._pod_changed,
                 delete=lambda pod: self._set_usage(object_key(pod), None),
             )
         )

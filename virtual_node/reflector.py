@@ -85,7 +85,7 @@ class Reflector:
         upper_pods.add_handler(
             FunctionHandler(
                 add=self._pod_changed,
-                update=lambda _old, new: self._pod_changed(new),
+                update=self._pod_changed,
                 delete=self._pod_gone,
             )
         )

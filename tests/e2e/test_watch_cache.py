@@ -36,8 +36,8 @@ class Recorder:
     def on_add(self, obj: JSON) -> None:
         self.events.append(("add", object_key(obj), str(obj.get("data"))))
 
-    def on_update(self, old: JSON, new: JSON) -> None:
-        self.events.append(("update", object_key(new), str(new.get("data"))))
+    def on_update(self, obj: JSON) -> None:
+        self.events.append(("update", object_key(obj), str(obj.get("data"))))
 
     def on_delete(self, obj: JSON) -> None:
         self.events.append(("delete", object_key(obj), str(obj.get("data"))))

@@ -20,8 +20,8 @@ class Recorder:
     def on_add(self, o: JSON) -> None:
         self.events.append(("add", object_key(o)))
 
-    def on_update(self, old: JSON, new: JSON) -> None:
-        self.events.append(("update", object_key(new)))
+    def on_update(self, o: JSON) -> None:
+        self.events.append(("update", object_key(o)))
 
     def on_delete(self, o: JSON) -> None:
         self.events.append(("delete", object_key(o)))
@@ -59,13 +59,13 @@ def test_each_read_of_the_cache_is_a_copy_of_its_own() -> None:
     assert list(cache.items()) == [obj("a", "1", data={"k": "v"})]
 
 
-def test_an_update_hands_the_handler_the_object_as_it_was() -> None:
+def test_an_update_hands_the_handler_the_object_as_it_is_now() -> None:
     cache = informer()
-    seen: list[tuple[JSON, JSON]] = []
-    cache.add_handler(FunctionHandler(update=lambda old, new: seen.append((old, new))))
+    seen: list[JSON] = []
+    cache.add_handler(FunctionHandler(update=seen.append))
     cache.apply({"type": "ADDED", "object": obj("a", "1", data={"k": "v"})})
     cache.apply({"type": "MODIFIED", "object": obj("a", "2", data={"k": "w"})})
-    assert seen == [(obj("a", "1", data={"k": "v"}), obj("a", "2", data={"k": "w"}))]
+    assert seen == [obj("a", "2", data={"k": "w"})]
 
 
 def test_apply_watch_events_updates_cache_and_handlers() -> None:
@@ -126,7 +126,7 @@ def test_function_handler_on_any_maps_every_event_to_one_callback() -> None:
     seen: list[str] = []
     handler = FunctionHandler.on_any(lambda o: seen.append(object_key(o)))
     handler.on_add(obj("a", "1"))
-    handler.on_update(obj("b", "1"), obj("b", "2"))
+    handler.on_update(obj("b", "2"))
     handler.on_delete(obj("c", "1"))
     assert seen == ["ns/a", "ns/b", "ns/c"]
 
