@@ -2,14 +2,24 @@
 
     .venv/bin/python bench/virtual_node_pods.py [--pods 1000]
 
-One run, one federation (1 upper + 1 lower cluster): N pods created in the lower cluster
-directly, then N pods created in the upper cluster bound to the virtual node (their
-`spec.nodeName` set, as a scheduler or a user binding them would; `--upper-scheduler`
-has the upper kube-scheduler place them instead, which adds its binding and event).
-Prints time to all Running both ways and the ratio, per-pod start latency (p50/p99) both
-ways and what the virtual node adds, the virtual node's RSS per mirrored pod, and the
-time a restarted virtual node takes to list both sides again with N pods; then the CPU
-each process used and the API requests each apiserver served per pod.
+One run, one federation (1 upper + 1 lower cluster), each way in two phases, as
+clusterloader2's density test does:
+
+- saturation: N pods created as fast as the cluster takes them (32 creates at a time),
+  timed to all Running: the throughput, and the ratio of the two ways;
+- latency: then, with those N pods still there, M more pods created at a steady rate the
+  lower cluster keeps up with, each timed from its create to Running: the start latency
+  (p50/p99) each way, and what the virtual node adds. Under a burst a pod's latency is
+  mostly queueing, and where the queue sits differs between the ways (in this client's
+  semaphore directly, in the virtual node's work queue through it), so the saturation
+  latencies are printed but the added latency is the latency phase's.
+
+Directly means in the lower cluster; through the virtual node means in the upper cluster
+bound to the virtual node (`spec.nodeName` set, as a scheduler or a user binding them
+would; `--upper-scheduler` has the upper kube-scheduler place them instead, which adds
+its binding and event). Also printed: the virtual node's RSS per mirrored pod, the time a
+restarted virtual node takes to list both sides again, and for the saturation phases the
+CPU each process used and the API requests each apiserver served per pod.
 
 By default the machine's CPUs are split in two, as if upper and lower clusters ran on
 machines of their own: the lower cluster's processes on one half, the upper cluster's,
@@ -29,6 +39,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +69,10 @@ async def run_pods(
     count: int,
     federated: bool,
     node_name: str | None = None,
+    rate: float | None = None,
 ) -> tuple[float, list[float]]:
-    """Creates ``count`` pods and returns (seconds to all Running, per-pod latencies)."""
+    """Creates ``count`` pods, as fast as the apiserver takes them or ``rate`` a second,
+    and returns (seconds to all Running, per-pod latencies from create to Running)."""
     async with await KubeClient.connect(
         ClientSettings(str(cluster.kubeconfig), qps=0, burst=1)
     ) as client:
@@ -85,6 +98,8 @@ async def run_pods(
 
         async def create(index: int) -> None:
             name = f"p-{index:05d}"
+            if rate:
+                await asyncio.sleep(began + index / rate - time.monotonic())
             async with limit:
                 await client.create(PODS, pod(name, federated, node_name), namespace)
                 created[name] = time.monotonic()
@@ -139,8 +154,7 @@ def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
     return {name: cpu_seconds(pid) for name, pid in pids.items()}
 
 
-def print_cpu(title: str, wall: float, before: dict[str, float], after: dict[str, float]) -> None:
-    used = {name: after[name] - before[name] for name in before}
+def print_cpu(title: str, wall: float, used: dict[str, float]) -> None:
     total = sum(used.values())
     print(
         f"CPU {title}: {total:.1f} s in {wall:.1f} s of wall time "
@@ -171,8 +185,7 @@ async def request_counts(cluster: LocalCluster) -> Counter[str]:
     return counts
 
 
-def print_requests(title: str, count: int, before: Counter[str], after: Counter[str]) -> None:
-    made = after - before
+def print_requests(title: str, count: int, made: Counter[str]) -> None:
     print(f"API requests {title}: {sum(made.values()) / count:.1f} per pod")
     for request, number in made.most_common():
         if number >= count // 4:
@@ -189,9 +202,84 @@ def wait_log(path: Path, marker: str, after: int, timeout: float = 300) -> float
     raise TimeoutError(f"{marker!r} not in {path}")
 
 
+def split_cpus(pids: dict[str, int], shared: bool) -> set[int]:
+    """Pins the lower cluster to half the CPUs and everything else to the other half,
+    unless ``shared``; returns all the CPUs, to undo it with."""
+    all_cpus = os.sched_getaffinity(0)
+    if shared or len(all_cpus) < 2:
+        print(f"CPUs: every process on all of {sorted(all_cpus)}")
+        return all_cpus
+    ordered = sorted(all_cpus)
+    lower_cpus = set(ordered[: len(ordered) // 2])
+    pin([pid for name, pid in pids.items() if name.startswith("lower-1/")], lower_cpus)
+    pin(
+        [pid for name, pid in pids.items() if not name.startswith("lower-1/")],
+        all_cpus - lower_cpus,
+    )
+    print(
+        f"CPUs: lower cluster on {sorted(lower_cpus)}, upper cluster, virtual node "
+        f"and client on {sorted(all_cpus - lower_cpus)}"
+    )
+    return all_cpus
+
+
+@dataclass
+class Way:
+    """One way of running pods, both phases, with what the saturation phase cost."""
+
+    total: float = 0.0
+    burst_latencies: list[float] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)
+    cpu: dict[str, float] = field(default_factory=dict)
+    requests: dict[str, Counter[str]] = field(default_factory=dict)
+
+
+def run_way(
+    cluster: LocalCluster,
+    namespace: str,
+    args: argparse.Namespace,
+    pids: dict[str, int],
+    apiservers: dict[str, LocalCluster],
+    node_name: str | None,
+) -> Way:
+    federated = cluster.spec.role == "upper"
+
+    def requests_now() -> dict[str, Counter[str]]:
+        return {name: asyncio.run(request_counts(c)) for name, c in apiservers.items()}
+
+    way = Way()
+    cpu_before, requests_before = cpu_snapshot(pids), requests_now()
+    way.total, way.burst_latencies = asyncio.run(
+        run_pods(cluster, namespace, args.pods, federated, node_name)
+    )
+    cpu_after, requests_after = cpu_snapshot(pids), requests_now()
+    way.cpu = {name: cpu_after[name] - cpu_before[name] for name in pids}
+    way.requests = {name: requests_after[name] - requests_before[name] for name in apiservers}
+    _, way.latencies = asyncio.run(
+        run_pods(
+            cluster,
+            f"{namespace}-latency",
+            args.latency_pods,
+            federated,
+            node_name,
+            rate=args.latency_rate,
+        )
+    )
+    return way
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--pods", type=int, default=1000)
+    parser.add_argument("--pods", type=int, default=1000, help="pods of the saturation phase")
+    parser.add_argument(
+        "--latency-pods", type=int, default=300, help="pods of the latency phase (default 300)"
+    )
+    parser.add_argument(
+        "--latency-rate",
+        type=float,
+        default=20,
+        help="pods a second created in the latency phase (default 20)",
+    )
     parser.add_argument(
         "--shared-cpus",
         action="store_true",
@@ -204,16 +292,16 @@ def main() -> None:
     )
     args = parser.parse_args()
     count = args.pods
-    nodes = max(2, -(-count // 500))
+    per_way = count + args.latency_pods
+    nodes = max(2, -(-per_way // 500))
+    node_pods = -(-per_way * 2 // nodes) + 10
     specs = [
         ClusterSpec("upper", "upper"),
         ClusterSpec(
             "lower-1",
             "lower",
             tuple(
-                NodeSpec(
-                    f"lower-1-node-{i}", cpu="64", memory="256Gi", pods=-(-count * 2 // nodes) + 10
-                )
+                NodeSpec(f"lower-1-node-{i}", cpu="64", memory="256Gi", pods=node_pods)
                 for i in range(nodes)
             ),
         ),
@@ -226,49 +314,21 @@ def main() -> None:
             lower = federation.clusters["lower-1"]
             component = federation.components[virtual_node_name("lower-1")]
             pids = federation_processes(federation)
-            all_cpus = os.sched_getaffinity(0)
-            if not args.shared_cpus and len(all_cpus) >= 2:
-                ordered = sorted(all_cpus)
-                lower_cpus = set(ordered[: len(ordered) // 2])
-                pin([pid for name, pid in pids.items() if name.startswith("lower-1/")], lower_cpus)
-                pin(
-                    [pid for name, pid in pids.items() if not name.startswith("lower-1/")],
-                    all_cpus - lower_cpus,
-                )
-                print(
-                    f"CPUs: lower cluster on {sorted(lower_cpus)}, upper cluster, virtual node "
-                    f"and client on {sorted(all_cpus - lower_cpus)}"
-                )
-            else:
-                print(f"CPUs: every process on all of {sorted(all_cpus)}")
+            all_cpus = split_cpus(pids, args.shared_cpus)
             time.sleep(5)
-
             apiservers = {"upper": federation.upper, "lower": lower}
-
-            def requests_now() -> dict[str, Counter[str]]:
-                return {name: asyncio.run(request_counts(c)) for name, c in apiservers.items()}
-
-            requests_before = requests_now()
-            before_direct = cpu_snapshot(pids)
-            direct_total, direct_lat = asyncio.run(
-                run_pods(lower, "direct", count, federated=False)
-            )
+            direct = run_way(lower, "direct", args, pids, apiservers, node_name=None)
             # After the direct run: the lower pods it made stay cached but are not mirrored.
             time.sleep(5)
             idle_rss = rss_kib(component.pid)
-            before_via = cpu_snapshot(pids)
-            requests_between = requests_now()
-            via_total, via_lat = asyncio.run(
-                run_pods(
-                    federation.upper,
-                    "bench",
-                    count,
-                    federated=True,
-                    node_name=None if args.upper_scheduler else keys.default_node_name("lower-1"),
-                )
+            via = run_way(
+                federation.upper,
+                "bench",
+                args,
+                pids,
+                apiservers,
+                node_name=None if args.upper_scheduler else keys.default_node_name("lower-1"),
             )
-            after_via = cpu_snapshot(pids)
-            requests_after = requests_now()
             time.sleep(5)
             loaded_rss = rss_kib(component.pid)
             pin(pids.values(), all_cpus)
@@ -280,44 +340,45 @@ def main() -> None:
             component.start()
             resync = wait_log(log, "caches synced", offset) - restarted
 
-            d50, d99 = percentile(direct_lat, 0.5), percentile(direct_lat, 0.99)
-            v50, v99 = percentile(via_lat, 0.5), percentile(via_lat, 0.99)
-            per_pod = (loaded_rss - idle_rss) / count
             placed = "upper kube-scheduler" if args.upper_scheduler else "spec.nodeName"
             print(f"pods: {count} (lower cluster: {nodes} kwok nodes; upper pods: {placed})")
+            print("saturation phase, all pods created at once:")
+            for title, way in (("direct in lower: ", direct), ("via virtual node:", via)):
+                print(
+                    f"    {title} all Running in {way.total:6.2f} s, start latency "
+                    f"p50 {percentile(way.burst_latencies, 0.5):.3f} s, "
+                    f"p99 {percentile(way.burst_latencies, 0.99):.3f} s"
+                )
+            print(f"    ratio (direct time / virtual-node time): {direct.total / via.total:.2f}")
             print(
-                f"direct in lower:  all Running in {direct_total:6.2f} s, "
-                f"start latency p50 {d50:.3f} s, p99 {d99:.3f} s"
+                f"latency phase, {args.latency_pods} pods at {args.latency_rate:g} a second "
+                f"with the saturation pods still there:"
             )
+            for title, way in (("direct in lower: ", direct), ("via virtual node:", via)):
+                print(
+                    f"    {title} start latency p50 {percentile(way.latencies, 0.5):.3f} s, "
+                    f"p99 {percentile(way.latencies, 0.99):.3f} s, "
+                    f"mean {statistics.mean(way.latencies):.3f} s"
+                )
             print(
-                f"via virtual node: all Running in {via_total:6.2f} s, "
-                f"start latency p50 {v50:.3f} s, p99 {v99:.3f} s"
+                "    added start latency: "
+                f"p50 {percentile(via.latencies, 0.5) - percentile(direct.latencies, 0.5):+.3f} s, "
+                f"p99 {percentile(via.latencies, 0.99) - percentile(direct.latencies, 0.99):+.3f} s"
             )
-            print(f"ratio (direct time / virtual-node time): {direct_total / via_total:.2f}")
-            print(f"added start latency: p50 {v50 - d50:+.3f} s, p99 {v99 - d99:+.3f} s")
             print(
                 f"virtual-node RSS: before {idle_rss / 1024:.0f} MiB, after "
-                f"{loaded_rss / 1024:.0f} MiB, {per_pod:.1f} KiB per mirrored pod"
+                f"{loaded_rss / 1024:.0f} MiB, "
+                f"{(loaded_rss - idle_rss) / per_way:.1f} KiB per mirrored pod"
             )
-            print(f"restart resync (start to both sides listed, {count} pods): {resync:.2f} s")
-            print(
-                f"mean start latency: direct {statistics.mean(direct_lat):.3f} s, "
-                f"virtual node {statistics.mean(via_lat):.3f} s"
-            )
-            print_cpu("direct (federation processes)", direct_total, before_direct, before_via)
-            print_cpu("via virtual node", via_total, before_via, after_via)
+            print(f"restart resync (start to both sides listed, {per_way} pods): {resync:.2f} s")
+            print_cpu("direct, saturation (federation processes)", direct.total, direct.cpu)
+            print_cpu("via virtual node, saturation", via.total, via.cpu)
             for name in apiservers:
                 print_requests(
-                    f"direct, {name} apiserver",
-                    count,
-                    requests_before[name],
-                    requests_between[name],
+                    f"direct, saturation, {name} apiserver", count, direct.requests[name]
                 )
                 print_requests(
-                    f"via virtual node, {name} apiserver",
-                    count,
-                    requests_between[name],
-                    requests_after[name],
+                    f"via virtual node, saturation, {name} apiserver", count, via.requests[name]
                 )
         finally:
             federation.stop()
