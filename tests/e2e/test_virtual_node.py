@@ -161,6 +161,40 @@ def test_deployment_spreads_over_both_virtual_nodes_and_deletes_cleanly(
     wait_for(lambda: not pods_by_name(upper, "spread", "app=web"), "upper pods to go")
 
 
+def test_pod_bound_by_node_name_runs_with_the_conditions_a_kubelet_reports(
+    federation: Federation,
+) -> None:
+    upper, lower = federation.upper, federation.clusters["lower-2"]
+    apply(
+        upper,
+        namespace("bound"),
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "direct", "namespace": "bound"},
+            "spec": {
+                "nodeName": "vk-lower-2",
+                "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10"}],
+            },
+        },
+    )
+    pod = wait_for(
+        lambda: (
+            (p := get_json(upper, "pod", "-n", "bound", "direct"))["status"].get("phase")
+            == "Running"
+            and p
+        ),
+        "the pod bound by nodeName to run",
+    )
+    conditions = {c["type"]: c["status"] for c in pod["status"]["conditions"]}
+    assert conditions["PodScheduled"] == conditions["Ready"] == "True"
+    assert pod["status"]["hostIP"] == "127.0.0.1"
+    below = get_json(lower, "pod", "-n", "bound", "direct")
+    assert below["spec"]["nodeName"].startswith("lower-2-node-")
+    assert pod["status"]["podIP"] == below["status"]["podIP"]
+    upper.kubectl("delete", "namespace", "bound", "--wait=false")
+
+
 def test_lower_pod_deleted_behind_our_back_is_replaced(federation: Federation) -> None:
     upper, lower = federation.upper, federation.clusters["lower-1"]
     apply(
