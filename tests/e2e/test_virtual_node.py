@@ -31,6 +31,20 @@ def allocatable(federation: Federation, name: str) -> dict[str, Any]:
     return dict(get_json(federation.upper, "node", name)["status"]["allocatable"])
 
 
+def bound_pod(name: str, namespace: str, node_name: str, **spec: Any) -> dict[str, Any]:
+    """A bare pause pod bound to a node by its spec.nodeName, with no scheduler."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "nodeName": node_name,
+            "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10"}],
+            **spec,
+        },
+    }
+
+
 def test_virtual_nodes_are_registered_with_labels_taint_and_lease(federation: Federation) -> None:
     nodes = {n["metadata"]["name"]: n for n in get_json(federation.upper, "nodes")["items"]}
     assert set(nodes) == {"vk-lower-1", "vk-lower-2"}
@@ -168,15 +182,7 @@ def test_pod_bound_by_node_name_runs_with_the_conditions_a_kubelet_reports(
     apply(
         upper,
         namespace("bound"),
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "direct", "namespace": "bound"},
-            "spec": {
-                "nodeName": "vk-lower-2",
-                "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10"}],
-            },
-        },
+        bound_pod("direct", "bound", "vk-lower-2"),
     )
     pod = wait_for(
         lambda: (
@@ -236,16 +242,12 @@ def test_name_taken_below_by_someone_else_fails_the_pod_and_leaves_theirs(
     apply(
         upper,
         namespace("clash"),
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "taken", "namespace": "clash"},
-            "spec": {
-                "nodeName": "vk-lower-1",
-                "tolerations": [{"key": "virtual-kubelet.io/provider", "operator": "Exists"}],
-                "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10"}],
-            },
-        },
+        bound_pod(
+            "taken",
+            "clash",
+            "vk-lower-1",
+            tolerations=[{"key": "virtual-kubelet.io/provider", "operator": "Exists"}],
+        ),
     )
     pod = wait_for(
         lambda: (
