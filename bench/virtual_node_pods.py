@@ -391,14 +391,14 @@ def main() -> None:
             placed = "upper kube-scheduler" if args.upper_scheduler else "spec.nodeName"
             print(f"pods: {count} (lower cluster: {nodes} kwok nodes; upper pods: {placed})")
             ways = (
-                ("direct in lower:  ", direct),
-                ("via virtual node: ", via),
-                ("direct in lower again:", again),
+                ("direct in lower", direct),
+                ("via virtual node", via),
+                ("direct in lower again", again),
             )
             print("saturation phase, all pods created at once:")
             for title, way in ways:
                 print(
-                    f"    {title:22} all Running in {way.total:6.2f} s, start latency "
+                    f"    {title + ':':22} all Running in {way.total:6.2f} s, start latency "
                     f"p50 {percentile(way.burst_latencies, 0.5):.3f} s, "
                     f"p99 {percentile(way.burst_latencies, 0.99):.3f} s"
                 )
@@ -414,7 +414,8 @@ def main() -> None:
             )
             for title, way in ways:
                 print(
-                    f"    {title:22} start latency p50 {percentile(way.latencies, 0.5):.3f} s, "
+                    f"    {title + ':':22} start latency "
+                    f"p50 {percentile(way.latencies, 0.5):.3f} s, "
                     f"p99 {percentile(way.latencies, 0.99):.3f} s, "
                     f"mean {statistics.mean(way.latencies):.3f} s"
                 )
@@ -433,11 +434,11 @@ def main() -> None:
             for kind, what in listed:
                 print(f"    {kind:24} {what}")
             for title, way in ways:
-                print_cpu(f"{title.strip(' :')}, saturation", way.total, way.cpu)
+                print_cpu(f"{title}, saturation", way.total, way.cpu)
             for name in apiservers:
                 for title, way in ways:
                     print_requests(
-                        f"{title.strip(' :')}, saturation, {name} apiserver",
+                        f"{title}, saturation, {name} apiserver",
                         count,
                         way.requests[name],
                     )

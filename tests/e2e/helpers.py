@@ -75,6 +75,20 @@ def federated_deployment(
     }
 
 
+def bound_pod(name: str, namespace: str, node_name: str, **spec: Any) -> dict[str, Any]:
+    """A bare pause pod bound to a node by its spec.nodeName, with no scheduler."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "nodeName": node_name,
+            "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10"}],
+            **spec,
+        },
+    }
+
+
 def namespace(name: str) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
 

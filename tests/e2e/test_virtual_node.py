@@ -13,6 +13,7 @@ from kubekit.quantity import parse_quantity
 
 from .helpers import (
     apply,
+    bound_pod,
     federated_deployment,
     get_json,
     namespace,
@@ -29,20 +30,6 @@ def node_ready(federation: Federation, name: str) -> str:
 
 def allocatable(federation: Federation, name: str) -> dict[str, Any]:
     return dict(get_json(federation.upper, "node", name)["status"]["allocatable"])
-
-
-def bound_pod(name: str, namespace: str, node_name: str, **spec: Any) -> dict[str, Any]:
-    """A bare pause pod bound to a node by its spec.nodeName, with no scheduler."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {
-            "nodeName": node_name,
-            "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10"}],
-            **spec,
-        },
-    }
 
 
 def test_virtual_nodes_are_registered_with_labels_taint_and_lease(federation: Federation) -> None:
