@@ -254,6 +254,20 @@ class KubeClient:
     async def list(self, resource: Resource, namespace: str | None = None, **query: Any) -> JSON:
         return await self.request("GET", resource.path(namespace), query=query)
 
+    async def list_pages(
+        self, resource: Resource, namespace: str | None = None, *, limit: int, **query: Any
+    ) -> AsyncIterator[JSON]:
+        """A list in pages of at most ``limit`` items, following the continue tokens."""
+        continue_token: str | None = None
+        while True:
+            page = await self.list(
+                resource, namespace, limit=limit, **{"continue": continue_token}, **query
+            )
+            yield page
+            continue_token = page.get("metadata", {}).get("continue") or None
+            if not continue_token:
+                return
+
     async def create(self, resource: Resource, body: JSON, namespace: str | None = None) -> JSON:
         return await self.request("POST", resource.path(namespace), body=body)
 

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,6 +35,19 @@ def object_key(obj: Mapping[str, Any]) -> str:
     metadata = obj["metadata"]
     namespace = metadata.get("namespace")
     return f"{namespace}/{metadata['name']}" if namespace else str(metadata["name"])
+
+
+def namespace_of(key: str) -> str:
+    """The namespace part of an object key ("" for a cluster-scoped object)."""
+    return key.rpartition("/")[0]
+
+
+def namespace_index(keys: Iterable[str]) -> dict[str, set[str]]:
+    """Object keys by namespace (client-go's namespace index)."""
+    index: dict[str, set[str]] = {}
+    for key in keys:
+        index.setdefault(namespace_of(key), set()).add(key)
+    return index
 
 
 def strip_for_cache(obj: JSON) -> None:
@@ -166,6 +179,8 @@ class Informer:
         self.page_size = page_size
         self.backoff = backoff or Backoff()
         self._store: dict[str, _Cached] = {}
+        # A handler that wants one namespace's objects reads that many, not the whole cache.
+        self._by_namespace: dict[str, set[str]] = {}
         self._handlers: list[EventHandler] = []
         self.synced = asyncio.Event()
         self.resource_version = ""
@@ -182,8 +197,13 @@ class Informer:
         cached = self._store.get(key)
         return None if cached is None else cached.decode()
 
-    def items(self) -> Iterator[JSON]:
-        return (cached.decode() for cached in list(self._store.values()))
+    def items(self, namespace: str | None = None) -> Iterator[JSON]:
+        """Every cached object, or every one in ``namespace``."""
+        if namespace is None:
+            found = list(self._store.values())
+        else:
+            found = [self._store[key] for key in self._by_namespace.get(namespace, ())]
+        return (cached.decode() for cached in found)
 
     def keys(self) -> list[str]:
         return list(self._store)
@@ -237,15 +257,9 @@ class Informer:
     async def _relist(self) -> None:
         began = time.monotonic()
         listed: dict[str, JSON] = {}
-        continue_token: str | None = None
-        while True:
-            page = await self.client.list(
-                self.resource,
-                self.namespace,
-                limit=self.page_size,
-                **{"continue": continue_token},
-                **self._selectors(),
-            )
+        async for page in self.client.list_pages(
+            self.resource, self.namespace, limit=self.page_size, **self._selectors()
+        ):
             kind = page.get("kind", "").removesuffix("List")
             api_version = page.get("apiVersion")
             for obj in page.get("items", []):
@@ -254,15 +268,13 @@ class Informer:
                 obj.setdefault("apiVersion", api_version)
                 strip_for_cache(obj)
                 listed[object_key(obj)] = obj
-            continue_token = page.get("metadata", {}).get("continue") or None
-            if not continue_token:
-                break
         self.relists += 1
         diff = diff_snapshot(
             {key: cached.resource_version for key, cached in self._store.items()}, listed
         )
         before = self._store
         self._store = {key: _Cached.of(obj) for key, obj in listed.items()}
+        self._by_namespace = namespace_index(self._store)
         self.resource_version = page["metadata"]["resourceVersion"]
         self.backoff.reset()
         for key in diff.added:
@@ -300,11 +312,17 @@ class Informer:
             return
         key = object_key(obj)
         if kind == "DELETED":
-            self._store.pop(key, None)
+            if self._store.pop(key, None) is not None:
+                keys = self._by_namespace[namespace_of(key)]
+                keys.discard(key)
+                if not keys:
+                    del self._by_namespace[namespace_of(key)]
             self._notify("on_delete", obj)
         else:
             known = key in self._store
             self._store[key] = _Cached.of(obj)
+            if not known:
+                self._by_namespace.setdefault(namespace_of(key), set()).add(key)
             self._notify("on_update" if known else "on_add", obj)
         self.resource_version = version
 

@@ -102,11 +102,7 @@ class Reflector:
         key = object_key(pod)
         namespace = pod["metadata"]["namespace"]
         refs = {(kind, namespace, name) for kind, name in referenced_objects(pod.get("spec") or {})}
-        services = (
-            s
-            for s in self.upper_objects["services"].items()
-            if s["metadata"]["namespace"] == namespace
-        )
+        services = self.upper_objects["services"].items(namespace)
         refs |= {("services", namespace, name) for name in selecting_services(pod, services)}
         if pod["metadata"].get("deletionTimestamp") or (pod.get("status") or {}).get("phase") in {
             "Succeeded",
@@ -141,19 +137,17 @@ class Reflector:
         kind, namespace, name = ref
         if kind != "services":
             return
-        for endpoint_slice in self.upper_objects["endpointslices"].items():
-            metadata = endpoint_slice["metadata"]
-            if metadata["namespace"] == namespace and service_of_slice(endpoint_slice) == name:
-                self.queue.add(("endpointslices", namespace, metadata["name"]))
+        for endpoint_slice in self.upper_objects["endpointslices"].items(namespace):
+            if service_of_slice(endpoint_slice) == name:
+                self.queue.add(("endpointslices", namespace, endpoint_slice["metadata"]["name"]))
 
     def _upper_changed(self, kind: Kind, obj: Mapping[str, Any]) -> None:
         namespace = obj["metadata"]["namespace"]
         key: Key = (kind, namespace, obj["metadata"]["name"])
         if kind == "services":
             # A new or changed selector changes which pods need this Service.
-            for pod in self.upper_pods.items():
-                if pod["metadata"]["namespace"] == namespace:
-                    self._pod_changed(pod)
+            for pod in self.upper_pods.items(namespace):
+                self._pod_changed(pod)
         if self._wanted(key):
             self.queue.add(key)
 

@@ -3,7 +3,14 @@ from typing import Any
 import pytest
 
 from kubekit.client import JSON, LineSplitter, Resource
-from kubekit.informer import Backoff, FunctionHandler, Informer, diff_snapshot, object_key
+from kubekit.informer import (
+    Backoff,
+    FunctionHandler,
+    Informer,
+    diff_snapshot,
+    namespace_index,
+    object_key,
+)
 
 
 def obj(name: str, rv: str, namespace: str | None = "ns", **extra: Any) -> JSON:
@@ -81,6 +88,29 @@ def test_apply_watch_events_updates_cache_and_handlers() -> None:
     assert cache.get("ns/a") is None
     assert recorder.events == [("add", "ns/a"), ("update", "ns/a"), ("delete", "ns/a")]
     assert cache.resource_version == "10"
+
+
+def test_a_namespace_reads_only_its_own_objects_as_they_come_and_go() -> None:
+    cache = informer()
+    cache.apply({"type": "ADDED", "object": obj("a", "1", namespace="shop")})
+    cache.apply({"type": "ADDED", "object": obj("b", "2", namespace="shop")})
+    cache.apply({"type": "ADDED", "object": obj("a", "3", namespace="blog")})
+    cache.apply({"type": "MODIFIED", "object": obj("b", "4", namespace="shop", data={"k": "v"})})
+    assert sorted(o["metadata"]["resourceVersion"] for o in cache.items("shop")) == ["1", "4"]
+    cache.apply({"type": "DELETED", "object": obj("a", "5", namespace="shop")})
+    cache.apply({"type": "DELETED", "object": obj("a", "6", namespace="blog")})
+    cache.apply({"type": "DELETED", "object": obj("gone", "7", namespace="blog")})
+    assert [o["metadata"]["name"] for o in cache.items("shop")] == ["b"]
+    assert list(cache.items("blog")) == []
+    assert len(list(cache.items())) == 1
+
+
+def test_namespace_index_of_listed_keys() -> None:
+    assert namespace_index(["shop/a", "shop/b", "blog/a", "node-1"]) == {
+        "shop": {"shop/a", "shop/b"},
+        "blog": {"blog/a"},
+        "": {"node-1"},
+    }
 
 
 def test_cached_objects_carry_no_managed_fields() -> None:
