@@ -7,8 +7,10 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import aiohttp
+
 from kubekit import keys
-from kubekit.client import EVENTS, ApiError, KubeClient
+from kubekit.client import EVENTS, ApiError, KubeClient, is_not_found
 from kubekit.informer import FunctionHandler, Informer, object_key
 from kubekit.workqueue import WorkQueue
 from virtual_node.translate import Ownership
@@ -28,14 +30,17 @@ _COPIED = (
     "reportingComponent",
     "reportingInstance",
 )
+# What changes when an event recurs, and so what a copy already made is patched with.
+_RECURRING = ("count", "lastTimestamp", "message")
 
 
 def upper_event(
-    lower_event: Mapping[str, Any], lower_pod: Mapping[str, Any], cluster_id: str
+    lower_event: Mapping[str, Any], lower_pod: Mapping[str, Any], owner: Ownership, cluster_id: str
 ) -> JSON | None:
     """The upper copy of a lower event about one of our pods (pure); None when the pod is
     not ours. Its name derives from the lower event's UID so a restart updates rather
-    than duplicates it."""
+    than duplicates it; it carries our ownership labels so a restart can list the copies
+    it made."""
     annotations = lower_pod["metadata"].get("annotations") or {}
     namespace = annotations.get(keys.UPPER_NAMESPACE_ANNOTATION)
     uid = annotations.get(keys.UPPER_UID_ANNOTATION)
@@ -50,7 +55,11 @@ def upper_event(
     event: JSON = {
         "apiVersion": "v1",
         "kind": "Event",
-        "metadata": {"name": f"{name}.{lower_event['metadata']['uid']}", "namespace": namespace},
+        "metadata": {
+            "name": f"{name}.{lower_event['metadata']['uid']}",
+            "namespace": namespace,
+            "labels": owner.labels(),
+        },
         "involvedObject": {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -73,6 +82,22 @@ def upper_event(
     return event
 
 
+def recurrence(event: Mapping[str, Any]) -> JSON:
+    """The part of an event that changes when it recurs (pure)."""
+    return {field: event[field] for field in _RECURRING if field in event}
+
+
+def fingerprint(event: Mapping[str, Any]) -> int:
+    """Tells whether a copy is up to date, in far less memory than the copy (pure;
+    stable within one process only)."""
+    return hash(tuple(recurrence(event).items()))
+
+
+def lower_event_uid(copy_name: str) -> str:
+    """The UID of the lower event an upper copy was made from, out of its name (pure)."""
+    return copy_name.rpartition(".")[2]
+
+
 class EventReflector:
     def __init__(
         self,
@@ -89,7 +114,7 @@ class EventReflector:
         self.owner = owner
         self.cluster_id = cluster_id
         self.queue = queue
-        self._sent: dict[str, str] = {}  # lower event key -> resourceVersion copied
+        self._copied: dict[str, int] = {}  # lower event UID -> fingerprint of its copy
         lower_events.add_handler(
             FunctionHandler(
                 add=self._changed,
@@ -99,32 +124,55 @@ class EventReflector:
         )
 
     def _forget(self, event: Mapping[str, Any]) -> None:
-        self._sent.pop(object_key(event), None)
+        self._copied.pop(event["metadata"].get("uid", ""), None)
 
     def _changed(self, event: Mapping[str, Any]) -> None:
         if (event.get("involvedObject") or {}).get("kind") == "Pod":
             self.queue.add(object_key(event))
 
     async def run(self, workers: int) -> None:
+        await self._load_copies()
         await self.queue.run_workers(workers, self.reconcile, max_retries=5)
+
+    async def _load_copies(self) -> None:
+        """Learns the copies made before a restart, so they are not sent again: with
+        thousands of pods that would take the event budget for minutes. Without them
+        (the list failed) each copy costs a refused create more, nothing worse."""
+        try:
+            async for page in self.upper.list_pages(
+                EVENTS, limit=500, labelSelector=self.owner.selector()
+            ):
+                for copy in page["items"]:
+                    self._copied[lower_event_uid(copy["metadata"]["name"])] = fingerprint(copy)
+        except (ApiError, aiohttp.ClientError, OSError) as error:  # OSError: timeouts too
+            log.warning("copied events not listed, each is sent once more: %s", error)
 
     async def reconcile(self, key: str) -> None:
         event = self.lower_events.get(key)
-        if event is None or self._sent.get(key) == event["metadata"].get("resourceVersion"):
+        if event is None:
             return
         involved = event["involvedObject"]
         pod = self.lower_pods.get(f"{involved.get('namespace')}/{involved.get('name')}")
         if pod is None or not self.owner.owns(pod):
             return
-        body = upper_event(event, pod, self.cluster_id)
+        body = upper_event(event, pod, self.owner, self.cluster_id)
         if body is None:
             return
-        namespace = body["metadata"]["namespace"]
+        uid = event["metadata"]["uid"]
+        copied = self._copied.get(uid)
+        if copied == fingerprint(body):
+            return
+        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
         try:
-            await self.upper.create(EVENTS, body, namespace)
+            if copied is None:
+                await self.upper.create(EVENTS, body, namespace)
+            else:
+                await self.upper.patch(EVENTS, name, recurrence(body), namespace)
         except ApiError as error:
-            if error.status != 409:
+            if error.status == 409:  # a copy not listed at the start
+                await self.upper.patch(EVENTS, name, recurrence(body), namespace)
+            elif is_not_found(error):  # the copy expired above
+                await self.upper.create(EVENTS, body, namespace)
+            else:
                 raise
-            patch = {k: body[k] for k in ("count", "lastTimestamp", "message") if k in body}
-            await self.upper.patch(EVENTS, body["metadata"]["name"], patch, namespace)
-        self._sent[key] = event["metadata"].get("resourceVersion", "")
+        self._copied[uid] = fingerprint(body)

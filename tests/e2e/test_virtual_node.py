@@ -306,6 +306,44 @@ def test_kill_9_during_a_burst_loses_and_duplicates_nothing(federation: Federati
     )
 
 
+def copies_of_scheduled_event(upper: LocalCluster, namespace: str, pod: str) -> int:
+    events = get_json(
+        upper, "events", "-n", namespace, "--field-selector", f"involvedObject.name={pod}"
+    )["items"]
+    return sum(e["reason"] == "Scheduled" for e in events)
+
+
+def refused_event_creates(upper: LocalCluster) -> float:
+    """Event creates the upper apiserver answered with 409: what sending a copy that
+    exists costs."""
+    metrics = upper.kubectl("get", "--raw", "/metrics").stdout.splitlines()
+    return sum(
+        float(line.rpartition(" ")[2])
+        for line in metrics
+        if line.startswith("apiserver_request_total{")
+        and 'code="409"' in line
+        and 'resource="events"' in line
+        and 'verb="POST"' in line
+    )
+
+
+def test_a_restarted_virtual_node_does_not_copy_events_up_again(federation: Federation) -> None:
+    upper = federation.upper
+    apply(upper, namespace("copied"), bound_pod("before", "copied", "vk-lower-1"))
+    wait_for(lambda: copies_of_scheduled_event(upper, "copied", "before"), "the first copy")
+    refused = refused_event_creates(upper)
+    virtual_node = federation.components[virtual_node_name("lower-1")]
+    virtual_node.kill()
+    virtual_node.start()
+    # Made after the restart, so copied after every event the restart found below.
+    apply(upper, bound_pod("after", "copied", "vk-lower-1"))
+    wait_for(lambda: copies_of_scheduled_event(upper, "copied", "after"), "the new pod's copy")
+    assert refused_event_creates(upper) == refused
+    assert copies_of_scheduled_event(upper, "copied", "before") == 1
+    # Bare pods left on vk-lower-1 would stop the drain test.
+    upper.kubectl("delete", "namespace", "copied", "--timeout=120s")
+
+
 def test_cordon_and_drain_move_every_replica_to_the_other_cluster(federation: Federation) -> None:
     upper = federation.upper
     apply(upper, namespace("drain"), federated_deployment("app", "drain", 6))

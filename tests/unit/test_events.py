@@ -1,5 +1,8 @@
 from kubekit import keys
-from virtual_node.events import upper_event
+from virtual_node.events import fingerprint, lower_event_uid, recurrence, upper_event
+from virtual_node.translate import Ownership
+
+OWNER = Ownership(origin="upper-cluster-uid", node_name="vk-lower-1")
 
 LOWER_POD = {
     "metadata": {
@@ -31,9 +34,10 @@ def test_lower_event_becomes_an_event_on_the_upper_pod() -> None:
         "firstTimestamp": "2026-01-01T00:00:00Z",
         "lastTimestamp": "2026-01-01T00:01:00Z",
     }
-    event = upper_event(lower, LOWER_POD, "lower-1")
+    event = upper_event(lower, LOWER_POD, OWNER, "lower-1")
     assert event is not None
-    assert event["metadata"] == {"name": "web-1.e-1", "namespace": "shop"}
+    assert event["metadata"] == {"name": "web-1.e-1", "namespace": "shop", "labels": OWNER.labels()}
+    assert lower_event_uid(event["metadata"]["name"]) == "e-1"
     assert event["involvedObject"] == {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -48,4 +52,24 @@ def test_lower_event_becomes_an_event_on_the_upper_pod() -> None:
 
 def test_pod_without_ownership_annotations_gets_nothing() -> None:
     lower = {"metadata": {"uid": "e"}, "involvedObject": {"kind": "Pod"}}
-    assert upper_event(lower, {"metadata": {"name": "x"}}, "c") is None
+    assert upper_event(lower, {"metadata": {"name": "x"}}, OWNER, "c") is None
+
+
+def test_a_copy_is_up_to_date_until_the_event_recurs() -> None:
+    first = {
+        "metadata": {"name": "web.1.e-1", "resourceVersion": "7"},
+        "reason": "BackOff",
+        "count": 1,
+        "lastTimestamp": "2026-01-01T00:00:00Z",
+        "message": "Back-off pulling image",
+    }
+    listed_later = {**first, "metadata": {"name": "web.1.e-1", "resourceVersion": "9"}}
+    again = {**first, "count": 2, "lastTimestamp": "2026-01-01T00:00:10Z"}
+    assert fingerprint(listed_later) == fingerprint(first)
+    assert fingerprint(again) != fingerprint(first)
+    assert recurrence(again) == {
+        "count": 2,
+        "lastTimestamp": "2026-01-01T00:00:10Z",
+        "message": "Back-off pulling image",
+    }
+    assert lower_event_uid("web.1.e-1") == "e-1"
