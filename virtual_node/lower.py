@@ -75,17 +75,31 @@ class LowerCluster:
         # What each foreign lower pod takes, kept by the pod handler: a report sums this
         # table (never running totals that could drift) instead of decoding every pod.
         self._usage: dict[str, PodUsage] = {}
+        # lower key -> upper key of each pod of ours below, kept by the same handler, so
+        # the orphan sweep decodes no pod (at 10,000 that stalled the loop).
+        self._mirrored: dict[str, str] = {}
         pods.add_handler(
             FunctionHandler(
                 add=self._pod_changed,
                 update=self._pod_changed,
-                delete=lambda pod: self._set_usage(object_key(pod), None),
+                delete=self._pod_deleted,
             )
         )
         nodes.add_handler(FunctionHandler.on_any(lambda _node: self.changed.set()))
 
     def _pod_changed(self, pod: JSON) -> None:
-        self._set_usage(object_key(pod), pod_usage(pod, self.owner.owns))
+        key = object_key(pod)
+        self._set_usage(key, pod_usage(pod, self.owner.owns))
+        upper_key = self.upper_key(pod)
+        if upper_key is None:
+            self._mirrored.pop(key, None)
+        else:
+            self._mirrored[key] = upper_key
+
+    def _pod_deleted(self, pod: JSON) -> None:
+        key = object_key(pod)
+        self._set_usage(key, None)
+        self._mirrored.pop(key, None)
 
     def _set_usage(self, key: str, usage: PodUsage | None) -> None:
         if self._usage.get(key) == usage:
@@ -288,9 +302,4 @@ class LowerCluster:
 
     def orphan_keys(self, upper_keys: set[str]) -> list[str]:
         """Upper keys of our lower pods whose upper pod does not exist."""
-        result = []
-        for pod in self.pods.items():
-            key = self.upper_key(pod)
-            if key is not None and key not in upper_keys:
-                result.append(key)
-        return result
+        return [key for key in self._mirrored.values() if key not in upper_keys]

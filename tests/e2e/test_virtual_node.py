@@ -344,6 +344,28 @@ def test_a_restarted_virtual_node_does_not_copy_events_up_again(federation: Fede
     upper.kubectl("delete", "namespace", "copied", "--timeout=120s")
 
 
+def test_a_pod_deleted_above_while_the_virtual_node_was_down_goes_below_on_restart(
+    federation: Federation,
+) -> None:
+    upper, lower = federation.upper, federation.clusters["lower-1"]
+    apply(upper, namespace("orphans"), bound_pod("left", "orphans", "vk-lower-1"))
+    wait_for(lambda: get_json(lower, "pods", "-n", "orphans")["items"], "the lower pod to be made")
+    apply(lower, bound_pod("theirs", "orphans", "lower-1-node-0"))
+    virtual_node = federation.components[virtual_node_name("lower-1")]
+    virtual_node.kill()
+    upper.kubectl("delete", "pod", "left", "-n", "orphans", "--grace-period=0", "--force")
+    virtual_node.start()
+    wait_for(
+        lambda: (
+            [p["metadata"]["name"] for p in get_json(lower, "pods", "-n", "orphans")["items"]]
+            == ["theirs"]
+        ),
+        "the orphan to be removed below, and only it",
+    )
+    upper.kubectl("delete", "namespace", "orphans", "--timeout=120s")
+    lower.kubectl("delete", "namespace", "orphans", "--wait=false")
+
+
 def test_cordon_and_drain_move_every_replica_to_the_other_cluster(federation: Federation) -> None:
     upper = federation.upper
     apply(upper, namespace("drain"), federated_deployment("app", "drain", 6))
