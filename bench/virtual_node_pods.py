@@ -5,8 +5,9 @@
 One run, one federation (1 upper + 1 lower cluster), each way in two phases, as
 clusterloader2's density test does:
 
-- saturation: N pods created as fast as the cluster takes them (32 creates at a time),
-  timed to all Running: the throughput, and the ratio of the two ways;
+- saturation: N pods created as fast as the cluster takes them (as many creates at a
+  time as the virtual node has workers, 64), timed to all Running: the throughput, and
+  the ratio of the two ways;
 - latency: then, with those N pods still there, M more pods created at a steady rate the
   lower cluster keeps up with, each timed from its create to Running: the start latency
   (p50/p99) each way, and what the virtual node adds. Under a burst a pod's latency is
@@ -49,6 +50,7 @@ from kubekit.federation import Federation, virtual_node_name
 from kubekit.informer import FunctionHandler, Informer
 from kubekit.localcluster import ClusterSpec, LocalCluster, NodeSpec
 from kubekit.toolchain import Toolchain
+from virtual_node.main import DEFAULT_WORKERS
 
 
 def pod(name: str, federated: bool, node_name: str | None) -> dict[str, Any]:
@@ -94,7 +96,8 @@ async def run_pods(
         informer.add_handler(FunctionHandler.on_any(observe))
         watcher = asyncio.create_task(informer.run())
         await informer.wait_synced()
-        limit = asyncio.Semaphore(32)
+        # Directly, the same number of creates in flight as the virtual node's workers.
+        limit = asyncio.Semaphore(DEFAULT_WORKERS)
 
         async def create(index: int) -> None:
             name = f"p-{index:05d}"

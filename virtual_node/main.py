@@ -46,6 +46,9 @@ from virtual_node.translate import Ownership
 log = logging.getLogger("virtual_node")
 
 ORPHAN_SWEEP_SECONDS = 60.0
+# As many lower creates in flight as a client that keeps a lower apiserver busy: at 20
+# a burst left the lower cluster idle a tenth of the time.
+DEFAULT_WORKERS = 64
 _CLUSTER_ID = re.compile(r"^[a-z0-9]([-a-z0-9]{0,51}[a-z0-9])?$")
 
 
@@ -58,9 +61,7 @@ class VirtualNodeConfig:
     taint: bool = True
     address: str = "127.0.0.1"
     kubelet_port: int = 10250
-    # As many lower creates in flight as a client that keeps a lower apiserver busy: at
-    # 20 a burst left the lower cluster idle a tenth of the time.
-    workers: int = 64
+    workers: int = DEFAULT_WORKERS
     upper_qps: float = 200.0
     upper_burst: int = 400
     lower_qps: float = 200.0
