@@ -1,5 +1,6 @@
-"""Smaller TLS read buffers: connections opened afterwards use them, and bodies much
-larger than one buffer still cross intact both ways."""
+"""Smaller TLS read buffers: connections opened afterwards use them, bodies much larger
+than one buffer still cross intact both ways, and a stream's connection gets the large
+buffer back."""
 
 import asyncio.sslproto
 import os
@@ -11,7 +12,12 @@ import pytest
 from aiohttp import web
 
 from kubekit import pki
-from kubekit.client import TLS_READ_BUFFER_BYTES, shrink_tls_read_buffers
+from kubekit.client import (
+    STREAM_TLS_READ_BUFFER_BYTES,
+    TLS_READ_BUFFER_BYTES,
+    _read_in_bulk,
+    shrink_tls_read_buffers,
+)
 
 
 async def test_large_bodies_cross_a_tls_connection_with_small_read_buffers(
@@ -46,6 +52,9 @@ async def test_large_bodies_cross_a_tls_connection_with_small_read_buffers(
             buffer = transport._ssl_protocol._ssl_buffer  # type: ignore[union-attr]
             assert len(buffer) == TLS_READ_BUFFER_BYTES
             assert response.status == 200
+            # A stream's connection reads in bulk again, from its next read on.
+            _read_in_bulk(transport)
             assert await response.read() == body[::-1]
+            assert len(transport._ssl_protocol._ssl_buffer) == STREAM_TLS_READ_BUFFER_BYTES  # type: ignore[union-attr]
     finally:
         await runner.cleanup()
