@@ -76,7 +76,7 @@ class LowerCluster:
         # table (never running totals that could drift) instead of decoding every pod.
         self._usage: dict[str, PodUsage] = {}
         # lower key -> upper key of each pod of ours below, kept by the same handler, so
-        # the orphan sweep decodes no pod (at 10,000 that stalled the loop).
+        # the orphan sweep decodes no pod (it decoded 10,000 on the event loop a minute).
         self._mirrored: dict[str, str] = {}
         pods.add_handler(
             FunctionHandler(
