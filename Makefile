@@ -7,7 +7,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 ARGS   ?=
 
-.PHONY: up down venv build-k8s lint test test-unit test-e2e bench clean
+.PHONY: up down venv build-k8s proto proto-check lint test test-unit test-e2e bench clean
 
 up: venv build-k8s
 	$(BIN)/kubestrata up $(ARGS)
@@ -27,7 +27,21 @@ $(VENV)/.installed: pyproject.toml
 build-k8s:
 	hack/k8s/build.sh all
 
-lint: venv
+# The estimator's gRPC code, generated from its .proto by the pinned grpcio-tools and
+# mypy-protobuf; proto-check (part of lint) fails when the checked-in code differs.
+PROTO := kubekit/estimatorapi/estimator.proto
+PROTOC = PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m grpc_tools.protoc -I . \
+	--python_out=$(1) --grpc_python_out=$(1) --mypy_out=$(1) --mypy_grpc_out=$(1) $(PROTO)
+
+proto: venv
+	$(call PROTOC,.)
+
+proto-check: venv
+	@tmp=$$(mktemp -d) && $(call PROTOC,$$tmp) && \
+	  diff -r -x '*.proto' -x '__init__.py' -x '__pycache__' $$tmp/kubekit/estimatorapi kubekit/estimatorapi \
+	  && rm -rf $$tmp || { echo "generated estimator code is stale: run make proto"; exit 1; }
+
+lint: venv proto-check
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
