@@ -1,0 +1,418 @@
+"""An incremental view of one lower cluster for fit queries: where would a pod go?
+
+Fed by watch events in any order (a pod may arrive before its node), it keeps per node
+what the fit rules of ``kubekit.fit`` compare, updated by each event rather than
+recomputed by each query: what the placed pods request (and the ``Headroom`` that
+follows), the host ports they use, how many pods of each kind are there. Indexes let a
+query decide the node-only filters once per group of alike nodes instead of once per
+node: nodes by barriers (cordon, readiness, taints) and by label value; pods with
+required anti-affinity are listed apart, so other pods never look at the rest. A query
+then loops over nodes only to compare precomputed integers.
+
+Assumptions are the scheduler's "assume" cache: a pod counted on the node it would
+take before the cluster says it is there. They are keyed apart from real pods.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import ChainMap, Counter
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
+
+from kubekit import fit
+from kubekit.fit import JSON, Barriers, ClusterCounts, Headroom, HostPort, Kind, PodFacts
+from kubekit.informer import object_key
+
+# (True for an assumption, key): a real pod and an assumption never share a slot.
+Ref = tuple[bool, str]
+# What copies placed during a simulation request and use, by node.
+_Scratch = dict[str, tuple[Counter[str], Counter[HostPort]]]
+K = TypeVar("K")
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """How a pod fares in one lower cluster."""
+
+    total_nodes: int
+    # Nodes where one copy fits, sorted.
+    fitting: tuple[str, ...]
+    # Reason -> number of nodes it rejected (a node may count under several).
+    reasons: Mapping[str, int]
+    # How many of the copies asked about fit, placed one after another on the best node.
+    max_replicas: int
+    # On the fitting node that strands the least: mean requested share once placed.
+    best_fit: float
+    # On the emptiest fitting node: mean free share once placed.
+    least_allocated: float
+    # The largest summed weight of preferred node affinity terms a fitting node matches.
+    preferred: int
+
+    def message(self) -> str:
+        """The scheduler's summary, reasons by count, most first (the scheduler sorts its
+        "count reason" strings as text, which puts 10 before 9)."""
+        if self.fitting:
+            return f"{len(self.fitting)}/{self.total_nodes} nodes fit"
+        ranked = sorted(self.reasons.items(), key=lambda item: (-item[1], item[0]))
+        summary = ", ".join(f"{count} {reason}" for reason, count in ranked)
+        available = f"0/{self.total_nodes} nodes are available"
+        return f"{available}: {summary}" if summary else available
+
+
+@dataclass(frozen=True, slots=True)
+class _Evaluation:
+    # The nodes that pass the node-only filters, in name order.
+    candidates: list[str]
+    reasons: Counter[str]
+    # The best fit of each node the pod fits, in name order.
+    scores: dict[str, float]
+
+
+class ClusterState:
+    def __init__(self) -> None:
+        self._nodes: dict[str, fit.NodeFacts] = {}
+        self._headroom: dict[str, Headroom] = {}
+        self._names: list[str] | None = []  # sorted node names; None until asked again
+        # By node name, whether the node is known yet or not.
+        self._requested: dict[str, Counter[str]] = {}
+        self._ports: dict[str, Counter[HostPort]] = {}
+        self._pod_count: Counter[str] = Counter()
+        # Namespace -> kind -> node -> pods: what spread and inter-pod terms count.
+        self._by_kind: dict[str, dict[Kind, Counter[str]]] = {}
+        self._placed: dict[Ref, tuple[str, PodFacts]] = {}
+        self._anti_affinity: dict[Ref, tuple[str, PodFacts]] = {}
+        self._by_barriers: dict[Barriers, set[str]] = {}
+        self._by_label: dict[str, dict[str, set[str]]] = {}
+
+    # -- watch events ----------------------------------------------------------------------
+
+    def set_node(self, node: JSON) -> None:
+        facts = fit.NodeFacts.of(node)
+        old = self._nodes.get(facts.name)
+        # Most updates are status heartbeats: labels and taints stay, so do the indexes.
+        if old is None or old.barriers != facts.barriers or old.labels != facts.labels:
+            if old is not None:
+                self._unindex(old)
+            self._index(facts)
+        if old is None:
+            self._names = None
+        self._nodes[facts.name] = facts
+        self._refresh(facts.name)
+
+    def remove_node(self, name: str) -> None:
+        old = self._nodes.pop(name, None)
+        if old is not None:
+            self._unindex(old)
+            del self._headroom[name]
+            self._names = None
+
+    def set_pod(self, pod: JSON) -> None:
+        """A pod counts on its node while bound and not finished; an update replaces
+        what it counted before."""
+        ref = (False, object_key(pod))
+        self._unplace(ref)
+        if fit.pod_holds_resources(pod):
+            self._place(ref, pod["spec"]["nodeName"], PodFacts.of(pod))
+
+    def remove_pod(self, key: str) -> None:
+        self._unplace((False, key))
+
+    # -- assumptions -----------------------------------------------------------------------
+
+    def assume(self, key: str, pod: JSON, node_name: str | None = None) -> str | None:
+        """Counts the pod on ``node_name``, or on the node it would take: the fitting one
+        with the highest best fit, ties to the first name. Returns that node, or None
+        when none fits (then nothing is assumed)."""
+        self.forget(key)
+        facts = PodFacts.of(pod)
+        if node_name is None:
+            node_name = _best(self._evaluate(facts).scores)
+            if node_name is None:
+                return None
+        self._place((True, key), node_name, facts)
+        return node_name
+
+    def forget(self, key: str) -> str | None:
+        """Drops an assumption; returns the node it held room on."""
+        return self._unplace((True, key))
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def estimate(self, pod: JSON, replicas: int = 1) -> Estimate:
+        facts = PodFacts.of(pod)
+        evaluation = self._evaluate(facts)
+        scores = evaluation.scores
+        preferred = (
+            max(fit.preference(facts, self._nodes[n].labels, n) for n in scores)
+            if facts.preferred and scores
+            else 0
+        )
+        return Estimate(
+            total_nodes=len(self._nodes),
+            fitting=tuple(scores),
+            reasons=dict(+evaluation.reasons),
+            max_replicas=self._replicas(facts, replicas, evaluation),
+            best_fit=max(scores.values(), default=0.0),
+            # The free share is one minus the requested share, resource by resource.
+            least_allocated=1.0 - min(scores.values()) if scores else 0.0,
+            preferred=preferred,
+        )
+
+    # -- bookkeeping -----------------------------------------------------------------------
+
+    def _place(self, ref: Ref, node: str, pod: PodFacts) -> None:
+        self._placed[ref] = (node, pod)
+        self._pod_count[node] += 1
+        kinds = self._by_kind.setdefault(pod.kind.namespace, {})
+        kinds.setdefault(pod.kind, Counter())[node] += 1
+        self._requested.setdefault(node, Counter()).update(pod.requests)
+        if pod.host_ports:
+            self._ports.setdefault(node, Counter()).update(pod.host_ports)
+        if pod.anti_affinity:
+            self._anti_affinity[ref] = (node, pod)
+        self._refresh(node)
+
+    def _unplace(self, ref: Ref) -> str | None:
+        placed = self._placed.pop(ref, None)
+        if placed is None:
+            return None
+        node, pod = placed
+        kinds = self._by_kind[pod.kind.namespace]
+        _discount(kinds[pod.kind], node)
+        if not kinds[pod.kind]:
+            del kinds[pod.kind]
+            if not kinds:
+                del self._by_kind[pod.kind.namespace]
+        self._requested[node].subtract(pod.requests)
+        if pod.host_ports:
+            self._ports[node] = self._ports[node] - Counter(pod.host_ports)
+        self._anti_affinity.pop(ref, None)
+        _discount(self._pod_count, node)
+        if node not in self._pod_count:
+            # Nothing placed there any more: forget the name, it may never be a node.
+            del self._requested[node]
+            self._ports.pop(node, None)
+        self._refresh(node)
+        return node
+
+    def _refresh(self, name: str) -> None:
+        node = self._nodes.get(name)
+        if node is not None:
+            requested: Mapping[str, int] = self._requested.get(name, {})
+            self._headroom[name] = Headroom.of(name, node.allocatable, requested)
+
+    def _index(self, node: fit.NodeFacts) -> None:
+        self._by_barriers.setdefault(node.barriers, set()).add(node.name)
+        for key, value in node.labels.items():
+            self._by_label.setdefault(key, {}).setdefault(value, set()).add(node.name)
+
+    def _unindex(self, node: fit.NodeFacts) -> None:
+        _discard(self._by_barriers, node.barriers, node.name)
+        for key, value in node.labels.items():
+            values = self._by_label[key]
+            _discard(values, value, node.name)
+            if not values:
+                del self._by_label[key]
+
+    def _sorted_names(self) -> list[str]:
+        if self._names is None:
+            self._names = sorted(self._nodes)
+        return self._names
+
+    # -- evaluation ------------------------------------------------------------------------
+
+    def _evaluate(self, pod: PodFacts) -> _Evaluation:
+        reasons: Counter[str] = Counter()
+        passing = self._node_filters(pod, reasons)
+        names = self._sorted_names()
+        candidates = names if len(passing) == len(names) else [n for n in names if n in passing]
+        counts = self._cluster_counts(pod, Counter())
+        scores = self._usage_filters(pod, candidates, counts, reasons, self._headroom, self._ports)
+        return _Evaluation(candidates, reasons, scores)
+
+    def _node_filters(self, pod: PodFacts, reasons: Counter[str]) -> set[str]:
+        """NodeUnschedulable, NodeName, TaintToleration, NodeAffinity over whole groups of
+        nodes, in the scheduler's order: a node counts under the first that rejects it."""
+        candidates = set(self._nodes)
+        for barriers, names in self._by_barriers.items():
+            reason = fit.unschedulable_failure(pod, barriers)
+            if reason:
+                reasons[reason] += len(names)
+                candidates -= names
+        if pod.node_name:
+            reasons[fit.NODE_NAME] += len(candidates - {pod.node_name})
+            candidates &= {pod.node_name}
+        for barriers, names in self._by_barriers.items():
+            reason = fit.taint_failure(pod, barriers)
+            if reason:
+                rejected = names & candidates
+                reasons[reason] += len(rejected)
+                candidates -= rejected
+        if pod.node_selector or pod.node_terms is not None:
+            matching = self._affinity_nodes(pod, candidates)
+            reasons[fit.NODE_AFFINITY] += len(candidates - matching)
+            candidates = matching
+        return candidates
+
+    def _affinity_nodes(self, pod: PodFacts, candidates: set[str]) -> set[str]:
+        """The candidates that match the pod's node selector and required node affinity,
+        found through the label index: a requirement is judged once per label value."""
+        matching = set(candidates)
+        for requirement in pod.node_selector:
+            matching &= self._accepting(requirement)
+        if pod.node_terms is None:
+            return matching
+        any_term: set[str] = set()
+        for term in pod.node_terms:
+            nodes = set(matching)
+            for requirement in term.labels:
+                nodes &= self._accepting(requirement)
+            if term.names:
+                nodes = {n for n in nodes if all(r.accepts(n) for r in term.names)}
+            any_term |= nodes
+        return any_term
+
+    def _accepting(self, requirement: fit.Requirement) -> set[str]:
+        values = self._by_label.get(requirement.key, {})
+        nodes: set[str] = set()
+        for value, names in values.items():
+            if requirement.accepts(value):
+                nodes |= names
+        if requirement.accepts(None):
+            nodes |= self._nodes.keys() - set().union(*values.values())
+        return nodes
+
+    def _cluster_counts(self, pod: PodFacts, copies: Mapping[str, int]) -> ClusterCounts:
+        """The cluster-wide counts, with ``copies`` of the pod placed on top (by node)."""
+        nodes, placed = self._nodes, self._by_kind
+        anti_affinity = [
+            (nodes[node], other) for node, other in self._anti_affinity.values() if node in nodes
+        ]
+        if copies:
+            namespace = pod.kind.namespace
+            kinds = dict(placed.get(namespace, {}))
+            kinds[pod.kind] = Counter(kinds.get(pod.kind, {})) + Counter(copies)
+            placed = {**placed, namespace: kinds}
+            if pod.anti_affinity:
+                anti_affinity += [
+                    (nodes[n], pod) for n, number in copies.items() for _ in range(number)
+                ]
+        return fit.cluster_counts(pod, nodes, placed, anti_affinity)
+
+    def _usage_filters(
+        self,
+        pod: PodFacts,
+        candidates: Iterable[str],
+        counts: ClusterCounts,
+        reasons: Counter[str],
+        headroom: Mapping[str, Headroom],
+        ports: Mapping[str, Collection[HostPort]],
+    ) -> dict[str, float]:
+        """NodePorts, NodeResourcesFit, PodTopologySpread, InterPodAffinity: the best fit
+        of each candidate that passes them all."""
+        if pod.host_ports:
+            conflicting = {
+                n for n in candidates if fit.ports_conflict(pod.host_ports, ports.get(n, ()))
+            }
+            reasons[fit.NODE_PORTS] += len(conflicting)
+            candidates = [n for n in candidates if n not in conflicting]
+        scores, shortages = fit.rank(pod, [headroom[n] for n in candidates])
+        reasons.update(shortages)
+        if counts.spread is None and counts.inter_pod is None:
+            return scores
+        for name in list(scores):
+            rejected = fit.cluster_failures(pod, self._nodes[name].labels, counts)
+            if rejected:
+                reasons.update(rejected)
+                del scores[name]
+        return scores
+
+    # -- replicas --------------------------------------------------------------------------
+
+    def _replicas(self, pod: PodFacts, replicas: int, evaluation: _Evaluation) -> int:
+        if replicas <= 0 or not evaluation.scores:
+            return 0
+        if replicas == 1:
+            return 1
+        if pod.spans_nodes:
+            return self._replicas_across(pod, replicas, evaluation.candidates)
+        return self._replicas_by_node(pod, replicas, evaluation.scores)
+
+    def _replicas_by_node(self, pod: PodFacts, replicas: int, scores: Mapping[str, float]) -> int:
+        """Copies that change only the node they land on: each goes to the best node and
+        only that node is judged again, on a scratch copy of its usage. A node's best
+        fit only grows as copies land, so the first copies go to the initially best
+        nodes: only as many of them as there are copies need be ranked."""
+        # nlargest keeps the name order of equal scores, as the heap's tuples do.
+        top = heapq.nlargest(replicas, scores, key=scores.__getitem__)
+        best = [(-scores[name], name) for name in top]
+        scratch: _Scratch = {}
+        placed = 0
+        while best and placed < replicas:
+            _, name = heapq.heappop(best)
+            requested, ports = self._place_copy(pod, name, scratch)
+            placed += 1
+            if pod.host_ports and fit.ports_conflict(pod.host_ports, ports):
+                continue
+            again, _ = fit.rank(pod, [Headroom.of(name, self._nodes[name].allocatable, requested)])
+            if again:
+                heapq.heappush(best, (-again[name], name))
+        return placed
+
+    def _replicas_across(self, pod: PodFacts, replicas: int, candidates: list[str]) -> int:
+        """Copies whose spread or inter-pod terms reach other nodes: each copy placed
+        changes the cluster-wide counts, so each round judges every candidate again,
+        the placed copies held in scratch overlays of the nodes they landed on."""
+        scratch: _Scratch = {}
+        headroom: dict[str, Headroom] = {}
+        ports: dict[str, Counter[HostPort]] = {}
+        copies: Counter[str] = Counter()
+        all_headroom = ChainMap(headroom, self._headroom)
+        all_ports: ChainMap[str, Counter[HostPort]] = ChainMap(ports, self._ports)
+        for placed in range(replicas):
+            counts = self._cluster_counts(pod, copies)
+            scores = self._usage_filters(
+                pod, candidates, counts, Counter(), all_headroom, all_ports
+            )
+            name = _best(scores)
+            if name is None:
+                return placed
+            copies[name] += 1
+            requested, ports[name] = self._place_copy(pod, name, scratch)
+            headroom[name] = Headroom.of(name, self._nodes[name].allocatable, requested)
+        return replicas
+
+    def _place_copy(
+        self, pod: PodFacts, name: str, scratch: _Scratch
+    ) -> tuple[Counter[str], Counter[HostPort]]:
+        """Counts one more copy on a node in the scratch copy of its usage."""
+        requested, ports = scratch.get(name) or (
+            Counter(self._requested.get(name, {})),
+            Counter(self._ports.get(name, {})),
+        )
+        requested.update(pod.requests)
+        ports.update(pod.host_ports)
+        scratch[name] = requested, ports
+        return requested, ports
+
+
+def _best(scores: Mapping[str, float]) -> str | None:
+    """The node with the highest best fit; ``scores`` is in name order, so the first of
+    equals wins."""
+    top = max(scores.values(), default=None)
+    return next((name for name, score in scores.items() if score == top), None)
+
+
+def _discount(counts: Counter[str], key: str) -> None:
+    counts[key] -= 1
+    if not counts[key]:
+        del counts[key]
+
+
+def _discard(groups: dict[K, set[str]], key: K, name: str) -> None:
+    members = groups[key]
+    members.discard(name)
+    if not members:
+        del groups[key]

@@ -1,0 +1,634 @@
+"""The incremental view of a lower cluster: its bookkeeping through watch events in any
+order, assumptions, replicas, and a property check against a from-scratch diagnosis."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kubekit import fit
+from kubekit.clusterstate import ClusterState, Estimate
+from tests.unit.test_fit import container, diagnose, node, pod, toleration
+
+JSON = dict[str, Any]
+
+
+def state(*objects: JSON) -> ClusterState:
+    cluster = ClusterState()
+    for obj in objects:
+        if "containers" in obj["spec"]:
+            cluster.set_pod(obj)
+        else:
+            cluster.set_node(obj)
+    return cluster
+
+
+def needs(cpu: str, **spec: Any) -> JSON:
+    return pod("q", containers=[container(cpu=cpu)], **spec)
+
+
+def test_a_pod_may_arrive_before_its_node() -> None:
+    cluster = state(pod("o", on="n1", containers=[container(cpu="3")]))
+    assert cluster.estimate(needs("2")).total_nodes == 0
+    cluster.set_node(node(cpu="4"))
+    assert cluster.estimate(needs("2")).reasons == {"Insufficient cpu": 1}
+    assert cluster.estimate(needs("1")).fitting == ("n1",)
+
+
+def test_a_finished_pod_frees_what_it_held() -> None:
+    running = pod("o", on="n1", containers=[container(cpu="3")])
+    cluster = state(node(cpu="4"), running)
+    assert not cluster.estimate(needs("2")).fitting
+    cluster.set_pod({**running, "status": {"phase": "Succeeded"}})
+    assert cluster.estimate(needs("2")).fitting == ("n1",)
+
+
+def test_an_update_replaces_what_the_pod_counted() -> None:
+    cluster = state(node(cpu="4"), pod("o", on="n1", containers=[container(cpu="3")]))
+    cluster.set_pod(pod("o", on="n1", containers=[container(cpu="1")]))
+    assert cluster.estimate(needs("3")).fitting == ("n1",)
+    cluster.set_pod(pod("o", on="n1", containers=[container(cpu="2")]))
+    assert not cluster.estimate(needs("3")).fitting
+    cluster.remove_pod("ns/o")
+    assert cluster.estimate(needs("4")).fitting == ("n1",)
+
+
+def test_pending_pods_hold_nothing_until_bound() -> None:
+    cluster = state(node(cpu="4"), pod("o", containers=[container(cpu="3")], phase="Pending"))
+    assert cluster.estimate(needs("4")).fitting == ("n1",)
+
+
+def test_pods_of_a_removed_node_count_again_when_it_returns() -> None:
+    cluster = state(
+        node(cpu="4"), node("n2", cpu="1"), pod("o", on="n1", containers=[container(cpu="3")])
+    )
+    cluster.remove_node("n1")
+    estimate = cluster.estimate(needs("2"))
+    assert (estimate.total_nodes, estimate.fitting) == (1, ())
+    cluster.set_node(node(cpu="4"))
+    assert cluster.estimate(needs("1")).fitting == ("n1", "n2")
+    assert cluster.estimate(needs("2")).fitting == ()
+
+
+def test_node_updates_move_it_between_groups() -> None:
+    cluster = state(node(labels={"disk": "hdd"}))
+    ssd = needs("1", nodeSelector={"disk": "ssd"})
+    assert cluster.estimate(ssd).reasons == {fit.NODE_AFFINITY: 1}
+    cluster.set_node(node(labels={"disk": "ssd"}))
+    assert cluster.estimate(ssd).fitting == ("n1",)
+    cluster.set_node(node(labels={"disk": "ssd"}, unschedulable=True))
+    assert cluster.estimate(ssd).reasons == {fit.UNSCHEDULABLE: 1}
+
+
+def test_a_node_counts_under_each_resource_it_lacks() -> None:
+    cluster = state(node(cpu="1", memory="1Gi"), node("n2", cpu="8", memory="1Gi"))
+    query = pod("q", containers=[container(cpu="2", memory="2Gi")])
+    assert cluster.estimate(query).reasons == {"Insufficient cpu": 1, "Insufficient memory": 2}
+
+
+def test_reasons_follow_the_scheduler_order_per_node() -> None:
+    cluster = state(
+        node("n1", unschedulable=True, ready=False),
+        node("n2", ready=False, labels={"disk": "ssd"}),
+        node("n3", labels={"disk": "hdd"}),
+        node("n4", labels={"disk": "ssd"}, cpu="1"),
+    )
+    query = needs("2", nodeSelector={"disk": "ssd"})
+    assert cluster.estimate(query).reasons == {
+        fit.UNSCHEDULABLE: 1,
+        fit.NOT_READY: 1,
+        fit.NODE_AFFINITY: 1,
+        "Insufficient cpu": 1,
+    }
+    named = needs("1", nodeName="n3", nodeSelector={"disk": "ssd"})
+    assert cluster.estimate(named).reasons == {
+        fit.UNSCHEDULABLE: 1,
+        fit.NODE_NAME: 2,
+        fit.NODE_AFFINITY: 1,
+    }
+
+
+def test_message() -> None:
+    cluster = state(node("n1", cpu="1"), node("n2", cpu="1"), node("n3", unschedulable=True))
+    assert cluster.estimate(needs("2")).message() == (
+        "0/3 nodes are available: 2 Insufficient cpu, 1 node(s) were unschedulable"
+    )
+    assert cluster.estimate(needs("1")).message() == "2/3 nodes fit"
+    assert ClusterState().estimate(needs("1")).message() == "0/0 nodes are available"
+    tied = Estimate(3, (), {"b": 1, "a": 1, "c": 2}, 0, 0.0, 0.0, 0)
+    assert tied.message() == "0/3 nodes are available: 2 c, 1 a, 1 b"
+
+
+def test_best_fit_and_least_allocated() -> None:
+    cluster = state(
+        node("big", cpu="8", memory="8Gi"),
+        node("small", cpu="4", memory="4Gi"),
+        pod("o", on="small", containers=[container(cpu="1", memory="1Gi")]),
+    )
+    estimate = cluster.estimate(pod("q", containers=[container(cpu="1", memory="1Gi")]))
+    # small: 2/4 of cpu and of memory requested once placed; big: 1/8.
+    assert estimate.best_fit == pytest.approx(0.5)
+    assert estimate.least_allocated == pytest.approx(1 - 1 / 8)
+    gpu = state(node("g", cpu="4", memory="4Gi", extended={"nvidia.com/gpu": "4"}))
+    wants = pod(
+        "q", containers=[container(cpu="1", memory="1Gi", extended={"nvidia.com/gpu": "2"})]
+    )
+    assert gpu.estimate(wants).best_fit == pytest.approx((0.25 + 0.25 + 0.5) / 3)
+
+
+def test_preferred() -> None:
+    cluster = state(node("n1", labels={"zone": "a"}), node("n2", labels={"zone": "b"}, cpu="1"))
+    terms = [
+        {
+            "weight": 3,
+            "preference": {
+                "matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]
+            },
+        },
+        {
+            "weight": 9,
+            "preference": {
+                "matchExpressions": [{"key": "zone", "operator": "In", "values": ["b"]}]
+            },
+        },
+    ]
+    query = needs(
+        "2", affinity={"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": terms}}
+    )
+    # n2 would be worth 9 but the pod does not fit there.
+    assert cluster.estimate(query).preferred == 3
+
+
+def test_assume_takes_the_tightest_node_and_forget_gives_it_back() -> None:
+    cluster = state(node("roomy", cpu="8"), node("snug", cpu="2"))
+    assert cluster.assume("uid-1", needs("2")) == "snug"
+    assert cluster.estimate(needs("2")).fitting == ("roomy",)
+    assert cluster.assume("uid-2", needs("8")) == "roomy"
+    assert cluster.assume("uid-3", needs("1")) is None
+    assert cluster.estimate(needs("1")).fitting == ()
+    assert cluster.forget("uid-1") == "snug"
+    assert cluster.forget("uid-1") is None
+    assert cluster.estimate(needs("2")).fitting == ("snug",)
+
+
+def test_assume_on_a_given_node_and_again() -> None:
+    cluster = state(node("a", cpu="4"), node("b", cpu="4"))
+    assert cluster.assume("uid", needs("3"), "b") == "b"
+    assert cluster.estimate(needs("2")).fitting == ("a",)
+    # Assuming again moves the pod: it is counted once.
+    assert cluster.assume("uid", needs("3"), "a") == "a"
+    assert cluster.estimate(needs("2")).fitting == ("b",)
+
+
+def test_ties_go_to_the_first_name() -> None:
+    cluster = state(node("b"), node("a"), node("c"))
+    assert cluster.assume("uid", needs("1")) == "a"
+
+
+def test_assumptions_and_pods_are_keyed_apart() -> None:
+    cluster = state(node(cpu="4"))
+    cluster.assume("ns/p", needs("2"), "n1")
+    cluster.set_pod(pod("p", on="n1", containers=[container(cpu="1")]))
+    assert cluster.estimate(needs("1")).fitting == ("n1",)
+    assert cluster.estimate(needs("2")).fitting == ()
+    cluster.remove_pod("ns/p")
+    assert cluster.estimate(needs("2")).fitting == ("n1",)
+    assert cluster.forget("ns/p") == "n1"
+    assert cluster.estimate(needs("4")).fitting == ("n1",)
+
+
+def test_an_assumption_on_an_unknown_node_counts_when_it_comes() -> None:
+    cluster = ClusterState()
+    assert cluster.assume("uid", needs("3"), "n1") == "n1"
+    cluster.set_node(node(cpu="4"))
+    assert cluster.estimate(needs("2")).fitting == ()
+
+
+@pytest.mark.parametrize(
+    ("query", "replicas", "expected"),
+    [
+        (needs("1"), 10, 6),
+        (needs("1"), 4, 4),
+        (needs("1"), 0, 0),
+        (needs("5"), 3, 0),
+        (pod("q", containers=[container(cpu="1", ports=[{"hostPort": 80}])]), 10, 2),
+        (
+            pod(
+                "q",
+                labels={"app": "web"},
+                containers=[container(cpu="1")],
+                affinity={
+                    "podAntiAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": [
+                            {
+                                "labelSelector": {"matchLabels": {"app": "web"}},
+                                "topologyKey": "kubernetes.io/hostname",
+                            }
+                        ]
+                    }
+                },
+            ),
+            10,
+            2,
+        ),
+        (
+            pod(
+                "q",
+                labels={"app": "web"},
+                containers=[container(cpu="1")],
+                topologySpreadConstraints=[
+                    {
+                        "maxSkew": 1,
+                        "topologyKey": "kubernetes.io/hostname",
+                        "whenUnsatisfiable": "DoNotSchedule",
+                        "labelSelector": {"matchLabels": {"app": "web"}},
+                    }
+                ],
+            ),
+            10,
+            # b, a, b, a, then a full b keeps a within one of it: a takes a third.
+            5,
+        ),
+    ],
+    ids=[
+        "resources",
+        "fewer asked",
+        "none asked",
+        "none fit",
+        "host port",
+        "anti-affinity",
+        "spread",
+    ],
+)
+def test_max_replicas(query: JSON, replicas: int, expected: int) -> None:
+    cluster = state(node("a", cpu="4"), node("b", cpu="2"))
+    assert cluster.estimate(query, replicas).max_replicas == expected
+
+
+def test_replicas_are_simulated_without_touching_the_state() -> None:
+    cluster = state(node("a", cpu="4"), node("b", cpu="2"))
+    before = cluster.estimate(needs("1"))
+    cluster.estimate(needs("1"), 5)
+    assert cluster.estimate(needs("1")) == before
+
+
+# -- property: the incremental view equals a diagnosis from scratch ----------------------
+
+NODE_NAMES = ["n0", "n1", "n2", "n3"]
+# Few names, so that pods are often updated and removed again.
+POD_NAMES = ["p0", "p1", "p2"]
+KEYS = ["zone", "disk", "rank"]
+POD_NAME = st.sampled_from(POD_NAMES)
+ANY_NODE = st.sampled_from([None, *NODE_NAMES, "ghost"])
+
+# Most nodes are in a zone, so that zones make domains.
+label_sets = st.builds(
+    lambda zone, others: {**others, **zone},
+    st.sampled_from([{"zone": "a"}, {"zone": "b"}, {"zone": "b"}, {}]),
+    st.dictionaries(st.sampled_from(KEYS), st.sampled_from(["a", "b", "1", "3"]), max_size=2),
+)
+# Barriers are drawn seldom, so that most nodes get as far as the filters after them.
+taints = st.sampled_from(
+    [
+        [],
+        [],
+        [],
+        [{"key": "gpu", "value": "yes", "effect": "NoSchedule"}],
+        [{"key": "spot", "value": "", "effect": "NoExecute"}],
+        [{"key": "soft", "value": "", "effect": "PreferNoSchedule"}],
+    ]
+)
+nodes = st.builds(
+    lambda name, labels, taint_list, unschedulable, ready, cpu, memory, pods, gpu: node(
+        name,
+        labels=labels,
+        taints=taint_list,
+        unschedulable=unschedulable,
+        ready=ready,
+        cpu=cpu,
+        memory=memory,
+        pods=pods,
+        extended={"nvidia.com/gpu": gpu} if gpu else None,
+    ),
+    st.sampled_from(NODE_NAMES),
+    label_sets,
+    taints,
+    st.sampled_from([False] * 7 + [True]),
+    st.sampled_from([True] * 7 + [False, None]),
+    st.sampled_from(["0", "500m", "1", "2", "4"]),
+    st.sampled_from(["512Mi", "1Gi", "4Gi"]),
+    st.sampled_from(["1", "2", "3", "110"]),
+    st.sampled_from(["", "1"]),
+)
+requests = st.fixed_dictionaries(
+    {},
+    optional={
+        "cpu": st.sampled_from(["0", "250m", "500m", "1"]),
+        "memory": st.sampled_from(["128Mi", "512Mi"]),
+        "nvidia.com/gpu": st.sampled_from(["0", "0", "1"]),
+    },
+)
+expressions = st.lists(
+    st.one_of(
+        st.builds(
+            lambda k, op, vs: {"key": k, "operator": op, "values": vs},
+            st.sampled_from(KEYS),
+            st.sampled_from(["In", "NotIn"]),
+            st.lists(st.sampled_from(["a", "b", "1"]), min_size=1, max_size=2),
+        ),
+        st.builds(
+            lambda k, op: {"key": k, "operator": op},
+            st.sampled_from(KEYS),
+            st.sampled_from(["Exists", "DoesNotExist"]),
+        ),
+        st.builds(
+            lambda op, v: {"key": "rank", "operator": op, "values": [v]},
+            st.sampled_from(["Gt", "Lt"]),
+            st.sampled_from(["0", "2", "x"]),
+        ),
+    ),
+    max_size=2,
+)
+pod_terms = st.lists(
+    st.fixed_dictionaries(
+        {
+            "labelSelector": st.sampled_from(
+                [{"matchLabels": {"app": "a"}}, {"matchLabels": {"app": "b"}}, {}]
+            ),
+            "topologyKey": st.sampled_from(["zone", "kubernetes.io/hostname"]),
+        },
+        optional={"namespaces": st.just(["ns", "other"])},
+    ),
+    max_size=2,
+)
+node_affinities = st.one_of(
+    st.none(),
+    st.none(),
+    st.fixed_dictionaries(
+        {
+            "requiredDuringSchedulingIgnoredDuringExecution": st.fixed_dictionaries(
+                {
+                    "nodeSelectorTerms": st.lists(
+                        st.fixed_dictionaries(
+                            {"matchExpressions": expressions},
+                            optional={
+                                "matchFields": st.lists(
+                                    st.builds(
+                                        lambda op, v: {
+                                            "key": "metadata.name",
+                                            "operator": op,
+                                            "values": [v],
+                                        },
+                                        st.sampled_from(["In", "NotIn"]),
+                                        st.sampled_from(NODE_NAMES),
+                                    ),
+                                    max_size=1,
+                                )
+                            },
+                        ),
+                        max_size=2,
+                    )
+                }
+            )
+        }
+    ),
+)
+affinities = st.builds(
+    lambda node_affinity, others: {
+        **others,
+        **({"nodeAffinity": node_affinity} if node_affinity else {}),
+    },
+    node_affinities,
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "podAffinity": st.fixed_dictionaries(
+                {"requiredDuringSchedulingIgnoredDuringExecution": pod_terms}
+            ),
+            "podAntiAffinity": st.fixed_dictionaries(
+                {"requiredDuringSchedulingIgnoredDuringExecution": pod_terms}
+            ),
+        },
+    ),
+)
+spreads = st.lists(
+    st.fixed_dictionaries(
+        {
+            "maxSkew": st.integers(1, 2),
+            "topologyKey": st.sampled_from(["zone", "kubernetes.io/hostname"]),
+            "whenUnsatisfiable": st.sampled_from(["DoNotSchedule", "ScheduleAnyway"]),
+            "labelSelector": st.sampled_from([{"matchLabels": {"app": "a"}}, None]),
+        },
+        optional={
+            "minDomains": st.integers(1, 3),
+            "nodeAffinityPolicy": st.sampled_from(["Honor", "Ignore"]),
+            "nodeTaintsPolicy": st.sampled_from(["Honor", "Ignore"]),
+        },
+    ),
+    max_size=2,
+)
+
+
+@st.composite
+def pods(
+    draw: st.DrawFn,
+    name: st.SearchStrategy[str] = POD_NAME,
+    on: st.SearchStrategy[str | None] = ANY_NODE,
+) -> JSON:
+    ports = draw(
+        st.lists(
+            st.fixed_dictionaries(
+                {"hostPort": st.sampled_from([80, 443])},
+                optional={
+                    "hostIP": st.sampled_from(["", "127.0.0.1", "0.0.0.0"]),
+                    "protocol": st.sampled_from(["TCP", "UDP"]),
+                },
+            ),
+            max_size=1,
+        )
+    )
+    spec: JSON = {
+        "tolerations": draw(
+            st.lists(
+                st.sampled_from(
+                    [
+                        toleration(operator="Exists", key="gpu"),
+                        toleration("NoExecute", "Exists", "spot"),
+                        toleration(operator="Exists"),
+                        toleration("NoSchedule", "Exists", fit.UNSCHEDULABLE_TAINT_KEY),
+                        toleration("NoSchedule", "Exists", fit.NOT_READY_TAINT_KEY),
+                    ]
+                ),
+                max_size=2,
+            )
+        ),
+        "affinity": draw(affinities),
+        "topologySpreadConstraints": draw(spreads),
+    }
+    selector = draw(st.dictionaries(st.sampled_from(KEYS), st.sampled_from(["a", "b"]), max_size=1))
+    keep_selector = draw(st.booleans())
+    if selector and keep_selector:
+        spec["nodeSelector"] = selector
+    return pod(
+        draw(name),
+        namespace=draw(st.sampled_from(["ns", "ns", "ns", "other"])),
+        labels=draw(st.sampled_from([{"app": "a"}, {"app": "a"}, {"app": "b"}, {}])),
+        on=draw(on),
+        phase=draw(st.sampled_from(["Running"] * 4 + ["Pending", "Succeeded", "Failed"])),
+        deleting=draw(st.booleans()),
+        containers=[container(ports=ports, extended=draw(requests))],
+        **spec,
+    )
+
+
+events = st.lists(
+    st.one_of(
+        st.tuples(st.just("set_node"), nodes),
+        st.tuples(st.just("set_pod"), pods()),
+        st.tuples(st.just("set_pod"), pods()),
+        st.tuples(st.just("set_pod"), pods()),
+        st.tuples(st.just("remove_node"), st.sampled_from(NODE_NAMES)),
+        st.tuples(st.just("set_pod"), pods()),
+        st.tuples(
+            st.just("remove_pod"),
+            st.sampled_from([f"{ns}/{name}" for ns in ("ns", "other") for name in POD_NAMES]),
+        ),
+        st.tuples(st.just("assume"), pods(st.sampled_from(["u0", "u1"]))),
+        st.tuples(st.just("forget"), st.sampled_from(["u0", "u1"])),
+    ),
+    min_size=4,
+    max_size=30,
+)
+# Nodes first, so that most histories leave some; then anything in any order.
+histories = st.builds(
+    lambda first, rest: [("set_node", n) for n in first] + rest,
+    st.lists(nodes, min_size=1, max_size=4),
+    events,
+)
+# Nodes that let every pod through to the filters that count pods: spread and affinity.
+open_nodes = st.builds(
+    lambda name, zone, cpu, pods: node(name, labels=zone, cpu=cpu, memory="8Gi", pods=pods),
+    st.sampled_from(NODE_NAMES),
+    st.sampled_from([{"zone": "a"}, {"zone": "b"}, {"zone": "b"}, {}]),
+    st.sampled_from(["1", "2", "8"]),
+    st.sampled_from(["2", "3", "110"]),
+)
+placed_pods = pods(on=st.sampled_from(NODE_NAMES))
+crowded_histories = st.builds(
+    lambda first, rest: [("set_node", n) for n in first] + rest,
+    st.lists(open_nodes, min_size=1, max_size=4),
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("set_pod"), placed_pods),
+            st.tuples(st.just("set_pod"), placed_pods),
+            st.tuples(st.just("remove_pod"), st.sampled_from([f"ns/{p}" for p in POD_NAMES])),
+            st.tuples(st.just("set_node"), open_nodes),
+            st.tuples(st.just("assume"), pods(st.sampled_from(["u0", "u1"]))),
+            st.tuples(st.just("forget"), st.sampled_from(["u0", "u1"])),
+        ),
+        min_size=8,
+        max_size=30,
+    ),
+)
+# What is asked about is seldom bound to a node already.
+queries = pods(on=st.sampled_from([None, None, None, None, "n1"]))
+
+
+def replay(history: list[tuple[str, Any]]) -> tuple[ClusterState, list[JSON], list[JSON]]:
+    """The state fed the events, and the objects they leave, as the brute force sees
+    them: assumptions are pods bound where they were assumed."""
+    cluster = ClusterState()
+    final_nodes: dict[str, JSON] = {}
+    final_pods: dict[str, JSON] = {}
+    assumed: dict[str, JSON] = {}
+    for event, obj in history:
+        if event == "set_node":
+            cluster.set_node(obj)
+            final_nodes[obj["metadata"]["name"]] = obj
+        elif event == "remove_node":
+            cluster.remove_node(obj)
+            final_nodes.pop(obj, None)
+        elif event == "set_pod":
+            cluster.set_pod(obj)
+            final_pods[f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"] = obj
+        elif event == "remove_pod":
+            cluster.remove_pod(obj)
+            final_pods.pop(obj, None)
+        elif event == "assume":
+            uid = obj["metadata"]["name"]
+            target = obj["spec"]["nodeName"]
+            placed = cluster.assume(uid, obj, target)
+            assumed.pop(uid, None)
+            if placed is not None:
+                bound = {
+                    **obj,
+                    "spec": {**obj["spec"], "nodeName": placed},
+                    "status": {"phase": "Running"},
+                }
+                assumed[uid] = bound
+        else:
+            cluster.forget(obj)
+            assumed.pop(obj, None)
+    return cluster, list(final_nodes.values()), [*final_pods.values(), *assumed.values()]
+
+
+# Asked after every history beside the drawn pod: each looks at one kind of bookkeeping.
+PROBES = [
+    needs("1"),
+    pod("q", containers=[container(ports=[{"hostPort": 80}])]),
+    pod(
+        "q",
+        labels={"app": "a"},
+        topologySpreadConstraints=[
+            {
+                "maxSkew": 1,
+                "topologyKey": "zone",
+                "whenUnsatisfiable": "DoNotSchedule",
+                "labelSelector": {"matchLabels": {"app": "a"}},
+            }
+        ],
+    ),
+    pod(
+        "q",
+        labels={"app": "a"},
+        affinity={
+            "podAntiAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": [
+                    {"labelSelector": {"matchLabels": {"app": "a"}}, "topologyKey": "zone"}
+                ]
+            }
+        },
+    ),
+]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(histories, crowded_histories), queries)
+def test_the_incremental_view_matches_a_diagnosis_from_scratch(
+    history: list[tuple[str, Any]], query: JSON
+) -> None:
+    cluster, final_nodes, final_pods = replay(history)
+    for asked in (query, *PROBES):
+        expected = diagnose(asked, final_nodes, final_pods)
+        estimate = cluster.estimate(asked)
+        assert estimate.fitting == tuple(sorted(n for n, why in expected.items() if not why))
+        assert estimate.reasons == Counter(r for why in expected.values() for r in why)
+        assert estimate.total_nodes == len(final_nodes)
+
+
+@settings(max_examples=100, deadline=None)
+@given(histories, queries, st.integers(1, 4))
+def test_estimates_leave_the_state_as_they_found_it(
+    history: list[tuple[str, Any]], query: JSON, replicas: int
+) -> None:
+    cluster, _, _ = replay(history)
+    before = cluster.estimate(query)
+    cluster.estimate(query, replicas)
+    uid = cluster.assume("probe", query)
+    if uid is not None:
+        cluster.forget("probe")
+    assert cluster.estimate(query) == before
