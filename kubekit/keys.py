@@ -51,3 +51,11 @@ FEDERATION_DISABLED = "disabled"
 # controller manages it (the lower cluster's controllers leave slices marked as ours).
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 ENDPOINT_SLICE_MANAGED_BY_LABEL = "endpointslice.kubernetes.io/managed-by"
+
+# On virtual Nodes: where the fit estimator of the lower cluster listens (host:port, gRPC
+# over TLS with the kubelet API's serving certificate).
+ESTIMATOR_ADDRESS_ANNOTATION = f"{PREFIX}/estimator-address"
+# When that estimator started (RFC 3339): its reservations are gone, and the change makes
+# the upper kube-scheduler retry the pods the extender failed while it was away (a Node
+# annotation change is a cluster event; an extender's rejection waits for one).
+ESTIMATOR_STARTED_ANNOTATION = f"{PREFIX}/estimator-started"

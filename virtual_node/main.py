@@ -14,10 +14,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import grpc
 import yaml
 from aiohttp import web
 
-from kubekit import keys
+from kubekit import keys, pki
 from kubekit.client import (
     EVENTS,
     NAMESPACES,
@@ -27,16 +28,19 @@ from kubekit.client import (
     KubeClient,
     shrink_tls_read_buffers,
 )
+from kubekit.clusterstate import ClusterState
 from kubekit.informer import InformerFactory
 from kubekit.workqueue import WorkQueue
+from virtual_node.estimator import EstimatorService, FitEstimator
+from virtual_node.estimator import serve as serve_estimator
 from virtual_node.events import EventReflector
 from virtual_node.kubeletapi.auth import Authorizer
 from virtual_node.kubeletapi.certificates import serving_certificate
-from virtual_node.kubeletapi.server import KubeletServer, server_ssl_context
+from virtual_node.kubeletapi.server import KubeletServer
 from virtual_node.kubeletstreams import LowerKubelet
 from virtual_node.lower import LowerCluster
 from virtual_node.naming import NamespaceMapping, Strategy
-from virtual_node.node import NodeIdentity
+from virtual_node.node import NodeIdentity, now_micro
 from virtual_node.nodecontroller import NodeController
 from virtual_node.podcontroller import PodController
 from virtual_node.reflector import RESOURCES as REFLECTED
@@ -61,6 +65,7 @@ class VirtualNodeConfig:
     taint: bool = True
     address: str = "127.0.0.1"
     kubelet_port: int = 10250
+    estimator_port: int = 10352  # 0: no fit estimator
     workers: int = DEFAULT_WORKERS
     upper_qps: float = 200.0
     upper_burst: int = 400
@@ -86,6 +91,8 @@ class VirtualNodeConfig:
             raise ValueError(f"workers must be at least 1, not {self.workers}")
         if not 0 < self.kubelet_port < 65536:
             raise ValueError(f"kubelet port {self.kubelet_port} is not a TCP port")
+        if not 0 <= self.estimator_port < 65536:
+            raise ValueError(f"estimator port {self.estimator_port} is not a TCP port (0: none)")
         NamespaceMapping(self.namespace_strategy, self.namespace_prefix)  # validates
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("tls_cert_file and tls_key_file go together")
@@ -121,6 +128,9 @@ def parse_args(argv: Sequence[str]) -> VirtualNodeConfig:
     )
     parser.add_argument("--address", help="address the upper apiserver reaches the kubelet API at")
     parser.add_argument("--kubelet-port", type=int)
+    parser.add_argument(
+        "--estimator-port", type=int, help="fit estimator's gRPC port (default 10352; 0: none)"
+    )
     parser.add_argument("--tls-cert-file", help="kubelet API serving certificate (PEM)")
     parser.add_argument("--tls-key-file", help="its key; without both: a CSR, else self-signed")
     parser.add_argument(
@@ -163,17 +173,12 @@ def parse_args(argv: Sequence[str]) -> VirtualNodeConfig:
 
 
 async def serve_kubelet_api(
-    config: VirtualNodeConfig, upper: KubeClient, provider: LowerKubelet
+    config: VirtualNodeConfig, provider: LowerKubelet, authorizer: Authorizer, pair: pki.KeyPair
 ) -> web.AppRunner:
-    directory = Path(config.cert_dir or Path(tempfile.gettempdir()) / f"kubestrata-{config.name}")
-    files = (
-        (Path(config.tls_cert_file), Path(config.tls_key_file)) if config.tls_cert_file else None
-    )
-    pair = await serving_certificate(upper, config.name, [config.address], directory, files)
-    server = KubeletServer(provider, Authorizer(upper, config.name))
+    server = KubeletServer(provider, authorizer)
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
-    context = server_ssl_context(pair.cert_path, pair.key_path, Path(config.client_ca_file))
+    context = pki.server_ssl_context(pair.cert_path, pair.key_path, Path(config.client_ca_file))
     await web.TCPSite(runner, config.address, config.kubelet_port, ssl_context=context).start()
     return runner
 
@@ -196,11 +201,18 @@ async def run(config: VirtualNodeConfig) -> None:
     # with many pods their list would be a third of the work of a restart.
     lower_event_informers = InformerFactory(lower)
     runner: web.AppRunner | None = None
+    estimator_server: grpc.aio.Server | None = None
     try:
         origin = (await upper.get(NAMESPACES, "kube-system"))["metadata"]["uid"]
         owner = Ownership(origin=origin, node_name=config.name)
         identity = NodeIdentity(
-            config.name, config.cluster_id, config.address, config.kubelet_port, taint=config.taint
+            config.name,
+            config.cluster_id,
+            config.address,
+            config.kubelet_port,
+            taint=config.taint,
+            estimator_port=config.estimator_port,
+            estimator_started=now_micro(),
         )
         queue: WorkQueue[str] = WorkQueue("pods")
         upper_pods = upper_informers.informer(PODS, field_selector=f"spec.nodeName={config.name}")
@@ -239,7 +251,21 @@ async def run(config: VirtualNodeConfig) -> None:
         pods = PodController(upper, upper_pods, backend, config.name, queue)
         nodes = NodeController(upper, identity, backend)
         kubelet = LowerKubelet(config.name, upper_pods, backend.pods, lower, mapping)
-        runner = await serve_kubelet_api(config, upper, kubelet)
+        directory = Path(
+            config.cert_dir or Path(tempfile.gettempdir()) / f"kubestrata-{config.name}"
+        )
+        files = (
+            (Path(config.tls_cert_file), Path(config.tls_key_file))
+            if config.tls_cert_file
+            else None
+        )
+        pair = await serving_certificate(upper, config.name, [config.address], directory, files)
+        # One authorizer, so the kubelet API and the estimator share its caches.
+        authorizer = Authorizer(upper, config.name)
+        runner = await serve_kubelet_api(config, kubelet, authorizer, pair)
+        estimator = FitEstimator(ClusterState(), mapping, owner)
+        if config.estimator_port:
+            estimator.watch(backend.nodes, backend.pods, upper_pods)
 
         upper_informers.start()
         lower_informers.start()
@@ -253,6 +279,15 @@ async def run(config: VirtualNodeConfig) -> None:
             len(upper_pods),
             len(backend.pods),
         )
+        if config.estimator_port:
+            # Served once the caches are whole: an empty cluster would refuse every pod.
+            estimator_server = await serve_estimator(
+                EstimatorService(estimator, authorizer, config.cluster_id),
+                config.address,
+                config.estimator_port,
+                pair.cert_path.read_bytes(),
+                pair.key_path.read_bytes(),
+            )
         lower_event_informers.start()
         await asyncio.gather(
             nodes.run(),
@@ -262,6 +297,8 @@ async def run(config: VirtualNodeConfig) -> None:
             _sweep_orphans(backend, upper_pods.keys, queue, reflector),
         )
     finally:
+        if estimator_server is not None:
+            await estimator_server.stop(grace=1)
         if runner is not None:
             await runner.cleanup()
         await upper_informers.stop()

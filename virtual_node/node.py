@@ -23,6 +23,16 @@ class NodeIdentity:
     address: str
     kubelet_port: int
     taint: bool = True
+    estimator_port: int = 0  # 0: no estimator served
+    estimator_started: str = ""
+
+    def annotations(self) -> dict[str, str]:
+        if not self.estimator_port:
+            return {}
+        return {
+            keys.ESTIMATOR_ADDRESS_ANNOTATION: f"{self.address}:{self.estimator_port}",
+            keys.ESTIMATOR_STARTED_ANNOTATION: self.estimator_started,
+        }
 
 
 @dataclass(frozen=True)
@@ -87,7 +97,11 @@ def registration(identity: NodeIdentity, report: NodeReport) -> JSON:
     return {
         "apiVersion": "v1",
         "kind": "Node",
-        "metadata": {"name": identity.name, "labels": node_labels(identity, report)},
+        "metadata": {
+            "name": identity.name,
+            "labels": node_labels(identity, report),
+            "annotations": identity.annotations(),
+        },
         "spec": {"taints": [provider_taint()] if identity.taint else []},
         "status": node_status(identity, report),
     }
@@ -104,6 +118,12 @@ def registration_patch(
     label_change = {k: v for k, v in want_labels.items() if have_labels.get(k) != v}
     if label_change:
         patch["metadata"] = {"labels": label_change}
+    have_annotations = existing["metadata"].get("annotations") or {}
+    annotation_change = {
+        k: v for k, v in identity.annotations().items() if have_annotations.get(k) != v
+    }
+    if annotation_change:
+        patch.setdefault("metadata", {})["annotations"] = annotation_change
     taints = list((existing.get("spec") or {}).get("taints") or [])
     ours = [t for t in taints if t.get("key") == keys.PROVIDER_TAINT_KEY]
     if identity.taint and ours != [provider_taint()]:

@@ -127,7 +127,11 @@ class Authorizer:
         return user
 
     async def authorize(self, user: User, method: str, path: str) -> None:
-        verb, subresource = node_attributes(method, path)
+        await self.authorize_node_access(user, *node_attributes(method, path))
+
+    async def authorize_node_access(self, user: User, verb: str, subresource: str) -> None:
+        """Whether ``user`` may ``verb`` this node's ``subresource`` (the estimator asks
+        for ``get nodes/estimator``)."""
         key = (user, verb, subresource)
         allowed: bool | None = self._decisions.get(key)
         if allowed is None:

@@ -1,0 +1,204 @@
+"""The estimator's bookkeeping: lower nodes and pods from the watch, upper pods bound to
+the virtual node in flight until their lower copy is on a node, the extender's
+reservations until bound, released or lapsed. Fed through real informers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from kubekit import keys
+from kubekit.client import NODES, PODS
+from kubekit.clusterstate import ClusterState
+from kubekit.informer import Informer
+from virtual_node.estimator import RESERVATION_SECONDS, FitEstimator, QueryError
+from virtual_node.naming import NamespaceMapping
+from virtual_node.translate import Ownership, desired_lower_pod
+
+OWNER = Ownership(origin="upper-uid", node_name="vk-lower-1")
+
+
+def node(name: str, cpu: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
+        "spec": {},
+        "status": {
+            "allocatable": {"cpu": cpu, "memory": "64Gi", "pods": "110"},
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
+
+
+def upper_pod(name: str, cpu: str, uid: str | None = None) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "namespace": "ns", "uid": uid or f"uid-{name}"},
+        "spec": {
+            "nodeName": "vk-lower-1",
+            "containers": [{"name": "app", "resources": {"requests": {"cpu": cpu}}}],
+        },
+        "status": {"phase": "Pending"},
+    }
+
+
+def lower_copy(upper: dict[str, Any], node_name: str | None) -> dict[str, Any]:
+    lower = desired_lower_pod(upper, NamespaceMapping(), OWNER)
+    if node_name:
+        lower["spec"]["nodeName"] = node_name
+    lower["status"] = {"phase": "Running" if node_name else "Pending"}
+    return lower
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Cluster:
+    """A lower cluster of two nodes, 4 and 2 cpu, with the estimator's informers."""
+
+    def __init__(self) -> None:
+        self.clock = Clock()
+        self.estimator = FitEstimator(ClusterState(), NamespaceMapping(), OWNER, self.clock)
+        self.lower_nodes = Informer(client=None, resource=NODES)  # type: ignore[arg-type]
+        self.lower_pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
+        self.upper_pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
+        self.estimator.watch(self.lower_nodes, self.lower_pods, self.upper_pods)
+        for name, cpu in (("big", "4"), ("small", "2")):
+            self.lower_nodes.apply({"type": "ADDED", "object": node(name, cpu)})
+
+    def fits(self, cpu: str, replicas: int = 1) -> int:
+        pod = upper_pod("query", cpu)
+        return self.estimator.answer(orjson.dumps(pod), replicas).estimate.max_replicas
+
+
+def test_answers_count_real_lower_pods_per_node() -> None:
+    cluster = Cluster()
+    assert cluster.fits("4") == 1
+    assert cluster.fits("1", replicas=10) == 6
+    foreign = {
+        "metadata": {"name": "foreign", "namespace": "default"},
+        "spec": {
+            "nodeName": "big",
+            "containers": [{"name": "c", "resources": {"requests": {"cpu": "3"}}}],
+        },
+        "status": {"phase": "Running"},
+    }
+    cluster.lower_pods.apply({"type": "ADDED", "object": foreign})
+    assert cluster.fits("3") == 0, "1 + 2 cpu free on two nodes: 3 fit no node"
+    assert cluster.fits("2") == 1
+    cluster.lower_pods.apply({"type": "DELETED", "object": foreign})
+    assert cluster.fits("3") == 1
+
+
+def test_a_pod_bound_here_holds_its_room_until_its_lower_copy_is_on_a_node() -> None:
+    cluster = Cluster()
+    pod = upper_pod("web", "3")
+    cluster.upper_pods.apply({"type": "ADDED", "object": pod})
+    assert cluster.fits("3") == 0, "the in-flight pod is assumed on the 4-cpu node"
+    # Mirrored below but not yet scheduled there: still in flight, counted once.
+    cluster.lower_pods.apply({"type": "ADDED", "object": lower_copy(pod, None)})
+    assert cluster.fits("3") == 0
+    assert cluster.fits("1") == 1
+    # Bound below: the real pod counts, not the assumption as well.
+    cluster.lower_pods.apply({"type": "MODIFIED", "object": lower_copy(pod, "big")})
+    assert cluster.fits("1", replicas=10) == 3
+    # Gone above and below: the room is back.
+    cluster.upper_pods.apply({"type": "DELETED", "object": pod})
+    cluster.lower_pods.apply({"type": "DELETED", "object": lower_copy(pod, "big")})
+    assert cluster.fits("1", replicas=10) == 6
+
+
+def test_a_finished_upper_pod_holds_nothing() -> None:
+    cluster = Cluster()
+    pod = upper_pod("job", "4")
+    cluster.upper_pods.apply({"type": "ADDED", "object": pod})
+    assert cluster.fits("4") == 0
+    cluster.upper_pods.apply(
+        {"type": "MODIFIED", "object": {**pod, "status": {"phase": "Succeeded"}}}
+    )
+    assert cluster.fits("4") == 1
+
+
+def test_reservations_never_oversubscribe_a_burst() -> None:
+    cluster = Cluster()
+    placed = [
+        cluster.estimator.answer(orjson.dumps(upper_pod(f"p{i}", "1")), reserve=True)
+        for i in range(20)
+    ]
+    reserved = [a.reserved_node for a in placed if a.reserved_node]
+    assert len(reserved) == 6, "4 + 2 one-cpu pods, and not one more"
+    assert sorted(reserved) == ["big"] * 4 + ["small"] * 2
+    assert all(a.estimate.max_replicas == 0 for a in placed[6:])
+
+
+def test_asking_again_for_a_reserved_pod_does_not_count_it_twice() -> None:
+    cluster = Cluster()
+    pod = orjson.dumps(upper_pod("web", "4"))
+    first = cluster.estimator.answer(pod, reserve=True)
+    again = cluster.estimator.answer(pod, reserve=True)
+    assert first.reserved_node == again.reserved_node == "big"
+    assert cluster.estimator.answer(pod).estimate.max_replicas == 1
+    assert cluster.fits("4") == 0, "the reservation still holds for other pods"
+
+
+def test_a_reservation_is_released_lapses_or_becomes_the_in_flight_pod() -> None:
+    cluster = Cluster()
+    web = upper_pod("web", "4")
+    cluster.estimator.answer(orjson.dumps(web), reserve=True)
+    assert cluster.fits("4") == 0
+    assert cluster.estimator.release(["uid-web", "uid-unknown"]) == 1
+    assert cluster.fits("4") == 1
+
+    cluster.estimator.answer(orjson.dumps(web), reserve=True)
+    cluster.clock.now += RESERVATION_SECONDS + 1
+    assert cluster.fits("4") == 1, "a reservation nobody confirmed lapses"
+
+    cluster.estimator.answer(orjson.dumps(web), reserve=True)
+    cluster.upper_pods.apply({"type": "ADDED", "object": web})
+    cluster.clock.now += RESERVATION_SECONDS + 1
+    assert cluster.estimator.release(["uid-web"]) == 0, "bound here: no longer releasable"
+    assert cluster.fits("4") == 0, "the pod bound here keeps its room past the timeout"
+
+
+def test_the_stash_is_restored_before_the_pod_is_judged() -> None:
+    cluster = Cluster()
+    pod = upper_pod("pinned", "1")
+    pod["metadata"]["annotations"] = {
+        keys.STASH_ANNOTATION: '{"originals":{"nodeSelector":{"kubernetes.io/hostname":"small"}},'
+        '"version":1}'
+    }
+    answer = cluster.estimator.answer(orjson.dumps(pod), replicas=10)
+    assert answer.estimate.max_replicas == 2
+    assert answer.estimate.fitting == ("small",)
+
+
+@pytest.mark.parametrize(
+    ("body", "complaint"),
+    [
+        (b"{not json", "not JSON"),
+        (b"[]", "not a JSON object"),
+        (b'{"metadata": {"name": "x"}}', "no spec"),
+        (
+            orjson.dumps(
+                {
+                    **upper_pod("x", "1"),
+                    "metadata": {
+                        "name": "x",
+                        "namespace": "ns",
+                        "uid": "u",
+                        "annotations": {keys.STASH_ANNOTATION: "{bad"},
+                    },
+                }
+            ),
+            "scheduling-stash",
+        ),
+    ],
+)
+def test_a_pod_that_cannot_be_read_is_a_clear_error(body: bytes, complaint: str) -> None:
+    with pytest.raises(QueryError, match=complaint):
+        Cluster().estimator.answer(body)

@@ -1,0 +1,40 @@
+"""The virtual Node's registration: where its estimator listens, and since when."""
+
+from __future__ import annotations
+
+from kubekit import keys
+from virtual_node.node import NodeIdentity, NodeReport, registration, registration_patch
+
+REPORT = NodeReport(ready=True, allocatable={"cpu": "8"})
+
+
+def identity(**fields: object) -> NodeIdentity:
+    return NodeIdentity("vk-lower-1", "lower-1", "10.1.2.3", 10250, **fields)  # type: ignore[arg-type]
+
+
+def test_a_node_with_an_estimator_says_where_it_listens_and_since_when() -> None:
+    node = registration(identity(estimator_port=10352, estimator_started="t1"), REPORT)
+    assert node["metadata"]["annotations"] == {
+        keys.ESTIMATOR_ADDRESS_ANNOTATION: "10.1.2.3:10352",
+        keys.ESTIMATOR_STARTED_ANNOTATION: "t1",
+    }
+    assert registration(identity(), REPORT)["metadata"]["annotations"] == {}
+
+
+def test_a_restarted_estimator_is_news_and_other_annotations_are_left_alone() -> None:
+    existing = registration(identity(estimator_port=10352, estimator_started="t1"), REPORT)
+    existing["metadata"]["resourceVersion"] = "7"
+    existing["metadata"]["annotations"]["someone.else/note"] = "kept"
+    assert (
+        registration_patch(existing, identity(estimator_port=10352, estimator_started="t1"), REPORT)
+        is None
+    )
+    patch = registration_patch(
+        existing, identity(estimator_port=10352, estimator_started="t2"), REPORT
+    )
+    assert patch == {
+        "metadata": {
+            "annotations": {keys.ESTIMATOR_STARTED_ANNOTATION: "t2"},
+            "resourceVersion": "7",
+        }
+    }

@@ -1,0 +1,274 @@
+"""The fit estimator of one lower cluster: would a pod fit on one of its real nodes?
+
+The answer comes from the watch caches the virtual node keeps anyway (lower nodes and
+pods, upper pods bound here), folded incrementally into a ``ClusterState``, so a query
+costs one pass over the nodes and no API call. Pods that will take room soon count as
+if they were already there, on the node they would take: room reserved by the extender
+for a pod it is placing, and pods bound to this virtual node whose lower copy is not yet
+on a lower node. Without that, a burst of pods decided before the first of them lands
+below would all be told the same room is free (Karmada's estimator, its issue 1385).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import orjson
+
+from kubekit import keys
+from kubekit.clusterstate import ClusterState, Estimate
+from kubekit.estimatorapi import estimator_pb2, estimator_pb2_grpc
+from kubekit.informer import FunctionHandler, Informer, object_key
+from virtual_node.capacity import pod_holds_resources
+from virtual_node.kubeletapi.auth import AuthError, Authorizer
+from virtual_node.naming import NamespaceMapping, NamingError
+from virtual_node.translate import Ownership, TranslationError, desired_lower_pod
+
+log = logging.getLogger(__name__)
+
+JSON = dict[str, Any]
+
+# How long room reserved for a pod the extender let through is held when neither its
+# binding here nor a release arrives (the scheduler chose another node and the release
+# was lost, or the binding failed).
+RESERVATION_SECONDS = 30.0
+_FINISHED = frozenset({"Succeeded", "Failed"})
+
+
+class QueryError(ValueError):
+    """A pod in a query that cannot be judged."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    estimate: Estimate
+    reserved_node: str | None
+
+
+class FitEstimator:
+    """The estimator's bookkeeping over the virtual node's caches (no I/O)."""
+
+    def __init__(
+        self,
+        state: ClusterState,
+        mapping: NamespaceMapping,
+        owner: Ownership,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.state = state
+        self.mapping = mapping
+        self.owner = owner
+        self.clock = clock
+        # UID -> when the extender's reservation lapses; not yet bound here.
+        self._reserved: dict[str, float] = {}
+        # Bound to this virtual node, lower copy not yet on a lower node.
+        self._in_flight: set[str] = set()
+        # Lower copy bound to a lower node: the real pod counts, never an assumption.
+        self._landed: set[str] = set()
+
+    def watch(self, lower_nodes: Informer, lower_pods: Informer, upper_pods: Informer) -> None:
+        lower_nodes.add_handler(
+            FunctionHandler(
+                add=self.state.set_node,
+                update=self.state.set_node,
+                delete=lambda node: self.state.remove_node(node["metadata"]["name"]),
+            )
+        )
+        lower_pods.add_handler(
+            FunctionHandler(
+                add=self._lower_pod_changed,
+                update=self._lower_pod_changed,
+                delete=self._lower_pod_deleted,
+            )
+        )
+        upper_pods.add_handler(
+            FunctionHandler(
+                add=self._upper_pod_changed,
+                update=self._upper_pod_changed,
+                delete=lambda pod: self._drop(pod["metadata"]["uid"]),
+            )
+        )
+
+    # -- what the caches say ---------------------------------------------------------------
+
+    def _upper_uid(self, lower: Mapping[str, Any]) -> str | None:
+        if not self.owner.owns(lower):
+            return None
+        return (lower["metadata"].get("annotations") or {}).get(keys.UPPER_UID_ANNOTATION)
+
+    def _lower_pod_changed(self, pod: JSON) -> None:
+        self.state.set_pod(pod)
+        uid = self._upper_uid(pod)
+        if uid is not None and pod_holds_resources(pod):
+            self._landed.add(uid)
+            self._drop_assumption(uid)
+
+    def _lower_pod_deleted(self, pod: JSON) -> None:
+        self.state.remove_pod(object_key(pod))
+        uid = self._upper_uid(pod)
+        if uid is not None:
+            self._landed.discard(uid)
+
+    def _upper_pod_changed(self, pod: JSON) -> None:
+        uid = pod["metadata"]["uid"]
+        if (pod.get("status") or {}).get("phase") in _FINISHED:
+            self._drop(uid)
+            return
+        if uid in self._landed or uid in self._in_flight:
+            return
+        self._in_flight.add(uid)
+        # A reservation becomes the in-flight assumption where it stands.
+        if self._reserved.pop(uid, None) is None:
+            try:
+                self.state.assume(uid, self._lower_form(pod))
+            except QueryError as error:
+                log.debug("pod %s not assumed: %s", object_key(pod), error)
+
+    def _drop(self, uid: str) -> None:
+        self._landed.discard(uid)
+        self._drop_assumption(uid)
+
+    def _drop_assumption(self, uid: str) -> None:
+        self._in_flight.discard(uid)
+        self._reserved.pop(uid, None)
+        self.state.forget(uid)
+
+    def _lower_form(self, upper: Mapping[str, Any]) -> JSON:
+        try:
+            return desired_lower_pod(upper, self.mapping, self.owner)
+        except (TranslationError, NamingError, KeyError, TypeError) as error:
+            raise QueryError(str(error)) from error
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def answer(self, pod_json: bytes, replicas: int = 1, reserve: bool = False) -> Answer:
+        """How the pod (the upper pod as JSON) would fare here; with ``reserve``, the
+        room of one copy is held for it on the node it would take."""
+        self.expire()
+        try:
+            upper = orjson.loads(pod_json)
+        except orjson.JSONDecodeError as error:
+            raise QueryError(f"the pod is not JSON: {error}") from error
+        if not isinstance(upper, dict) or not isinstance(upper.get("metadata"), dict):
+            raise QueryError("the pod is not a JSON object with metadata")
+        if not isinstance(upper.get("spec"), dict):
+            raise QueryError("the pod has no spec")
+        lower = self._lower_form(upper)
+        uid = str(upper["metadata"].get("uid") or "")
+        # A pod asked about again is judged without the room it already holds.
+        held = uid in self._reserved
+        held_on = self.state.forget(uid) if held else None
+        estimate = self.state.estimate(lower, max(1, replicas))
+        reserved_node: str | None = None
+        if reserve and uid and uid not in self._in_flight and uid not in self._landed:
+            reserved_node = self.state.assume(uid, lower)
+            if reserved_node is not None:
+                self._reserved[uid] = self.clock() + RESERVATION_SECONDS
+            else:
+                self._reserved.pop(uid, None)
+        elif held and held_on is not None:
+            self.state.assume(uid, lower, held_on)
+        return Answer(estimate, reserved_node)
+
+    def release(self, uids: list[str]) -> int:
+        """Gives back reservations (never the room of pods bound here)."""
+        released = 0
+        for uid in uids:
+            if self._reserved.pop(uid, None) is not None:
+                self.state.forget(uid)
+                released += 1
+        return released
+
+    def expire(self) -> None:
+        now = self.clock()
+        for uid in [uid for uid, until in self._reserved.items() if until <= now]:
+            del self._reserved[uid]
+            self.state.forget(uid)
+
+
+def to_message(answer: Answer, with_node_names: bool) -> estimator_pb2.PodEstimate:
+    estimate = answer.estimate
+    return estimator_pb2.PodEstimate(
+        total_nodes=estimate.total_nodes,
+        fitting_count=len(estimate.fitting),
+        fitting_nodes=list(estimate.fitting) if with_node_names else [],
+        max_replicas=estimate.max_replicas,
+        reasons=dict(estimate.reasons),
+        message=estimate.message(),
+        best_fit=estimate.best_fit,
+        least_allocated=estimate.least_allocated,
+        preferred=estimate.preferred,
+        reserved_node=answer.reserved_node or "",
+    )
+
+
+_AUTH_CODES = {401: grpc.StatusCode.UNAUTHENTICATED, 403: grpc.StatusCode.PERMISSION_DENIED}
+
+
+class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
+    """The gRPC face of a FitEstimator. Callers authenticate with a bearer token
+    (TokenReview) and need ``get`` on this node's ``nodes/estimator`` (a
+    SubjectAccessReview): the kubelet API's checks, with their caches."""
+
+    def __init__(self, estimator: FitEstimator, authorizer: Authorizer, cluster_id: str) -> None:
+        self.estimator = estimator
+        self.authorizer = authorizer
+        self.cluster_id = cluster_id
+
+    async def _check_caller(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        metadata = {key: value for key, value in context.invocation_metadata() or ()}
+        authorization = metadata.get("authorization", "")
+        try:
+            user = await self.authorizer.authenticate(
+                None, authorization if isinstance(authorization, str) else ""
+            )
+            await self.authorizer.authorize_node_access(user, "get", "estimator")
+        except AuthError as error:
+            await context.abort(
+                _AUTH_CODES.get(error.status, grpc.StatusCode.UNAVAILABLE), error.message
+            )
+
+    async def Estimate(
+        self,
+        request: estimator_pb2.EstimateRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> estimator_pb2.EstimateResponse:
+        await self._check_caller(context)
+        estimates = []
+        for query in request.pods:
+            try:
+                answer = self.estimator.answer(query.pod, query.replicas, query.reserve)
+            except QueryError as error:
+                estimates.append(estimator_pb2.PodEstimate(error=str(error)))
+                continue
+            estimates.append(to_message(answer, query.with_node_names))
+        return estimator_pb2.EstimateResponse(cluster_id=self.cluster_id, estimates=estimates)
+
+    async def Release(
+        self,
+        request: estimator_pb2.ReleaseRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> estimator_pb2.ReleaseResponse:
+        await self._check_caller(context)
+        return estimator_pb2.ReleaseResponse(
+            released=self.estimator.release(list(request.pod_uids))
+        )
+
+
+async def serve(
+    service: EstimatorService, address: str, port: int, cert_pem: bytes, key_pem: bytes
+) -> grpc.aio.Server:
+    server = grpc.aio.server()
+    estimator_pb2_grpc.add_EstimatorServicer_to_server(service, server)
+    bound = server.add_secure_port(
+        f"{address}:{port}", grpc.ssl_server_credentials([(key_pem, cert_pem)])
+    )
+    if bound == 0:
+        raise OSError(f"the estimator cannot listen on {address}:{port}")
+    await server.start()
+    return server
