@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,3 +198,17 @@ def serving_pair(directory: Path, common_name: str, server_names: tuple[str, ...
 def ca_path(pair: KeyPair) -> Path:
     """The CA certificate next to a pair made by ``serving_pair``."""
     return pair.cert_path.with_name(pair.cert_path.stem + "-ca.crt")
+
+
+def server_ssl_context(
+    cert_file: Path, key_file: Path, client_ca: Path | None = None
+) -> ssl.SSLContext:
+    """TLS 1.2+ for our HTTPS servers; with ``client_ca``, asking for (not requiring) a
+    client certificate: token callers have none."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert_file, key_file)
+    if client_ca is not None:
+        context.load_verify_locations(cafile=str(client_ca))
+        context.verify_mode = ssl.CERT_OPTIONAL
+    return context

@@ -1,15 +1,43 @@
-"""kubestrata multischeduler (entry point: `kubestrata multischeduler`)."""
+"""kubestrata multischeduler (entry point: `kubestrata multischeduler`): an HTTPS
+kube-scheduler extender for the upper cluster.
+
+- `POST /filter`: asks the fit estimator of every candidate virtual node at once, under
+  one deadline (`--estimator-timeout`), whether one real node of its lower cluster fits
+  the pod, holding that room for it. A cluster without room fails as unresolvable with
+  its reason (`vk-lower-1: 0/3 nodes are available: 3 Insufficient cpu`); an estimator
+  that fails or is late fails its own node only (`--on-estimator-error fail`) or lets it
+  pass (`ignore`). Ordinary nodes pass untouched.
+- `POST /prioritize`: 0..10 per candidate from filter's answers (`--score best-fit` or
+  `least-allocated`, averaged with the pod's preferred node affinity); 0 for ordinary
+  nodes.
+- `POST /bind`: creates the Binding, then gives back the room the other clusters held.
+- `GET /healthz` (probes; served once the Node cache is filled), `GET /metrics`
+  (Prometheus text: `kubestrata_extender_filter_seconds` and counters).
+
+Virtual nodes are the upper Nodes labelled `type=virtual-kubelet`; their estimator is at
+the `kubestrata.io/estimator-address` annotation (gRPC over TLS, a bearer token). The
+upper kube-scheduler's KubeSchedulerConfiguration calls it with (manifests/
+multischeduler/scheduler-config.yaml)::
+
+    extenders:
+    - urlPrefix: https://HOST:PORT
+      filterVerb: filter
+      prioritizeVerb: prioritize
+      bindVerb: bind
+      weight: 5
+      enableHTTPS: true
+      nodeCacheCapable: true
+      ignorable: false
+      httpTimeout: 5s
+      tlsConfig: {caFile: ...}
+"""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 
 
 def main(argv: Sequence[str]) -> int:
-    del argv
-    print(
-        "kubestrata multischeduler: not available yet in this version of kubestrata",
-        file=sys.stderr,
-    )
-    return 2
+    from multischeduler.main import main as serve
+
+    return serve(argv)

@@ -7,7 +7,6 @@ import asyncio
 import base64
 import logging
 import signal
-import ssl
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,13 +74,6 @@ def _bad_request(message: str) -> web.Response:
         },
         status=400,
     )
-
-
-def server_ssl_context(cert_file: Path, key_file: Path) -> ssl.SSLContext:
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_cert_chain(cert_file, key_file)
-    return context
 
 
 async def publish_ca_bundle(config: WebhookConfig) -> None:
@@ -213,7 +205,7 @@ async def run(config: WebhookConfig) -> None:
             runner,
             config.host,
             config.port,
-            ssl_context=server_ssl_context(config.cert_file, config.key_file),
+            ssl_context=pki.server_ssl_context(config.cert_file, config.key_file),
         )
         await site.start()
         log.info("serving admission reviews on https://%s:%d%s", config.host, config.port, PATH)

@@ -8,9 +8,7 @@ import asyncio
 import contextlib
 import logging
 import re
-import ssl
 from collections.abc import AsyncIterator, Mapping
-from pathlib import Path
 from typing import Any
 
 from aiohttp import WSMsgType, web
@@ -540,14 +538,3 @@ async def _serve_port_forward_websocket(
             reader.cancel()
         for connection in connections:
             await connection.close()
-
-
-def server_ssl_context(cert_file: Path, key_file: Path, client_ca: Path | None) -> ssl.SSLContext:
-    """TLS 1.2+, asking for (not requiring) a client certificate: token callers have none."""
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_cert_chain(cert_file, key_file)
-    if client_ca is not None:
-        context.load_verify_locations(cafile=str(client_ca))
-        context.verify_mode = ssl.CERT_OPTIONAL
-    return context

@@ -1,0 +1,229 @@
+"""The fit estimators of the virtual nodes: one gRPC channel each, kept in step with the
+upper cluster's virtual Nodes.
+
+TLS verifies the estimator's certificate against the host part of its address (gRPC's
+default: the estimators' certificates carry their IP address); the caller authenticates
+with a bearer token, read again whenever its file changes since service-account tokens
+are rotated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import grpc.aio
+
+from kubekit import keys
+from kubekit.client import JSON
+from kubekit.estimatorapi.estimator_pb2 import EstimateRequest, PodQuery, ReleaseRequest
+from kubekit.estimatorapi.estimator_pb2_grpc import EstimatorStub
+from kubekit.informer import FunctionHandler
+from multischeduler.extender import Answer, EstimatorFailure, VirtualNode, virtual_node
+
+if TYPE_CHECKING:
+    from kubekit.estimatorapi.estimator_pb2_grpc import EstimatorAsyncStub
+
+log = logging.getLogger("multischeduler.estimators")
+
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+IN_CLUSTER_CA = SERVICE_ACCOUNT_DIR / "ca.crt"
+IN_CLUSTER_TOKEN = SERVICE_ACCOUNT_DIR / "token"
+
+RELEASE_TIMEOUT = 5.0
+
+# Codes that mean the estimator did not act on the request, so holds no room for it.
+_NOT_ACTED_ON = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
+
+
+class TokenFile:
+    """A bearer token file, read again when it changes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._seen: tuple[int, int, int] | None = None
+        self._token = ""
+
+    def token(self) -> str:
+        status = self.path.stat()
+        seen = (status.st_ino, status.st_mtime_ns, status.st_size)
+        if seen != self._seen:
+            self._token = self.path.read_text().strip()
+            self._seen = seen
+        return self._token
+
+
+# gRPC waits up to two minutes between attempts to reach an estimator that was down and
+# fails every call meanwhile; a virtual node restarts in seconds.
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
+
+
+@dataclass
+class _Estimator:
+    address: str
+    started: str
+    channel: grpc.aio.Channel
+    stub: EstimatorAsyncStub
+
+
+class EstimatorPool:
+    """The virtual nodes known from the upper Node informer, and a channel to each one's
+    estimator."""
+
+    def __init__(
+        self, credentials: grpc.ChannelCredentials, token: TokenFile | None = None
+    ) -> None:
+        self.credentials = credentials
+        self.token = token
+        self.nodes: dict[str, VirtualNode] = {}
+        self._estimators: dict[str, _Estimator] = {}
+        # Fire-and-forget calls and channel closes, kept so they are not collected
+        # mid-flight and can be awaited at shutdown.
+        self._background: set[asyncio.Task[None]] = set()
+
+    def handler(self) -> FunctionHandler:
+        return FunctionHandler(add=self.put, update=self.put, delete=self.remove)
+
+    def is_virtual(self, name: str) -> bool:
+        return name in self.nodes
+
+    def put(self, obj: JSON) -> None:
+        node = virtual_node(obj)
+        if node is None:
+            self.remove(obj)
+            return
+        self.nodes[node.name] = node
+        current = self._estimators.get(node.name)
+        if current is not None and (current.address, current.started) == (
+            node.address,
+            node.started,
+        ):
+            return
+        if current is not None:
+            del self._estimators[node.name]
+            self._close(current)
+        if node.address is not None:
+            channel = grpc.aio.secure_channel(node.address, self.credentials, CHANNEL_OPTIONS)
+            self._estimators[node.name] = _Estimator(
+                node.address, node.started, channel, EstimatorStub(channel)
+            )
+            log.info("%s (cluster %s): estimator at %s", node.name, node.cluster_id, node.address)
+        else:
+            log.warning("%s: no %s annotation", node.name, keys.ESTIMATOR_ADDRESS_ANNOTATION)
+
+    def remove(self, obj: JSON) -> None:
+        name = str(obj["metadata"]["name"])
+        self.nodes.pop(name, None)
+        estimator = self._estimators.pop(name, None)
+        if estimator is not None:
+            self._close(estimator)
+
+    def _close(self, estimator: _Estimator) -> None:
+        self._spawn(estimator.channel.close())
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        if self.token is None:
+            return ()
+        return (("authorization", f"Bearer {self.token.token()}"),)
+
+    async def estimate(
+        self, names: Sequence[str], query: PodQuery, timeout: float
+    ) -> dict[str, Answer]:
+        """Asks the estimators of ``names`` at once; every call has the same deadline and
+        fails on its own."""
+        try:
+            metadata = self._metadata()
+        except OSError as error:
+            failure = EstimatorFailure(f"cannot read the token: {error}")
+            return dict.fromkeys(names, failure)
+        request = EstimateRequest(pods=[query])
+        answers = await asyncio.gather(
+            *(self._estimate(name, request, metadata, timeout) for name in names)
+        )
+        return dict(zip(names, answers, strict=True))
+
+    async def _estimate(
+        self,
+        name: str,
+        request: EstimateRequest,
+        metadata: tuple[tuple[str, str], ...],
+        timeout: float,
+    ) -> Answer:
+        estimator = self._estimators.get(name)
+        if estimator is None:
+            return EstimatorFailure(
+                f"the node has no {keys.ESTIMATOR_ADDRESS_ANNOTATION} annotation"
+            )
+        try:
+            response = await estimator.stub.Estimate(request, timeout=timeout, metadata=metadata)
+        except grpc.aio.AioRpcError as error:
+            code = error.code()
+            return EstimatorFailure(
+                f"{estimator.address}: {code.name}: {error.details()}",
+                maybe_reserved=code not in _NOT_ACTED_ON,
+            )
+        if len(response.estimates) != 1:
+            return EstimatorFailure(
+                f"{estimator.address}: {len(response.estimates)} estimates for 1 pod",
+                maybe_reserved=True,
+            )
+        # An address annotation pointing at another cluster's estimator would place pods
+        # by the wrong cluster's room.
+        expected = self.nodes[name].cluster_id
+        if expected and response.cluster_id != expected:
+            return EstimatorFailure(
+                f"{estimator.address} answers for cluster {response.cluster_id!r}, "
+                f"not {expected!r}",
+                maybe_reserved=True,
+            )
+        return response.estimates[0]
+
+    def release(self, names: Iterable[str], uid: str) -> None:
+        """Gives back the room held for pod ``uid`` on these nodes, in the background:
+        the estimators also let it go on their own after a while."""
+        for name in names:
+            estimator = self._estimators.get(name)
+            if estimator is not None:
+                self._spawn(self._release(name, estimator, uid))
+
+    async def _release(self, name: str, estimator: _Estimator, uid: str) -> None:
+        try:
+            await estimator.stub.Release(
+                ReleaseRequest(pod_uids=[uid]), timeout=RELEASE_TIMEOUT, metadata=self._metadata()
+            )
+        except (grpc.aio.AioRpcError, OSError) as error:
+            log.warning("%s: releasing the room of pod %s: %s", name, uid, error)
+
+    async def close(self) -> None:
+        for estimator in self._estimators.values():
+            self._close(estimator)
+        self._estimators.clear()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def channel_credentials(ca_file: Path | None) -> grpc.ChannelCredentials:
+    """TLS that trusts ``ca_file``, or the system's roots without one."""
+    return grpc.ssl_channel_credentials(
+        root_certificates=ca_file.read_bytes() if ca_file is not None else None
+    )

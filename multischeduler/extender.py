@@ -1,0 +1,355 @@
+"""The extender's decisions, without I/O: the scheduler's requests read and checked,
+filter answers and scores from the estimators' answers, what is remembered between the
+scheduler's calls for one pod, and the metrics.
+
+Wire format: kube-scheduler's `extender/v1` structs have no json tags, so every key is a
+Go field name (`Pod`, `NodeNames`, `FailedAndUnresolvableNodes`, `Host`, ...).
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from kubekit import keys
+from kubekit.client import JSON
+from kubekit.estimatorapi.estimator_pb2 import PodEstimate
+
+# kube-scheduler's MaxExtenderPriority.
+MAX_SCORE = 10
+
+
+class BadRequest(ValueError):
+    """A request the scheduler should never send: answered with HTTP 400."""
+
+
+class OnEstimatorError(enum.StrEnum):
+    FAIL = "fail"
+    IGNORE = "ignore"
+
+
+class Score(enum.StrEnum):
+    BEST_FIT = "best-fit"
+    LEAST_ALLOCATED = "least-allocated"
+
+
+@dataclass(frozen=True)
+class ExtenderArgs:
+    """A filter or prioritize request (nodeCacheCapable: names, not Node objects)."""
+
+    pod: JSON
+    uid: str
+    node_names: list[str]
+
+    @property
+    def pod_key(self) -> str:
+        metadata = self.pod["metadata"]
+        return f"{metadata.get('namespace', '')}/{metadata.get('name', '')}"
+
+
+@dataclass(frozen=True)
+class BindingArgs:
+    pod_name: str
+    pod_namespace: str
+    pod_uid: str
+    node: str
+
+
+@dataclass(frozen=True)
+class EstimatorFailure:
+    """An estimator that could not answer: unreachable, refused us, or too slow.
+    ``maybe_reserved``: the request may have reached it, so it may hold room for the pod."""
+
+    message: str
+    maybe_reserved: bool = False
+
+
+Answer = PodEstimate | EstimatorFailure
+
+
+@dataclass(frozen=True)
+class VirtualNode:
+    name: str
+    cluster_id: str
+    # host:port of the lower cluster's fit estimator; None when the Node does not say.
+    address: str | None
+    # When that estimator started: a restarted one is connected to afresh.
+    started: str = ""
+
+
+def virtual_node(node: Mapping[str, Any]) -> VirtualNode | None:
+    """The virtual node a Node object stands for, or None for an ordinary Node."""
+    metadata = node.get("metadata") or {}
+    labels = metadata.get("labels") or {}
+    if labels.get(keys.NODE_TYPE_LABEL) != keys.NODE_TYPE_VIRTUAL:
+        return None
+    annotations = metadata.get("annotations") or {}
+    address = annotations.get(keys.ESTIMATOR_ADDRESS_ANNOTATION)
+    return VirtualNode(
+        name=str(metadata["name"]),
+        cluster_id=str(labels.get(keys.CLUSTER_ID_LABEL, "")),
+        address=str(address) if address else None,
+        started=str(annotations.get(keys.ESTIMATOR_STARTED_ANNOTATION, "")),
+    )
+
+
+# -- requests ----------------------------------------------------------------------------
+
+
+def _object(body: bytes, what: str) -> JSON:
+    try:
+        decoded = orjson.loads(body)
+    except orjson.JSONDecodeError as error:
+        raise BadRequest(f"the body is not JSON: {error}") from None
+    if not isinstance(decoded, dict):
+        raise BadRequest(f"the body must be a JSON object ({what}), not {type(decoded).__name__}")
+    return decoded
+
+
+def _string(container: Mapping[str, Any], key: str, where: str) -> str:
+    value = container.get(key)
+    if not isinstance(value, str) or not value:
+        raise BadRequest(f"{where}{key} must be a non-empty string, not {value!r}")
+    return value
+
+
+def parse_extender_args(body: bytes) -> ExtenderArgs:
+    args = _object(body, "ExtenderArgs")
+    pod = args.get("Pod")
+    if not isinstance(pod, dict):
+        raise BadRequest(f"Pod must be a Pod object, not {pod!r}")
+    metadata = pod.get("metadata")
+    if not isinstance(metadata, dict):
+        raise BadRequest("Pod.metadata must be an object")
+    uid = _string(metadata, "uid", "Pod.metadata.")
+    names = args.get("NodeNames")
+    if names is None:
+        raise BadRequest(
+            "NodeNames is missing: configure this extender with nodeCacheCapable: true"
+        )
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise BadRequest("NodeNames must be a list of strings")
+    return ExtenderArgs(pod=pod, uid=uid, node_names=names)
+
+
+def parse_binding_args(body: bytes) -> BindingArgs:
+    args = _object(body, "ExtenderBindingArgs")
+    return BindingArgs(
+        pod_name=_string(args, "PodName", ""),
+        pod_namespace=_string(args, "PodNamespace", ""),
+        pod_uid=_string(args, "PodUID", ""),
+        node=_string(args, "Node", ""),
+    )
+
+
+def binding_body(args: BindingArgs) -> JSON:
+    """The Binding the binder must create itself (the scheduler leaves binding to us)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Binding",
+        "metadata": {"name": args.pod_name, "namespace": args.pod_namespace, "uid": args.pod_uid},
+        "target": {"apiVersion": "v1", "kind": "Node", "name": args.node},
+    }
+
+
+# -- answers -----------------------------------------------------------------------------
+
+
+def fits(answer: Answer | None) -> bool:
+    return isinstance(answer, PodEstimate) and not answer.error and answer.max_replicas > 0
+
+
+def rejection(node: str, answer: Answer, on_error: OnEstimatorError) -> str | None:
+    """Why ``node`` fails the pod, or None when it passes."""
+    if isinstance(answer, EstimatorFailure):
+        if on_error is OnEstimatorError.IGNORE:
+            return None
+        return f"{node}: estimator unavailable: {answer.message}"
+    if answer.error:
+        return f"{node}: estimator cannot read the pod: {answer.error}"
+    if answer.max_replicas == 0:
+        return f"{node}: {answer.message or 'the pod fits no node of the cluster'}"
+    return None
+
+
+def filter_result(
+    node_names: Sequence[str], answers: Mapping[str, Answer], on_error: OnEstimatorError
+) -> JSON:
+    """The ExtenderFilterResult: nodes without an answer (ordinary ones) pass untouched.
+    Every rejection is unresolvable: preempting upper pods on a virtual node frees no room
+    on the lower node the pod would need, and an estimator that could not answer is no
+    better a reason to evict anything."""
+    passing: list[str] = []
+    unresolvable: dict[str, str] = {}
+    for name in node_names:
+        answer = answers.get(name)
+        reason = None if answer is None else rejection(name, answer, on_error)
+        if reason is None:
+            passing.append(name)
+        else:
+            unresolvable[name] = reason
+    return {
+        "NodeNames": passing,
+        "FailedNodes": {},
+        "FailedAndUnresolvableNodes": unresolvable,
+        "Error": "",
+    }
+
+
+def reserved_nodes(answers: Mapping[str, Answer]) -> set[str]:
+    """The nodes whose estimators hold (or may hold) room for the pod."""
+    return {
+        name
+        for name, answer in answers.items()
+        if (isinstance(answer, PodEstimate) and answer.reserved_node)
+        or (isinstance(answer, EstimatorFailure) and answer.maybe_reserved)
+    }
+
+
+def scores(
+    node_names: Sequence[str], estimates: Mapping[str, PodEstimate], score: Score
+) -> list[JSON]:
+    """The HostPriorityList: the fit score of each candidate, averaged with its preferred
+    node-affinity weight (normalised so the best candidate has 1) when the pod prefers
+    anything; 0 for nodes without a fitting estimate (ordinary nodes)."""
+    fitting = {n: estimates[n] for n in node_names if fits(estimates.get(n))}
+    top_preferred = max((e.preferred for e in fitting.values()), default=0)
+
+    def of(name: str) -> int:
+        estimate = fitting.get(name)
+        if estimate is None:
+            return 0
+        fit = estimate.best_fit if score is Score.BEST_FIT else estimate.least_allocated
+        value = min(max(fit, 0.0), 1.0)
+        if top_preferred > 0:
+            value = (value + max(estimate.preferred, 0) / top_preferred) / 2
+        # Half up rather than Python's half to even: 0.25 is 3, like 0.35 is 4.
+        return int(MAX_SCORE * value + 0.5)
+
+    return [{"Host": name, "Score": of(name)} for name in node_names]
+
+
+# -- memory between the scheduler's calls ------------------------------------------------
+
+
+@dataclass
+class _Decision:
+    at: float
+    estimates: dict[str, PodEstimate]
+    reserved: set[str]
+
+
+class Decisions:
+    """What each pod's filter learnt, by pod UID: the estimates prioritize scores right
+    after, and the nodes holding room that bind must release. Forgotten after
+    ``reservations_for`` seconds (the estimators give such room back on their own then
+    too), so a pod never bound costs nothing for long."""
+
+    def __init__(self, *, scores_for: float = 5.0, reservations_for: float = 60.0) -> None:
+        self.scores_for = scores_for
+        self.reservations_for = reservations_for
+        self._by_uid: OrderedDict[str, _Decision] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._by_uid)
+
+    def remember(self, uid: str, answers: Mapping[str, Answer], now: float) -> None:
+        estimates = {n: a for n, a in answers.items() if isinstance(a, PodEstimate)}
+        reserved = reserved_nodes(answers)
+        earlier = self._by_uid.pop(uid, None)
+        if earlier is not None:
+            # A second filter of the same pod (a nominated node first, then all) adds to
+            # what the first one reserved.
+            estimates = {**earlier.estimates, **estimates}
+            reserved |= earlier.reserved
+        self._by_uid[uid] = _Decision(now, estimates, reserved)
+        self._expire(now)
+
+    def estimates(self, uid: str, now: float) -> dict[str, PodEstimate]:
+        decision = self._by_uid.get(uid)
+        if decision is None or now - decision.at > self.scores_for:
+            return {}
+        return dict(decision.estimates)
+
+    def take_reserved(self, uid: str, now: float) -> set[str]:
+        """The nodes holding room for the pod, forgetting the pod."""
+        self._expire(now)
+        decision = self._by_uid.pop(uid, None)
+        return set() if decision is None else decision.reserved
+
+    def _expire(self, now: float) -> None:
+        while self._by_uid:
+            uid, oldest = next(iter(self._by_uid.items()))
+            if now - oldest.at <= self.reservations_for:
+                return
+            del self._by_uid[uid]
+
+
+# -- metrics -----------------------------------------------------------------------------
+
+FILTER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...] = FILTER_BUCKETS
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.buckets)
+
+    def observe(self, value: float) -> None:
+        index = bisect.bisect_left(self.buckets, value)
+        if index < len(self.counts):
+            self.counts[index] += 1
+        self.total += value
+        self.count += 1
+
+    def lines(self, name: str) -> Iterable[str]:
+        cumulative = 0
+        for bound, count in zip(self.buckets, self.counts, strict=True):
+            cumulative += count
+            yield f'{name}_bucket{{le="{bound:g}"}} {cumulative}'
+        yield f'{name}_bucket{{le="+Inf"}} {self.count}'
+        yield f"{name}_sum {self.total:.6f}"
+        yield f"{name}_count {self.count}"
+
+
+VERBS = ("filter", "prioritize", "bind")
+
+
+@dataclass
+class Metrics:
+    filter_seconds: Histogram = field(default_factory=Histogram)
+    decisions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(VERBS, 0))
+    estimator_errors: int = 0
+    bind_errors: int = 0
+
+    def prometheus_text(self) -> str:
+        lines = [
+            "# HELP kubestrata_extender_filter_seconds Time to answer one filter request.",
+            "# TYPE kubestrata_extender_filter_seconds histogram",
+            *self.filter_seconds.lines("kubestrata_extender_filter_seconds"),
+            "# HELP kubestrata_extender_decisions_total Requests answered, by verb.",
+            "# TYPE kubestrata_extender_decisions_total counter",
+            *(
+                f'kubestrata_extender_decisions_total{{verb="{verb}"}} {count}'
+                for verb, count in self.decisions.items()
+            ),
+            "# HELP kubestrata_extender_estimator_errors_total Estimator calls that failed "
+            "or missed the deadline.",
+            "# TYPE kubestrata_extender_estimator_errors_total counter",
+            f"kubestrata_extender_estimator_errors_total {self.estimator_errors}",
+            "# HELP kubestrata_extender_bind_errors_total Bindings the apiserver refused.",
+            "# TYPE kubestrata_extender_bind_errors_total counter",
+            f"kubestrata_extender_bind_errors_total {self.bind_errors}",
+        ]
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,225 @@
+"""`kubestrata multischeduler`: flags, and the wiring of the upper cluster's Node cache,
+the estimators and the HTTPS server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from kubekit import keys, pki
+from kubekit.client import NODES, PODS, ApiError, ClientSettings, KubeClient
+from kubekit.informer import Informer
+from multischeduler.estimators import (
+    IN_CLUSTER_CA,
+    IN_CLUSTER_TOKEN,
+    EstimatorPool,
+    TokenFile,
+    channel_credentials,
+)
+from multischeduler.extender import BindingArgs, OnEstimatorError, Score, binding_body
+from multischeduler.server import Extender, make_app
+
+log = logging.getLogger("multischeduler")
+
+# Within the scheduler's httpTimeout (5 s) for the whole bind call.
+BIND_TIMEOUT = 4.0
+
+
+@dataclass(frozen=True)
+class Config:
+    host: str
+    port: int
+    cert_file: Path
+    key_file: Path
+    kubeconfig: str | None
+    estimator_ca_file: Path | None
+    estimator_token_file: Path | None
+    estimator_timeout: float
+    on_estimator_error: OnEstimatorError
+    score: Score
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value <= 60:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 60 seconds, not {text}")
+    return value
+
+
+def _readable(parser: argparse.ArgumentParser, flag: str, path: Path | None) -> None:
+    if path is not None and not path.is_file():
+        parser.error(f"{flag}: no such file: {path}")
+
+
+def parse_args(argv: Sequence[str]) -> Config:
+    parser = argparse.ArgumentParser(
+        prog="kubestrata multischeduler",
+        description="Scheduler extender of the upper cluster: lets a pod onto a virtual node "
+        "only when one real node of that lower cluster fits it, as the cluster's fit "
+        "estimator says; scores clusters and binds pods.",
+    )
+    parser.add_argument(
+        "--kubeconfig", help="of the upper cluster, for Nodes and Bindings (default: in-cluster)"
+    )
+    parser.add_argument("--listen", default="0.0.0.0:8443", help="HOST:PORT (default %(default)s)")
+    parser.add_argument("--tls-cert-file", type=Path, help="serving certificate (PEM)")
+    parser.add_argument("--tls-key-file", type=Path, help="its private key (PEM)")
+    parser.add_argument(
+        "--cert-dir",
+        type=Path,
+        help="without --tls-cert-file: generate a CA (multischeduler-ca.crt, the scheduler's "
+        "tlsConfig.caFile) and a serving certificate here",
+    )
+    parser.add_argument(
+        "--server-name",
+        action="append",
+        default=[],
+        help="DNS name or IP the generated certificate covers (repeatable; default: the "
+        "--listen host)",
+    )
+    parser.add_argument(
+        "--estimator-ca-file",
+        type=Path,
+        help="CA that signed the estimators' certificates (default: the in-cluster CA when "
+        "present, else the system's)",
+    )
+    parser.add_argument(
+        "--estimator-token-file",
+        type=Path,
+        help="bearer token sent to the estimators, read again when it changes (default: the "
+        "in-cluster service-account token when present, else none)",
+    )
+    parser.add_argument(
+        "--estimator-timeout",
+        type=_seconds,
+        default=0.5,
+        help="deadline of all estimator calls of one decision, in seconds (default %(default)s)",
+    )
+    parser.add_argument(
+        "--on-estimator-error",
+        choices=[choice.value for choice in OnEstimatorError],
+        default=OnEstimatorError.FAIL.value,
+        help="a virtual node whose estimator cannot answer fails or passes (default %(default)s)",
+    )
+    parser.add_argument(
+        "--score",
+        choices=[choice.value for choice in Score],
+        default=Score.BEST_FIT.value,
+        help="best-fit prefers the cluster left with the least stranded room on the node the "
+        "pod takes; least-allocated the emptiest (default %(default)s)",
+    )
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    host, _, port_text = args.listen.rpartition(":")
+    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        parser.error(f"--listen must be HOST:PORT, not {args.listen!r}")
+    if (args.tls_cert_file is None) != (args.tls_key_file is None):
+        parser.error("--tls-cert-file and --tls-key-file go together")
+    _readable(parser, "--tls-cert-file", args.tls_cert_file)
+    _readable(parser, "--tls-key-file", args.tls_key_file)
+    _readable(parser, "--estimator-ca-file", args.estimator_ca_file)
+    _readable(parser, "--estimator-token-file", args.estimator_token_file)
+    if args.kubeconfig is not None:
+        _readable(parser, "--kubeconfig", Path(args.kubeconfig))
+    elif "KUBERNETES_SERVICE_HOST" not in os.environ:
+        parser.error("--kubeconfig is needed outside a cluster")
+    if args.tls_cert_file is not None:
+        cert_file, key_file = args.tls_cert_file, args.tls_key_file
+    elif args.cert_dir is not None:
+        pair = pki.serving_pair(args.cert_dir, "multischeduler", tuple(args.server_name) or (host,))
+        cert_file, key_file = pair.cert_path, pair.key_path
+    else:
+        parser.error("give --tls-cert-file/--tls-key-file or --cert-dir")
+    return Config(
+        host=host,
+        port=int(port_text),
+        cert_file=cert_file,
+        key_file=key_file,
+        kubeconfig=args.kubeconfig,
+        estimator_ca_file=args.estimator_ca_file or _if_present(IN_CLUSTER_CA),
+        estimator_token_file=args.estimator_token_file or _if_present(IN_CLUSTER_TOKEN),
+        estimator_timeout=args.estimator_timeout,
+        on_estimator_error=OnEstimatorError(args.on_estimator_error),
+        score=Score(args.score),
+    )
+
+
+def _if_present(path: Path) -> Path | None:
+    return path if path.is_file() else None
+
+
+async def run(config: Config) -> None:
+    async with await KubeClient.connect(ClientSettings(config.kubeconfig)) as client:
+
+        async def bind(args: BindingArgs) -> None:
+            path = PODS.path(args.pod_namespace, args.pod_name, "binding")
+            await client.request("POST", path, body=binding_body(args), timeout=BIND_TIMEOUT)
+
+        token = TokenFile(config.estimator_token_file) if config.estimator_token_file else None
+        pool = EstimatorPool(channel_credentials(config.estimator_ca_file), token)
+        nodes = Informer(
+            client, NODES, label_selector=f"{keys.NODE_TYPE_LABEL}={keys.NODE_TYPE_VIRTUAL}"
+        )
+        nodes.add_handler(pool.handler())
+        watching = asyncio.create_task(nodes.run(), name=repr(nodes))
+        extender = Extender(
+            pool,
+            bind,
+            estimator_timeout=config.estimator_timeout,
+            on_error=config.on_estimator_error,
+            score=config.score,
+        )
+        runner = web.AppRunner(make_app(extender), access_log=None)
+        try:
+            # Before the cache is filled every virtual node would look ordinary and pass.
+            await nodes.wait_synced()
+            await runner.setup()
+            site = web.TCPSite(
+                runner,
+                config.host,
+                config.port,
+                ssl_context=pki.server_ssl_context(config.cert_file, config.key_file),
+            )
+            await site.start()
+            log.info(
+                "serving the scheduler extender on https://%s:%d with %d virtual nodes",
+                config.host,
+                config.port,
+                len(pool.nodes),
+            )
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, stop.set)
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+            watching.cancel()
+            await asyncio.gather(watching, return_exceptions=True)
+            await pool.close()
+
+
+def main(argv: Sequence[str]) -> int:
+    config = parse_args(argv)
+    try:
+        asyncio.run(run(config))
+    except (OSError, ApiError) as error:
+        log.error("%s", error)
+        return 1
+    return 0

@@ -1,0 +1,153 @@
+"""The extender's HTTP face: the scheduler's verbs over aiohttp, around the pure
+decisions of multischeduler.extender and the estimators of multischeduler.estimators."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import orjson
+from aiohttp import web
+
+from kubekit.client import JSON
+from kubekit.estimatorapi.estimator_pb2 import PodEstimate, PodQuery
+from multischeduler.estimators import EstimatorPool
+from multischeduler.extender import (
+    Answer,
+    BadRequest,
+    BindingArgs,
+    Decisions,
+    EstimatorFailure,
+    ExtenderArgs,
+    Metrics,
+    OnEstimatorError,
+    Score,
+    filter_result,
+    parse_binding_args,
+    parse_extender_args,
+    scores,
+)
+
+log = logging.getLogger("multischeduler")
+
+# Creates the Binding in the upper cluster; raises with a message for the scheduler.
+Binder = Callable[[BindingArgs], Awaitable[None]]
+
+# A pod is a few KiB; 3 MiB covers the largest object etcd stores.
+MAX_BODY = 3 * 1024 * 1024
+
+
+@dataclass
+class Extender:
+    pool: EstimatorPool
+    binder: Binder
+    estimator_timeout: float = 0.5
+    on_error: OnEstimatorError = OnEstimatorError.FAIL
+    score: Score = Score.BEST_FIT
+    decisions: Decisions = field(default_factory=Decisions)
+    metrics: Metrics = field(default_factory=Metrics)
+    clock: Callable[[], float] = time.monotonic
+
+    async def _estimate(
+        self, names: list[str], args: ExtenderArgs, reserve: bool
+    ) -> dict[str, Answer]:
+        query = PodQuery(pod=orjson.dumps(args.pod), reserve=reserve)
+        answers = await self.pool.estimate(names, query, self.estimator_timeout)
+        for name, answer in answers.items():
+            if isinstance(answer, EstimatorFailure):
+                self.metrics.estimator_errors += 1
+                log.warning("%s: pod %s: %s", name, args.pod_key, answer.message)
+        return answers
+
+    async def filter(self, args: ExtenderArgs) -> JSON:
+        began = self.clock()
+        virtual = [n for n in args.node_names if self.pool.is_virtual(n)]
+        answers: dict[str, Answer] = {}
+        if virtual:
+            answers = await self._estimate(virtual, args, reserve=True)
+            self.decisions.remember(args.uid, answers, self.clock())
+        result = filter_result(args.node_names, answers, self.on_error)
+        self.metrics.filter_seconds.observe(self.clock() - began)
+        self.metrics.decisions["filter"] += 1
+        return result
+
+    async def prioritize(self, args: ExtenderArgs) -> list[JSON]:
+        known = self.decisions.estimates(args.uid, self.clock())
+        missing = [n for n in args.node_names if self.pool.is_virtual(n) and n not in known]
+        if missing:
+            # Filter's answers are gone (a restart, or too long ago): ask again, holding
+            # nothing this time since the choice is about to be made.
+            answers = await self._estimate(missing, args, reserve=False)
+            known |= {n: a for n, a in answers.items() if isinstance(a, PodEstimate)}
+        self.metrics.decisions["prioritize"] += 1
+        return scores(args.node_names, known, self.score)
+
+    async def bind(self, args: BindingArgs) -> JSON:
+        self.metrics.decisions["bind"] += 1
+        reserved = self.decisions.take_reserved(args.pod_uid, self.clock())
+        try:
+            await self.binder(args)
+        except Exception as error:
+            # Whatever went wrong, the scheduler retries the pod from filter, which reserves
+            # again: every room held now would only be in the way.
+            self.metrics.bind_errors += 1
+            log.warning(
+                "binding %s/%s to %s: %s", args.pod_namespace, args.pod_name, args.node, error
+            )
+            self.pool.release(reserved, args.pod_uid)
+            return {
+                "Error": f"binding pod {args.pod_namespace}/{args.pod_name} to {args.node}: {error}"
+            }
+        # The chosen estimator keeps its room until the lower pod lands.
+        self.pool.release(reserved - {args.node}, args.pod_uid)
+        return {"Error": ""}
+
+
+def make_app(extender: Extender) -> web.Application:
+    async def filter_(request: web.Request) -> web.Response:
+        try:
+            args = parse_extender_args(await request.read())
+        except BadRequest as error:
+            return _bad_request(error)
+        return _json(await extender.filter(args))
+
+    async def prioritize(request: web.Request) -> web.Response:
+        try:
+            args = parse_extender_args(await request.read())
+        except BadRequest as error:
+            return _bad_request(error)
+        return _json(await extender.prioritize(args))
+
+    async def bind(request: web.Request) -> web.Response:
+        try:
+            args = parse_binding_args(await request.read())
+        except BadRequest as error:
+            return _bad_request(error)
+        return _json(await extender.bind(args))
+
+    async def healthz(_request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(
+            text=extender.metrics.prometheus_text(), content_type="text/plain", charset="utf-8"
+        )
+
+    app = web.Application(client_max_size=MAX_BODY)
+    app.router.add_post("/filter", filter_)
+    app.router.add_post("/prioritize", prioritize)
+    app.router.add_post("/bind", bind)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def _json(body: JSON | list[JSON]) -> web.Response:
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+def _bad_request(error: BadRequest) -> web.Response:
+    log.info("bad request: %s", error)
+    return web.json_response({"Error": str(error)}, status=400)

@@ -1,0 +1,417 @@
+"""The extender over HTTP against real in-process gRPC estimators over TLS, one per
+virtual node, with the upper Node cache fed through its informer."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+import orjson
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from kubekit import keys, pki
+from kubekit.client import NODES, ApiError
+from kubekit.estimatorapi import estimator_pb2_grpc
+from kubekit.estimatorapi.estimator_pb2 import (
+    EstimateRequest,
+    EstimateResponse,
+    PodEstimate,
+    ReleaseRequest,
+    ReleaseResponse,
+)
+from kubekit.informer import Informer
+from multischeduler.estimators import EstimatorPool, TokenFile, channel_credentials
+from multischeduler.extender import BindingArgs, OnEstimatorError
+from multischeduler.server import Extender, make_app
+
+POD = {
+    "apiVersion": "v1",
+    "kind": "Pod",
+    "metadata": {"name": "p", "namespace": "ns", "uid": "u1"},
+    "spec": {"containers": [{"name": "c", "image": "i"}]},
+}
+NO_ROOM = PodEstimate(
+    max_replicas=0, total_nodes=3, message="0/3 nodes are available: 3 Insufficient cpu"
+)
+
+
+def fits(best_fit: float, node: str = "lower-node-1") -> PodEstimate:
+    return PodEstimate(
+        max_replicas=1, fitting_count=1, total_nodes=3, best_fit=best_fit, reserved_node=node
+    )
+
+
+class FakeEstimator(estimator_pb2_grpc.EstimatorServicer):
+    """Canned answers, with what it was asked."""
+
+    def __init__(self, cluster_id: str, answer: PodEstimate, delay: float = 0.0) -> None:
+        self.cluster_id = cluster_id
+        self.answer = answer
+        self.delay = delay
+        self.estimates: list[EstimateRequest] = []
+        self.releases: list[list[str]] = []
+        self.authorization: list[str] = []
+
+    def _caller(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        metadata = dict(context.invocation_metadata() or ())
+        self.authorization.append(str(metadata.get("authorization", "")))
+
+    async def Estimate(
+        self, request: EstimateRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> EstimateResponse:
+        self._caller(context)
+        self.estimates.append(request)
+        await asyncio.sleep(self.delay)
+        return EstimateResponse(cluster_id=self.cluster_id, estimates=[self.answer])
+
+    async def Release(
+        self, request: ReleaseRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> ReleaseResponse:
+        self._caller(context)
+        self.releases.append(list(request.pod_uids))
+        return ReleaseResponse(released=len(request.pod_uids))
+
+
+def cluster_of(node: str) -> str:
+    return node.removeprefix("vk-")
+
+
+@dataclass
+class Federation:
+    """The extender's world: estimators by virtual node, the upper Node cache, bindings."""
+
+    tmp_path: Path
+    extender: Extender
+    nodes: Informer
+    client: TestClient[Any, Any]
+    estimators: dict[str, FakeEstimator] = field(default_factory=dict)
+    servers: list[grpc.aio.Server] = field(default_factory=list)
+    bindings: list[BindingArgs] = field(default_factory=list)
+    bind_error: Exception | None = None
+
+    async def serve(self, servicer: FakeEstimator) -> str:
+        """Starts an estimator on a free port; returns its address."""
+        server = grpc.aio.server()
+        estimator_pb2_grpc.add_EstimatorServicer_to_server(servicer, server)
+        pair = serving_pair(self.tmp_path)
+        credentials = grpc.ssl_server_credentials(
+            [(pair.key_path.read_bytes(), pair.cert_path.read_bytes())]
+        )
+        port = server.add_secure_port("127.0.0.1:0", credentials)
+        await server.start()
+        self.servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    async def estimator(self, node: str, answer: PodEstimate, delay: float = 0.0) -> str:
+        """Starts an estimator for ``node`` and puts its virtual Node in the cache."""
+        servicer = FakeEstimator(cluster_of(node), answer, delay)
+        self.estimators[node] = servicer
+        address = await self.serve(servicer)
+        self.virtual_node(node, address)
+        return address
+
+    def virtual_node(self, name: str, address: str | None, event: str = "ADDED") -> None:
+        annotations = {keys.ESTIMATOR_ADDRESS_ANNOTATION: address} if address else {}
+        labels = {
+            keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL,
+            keys.CLUSTER_ID_LABEL: cluster_of(name),
+        }
+        metadata = {"name": name, "labels": labels, "annotations": annotations}
+        self.nodes.apply({"type": event, "object": {"metadata": metadata}})
+
+    async def post(self, verb: str, body: Any, status: int = 200) -> Any:
+        response = await self.client.post(f"/{verb}", data=orjson.dumps(body))
+        assert response.status == status, await response.text()
+        return await response.json()
+
+    async def filter(self, *names: str, pod: dict[str, Any] = POD) -> dict[str, Any]:
+        answer: dict[str, Any] = await self.post("filter", {"Pod": pod, "NodeNames": list(names)})
+        return answer
+
+    def estimate_calls(self) -> int:
+        return sum(len(e.estimates) for e in self.estimators.values())
+
+
+def serving_pair(tmp_path: Path) -> pki.KeyPair:
+    return pki.serving_pair(tmp_path / "estimators", "estimator", ("127.0.0.1",))
+
+
+@pytest.fixture
+async def federation(tmp_path: Path) -> AsyncIterator[Federation]:
+    token = tmp_path / "token"
+    token.write_text("sesame\n")
+    ca = pki.ca_path(serving_pair(tmp_path))
+    pool = EstimatorPool(channel_credentials(ca), TokenFile(token))
+    nodes = Informer(client=None, resource=NODES)  # type: ignore[arg-type]
+    nodes.add_handler(pool.handler())
+    nodes.synced.set()
+    world: Federation
+
+    async def bind(args: BindingArgs) -> None:
+        if world.bind_error is not None:
+            raise world.bind_error
+        world.bindings.append(args)
+
+    extender = Extender(pool, bind, estimator_timeout=0.3)
+    client = TestClient(TestServer(make_app(extender)))
+    await client.start_server()
+    world = Federation(tmp_path, extender, nodes, client)
+    try:
+        yield world
+    finally:
+        await client.close()
+        await pool.close()
+        for server in world.servers:
+            await server.stop(None)
+
+
+async def eventually(condition: Callable[[], bool]) -> None:
+    for _ in range(200):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition never held")
+
+
+async def test_ordinary_nodes_alone_pass_at_once(federation: Federation) -> None:
+    await federation.estimator("vk-a", NO_ROOM)
+    result = await federation.filter("worker-1", "worker-2")
+    assert result == {
+        "NodeNames": ["worker-1", "worker-2"],
+        "FailedNodes": {},
+        "FailedAndUnresolvableNodes": {},
+        "Error": "",
+    }
+    assert federation.estimate_calls() == 0
+
+
+async def test_filter_asks_each_cluster_and_says_why_one_does_not_fit(
+    federation: Federation,
+) -> None:
+    await federation.estimator("vk-a", fits(0.8))
+    await federation.estimator("vk-b", NO_ROOM)
+    result = await federation.filter("worker", "vk-a", "vk-b")
+    assert result["NodeNames"] == ["worker", "vk-a"]
+    assert result["FailedNodes"] == {}
+    assert result["FailedAndUnresolvableNodes"] == {
+        "vk-b": "vk-b: 0/3 nodes are available: 3 Insufficient cpu"
+    }
+    assert result["Error"] == ""
+    for name in ("vk-a", "vk-b"):
+        (request,) = federation.estimators[name].estimates
+        (query,) = request.pods
+        assert orjson.loads(query.pod) == POD
+        assert query.reserve
+        assert federation.estimators[name].authorization == ["Bearer sesame"]
+
+
+async def test_a_slow_estimator_fails_only_its_own_node(federation: Federation) -> None:
+    await federation.estimator("vk-a", fits(0.8))
+    await federation.estimator("vk-slow", fits(0.9), delay=2.0)
+    began = asyncio.get_running_loop().time()
+    result = await federation.filter("vk-a", "vk-slow")
+    assert asyncio.get_running_loop().time() - began < 1.5
+    assert result["NodeNames"] == ["vk-a"]
+    message = result["FailedAndUnresolvableNodes"]["vk-slow"]
+    assert message.startswith("vk-slow: estimator unavailable: ")
+    assert "DEADLINE_EXCEEDED" in message
+    assert result["Error"] == ""
+    assert federation.extender.metrics.estimator_errors == 1
+
+
+async def test_ignore_mode_lets_a_node_with_a_failed_estimator_pass(
+    federation: Federation,
+) -> None:
+    federation.extender.on_error = OnEstimatorError.IGNORE
+    await federation.estimator("vk-a", NO_ROOM)
+    await federation.estimator("vk-slow", NO_ROOM, delay=2.0)
+    result = await federation.filter("vk-a", "vk-slow")
+    assert result["NodeNames"] == ["vk-slow"]
+    assert list(result["FailedAndUnresolvableNodes"]) == ["vk-a"]
+
+
+async def test_unreachable_and_unannounced_estimators_fail_their_nodes(
+    federation: Federation,
+) -> None:
+    await federation.estimator("vk-a", fits(0.5))
+    federation.virtual_node("vk-none", None)
+    federation.virtual_node("vk-gone", "127.0.0.1:1")
+    result = await federation.filter("vk-a", "vk-none", "vk-gone")
+    assert result["NodeNames"] == ["vk-a"]
+    failed = result["FailedAndUnresolvableNodes"]
+    assert failed["vk-none"] == (
+        f"vk-none: estimator unavailable: the node has no "
+        f"{keys.ESTIMATOR_ADDRESS_ANNOTATION} annotation"
+    )
+    assert failed["vk-gone"].startswith("vk-gone: estimator unavailable: 127.0.0.1:1: ")
+
+
+async def test_a_certificate_from_another_ca_fails_the_node(
+    federation: Federation, tmp_path: Path
+) -> None:
+    address = await federation.estimator("vk-a", fits(0.5))
+    other_ca = pki.ca_path(pki.serving_pair(tmp_path / "other", "other", ("127.0.0.1",)))
+    federation.extender.pool.credentials = channel_credentials(other_ca)
+    federation.virtual_node("vk-a", None, "MODIFIED")
+    federation.virtual_node("vk-a", address, "MODIFIED")
+    result = await federation.filter("vk-a")
+    assert "vk-a" in result["FailedAndUnresolvableNodes"]
+    assert federation.estimate_calls() == 0
+
+
+async def test_nodes_that_change_or_go_are_followed(federation: Federation) -> None:
+    await federation.estimator("vk-a", NO_ROOM)
+    await federation.estimator("vk-b", NO_ROOM)
+    # vk-a's estimator moves, and the new one has room.
+    moved = FakeEstimator("a", fits(0.5))
+    address = await federation.serve(moved)
+    federation.virtual_node("vk-a", address, "MODIFIED")
+    assert (await federation.filter("vk-a"))["NodeNames"] == ["vk-a"]
+    assert len(moved.estimates) == 1
+    assert len(federation.estimators["vk-a"].estimates) == 0
+    # An address pointing at another cluster's estimator is refused.
+    federation.virtual_node("vk-b", address, "MODIFIED")
+    failed = (await federation.filter("vk-b"))["FailedAndUnresolvableNodes"]
+    assert failed == {
+        "vk-b": f"vk-b: estimator unavailable: {address} answers for cluster 'a', not 'b'"
+    }
+    federation.virtual_node("vk-a", address, "DELETED")
+    assert not federation.extender.pool.is_virtual("vk-a")
+    # An unknown node is an ordinary one: no question asked.
+    assert (await federation.filter("vk-a"))["NodeNames"] == ["vk-a"]
+    assert len(moved.estimates) == 2  # vk-b's only
+
+
+async def test_a_rotated_token_is_sent(federation: Federation) -> None:
+    await federation.estimator("vk-a", fits(0.5))
+    await federation.filter("vk-a")
+    replacement = federation.tmp_path / "token.new"
+    replacement.write_text("rotated")
+    os.replace(replacement, federation.tmp_path / "token")
+    await federation.filter("vk-a")
+    assert federation.estimators["vk-a"].authorization == ["Bearer sesame", "Bearer rotated"]
+
+
+@pytest.mark.parametrize(
+    ("verb", "raw", "message"),
+    [
+        ("filter", b"{nope", "not JSON"),
+        ("filter", b'{"NodeNames": ["a"]}', "Pod must be a Pod object"),
+        ("prioritize", b'{"Pod": {"metadata": {"uid": "u"}}, "NodeNames": 3}', "NodeNames"),
+        ("bind", b'{"PodName": "p"}', "PodNamespace"),
+    ],
+)
+async def test_bad_requests_are_answered_400(
+    federation: Federation, verb: str, raw: bytes, message: str
+) -> None:
+    response = await federation.client.post(f"/{verb}", data=raw)
+    assert response.status == 400
+    assert message in (await response.json())["Error"]
+
+
+async def test_prioritize_scores_from_the_filters_answers(federation: Federation) -> None:
+    await federation.estimator("vk-a", fits(0.9))
+    await federation.estimator("vk-b", fits(0.4))
+    await federation.filter("worker", "vk-a", "vk-b")
+    scores = await federation.post(
+        "prioritize", {"Pod": POD, "NodeNames": ["worker", "vk-a", "vk-b"]}
+    )
+    assert scores == [
+        {"Host": "worker", "Score": 0},
+        {"Host": "vk-a", "Score": 9},
+        {"Host": "vk-b", "Score": 4},
+    ]
+    assert federation.estimate_calls() == 2
+
+
+async def test_prioritize_without_a_filter_asks_without_reserving(federation: Federation) -> None:
+    await federation.estimator("vk-a", fits(0.7))
+    scores = await federation.post("prioritize", {"Pod": POD, "NodeNames": ["vk-a"]})
+    assert scores == [{"Host": "vk-a", "Score": 7}]
+    (request,) = federation.estimators["vk-a"].estimates
+    assert not request.pods[0].reserve
+
+
+def binding(node: str) -> dict[str, str]:
+    return {"PodName": "p", "PodNamespace": "ns", "PodUID": "u1", "Node": node}
+
+
+async def test_bind_binds_and_releases_the_room_held_elsewhere(federation: Federation) -> None:
+    for name in ("vk-a", "vk-b", "vk-c"):
+        await federation.estimator(name, fits(0.5))
+    await federation.estimator("vk-full", NO_ROOM)
+    await federation.filter("vk-a", "vk-b", "vk-c", "vk-full")
+    assert await federation.post("bind", binding("vk-b")) == {"Error": ""}
+    assert federation.bindings == [BindingArgs("p", "ns", "u1", "vk-b")]
+    estimators = federation.estimators
+    await eventually(lambda: bool(estimators["vk-a"].releases and estimators["vk-c"].releases))
+    assert estimators["vk-a"].releases == estimators["vk-c"].releases == [["u1"]]
+    assert estimators["vk-b"].releases == estimators["vk-full"].releases == []
+    assert estimators["vk-a"].authorization[-1] == "Bearer sesame"
+    # The pod is forgotten: a second binding releases nothing.
+    assert await federation.post("bind", binding("vk-b")) == {"Error": ""}
+    await asyncio.sleep(0.1)
+    assert estimators["vk-a"].releases == [["u1"]]
+
+
+async def test_a_failed_binding_is_reported_and_releases_everything(
+    federation: Federation,
+) -> None:
+    await federation.estimator("vk-a", fits(0.5))
+    await federation.estimator("vk-b", fits(0.5))
+    await federation.filter("vk-a", "vk-b")
+    federation.bind_error = ApiError(409, {"message": "pod p is already assigned"}, "POST", "/b")
+    answer = await federation.post("bind", binding("vk-a"))
+    assert answer["Error"].startswith("binding pod ns/p to vk-a: ")
+    assert "already assigned" in answer["Error"]
+    estimators = federation.estimators
+    await eventually(lambda: bool(estimators["vk-a"].releases and estimators["vk-b"].releases))
+    assert federation.extender.metrics.bind_errors == 1
+
+
+async def test_pods_for_ordinary_nodes_are_bound_too(federation: Federation) -> None:
+    assert await federation.post("bind", binding("worker")) == {"Error": ""}
+    assert federation.bindings == [BindingArgs("p", "ns", "u1", "worker")]
+
+
+async def test_health_and_metrics(federation: Federation) -> None:
+    await federation.estimator("vk-a", fits(0.5))
+    await federation.filter("vk-a")
+    await federation.filter("worker")
+    health = await federation.client.get("/healthz")
+    assert health.status == 200 and await health.text() == "ok"
+    response = await federation.client.get("/metrics")
+    assert response.status == 200
+    assert response.content_type == "text/plain"
+    text = await response.text()
+    assert "kubestrata_extender_filter_seconds_count 2\n" in text
+    assert 'kubestrata_extender_decisions_total{verb="filter"} 2\n' in text
+    assert "kubestrata_extender_estimator_errors_total 0\n" in text
+
+
+async def test_a_restarted_estimator_gets_a_fresh_channel(tmp_path: Path) -> None:
+    pool = EstimatorPool(channel_credentials(pki.ca_path(serving_pair(tmp_path))))
+
+    def put(started: str) -> object:
+        annotations = {
+            keys.ESTIMATOR_ADDRESS_ANNOTATION: "127.0.0.1:1",
+            keys.ESTIMATOR_STARTED_ANNOTATION: started,
+        }
+        labels = {keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL}
+        pool.put({"metadata": {"name": "vk-a", "labels": labels, "annotations": annotations}})
+        return pool._estimators["vk-a"].channel
+
+    try:
+        first = put("t1")
+        assert put("t1") is first, "an unchanged Node keeps its channel"
+        # A channel that failed waits out gRPC's reconnect backoff; a new one does not.
+        assert put("t2") is not first
+    finally:
+        await pool.close()
