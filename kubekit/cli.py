@@ -80,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="lower clusters as K3s containers (needs Docker and pip install -e '.[k3s]')",
     )
     up.add_argument(
+        "--no-multischeduler",
+        dest="multischeduler",
+        action="store_false",
+        help="leave the upper kube-scheduler without the multischeduler extender: pods go "
+        "to any virtual node whose summed free capacity takes them (the blind behaviour)",
+    )
+    up.add_argument(
         "--detach",
         action="store_true",
         help="return once ready and leave the federation running (stop: kubestrata down)",
@@ -118,6 +125,8 @@ def _up(args: argparse.Namespace) -> int:
     try:
         federation.start_virtual_nodes()
         federation.start_webhook()
+        if args.multischeduler:
+            federation.start_multischeduler()
     except BaseException:
         federation.stop()
         raise

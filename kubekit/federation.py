@@ -6,22 +6,34 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import ssl
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from kubekit import keys
+from kubekit import keys, pki
 from kubekit.k3s import K3sCluster
-from kubekit.localcluster import ClusterError, ClusterSpec, LocalCluster, NodeSpec, free_port
+from kubekit.localcluster import (
+    LOOPBACK,
+    ClusterError,
+    ClusterSpec,
+    LocalCluster,
+    NodeSpec,
+    free_port,
+)
 from kubekit.process import ManagedProcess, ProcessRecord
 from kubekit.toolchain import Toolchain
 from webhook.configuration import CONFIGURATION_NAME as WEBHOOK_CONFIGURATION
 from webhook.configuration import PATH as WEBHOOK_PATH
 
 STATE_FILE = "federation.json"
+MULTISCHEDULER = "multischeduler"
+MULTISCHEDULER_ACCOUNT = "kubestrata-multischeduler"
+MANIFESTS = Path(__file__).resolve().parent.parent / "manifests"
 UPPER = "upper"
 COMPONENTS = "components"
 # Two apiservers starting at once already fill two cores.
@@ -63,6 +75,32 @@ class FederationSpec:
             else:
                 specs.append(ClusterSpec(name, "lower", nodes))
         return specs
+
+
+def scheduler_extender(url: str, ca_file: Path) -> dict[str, object]:
+    """The upper kube-scheduler's `extenders` entry for the multischeduler (the same as
+    manifests/multischeduler/scheduler-config.yaml). Not ignorable: a pod is never sent
+    to a cluster nobody checked."""
+    return {
+        "urlPrefix": url,
+        "filterVerb": "filter",
+        "prioritizeVerb": "prioritize",
+        "bindVerb": "bind",
+        "weight": 5,
+        "enableHTTPS": True,
+        "nodeCacheCapable": True,
+        "ignorable": False,
+        "httpTimeout": "5s",
+        "tlsConfig": {"caFile": str(ca_file)},
+    }
+
+
+def _serves(url: str, context: ssl.SSLContext) -> bool:
+    try:
+        with urllib.request.urlopen(url, context=context, timeout=2) as answer:
+            return bool(answer.status == 200)
+    except OSError:
+        return False
 
 
 def default_state_dir() -> Path:
@@ -143,6 +181,7 @@ class Federation:
     ) -> None:
         self.state_dir = state_dir
         self.webhook_url: str | None = None
+        self.multischeduler_url: str | None = None
         self.toolchain = toolchain
         self.die_with_parent = die_with_parent
         self.components: dict[str, ManagedProcess] = {}
@@ -225,6 +264,7 @@ class Federation:
                     f"--lower-kubeconfig={lower.kubeconfig}",
                     f"--cluster-id={lower.name}",
                     f"--kubelet-port={free_port()}",
+                    f"--estimator-port={free_port()}",
                     f"--client-ca-file={self.upper.ca.cert_path}",
                     f"--cert-dir={self.state_dir / COMPONENTS / virtual_node_name(lower.name)}",
                 ],
@@ -282,6 +322,50 @@ class Federation:
             if time.monotonic() > deadline:
                 raise ClusterError(f"webhook not registered after {timeout:.0f} s")
             time.sleep(0.3)
+
+    def start_multischeduler(self, timeout: float = 60.0) -> str:
+        """`kubestrata multischeduler` on a loopback port, with the identity its manifests
+        give it (a ServiceAccount token), and the upper kube-scheduler started again with
+        it as its extender; returns its URL once it serves."""
+        directory = self.state_dir / MULTISCHEDULER
+        serving = pki.serving_pair(directory, MULTISCHEDULER, (LOOPBACK,))
+        ca_file = pki.ca_path(serving)
+        self.upper.kubectl("apply", "-f", str(MANIFESTS / "namespace.yaml"))
+        self.upper.kubectl("apply", "-f", str(MANIFESTS / "multischeduler" / "rbac.yaml"))
+        token = self.upper.kubectl(
+            "create",
+            "token",
+            MULTISCHEDULER_ACCOUNT,
+            "--namespace=kubestrata-system",
+            "--duration=8760h",
+        ).stdout.strip()
+        token_file = directory / "token"
+        token_file.write_text(token)
+        token_file.chmod(0o600)
+        port = free_port()
+        url = f"https://{LOOPBACK}:{port}"
+        process = self.start_component(
+            MULTISCHEDULER,
+            [
+                "multischeduler",
+                f"--kubeconfig={self.upper.kubeconfig}",
+                f"--listen={LOOPBACK}:{port}",
+                f"--tls-cert-file={serving.cert_path}",
+                f"--tls-key-file={serving.key_path}",
+                f"--estimator-ca-file={self.upper.ca.cert_path}",
+                f"--estimator-token-file={token_file}",
+            ],
+        )
+        context = ssl.create_default_context(cafile=str(ca_file))
+        deadline = time.monotonic() + timeout
+        while not _serves(url + "/healthz", context):
+            process.check_running()
+            if time.monotonic() > deadline:
+                raise ClusterError(f"multischeduler not serving after {timeout:.0f} s")
+            time.sleep(0.3)
+        self.upper.set_scheduler_extenders([scheduler_extender(url, ca_file)])
+        self.multischeduler_url = url
+        return url
 
     def start_component(self, name: str, kubestrata_args: list[str]) -> ManagedProcess:
         process = ManagedProcess(

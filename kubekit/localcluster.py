@@ -50,6 +50,7 @@ class NodeSpec:
     labels: Mapping[str, str] = field(default_factory=dict)
     extended_resources: Mapping[str, str] = field(default_factory=dict)
     unschedulable: bool = False
+    taints: tuple[Mapping[str, str], ...] = ()
 
     def manifest(self) -> dict[str, Any]:
         resources = {"cpu": self.cpu, "memory": self.memory, "pods": str(self.pods)}
@@ -69,7 +70,7 @@ class NodeSpec:
                 "labels": labels,
                 "annotations": {"kwok.x-k8s.io/node": "fake"},
             },
-            "spec": {"unschedulable": self.unschedulable},
+            "spec": {"unschedulable": self.unschedulable, "taints": [dict(t) for t in self.taints]},
             "status": {"capacity": resources, "allocatable": resources},
         }
 
@@ -183,6 +184,7 @@ class LocalCluster(KubectlClient):
         self.kubeconfig = directory / "kubeconfig"
         self.pod_log_file = directory / "kwok" / "container.log"
         self.exec_dir = directory / "kwok" / "exec"
+        self.scheduler_extenders: tuple[Mapping[str, Any], ...] = ()
 
     @property
     def name(self) -> str:
@@ -355,32 +357,65 @@ class LocalCluster(KubectlClient):
             ],
             (self.ports.controller_manager,),
         )
-        scheduler = self._launch(
+        scheduler = self._launch_scheduler()
+        self._wait(
+            manager,
+            timeout,
+            lambda: _https_ok(LOOPBACK, self.ports.controller_manager, "/healthz", _UNVERIFIED),
+        )
+        self._wait_scheduler(scheduler, timeout)
+
+    def scheduler_configuration(self) -> dict[str, Any]:
+        """The kube-scheduler's KubeSchedulerConfiguration: stock, plus the extenders a
+        federation names (the multischeduler)."""
+        configuration: dict[str, Any] = {
+            "apiVersion": "kubescheduler.config.k8s.io/v1",
+            "kind": "KubeSchedulerConfiguration",
+            # The default 50 bindings a second would be what every benchmark measures.
+            "clientConnection": {
+                "kubeconfig": str(self.kubeconfig),
+                "qps": 500,
+                "burst": 1000,
+            },
+            "leaderElection": {"leaderElect": False},
+        }
+        if self.scheduler_extenders:
+            configuration["extenders"] = list(self.scheduler_extenders)
+        return configuration
+
+    def _launch_scheduler(self) -> ManagedProcess:
+        pki_dir = self.directory / "pki"
+        config_path = self.directory / "scheduler" / "config.yaml"
+        config_path.parent.mkdir(parents=True, exist_ok=True)
+        config_path.write_text(yaml.safe_dump(self.scheduler_configuration()))
+        return self._launch(
             "kube-scheduler",
             [
                 *self._kube("kube-scheduler"),
-                *common,
-                # The default 50 bindings a second would be what every benchmark measures.
-                "--kube-api-qps=500",
-                "--kube-api-burst=1000",
+                f"--config={config_path}",
+                f"--authentication-kubeconfig={self.kubeconfig}",
+                f"--authorization-kubeconfig={self.kubeconfig}",
+                f"--bind-address={LOOPBACK}",
                 f"--secure-port={self.ports.scheduler}",
                 f"--cert-dir={pki_dir / 'scheduler'}",
             ],
             (self.ports.scheduler,),
         )
-        insecure = ssl.create_default_context()
-        insecure.check_hostname = False
-        insecure.verify_mode = ssl.CERT_NONE
-        self._wait(
-            manager,
-            timeout,
-            lambda: _https_ok(LOOPBACK, self.ports.controller_manager, "/healthz", insecure),
-        )
+
+    def _wait_scheduler(self, scheduler: ManagedProcess, timeout: float) -> None:
         self._wait(
             scheduler,
             timeout,
-            lambda: _https_ok(LOOPBACK, self.ports.scheduler, "/healthz", insecure),
+            lambda: _https_ok(LOOPBACK, self.ports.scheduler, "/healthz", _UNVERIFIED),
         )
+
+    def set_scheduler_extenders(
+        self, extenders: Sequence[Mapping[str, Any]], timeout: float = READY_TIMEOUT_SECONDS
+    ) -> None:
+        """Starts the kube-scheduler again with these extenders in its configuration."""
+        self.scheduler_extenders = tuple(extenders)
+        self.processes.pop("kube-scheduler").stop()
+        self._wait_scheduler(self._launch_scheduler(), timeout)
 
     def _start_kwok(self, timeout: float) -> None:
         self.exec_dir.mkdir(parents=True, exist_ok=True)
@@ -523,6 +558,17 @@ class LocalCluster(KubectlClient):
         # Reverse start order: dependants first, etcd last.
         for process in reversed(list(self.processes.values())):
             process.stop()
+
+
+def _unverified_context() -> ssl.SSLContext:
+    # Health endpoints of controllers serve self-signed certificates made at their start.
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+_UNVERIFIED = _unverified_context()
 
 
 def _http_ok(host: str, port: int, path: str) -> bool:

@@ -34,6 +34,7 @@ def federation(
     federation.start()
     federation.start_virtual_nodes()
     federation.start_webhook()
+    federation.start_multischeduler()
     yield federation
     federation.stop()
 

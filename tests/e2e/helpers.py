@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from kubekit import keys
 from kubekit.localcluster import LocalCluster
 
 T = TypeVar("T")
@@ -91,6 +92,15 @@ def bound_pod(name: str, namespace: str, node_name: str, **spec: Any) -> dict[st
 
 def namespace(name: str) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+
+
+def federated_namespace(name: str) -> dict[str, Any]:
+    """A namespace whose pods the webhook federates (their scheduling fields stashed)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": name, "labels": {keys.FEDERATION_LABEL: keys.FEDERATION_ENABLED}},
+    }
 
 
 def pods_by_name(cluster: LocalCluster, namespace: str, selector: str) -> dict[str, dict[str, Any]]:

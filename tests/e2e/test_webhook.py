@@ -17,18 +17,10 @@ import yaml
 from kubekit import keys, stash
 from kubekit.federation import Federation
 
-from .helpers import apply, get_json, pods_by_name, rollout, wait_for
+from .helpers import apply, federated_namespace, get_json, pods_by_name, rollout, wait_for
 
 MANIFESTS = Path(__file__).parents[2] / "manifests"
 SSD = {"disk": "ssd"}
-
-
-def federated_namespace(name: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Namespace",
-        "metadata": {"name": name, "labels": {keys.FEDERATION_LABEL: keys.FEDERATION_ENABLED}},
-    }
 
 
 @pytest.fixture

@@ -1,0 +1,296 @@
+"""The multischeduler end to end: the stock upper kube-scheduler with the extender, the
+estimators in the virtual nodes, kwok nodes whose free CPU is fragmented by pinned
+foreign pods.
+
+The fragmented nodes are tainted and labelled as a pool of their own, and the test pods
+select that pool (a nodeSelector and toleration the webhook stashes and the virtual node
+restores below), so the rest of the suite neither sees nor disturbs them:
+
+    lower-1: frag-a 8 cpu, 2 taken -> 6 free    frag-b 8 cpu, 7 taken -> 1 free
+    lower-2: frag-a 8 cpu, 4 taken -> 4 free    frag-b 8 cpu, 4 taken -> 4 free (disk=ssd)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import grpc
+import pytest
+
+from kubekit.estimatorapi import estimator_pb2, estimator_pb2_grpc
+from kubekit.federation import Federation, virtual_node_name
+from kubekit.localcluster import LocalCluster, NodeSpec
+
+from .helpers import apply, bound_pod, federated_namespace, get_json, pods_by_name, wait_for
+
+NAMESPACE = "frag"
+POOL = {"kubestrata.io/e2e-pool": "frag"}
+POOL_TAINT = {"key": "kubestrata.io/e2e-pool", "value": "frag", "effect": "NoSchedule"}
+TAKEN = {"lower-1": {"a": "2", "b": "7"}, "lower-2": {"a": "4", "b": "4"}}
+
+
+def frag_node(cluster: str, suffix: str) -> str:
+    return f"{cluster}-frag-{suffix}"
+
+
+def foreign_pod(name: str, node: str, cpu: str) -> dict[str, Any]:
+    return bound_pod(
+        name,
+        "default",
+        node,
+        containers=[
+            {
+                "name": "app",
+                "image": "registry.k8s.io/pause:3.10",
+                "resources": {"requests": {"cpu": cpu}},
+            }
+        ],
+    )
+
+
+def pins_running(lower: LocalCluster, count: int) -> bool:
+    pods = pods_by_name(lower, "default", "!app.kubernetes.io/managed-by").values()
+    pins = [p for p in pods if p["metadata"]["name"].startswith("pin-")]
+    return len(pins) == count and all(p["status"].get("phase") == "Running" for p in pins)
+
+
+@pytest.fixture(scope="module")
+def fragmented(federation: Federation) -> Iterator[Federation]:
+    for cluster, taken in TAKEN.items():
+        lower = federation.clusters[cluster]
+        assert isinstance(lower, LocalCluster)
+        lower.add_nodes(
+            NodeSpec(
+                name=frag_node(cluster, suffix),
+                cpu="8",
+                memory="32Gi",
+                pods=110,
+                # The region every node of the cluster has, so the virtual node keeps it.
+                labels={
+                    **POOL,
+                    "topology.kubernetes.io/region": cluster,
+                    **({"kubestrata.io/e2e-disk": "ssd"} if cluster == "lower-2" else {}),
+                },
+                taints=(POOL_TAINT,),
+            )
+            for suffix in taken
+        )
+        apply(
+            lower,
+            *(
+                foreign_pod(f"pin-{suffix}", frag_node(cluster, suffix), cpu)
+                for suffix, cpu in taken.items()
+            ),
+        )
+        wait_for(partial(pins_running, lower, len(taken)), f"the pinned pods of {cluster} Running")
+    apply(federation.upper, federated_namespace(NAMESPACE))
+    yield federation
+    federation.upper.kubectl("delete", "namespace", NAMESPACE, "--wait=false")
+    for cluster, taken in TAKEN.items():
+        lower = federation.clusters[cluster]
+        lower.kubectl(
+            "delete",
+            "pod",
+            "-n",
+            "default",
+            *(f"pin-{s}" for s in taken),
+            "--force",
+            "--wait=false",
+        )
+        lower.kubectl("delete", "node", *(frag_node(cluster, s) for s in taken), "--wait=false")
+
+
+def frag_pod(
+    name: str,
+    cpu: str,
+    labels: dict[str, str] | None = None,
+    selector: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels or {"app": name}},
+        "spec": {
+            "nodeSelector": {**POOL, **(selector or {})},
+            "tolerations": [{**POOL_TAINT, "operator": "Equal"}],
+            "terminationGracePeriodSeconds": 0,
+            "containers": [
+                {
+                    "name": "app",
+                    "image": "registry.k8s.io/pause:3.10",
+                    "resources": {"requests": {"cpu": cpu}},
+                }
+            ],
+        },
+    }
+
+
+def upper_pod(federation: Federation, name: str) -> Any:
+    return get_json(federation.upper, "pod", "-n", NAMESPACE, name)
+
+
+def running_on(federation: Federation, name: str, node: str) -> bool:
+    pod = upper_pod(federation, name)
+    return bool(pod["spec"].get("nodeName") == node and pod["status"].get("phase") == "Running")
+
+
+def lower_pods(federation: Federation, selector: str) -> dict[str, dict[str, Any]]:
+    return {
+        f"{cluster}/{name}": pod
+        for cluster in TAKEN
+        for name, pod in pods_by_name(federation.clusters[cluster], NAMESPACE, selector).items()
+    }
+
+
+def failed_scheduling(federation: Federation, name: str) -> str:
+    events = get_json(
+        federation.upper,
+        "events",
+        "-n",
+        NAMESPACE,
+        "--field-selector",
+        f"involvedObject.name={name},reason=FailedScheduling",
+    )["items"]
+    return str(events[-1]["message"]) if events else ""
+
+
+def delete_pods(federation: Federation, selector: str) -> None:
+    """Deletes test pods above and waits until they are gone below, so their room is back."""
+    federation.upper.kubectl(
+        "delete", "pods", "-n", NAMESPACE, "-l", selector, "--grace-period=0", "--force"
+    )
+    wait_for(lambda: not lower_pods(federation, selector), f"pods {selector} gone below")
+
+
+def test_a_pod_that_fits_one_node_of_one_cluster_lands_there_and_runs(
+    fragmented: Federation,
+) -> None:
+    apply(fragmented.upper, frag_pod("five", "5"))
+    try:
+        wait_for(lambda: running_on(fragmented, "five", "vk-lower-1"), "five Running on vk-lower-1")
+        below = lower_pods(fragmented, "app=five")
+        assert list(below) == ["lower-1/five"]
+        assert below["lower-1/five"]["spec"]["nodeName"] == frag_node("lower-1", "a")
+    finally:
+        delete_pods(fragmented, "app=five")
+
+
+def test_a_pod_no_node_fits_stays_unbound_above_with_each_clusters_reason(
+    fragmented: Federation,
+) -> None:
+    # lower-2's two nodes have 8 cpu free together: the sum takes it, no node does.
+    apply(fragmented.upper, frag_pod("seven", "7"))
+    try:
+        message = wait_for(
+            lambda: failed_scheduling(fragmented, "seven"), "a FailedScheduling event"
+        )
+        for cluster in TAKEN:
+            assert f"vk-{cluster}: 0/" in message, message
+        assert "Insufficient cpu" in message, message
+        assert "vk-lower-2: 0/" in message and "2 Insufficient cpu" in message, message
+        assert not upper_pod(fragmented, "seven")["spec"].get("nodeName")
+        assert not lower_pods(fragmented, "app=seven")
+    finally:
+        delete_pods(fragmented, "app=seven")
+
+
+def test_a_burst_onto_room_for_exactly_k_runs_k_and_leaves_the_rest_pending_above(
+    fragmented: Federation,
+) -> None:
+    # 2-cpu pods: lower-1 takes 3 (frag-a) + 0, lower-2 takes 2 + 2.
+    room, burst = 7, 20
+    apply(fragmented.upper, *(frag_pod(f"burst-{i}", "2", {"burst": "yes"}) for i in range(burst)))
+    try:
+
+        def settled() -> tuple[int, int] | None:
+            pods = pods_by_name(fragmented.upper, NAMESPACE, "burst=yes").values()
+            running = sum(p["status"].get("phase") == "Running" for p in pods)
+            unbound = sum(not p["spec"].get("nodeName") for p in pods)
+            return (running, unbound) if running + unbound == burst else None
+
+        wait_for(lambda: (settled() or (0, 0))[0] == room, f"{room} burst pods Running")
+        # Settled, not passing through: nothing more is bound a while later.
+        time.sleep(5)
+        running, unbound = settled() or (0, 0)
+        assert (running, unbound) == (room, burst - room)
+        below = lower_pods(fragmented, "burst=yes")
+        assert len(below) == room
+        assert all(p["status"].get("phase") == "Running" for p in below.values())
+        stranded = [name for name, p in below.items() if not p["spec"].get("nodeName")]
+        assert stranded == []
+    finally:
+        delete_pods(fragmented, "burst=yes")
+
+
+def test_a_stashed_node_selector_only_lower_2_matches_sends_the_pod_there(
+    fragmented: Federation,
+) -> None:
+    apply(fragmented.upper, frag_pod("ssd", "1", selector={"kubestrata.io/e2e-disk": "ssd"}))
+    try:
+        wait_for(lambda: running_on(fragmented, "ssd", "vk-lower-2"), "ssd Running on vk-lower-2")
+        above = upper_pod(fragmented, "ssd")
+        # The upper scheduler never saw the pool selector: the webhook stashed it.
+        assert "kubestrata.io/e2e-disk" not in (above["spec"].get("nodeSelector") or {})
+        assert list(lower_pods(fragmented, "app=ssd")) == ["lower-2/ssd"]
+    finally:
+        delete_pods(fragmented, "app=ssd")
+
+
+def test_a_cluster_whose_estimator_is_down_is_skipped_and_the_others_still_used(
+    fragmented: Federation,
+) -> None:
+    virtual_node = fragmented.components[virtual_node_name("lower-1")]
+    virtual_node.kill()
+    try:
+        apply(fragmented.upper, frag_pod("only-lower-1", "5"), frag_pod("anywhere", "1"))
+        wait_for(lambda: running_on(fragmented, "anywhere", "vk-lower-2"), "anywhere on vk-lower-2")
+        message = wait_for(
+            lambda: failed_scheduling(fragmented, "only-lower-1"),
+            "a FailedScheduling event for the pod only lower-1 fits",
+        )
+        assert "vk-lower-1: estimator" in message, message
+        assert not upper_pod(fragmented, "only-lower-1")["spec"].get("nodeName")
+    finally:
+        virtual_node.start()
+    try:
+        wait_for(
+            lambda: running_on(fragmented, "only-lower-1", "vk-lower-1"),
+            "the pod only lower-1 fits placed there once its estimator is back",
+            timeout=180,
+        )
+    finally:
+        delete_pods(fragmented, "app in (only-lower-1, anywhere)")
+
+
+def test_the_estimator_refuses_callers_without_credentials(fragmented: Federation) -> None:
+    node = get_json(fragmented.upper, "node", "vk-lower-2")
+    address = node["metadata"]["annotations"]["kubestrata.io/estimator-address"]
+    host, _, port = address.rpartition(":")
+    assert host == "127.0.0.1" and int(port) > 0
+
+    async def ask(token: str) -> grpc.StatusCode:
+        credentials = grpc.ssl_channel_credentials(fragmented.upper.ca.cert_path.read_bytes())
+        async with grpc.aio.secure_channel(address, credentials) as channel:
+            stub = estimator_pb2_grpc.EstimatorStub(channel)
+            try:
+                await stub.Estimate(
+                    estimator_pb2.EstimateRequest(
+                        pods=[estimator_pb2.PodQuery(pod=json.dumps(frag_pod("x", "1")).encode())]
+                    ),
+                    metadata=[("authorization", f"Bearer {token}")] if token else [],
+                    timeout=10,
+                )
+            except grpc.aio.AioRpcError as error:
+                return error.code()
+        return grpc.StatusCode.OK
+
+    assert asyncio.run(ask("")) == grpc.StatusCode.UNAUTHENTICATED
+    assert asyncio.run(ask("not-a-token")) == grpc.StatusCode.UNAUTHENTICATED
+    # The multischeduler's own token (its ServiceAccount may get nodes/estimator).
+    token = (fragmented.state_dir / "multischeduler" / "token").read_text()
+    assert asyncio.run(ask(token)) == grpc.StatusCode.OK
