@@ -73,18 +73,29 @@ def test_up_detach_kubeconfig_down(state_dir: Path, toolchain: Toolchain) -> Non
             "kwok",
             "virtual-node-lower-1",
             "webhook",
+            "multischeduler",
         }
     finally:
         down = kubestrata("down", "--state-dir", str(state_dir))
     assert down.returncode == 0, down.stderr
-    assert "stopped 11 processes" in down.stdout
+    assert "stopped 12 processes" in down.stdout
     assert not state_dir.exists()
     assert not any(p.alive() for p in processes)
 
 
 def test_foreground_up_stops_everything_on_ctrl_c(state_dir: Path) -> None:
     up = subprocess.Popen(
-        [*KUBESTRATA, "up", "--lower", "1", "--nodes", "1", "--state-dir", str(state_dir)],
+        [
+            *KUBESTRATA,
+            "up",
+            "--lower",
+            "1",
+            "--nodes",
+            "1",
+            "--no-multischeduler",
+            "--state-dir",
+            str(state_dir),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -97,7 +108,10 @@ def test_foreground_up_stops_everything_on_ctrl_c(state_dir: Path) -> None:
         else:
             pytest.fail(f"up ended before it was ready: {up.stderr.read() if up.stderr else ''}")
         processes = running_processes(state_dir)
+        # --no-multischeduler: no extender, and the scheduler's configuration names none.
         assert len(processes) == 11
+        assert "multischeduler" not in {p.name for p in processes}
+        assert "extenders" not in (state_dir / "upper" / "scheduler" / "config.yaml").read_text()
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
         assert not any(p.alive() for p in processes)
