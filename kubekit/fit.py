@@ -683,16 +683,28 @@ def rank(pod: PodFacts, nodes: Iterable[Headroom]) -> tuple[dict[str, float], Co
     pods, cpu, memory, storage = (_floor(pod.requests, r) for r in _CORE)
     want_cpu, want_memory = pod.requests.get("cpu", 0), pod.requests.get("memory", 0)
     extended = pod.extended
+    # Plain ints and indexes in the loop: it runs once per node and query, and a Counter
+    # update or a generator per node cost more than the comparisons themselves.
+    extended_names = tuple(r for r, _ in extended)
+    extended_wants = tuple(q for _, q in extended)
+    extended_range = range(len(extended))
     fitting: dict[str, float] = {}
     short_pods = short_cpu = short_memory = short_storage = 0
-    short: Counter[str] = Counter()
+    short_extended = [0] * len(extended)
     for node in nodes:
+        lacking = False
+        if extended:
+            free = node.free
+            for index in extended_range:
+                if free.get(extended_names[index], 0) < extended_wants[index]:
+                    short_extended[index] += 1
+                    lacking = True
         if (
-            node.cpu >= cpu
+            not lacking
+            and node.cpu >= cpu
             and node.memory >= memory
             and node.pods >= pods
             and node.storage >= storage
-            and (not extended or all(node.free.get(r, 0) >= q for r, q in extended))
         ):
             share = node.used + want_cpu * node.inverse_cpu + want_memory * node.inverse_memory
             if extended:
@@ -710,12 +722,15 @@ def rank(pod: PodFacts, nodes: Iterable[Headroom]) -> tuple[dict[str, float], Co
         short_cpu += node.cpu < cpu
         short_memory += node.memory < memory
         short_storage += node.storage < storage
-        if extended:
-            short.update(r for r, q in extended if node.free.get(r, 0) < q)
-    for resource, count in zip(
-        _CORE, (short_pods, short_cpu, short_memory, short_storage), strict=True
-    ):
-        short[resource] += count
+    short = Counter(
+        dict(
+            zip(
+                (*_CORE, *extended_names),
+                (short_pods, short_cpu, short_memory, short_storage, *short_extended),
+                strict=True,
+            )
+        )
+    )
     return fitting, Counter({insufficient(r): n for r, n in short.items() if n})
 
 
