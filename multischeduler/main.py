@@ -17,6 +17,7 @@ from aiohttp import web
 from kubekit import keys, pki
 from kubekit.client import NODES, PODS, ApiError, ClientSettings, KubeClient
 from kubekit.informer import Informer
+from kubekit.serving import add_serving_arguments, check_serving_arguments, serving
 from multischeduler.estimators import (
     IN_CLUSTER_CA,
     IN_CLUSTER_TOKEN,
@@ -72,22 +73,7 @@ def parse_args(argv: Sequence[str]) -> Config:
     parser.add_argument(
         "--kubeconfig", help="of the upper cluster, for Nodes and Bindings (default: in-cluster)"
     )
-    parser.add_argument("--listen", default="0.0.0.0:8443", help="HOST:PORT (default %(default)s)")
-    parser.add_argument("--tls-cert-file", type=Path, help="serving certificate (PEM)")
-    parser.add_argument("--tls-key-file", type=Path, help="its private key (PEM)")
-    parser.add_argument(
-        "--cert-dir",
-        type=Path,
-        help="without --tls-cert-file: generate a CA (multischeduler-ca.crt, the scheduler's "
-        "tlsConfig.caFile) and a serving certificate here",
-    )
-    parser.add_argument(
-        "--server-name",
-        action="append",
-        default=[],
-        help="DNS name or IP the generated certificate covers (repeatable; default: the "
-        "--listen host)",
-    )
+    add_serving_arguments(parser, "multischeduler-ca.crt, the scheduler's tlsConfig.caFile")
     parser.add_argument(
         "--estimator-ca-file",
         type=Path,
@@ -126,31 +112,19 @@ def parse_args(argv: Sequence[str]) -> Config:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    host, _, port_text = args.listen.rpartition(":")
-    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        parser.error(f"--listen must be HOST:PORT, not {args.listen!r}")
-    if (args.tls_cert_file is None) != (args.tls_key_file is None):
-        parser.error("--tls-cert-file and --tls-key-file go together")
-    _readable(parser, "--tls-cert-file", args.tls_cert_file)
-    _readable(parser, "--tls-key-file", args.tls_key_file)
+    check_serving_arguments(parser, args)
     _readable(parser, "--estimator-ca-file", args.estimator_ca_file)
     _readable(parser, "--estimator-token-file", args.estimator_token_file)
     if args.kubeconfig is not None:
         _readable(parser, "--kubeconfig", Path(args.kubeconfig))
     elif "KUBERNETES_SERVICE_HOST" not in os.environ:
         parser.error("--kubeconfig is needed outside a cluster")
-    if args.tls_cert_file is not None:
-        cert_file, key_file = args.tls_cert_file, args.tls_key_file
-    elif args.cert_dir is not None:
-        pair = pki.serving_pair(args.cert_dir, "multischeduler", tuple(args.server_name) or (host,))
-        cert_file, key_file = pair.cert_path, pair.key_path
-    else:
-        parser.error("give --tls-cert-file/--tls-key-file or --cert-dir")
+    listening = serving(args, "multischeduler")
     return Config(
-        host=host,
-        port=int(port_text),
-        cert_file=cert_file,
-        key_file=key_file,
+        host=listening.host,
+        port=listening.port,
+        cert_file=listening.cert_file,
+        key_file=listening.key_file,
         kubeconfig=args.kubeconfig,
         estimator_ca_file=args.estimator_ca_file or _if_present(IN_CLUSTER_CA),
         estimator_token_file=args.estimator_token_file or _if_present(IN_CLUSTER_TOKEN),

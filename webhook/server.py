@@ -15,6 +15,7 @@ from aiohttp import web
 
 from kubekit import pki, stash
 from kubekit.client import ApiError, ClientSettings, KubeClient, Resource
+from kubekit.serving import add_serving_arguments, check_serving_arguments, serving
 from webhook.admission import BadReview, parse_review, review_response
 from webhook.configuration import CONFIGURATION_NAME, PATH, url_configuration
 
@@ -121,20 +122,7 @@ def parse_args(argv: Sequence[str]) -> WebhookConfig:
         description="Mutating admission webhook: stashes the scheduling fields of federated "
         "pods so the upper scheduler sees clusters, not lower nodes.",
     )
-    parser.add_argument("--listen", default="0.0.0.0:8443", help="HOST:PORT (default %(default)s)")
-    parser.add_argument("--tls-cert-file", type=Path, help="serving certificate (PEM)")
-    parser.add_argument("--tls-key-file", type=Path, help="its private key (PEM)")
-    parser.add_argument(
-        "--cert-dir",
-        type=Path,
-        help="without --tls-cert-file: generate a CA and a serving certificate here",
-    )
-    parser.add_argument(
-        "--server-name",
-        action="append",
-        default=[],
-        help="DNS name or IP the generated certificate covers (repeatable)",
-    )
+    add_serving_arguments(parser, "its certificate is the caBundle to publish")
     parser.add_argument(
         "--keep-key",
         action="append",
@@ -165,30 +153,18 @@ def parse_args(argv: Sequence[str]) -> WebhookConfig:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    host, _, port_text = args.listen.rpartition(":")
-    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        parser.error(f"--listen must be HOST:PORT, not {args.listen!r}")
-    if (args.tls_cert_file is None) != (args.tls_key_file is None):
-        parser.error("--tls-cert-file and --tls-key-file go together")
-    ca_file = args.ca_file
-    if args.tls_cert_file is not None:
-        cert_file, key_file = args.tls_cert_file, args.tls_key_file
-    elif args.cert_dir is not None:
-        names = tuple(args.server_name) or (host,)
-        pair = pki.serving_pair(args.cert_dir, "webhook", names)
-        cert_file, key_file = pair.cert_path, pair.key_path
-        ca_file = ca_file or pki.ca_path(pair)
-    else:
-        parser.error("give --tls-cert-file/--tls-key-file or --cert-dir")
+    check_serving_arguments(parser, args)
+    listening = serving(args, "webhook")
+    ca_file = args.ca_file or listening.generated_ca
     if (args.register_url or args.inject_ca_bundle) and ca_file is None:
         parser.error("--register-url/--inject-ca-bundle need --ca-file with --tls-cert-file")
     if args.register_url is not None and not args.register_url.startswith("https://"):
         parser.error(f"--register-url must be an https URL, not {args.register_url!r}")
     return WebhookConfig(
-        host=host,
-        port=int(port_text),
-        cert_file=cert_file,
-        key_file=key_file,
+        host=listening.host,
+        port=listening.port,
+        cert_file=listening.cert_file,
+        key_file=listening.key_file,
         keep_keys=stash.DEFAULT_KEEP_KEYS | frozenset(args.keep_key),
         kubeconfig=args.kubeconfig,
         register_url=args.register_url,

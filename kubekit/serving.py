@@ -1,0 +1,66 @@
+"""The HTTPS serving flags our servers share (webhook, multischeduler): where to listen,
+and a serving certificate given as files or generated with a CA of its own."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from kubekit import pki
+
+
+@dataclass(frozen=True)
+class Serving:
+    host: str
+    port: int
+    cert_file: Path
+    key_file: Path
+    # The CA clients must trust when the certificate was generated; None for given files.
+    generated_ca: Path | None
+
+
+def add_serving_arguments(parser: argparse.ArgumentParser, generated_ca_help: str) -> None:
+    parser.add_argument("--listen", default="0.0.0.0:8443", help="HOST:PORT (default %(default)s)")
+    parser.add_argument("--tls-cert-file", type=Path, help="serving certificate (PEM)")
+    parser.add_argument("--tls-key-file", type=Path, help="its private key (PEM)")
+    parser.add_argument(
+        "--cert-dir",
+        type=Path,
+        help=f"without --tls-cert-file: generate a CA ({generated_ca_help}) and a serving "
+        "certificate here",
+    )
+    parser.add_argument(
+        "--server-name",
+        action="append",
+        default=[],
+        help="DNS name or IP the generated certificate covers (repeatable; default: the "
+        "--listen host)",
+    )
+
+
+def check_serving_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses what cannot work before anything is written."""
+    host, _, port_text = args.listen.rpartition(":")
+    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        parser.error(f"--listen must be HOST:PORT, not {args.listen!r}")
+    if (args.tls_cert_file is None) != (args.tls_key_file is None):
+        parser.error("--tls-cert-file and --tls-key-file go together")
+    for flag, path in (
+        ("--tls-cert-file", args.tls_cert_file),
+        ("--tls-key-file", args.tls_key_file),
+    ):
+        if path is not None and not path.is_file():
+            parser.error(f"{flag}: no such file: {path}")
+    if args.tls_cert_file is None and args.cert_dir is None:
+        parser.error("give --tls-cert-file/--tls-key-file or --cert-dir")
+
+
+def serving(args: argparse.Namespace, name: str) -> Serving:
+    """The checked flags as a Serving; with --cert-dir, the certificate ``name`` there is
+    generated (or reused while it covers the names)."""
+    host, _, port_text = args.listen.rpartition(":")
+    if args.tls_cert_file is not None:
+        return Serving(host, int(port_text), args.tls_cert_file, args.tls_key_file, None)
+    pair = pki.serving_pair(args.cert_dir, name, tuple(args.server_name) or (host,))
+    return Serving(host, int(port_text), pair.cert_path, pair.key_path, pki.ca_path(pair))
