@@ -138,6 +138,10 @@ class ClusterState:
         """Drops an assumption; returns the node it held room on."""
         return self._unplace((True, key))
 
+    def assumed_node(self, key: str) -> str | None:
+        placed = self._placed.get((True, key))
+        return None if placed is None else placed[0]
+
     # -- queries ---------------------------------------------------------------------------
 
     def estimate(self, pod: JSON, replicas: int = 1) -> Estimate:

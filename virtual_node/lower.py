@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from kubekit import keys
@@ -29,6 +29,7 @@ from virtual_node.translate import (
     desired_lower_pod,
     lower_pod_patch,
     upper_status,
+    with_placement_hint,
 )
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class LowerCluster:
         host_ip: str,
         cluster_id: str,
         dependencies: PodDependencies | None = None,
+        placement_hint: Callable[[str], str | None] | None = None,
     ) -> None:
         self.client = client
         self.pods = pods
@@ -68,6 +70,8 @@ class LowerCluster:
         self.host_ip = host_ip
         self.cluster_id = cluster_id
         self.dependencies = dependencies
+        # Upper pod UID -> the lower node the fit estimator holds room on for it.
+        self.placement_hint = placement_hint
         self.version = ""
         self.changed = asyncio.Event()
         self._namespaces: set[str] = set()
@@ -206,6 +210,9 @@ class LowerCluster:
         )
         if self.dependencies is not None:
             await self.dependencies.ensure_for_pod(upper)
+        hinted = self.placement_hint(upper["metadata"]["uid"]) if self.placement_hint else None
+        if hinted is not None:
+            desired = with_placement_hint(desired, hinted)
         try:
             created = await self.client.create(PODS, desired, namespace)
         except ApiError as error:

@@ -229,6 +229,7 @@ async def run(config: VirtualNodeConfig) -> None:
             owner,
             WorkQueue("reflected"),
         )
+        estimator = FitEstimator(ClusterState(), mapping, owner)
         backend = LowerCluster(
             lower,
             lower_informers.informer(PODS),
@@ -238,6 +239,7 @@ async def run(config: VirtualNodeConfig) -> None:
             config.address,
             config.cluster_id,
             reflector,
+            estimator.placement_hint if config.estimator_port else None,
         )
         backend.watch_mirrored_pods(queue)
         events = EventReflector(
@@ -263,7 +265,6 @@ async def run(config: VirtualNodeConfig) -> None:
         # One authorizer, so the kubelet API and the estimator share its caches.
         authorizer = Authorizer(upper, config.name)
         runner = await serve_kubelet_api(config, kubelet, authorizer, pair)
-        estimator = FitEstimator(ClusterState(), mapping, owner)
         if config.estimator_port:
             estimator.watch(backend.nodes, backend.pods, upper_pods)
 

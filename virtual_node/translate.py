@@ -121,6 +121,27 @@ def desired_lower_pod(
     }
 
 
+# Above the scores of the other default plugins together (NodeAffinity counts twice), so
+# the lower scheduler takes the hinted node whenever it fits, and another when not.
+PLACEMENT_HINT_WEIGHT = 100
+
+
+def with_placement_hint(lower: JSON, node_name: str) -> JSON:
+    """The lower pod preferring ``node_name``: the node the estimator held room on."""
+    spec = lower["spec"]
+    node_affinity = spec.setdefault("affinity", {}).setdefault("nodeAffinity", {})
+    preferred = node_affinity.setdefault("preferredDuringSchedulingIgnoredDuringExecution", [])
+    preferred.append(
+        {
+            "weight": PLACEMENT_HINT_WEIGHT,
+            "preference": {
+                "matchFields": [{"key": "metadata.name", "operator": "In", "values": [node_name]}]
+            },
+        }
+    )
+    return lower
+
+
 def _without_virtual_node_terms(spec: JSON) -> JSON:
     """Drops what only the upper scheduler could satisfy: the toleration of the virtual
     node's taint and selectors on keys that only virtual nodes carry."""

@@ -202,3 +202,15 @@ def test_the_stash_is_restored_before_the_pod_is_judged() -> None:
 def test_a_pod_that_cannot_be_read_is_a_clear_error(body: bytes, complaint: str) -> None:
     with pytest.raises(QueryError, match=complaint):
         Cluster().estimator.answer(body)
+
+
+def test_a_pod_bound_here_is_hinted_to_the_node_its_room_is_held_on() -> None:
+    cluster = Cluster()
+    web = upper_pod("web", "3")
+    assert cluster.estimator.placement_hint("uid-web") is None
+    cluster.estimator.answer(orjson.dumps(web), reserve=True)
+    assert cluster.estimator.placement_hint("uid-web") is None, "reserved, not bound here yet"
+    cluster.upper_pods.apply({"type": "ADDED", "object": web})
+    assert cluster.estimator.placement_hint("uid-web") == "big"
+    cluster.lower_pods.apply({"type": "ADDED", "object": lower_copy(web, "small")})
+    assert cluster.estimator.placement_hint("uid-web") is None, "landed: the real pod counts"

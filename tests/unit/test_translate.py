@@ -8,11 +8,13 @@ from kubekit import keys
 from kubekit.stash import stash_scheduling
 from virtual_node.naming import NamespaceMapping, NamingError
 from virtual_node.translate import (
+    PLACEMENT_HINT_WEIGHT,
     Ownership,
     TranslationError,
     desired_lower_pod,
     lower_pod_patch,
     upper_status,
+    with_placement_hint,
 )
 
 OWNER = Ownership(origin="upper-uid-0", node_name="vk-lower-1")
@@ -288,3 +290,28 @@ def test_without_a_record_of_keys_from_above_nothing_is_removed() -> None:
         patch = lower_pod_patch(current, desired)
         assert patch is not None
         assert "labels" not in patch["metadata"]
+
+
+def test_a_placement_hint_is_a_preference_beside_the_pods_own() -> None:
+    own = {"weight": 5, "preference": {"matchExpressions": [{"key": "disk", "operator": "Exists"}]}}
+    lower = {
+        "spec": {
+            "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [own]}}
+        }
+    }
+    hinted = with_placement_hint(lower, "node-7")
+    assert hinted["spec"]["affinity"]["nodeAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ] == [
+        own,
+        {
+            "weight": PLACEMENT_HINT_WEIGHT,
+            "preference": {
+                "matchFields": [{"key": "metadata.name", "operator": "In", "values": ["node-7"]}]
+            },
+        },
+    ]
+    bare = with_placement_hint({"spec": {}}, "node-1")
+    assert list(bare["spec"]["affinity"]["nodeAffinity"]) == [
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ]
