@@ -293,7 +293,25 @@ class Decisions:
 
 # -- metrics -----------------------------------------------------------------------------
 
-FILTER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# Fine below 5 ms: a decision is judged against 5 ms, and its quantiles are read off these.
+FILTER_BUCKETS = (
+    0.0005,
+    0.001,
+    0.002,
+    0.003,
+    0.004,
+    0.005,
+    0.0075,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 import pytest
 
+from kubekit import keys
 from kubekit.estimatorapi import estimator_pb2, estimator_pb2_grpc
 from kubekit.federation import Federation, virtual_node_name
 from kubekit.localcluster import LocalCluster, NodeSpec
@@ -267,9 +268,11 @@ def test_a_cluster_whose_estimator_is_down_is_skipped_and_the_others_still_used(
         delete_pods(fragmented, "app in (only-lower-1, anywhere)")
 
 
-def test_the_estimator_refuses_callers_without_credentials(fragmented: Federation) -> None:
+def test_the_estimator_answers_only_callers_allowed_to_get_nodes_estimator(
+    fragmented: Federation,
+) -> None:
     node = get_json(fragmented.upper, "node", "vk-lower-2")
-    address = node["metadata"]["annotations"]["kubestrata.io/estimator-address"]
+    address = node["metadata"]["annotations"][keys.ESTIMATOR_ADDRESS_ANNOTATION]
     host, _, port = address.rpartition(":")
     assert host == "127.0.0.1" and int(port) > 0
 
@@ -291,6 +294,9 @@ def test_the_estimator_refuses_callers_without_credentials(fragmented: Federatio
 
     assert asyncio.run(ask("")) == grpc.StatusCode.UNAUTHENTICATED
     assert asyncio.run(ask("not-a-token")) == grpc.StatusCode.UNAUTHENTICATED
+    # A real identity without get on nodes/estimator.
+    stranger = fragmented.upper.kubectl("create", "token", "default", "-n", "default").stdout
+    assert asyncio.run(ask(stranger.strip())) == grpc.StatusCode.PERMISSION_DENIED
     # The multischeduler's own token (its ServiceAccount may get nodes/estimator).
     token = (fragmented.state_dir / "multischeduler" / "token").read_text()
     assert asyncio.run(ask(token)) == grpc.StatusCode.OK
