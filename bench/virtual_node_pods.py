@@ -44,8 +44,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common import delete_namespaces, wait_no_pods
+
 from kubekit import keys
-from kubekit.client import NAMESPACES, PODS, ApiError, ClientSettings, KubeClient, is_not_found
+from kubekit.client import NAMESPACES, PODS, ClientSettings, KubeClient
 from kubekit.federation import Federation, virtual_node_name
 from kubekit.informer import FunctionHandler, Informer
 from kubekit.localcluster import ClusterSpec, LocalCluster, NodeSpec
@@ -193,32 +195,6 @@ def print_requests(title: str, count: int, made: Counter[str]) -> None:
     for request, number in made.most_common():
         if number >= count // 4:
             print(f"    {request:40} {number / count:6.2f} per pod")
-
-
-async def delete_namespaces(cluster: LocalCluster, names: Iterable[str]) -> None:
-    """Deletes namespaces and waits until they, their pods and events are gone."""
-    async with await KubeClient.connect(ClientSettings(str(cluster.kubeconfig))) as client:
-        for name in names:
-            await client.delete(NAMESPACES, name)
-        for name in names:
-            async with asyncio.timeout(900):
-                while True:
-                    try:
-                        await client.get(NAMESPACES, name)
-                    except ApiError as error:
-                        if is_not_found(error):
-                            break
-                        raise
-                    await asyncio.sleep(1)
-
-
-async def wait_no_pods(cluster: LocalCluster, names: Iterable[str]) -> None:
-    async with await KubeClient.connect(ClientSettings(str(cluster.kubeconfig))) as client:
-        for name in names:
-            async with asyncio.timeout(900):
-                # Another cluster's pods: no event here to wait on, polling is the point.
-                while (await client.list(PODS, name, limit=1))["items"]:  # noqa: ASYNC110
-                    await asyncio.sleep(1)
 
 
 def delete_pods(cluster: LocalCluster, namespace: str, lower: LocalCluster) -> float:
