@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import enum
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -235,6 +235,17 @@ def scores(
     return [{"Host": name, "Score": of(name)} for name in node_names]
 
 
+def surplus_reservations(answers: Mapping[str, Answer], score: Score) -> set[str]:
+    """The nodes holding room for the pod that prioritize will not rank first (highest
+    score, then name): held until the binding, such room would turn away the next pods of
+    a burst from clusters that still have it, and they would wait for the next cluster
+    event to be tried again."""
+    estimates = {n: a for n, a in answers.items() if isinstance(a, PodEstimate)}
+    ranked = [r for r in scores(sorted(estimates), estimates, score) if fits(estimates[r["Host"]])]
+    favourite = min(ranked, key=lambda r: (-r["Score"], r["Host"]))["Host"] if ranked else None
+    return reserved_nodes(answers) - {favourite}
+
+
 # -- memory between the scheduler's calls ------------------------------------------------
 
 
@@ -259,9 +270,15 @@ class Decisions:
     def __len__(self) -> int:
         return len(self._by_uid)
 
-    def remember(self, uid: str, answers: Mapping[str, Answer], now: float) -> None:
+    def remember(
+        self,
+        uid: str,
+        answers: Mapping[str, Answer],
+        now: float,
+        released: Collection[str] = (),
+    ) -> None:
         estimates = {n: a for n, a in answers.items() if isinstance(a, PodEstimate)}
-        reserved = reserved_nodes(answers)
+        reserved = reserved_nodes(answers) - set(released)
         earlier = self._by_uid.pop(uid, None)
         if earlier is not None:
             # A second filter of the same pod (a nominated node first, then all) adds to

@@ -28,6 +28,7 @@ from multischeduler.extender import (
     parse_binding_args,
     parse_extender_args,
     scores,
+    surplus_reservations,
 )
 
 log = logging.getLogger("multischeduler")
@@ -67,7 +68,9 @@ class Extender:
         answers: dict[str, Answer] = {}
         if virtual:
             answers = await self._estimate(virtual, args, reserve=True)
-            self.decisions.remember(args.uid, answers, self.clock())
+            surplus = surplus_reservations(answers, self.score)
+            self.pool.release(surplus, args.uid)
+            self.decisions.remember(args.uid, answers, self.clock(), released=surplus)
         result = filter_result(args.node_names, answers, self.on_error)
         self.metrics.filter_seconds.observe(self.clock() - began)
         self.metrics.decisions["filter"] += 1

@@ -32,6 +32,7 @@ from multischeduler.extender import (
     parse_extender_args,
     reserved_nodes,
     scores,
+    surplus_reservations,
     virtual_node,
 )
 from multischeduler.main import parse_args
@@ -466,3 +467,17 @@ def test_the_deployment_starts_the_extender_with_flags_it_knows(
     assert config.port == 8443 == service["spec"]["ports"][0]["port"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+
+
+def test_only_the_cluster_ranked_first_keeps_the_room_filter_reserved() -> None:
+    answers: dict[str, Answer] = {
+        "vk-b": fitting(best_fit=0.9, reserved_node="n1"),
+        "vk-a": fitting(best_fit=0.5, reserved_node="n2"),
+        "vk-c": fitting(best_fit=0.9, reserved_node="n3"),
+        "vk-full": NO_ROOM,
+        "vk-late": EstimatorFailure("timeout", maybe_reserved=True),
+    }
+    # vk-b and vk-c tie at the top: the first name keeps its room.
+    assert surplus_reservations(answers, Score.BEST_FIT) == {"vk-a", "vk-c", "vk-late"}
+    assert surplus_reservations(answers, Score.LEAST_ALLOCATED) == {"vk-b", "vk-c", "vk-late"}
+    assert surplus_reservations({"vk-full": NO_ROOM}, Score.BEST_FIT) == set()

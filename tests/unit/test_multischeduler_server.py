@@ -343,18 +343,35 @@ def binding(node: str) -> dict[str, str]:
     return {"PodName": "p", "PodNamespace": "ns", "PodUID": "u1", "Node": node}
 
 
-async def test_bind_binds_and_releases_the_room_held_elsewhere(federation: Federation) -> None:
-    for name in ("vk-a", "vk-b", "vk-c"):
+async def test_filter_keeps_room_only_where_the_pod_is_likeliest_to_go(
+    federation: Federation,
+) -> None:
+    await federation.estimator("vk-a", fits(0.9))
+    for name in ("vk-b", "vk-c"):
         await federation.estimator(name, fits(0.5))
     await federation.estimator("vk-full", NO_ROOM)
     await federation.filter("vk-a", "vk-b", "vk-c", "vk-full")
-    assert await federation.post("bind", binding("vk-b")) == {"Error": ""}
-    assert federation.bindings == [BindingArgs("p", "ns", "u1", "vk-b")]
     estimators = federation.estimators
-    await eventually(lambda: bool(estimators["vk-a"].releases and estimators["vk-c"].releases))
-    assert estimators["vk-a"].releases == estimators["vk-c"].releases == [["u1"]]
-    assert estimators["vk-b"].releases == estimators["vk-full"].releases == []
-    assert estimators["vk-a"].authorization[-1] == "Bearer sesame"
+    # The others' room goes back at once, not at the binding: the next pods of a burst
+    # must find it.
+    await eventually(lambda: bool(estimators["vk-b"].releases and estimators["vk-c"].releases))
+    assert estimators["vk-b"].releases == estimators["vk-c"].releases == [["u1"]]
+    assert estimators["vk-a"].releases == estimators["vk-full"].releases == []
+    assert estimators["vk-b"].authorization[-1] == "Bearer sesame"
+    assert await federation.post("bind", binding("vk-a")) == {"Error": ""}
+    assert federation.bindings == [BindingArgs("p", "ns", "u1", "vk-a")]
+    await asyncio.sleep(0.1)
+    assert estimators["vk-a"].releases == [], "the chosen cluster's room becomes the pod's"
+
+
+async def test_bind_elsewhere_releases_the_room_kept_for_the_pod(federation: Federation) -> None:
+    await federation.estimator("vk-a", fits(0.9))
+    await federation.estimator("vk-b", fits(0.5))
+    await federation.filter("vk-a", "vk-b")
+    assert await federation.post("bind", binding("vk-b")) == {"Error": ""}
+    estimators = federation.estimators
+    await eventually(lambda: bool(estimators["vk-a"].releases))
+    assert estimators["vk-a"].releases == [["u1"]]
     # The pod is forgotten: a second binding releases nothing.
     assert await federation.post("bind", binding("vk-b")) == {"Error": ""}
     await asyncio.sleep(0.1)
