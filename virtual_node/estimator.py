@@ -138,8 +138,8 @@ class FitEstimator:
         self._reserved.pop(uid, None)
         self.state.forget(uid)
 
-    def placement_hint(self, uid: str) -> str | None:
-        """The lower node room is held on for a pod bound here: the lower pod is steered
+    def held_node(self, uid: str) -> str | None:
+        """The lower node room is held on for a pod bound here: the lower pod is pinned
         there, since room assumed on one node while the lower scheduler takes another
         would be counted twice and leave a later pod without the room it was promised."""
         return self.state.assumed_node(uid) if uid in self._in_flight else None

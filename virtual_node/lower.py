@@ -28,8 +28,9 @@ from virtual_node.translate import (
     TranslationError,
     desired_lower_pod,
     lower_pod_patch,
+    pinned_to,
     upper_status,
-    with_placement_hint,
+    uses_unmodelled_filters,
 )
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class LowerCluster:
         host_ip: str,
         cluster_id: str,
         dependencies: PodDependencies | None = None,
-        placement_hint: Callable[[str], str | None] | None = None,
+        held_node: Callable[[str], str | None] | None = None,
     ) -> None:
         self.client = client
         self.pods = pods
@@ -71,7 +72,7 @@ class LowerCluster:
         self.cluster_id = cluster_id
         self.dependencies = dependencies
         # Upper pod UID -> the lower node the fit estimator holds room on for it.
-        self.placement_hint = placement_hint
+        self.held_node = held_node
         self.version = ""
         self.changed = asyncio.Event()
         self._namespaces: set[str] = set()
@@ -210,9 +211,10 @@ class LowerCluster:
         )
         if self.dependencies is not None:
             await self.dependencies.ensure_for_pod(upper)
-        hinted = self.placement_hint(upper["metadata"]["uid"]) if self.placement_hint else None
-        if hinted is not None:
-            desired = with_placement_hint(desired, hinted)
+        if self.held_node is not None and not uses_unmodelled_filters(desired["spec"]):
+            node = self.held_node(upper["metadata"]["uid"])
+            if node is not None:
+                desired = pinned_to(desired, node)
         try:
             created = await self.client.create(PODS, desired, namespace)
         except ApiError as error:

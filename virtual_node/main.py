@@ -239,7 +239,7 @@ async def run(config: VirtualNodeConfig) -> None:
             config.address,
             config.cluster_id,
             reflector,
-            estimator.placement_hint if config.estimator_port else None,
+            estimator.held_node if config.estimator_port else None,
         )
         backend.watch_mirrored_pods(queue)
         events = EventReflector(

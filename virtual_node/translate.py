@@ -121,24 +121,26 @@ def desired_lower_pod(
     }
 
 
-# Above the scores of the other default plugins together (NodeAffinity counts twice), so
-# the lower scheduler takes the hinted node whenever it fits, and another when not.
-PLACEMENT_HINT_WEIGHT = 100
-
-
-def with_placement_hint(lower: JSON, node_name: str) -> JSON:
-    """The lower pod preferring ``node_name``: the node the estimator held room on."""
-    spec = lower["spec"]
-    node_affinity = spec.setdefault("affinity", {}).setdefault("nodeAffinity", {})
-    preferred = node_affinity.setdefault("preferredDuringSchedulingIgnoredDuringExecution", [])
-    preferred.append(
-        {
-            "weight": PLACEMENT_HINT_WEIGHT,
-            "preference": {
-                "matchFields": [{"key": "metadata.name", "operator": "In", "values": [node_name]}]
-            },
-        }
+def uses_unmodelled_filters(spec: Mapping[str, Any]) -> bool:
+    """Volumes bound to zones and claimed devices are not in the fit estimator's model."""
+    return bool(spec.get("resourceClaims")) or any(
+        "persistentVolumeClaim" in volume or "ephemeral" in volume
+        for volume in spec.get("volumes") or []
     )
+
+
+def pinned_to(lower: JSON, node_name: str) -> JSON:
+    """The lower pod required on ``node_name``, the node the estimator held room on: the
+    lower scheduler decides by its own scores, and a preference, outweighed by them now
+    and then, let it take room promised to a later pod (which then stranded). The field
+    is added to every required term, since terms are ORed."""
+    pin = {"key": "metadata.name", "operator": "In", "values": [node_name]}
+    node_affinity = lower["spec"].setdefault("affinity", {}).setdefault("nodeAffinity", {})
+    required = node_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.get("nodeSelectorTerms") or [{}]
+    required["nodeSelectorTerms"] = [
+        {**term, "matchFields": [*(term.get("matchFields") or []), pin]} for term in terms
+    ]
     return lower
 
 

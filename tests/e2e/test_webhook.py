@@ -16,7 +16,6 @@ import yaml
 
 from kubekit import keys, stash
 from kubekit.federation import Federation
-from virtual_node.translate import PLACEMENT_HINT_WEIGHT
 
 from .helpers import apply, federated_namespace, get_json, pods_by_name, rollout, wait_for
 
@@ -96,18 +95,13 @@ def test_node_selector_and_affinity_are_stashed_above_and_restored_below(
     below = lower_pod(federation, "lower-1", "wh-ssd", "fast")
     # The cluster-id key only virtual nodes carry is dropped below; the rest is restored.
     assert below["spec"]["nodeSelector"] == SSD
-    # Restored as it was, beside the virtual node's hint of the node it held room on.
-    hint = below["spec"]["affinity"]["nodeAffinity"].pop(
-        "preferredDuringSchedulingIgnoredDuringExecution"
-    )
-    assert hint == [
-        {
-            "weight": PLACEMENT_HINT_WEIGHT,
-            "preference": {
-                "matchFields": [{"key": "metadata.name", "operator": "In", "values": [ssd_node]}]
-            },
-        }
-    ]
+    # Restored as it was, each required term pinned to the node the estimator held room on.
+    for term in below["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]:
+        assert term.pop("matchFields") == [
+            {"key": "metadata.name", "operator": "In", "values": [ssd_node]}
+        ]
     assert below["spec"]["affinity"] == affinity
     assert below["spec"]["nodeName"] == ssd_node
     assert not any(

@@ -204,13 +204,13 @@ def test_a_pod_that_cannot_be_read_is_a_clear_error(body: bytes, complaint: str)
         Cluster().estimator.answer(body)
 
 
-def test_a_pod_bound_here_is_hinted_to_the_node_its_room_is_held_on() -> None:
+def test_a_pod_bound_here_is_pinned_to_the_node_its_room_is_held_on() -> None:
     cluster = Cluster()
     web = upper_pod("web", "3")
-    assert cluster.estimator.placement_hint("uid-web") is None
+    assert cluster.estimator.held_node("uid-web") is None
     cluster.estimator.answer(orjson.dumps(web), reserve=True)
-    assert cluster.estimator.placement_hint("uid-web") is None, "reserved, not bound here yet"
+    assert cluster.estimator.held_node("uid-web") is None, "reserved, not bound here yet"
     cluster.upper_pods.apply({"type": "ADDED", "object": web})
-    assert cluster.estimator.placement_hint("uid-web") == "big"
+    assert cluster.estimator.held_node("uid-web") == "big"
     cluster.lower_pods.apply({"type": "ADDED", "object": lower_copy(web, "small")})
-    assert cluster.estimator.placement_hint("uid-web") is None, "landed: the real pod counts"
+    assert cluster.estimator.held_node("uid-web") is None, "landed: the real pod counts"

@@ -8,13 +8,13 @@ from kubekit import keys
 from kubekit.stash import stash_scheduling
 from virtual_node.naming import NamespaceMapping, NamingError
 from virtual_node.translate import (
-    PLACEMENT_HINT_WEIGHT,
     Ownership,
     TranslationError,
     desired_lower_pod,
     lower_pod_patch,
+    pinned_to,
     upper_status,
-    with_placement_hint,
+    uses_unmodelled_filters,
 )
 
 OWNER = Ownership(origin="upper-uid-0", node_name="vk-lower-1")
@@ -292,26 +292,49 @@ def test_without_a_record_of_keys_from_above_nothing_is_removed() -> None:
         assert "labels" not in patch["metadata"]
 
 
-def test_a_placement_hint_is_a_preference_beside_the_pods_own() -> None:
-    own = {"weight": 5, "preference": {"matchExpressions": [{"key": "disk", "operator": "Exists"}]}}
+def test_a_pin_is_added_to_every_required_term_of_the_pod() -> None:
+    ssd = {"matchExpressions": [{"key": "disk", "operator": "In", "values": ["ssd"]}]}
+    named = {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["n9"]}]}
+    required = {"nodeSelectorTerms": [ssd, named]}
     lower = {
         "spec": {
-            "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [own]}}
+            "affinity": {
+                "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}
+            }
         }
     }
-    hinted = with_placement_hint(lower, "node-7")
-    assert hinted["spec"]["affinity"]["nodeAffinity"][
-        "preferredDuringSchedulingIgnoredDuringExecution"
-    ] == [
-        own,
-        {
-            "weight": PLACEMENT_HINT_WEIGHT,
-            "preference": {
-                "matchFields": [{"key": "metadata.name", "operator": "In", "values": ["node-7"]}]
-            },
-        },
-    ]
-    bare = with_placement_hint({"spec": {}}, "node-1")
-    assert list(bare["spec"]["affinity"]["nodeAffinity"]) == [
-        "preferredDuringSchedulingIgnoredDuringExecution"
-    ]
+    pin = {"key": "metadata.name", "operator": "In", "values": ["node-7"]}
+    terms = pinned_to(lower, "node-7")["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    assert terms == [{**ssd, "matchFields": [pin]}, {"matchFields": [*named["matchFields"], pin]}]
+    bare = pinned_to({"spec": {}}, "node-1")["spec"]["affinity"]
+    assert bare == {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {
+                        "matchFields": [
+                            {"key": "metadata.name", "operator": "In", "values": ["node-1"]}
+                        ]
+                    }
+                ]
+            }
+        }
+    }
+
+
+@pytest.mark.parametrize(
+    ("spec", "unmodelled"),
+    [
+        ({"volumes": [{"name": "v", "emptyDir": {}}]}, False),
+        ({"volumes": [{"name": "v", "persistentVolumeClaim": {"claimName": "data"}}]}, True),
+        ({"volumes": [{"name": "v", "ephemeral": {"volumeClaimTemplate": {}}}]}, True),
+        ({"resourceClaims": [{"name": "gpu", "resourceClaimName": "c"}]}, True),
+        ({}, False),
+    ],
+)
+def test_pods_with_volumes_or_devices_the_estimator_cannot_judge_are_not_pinned(
+    spec: dict[str, Any], unmodelled: bool
+) -> None:
+    assert uses_unmodelled_filters(spec) is unmodelled
