@@ -617,6 +617,24 @@ def preference(pod: PodFacts, labels: Mapping[str, str], name: str) -> int:
 # -- what the node's pods use ------------------------------------------------------------
 
 
+# name, pods, cpu, memory, ephemeral storage, free, used, 1/cpu, 1/memory, scale, shares,
+# allocatable: Headroom's fields in the order rank unpacks them.
+HeadroomRow = tuple[
+    str,
+    int,
+    int,
+    int,
+    int,
+    Mapping[str, int],
+    float,
+    float,
+    float,
+    float,
+    int,
+    Mapping[str, int],
+]
+
+
 @dataclass(frozen=True, slots=True)
 class Headroom:
     """What a node has left once its pods' requests are taken, laid out for ``rank``:
@@ -637,6 +655,9 @@ class Headroom:
     scale: float
     allocatable: Mapping[str, int] = field(repr=False)
     free: Mapping[str, int] = field(repr=False)
+    # The fields rank reads, as a tuple it unpacks: a third faster than attribute reads
+    # in the loop that runs once per node and query.
+    row: HeadroomRow = field(repr=False, compare=False)
 
     @classmethod
     def of(
@@ -651,20 +672,37 @@ class Headroom:
         inverse_cpu = 1 / cpu if cpu > 0 else 0.0
         inverse_memory = 1 / memory if memory > 0 else 0.0
         shares = (cpu > 0) + (memory > 0)
+        pods, free_cpu = free.get("pods", 0), free.get("cpu", 0)
+        free_memory, storage = free.get("memory", 0), free.get("ephemeral-storage", 0)
+        used = requested.get("cpu", 0) * inverse_cpu + requested.get("memory", 0) * inverse_memory
+        scale = 1 / shares if shares else 0.0
         return cls(
             name=name,
-            pods=free.get("pods", 0),
-            cpu=free.get("cpu", 0),
-            memory=free.get("memory", 0),
-            storage=free.get("ephemeral-storage", 0),
+            pods=pods,
+            cpu=free_cpu,
+            memory=free_memory,
+            storage=storage,
             inverse_cpu=inverse_cpu,
             inverse_memory=inverse_memory,
-            used=requested.get("cpu", 0) * inverse_cpu
-            + requested.get("memory", 0) * inverse_memory,
+            used=used,
             shares=shares,
-            scale=1 / shares if shares else 0.0,
+            scale=scale,
             allocatable=allocatable,
             free=free,
+            row=(
+                name,
+                pods,
+                free_cpu,
+                free_memory,
+                storage,
+                free,
+                used,
+                inverse_cpu,
+                inverse_memory,
+                scale,
+                shares,
+                allocatable,
+            ),
         )
 
 
@@ -692,36 +730,46 @@ def rank(pod: PodFacts, nodes: Iterable[Headroom]) -> tuple[dict[str, float], Co
     short_pods = short_cpu = short_memory = short_storage = 0
     short_extended = [0] * len(extended)
     for node in nodes:
+        (
+            name,
+            free_pods,
+            free_cpu,
+            free_memory,
+            free_storage,
+            free,
+            used,
+            inverse_cpu,
+            inverse_memory,
+            scale,
+            shares,
+            allocatable,
+        ) = node.row
         lacking = False
         if extended:
-            free = node.free
             for index in extended_range:
                 if free.get(extended_names[index], 0) < extended_wants[index]:
                     short_extended[index] += 1
                     lacking = True
         if (
             not lacking
-            and node.cpu >= cpu
-            and node.memory >= memory
-            and node.pods >= pods
-            and node.storage >= storage
+            and free_cpu >= cpu
+            and free_memory >= memory
+            and free_pods >= pods
+            and free_storage >= storage
         ):
-            share = node.used + want_cpu * node.inverse_cpu + want_memory * node.inverse_memory
+            share = used + want_cpu * inverse_cpu + want_memory * inverse_memory
             if extended:
                 # Fitting means allocatable >= free >= request > 0 for each of them.
-                share += sum(
-                    (node.allocatable[r] - node.free[r] + q) / node.allocatable[r]
-                    for r, q in extended
-                )
-                share /= node.shares + len(extended)
+                share += sum((allocatable[r] - free[r] + q) / allocatable[r] for r, q in extended)
+                share /= shares + len(extended)
             else:
-                share *= node.scale
-            fitting[node.name] = share if share < 1.0 else 1.0
+                share *= scale
+            fitting[name] = share if share < 1.0 else 1.0
             continue
-        short_pods += node.pods < pods
-        short_cpu += node.cpu < cpu
-        short_memory += node.memory < memory
-        short_storage += node.storage < storage
+        short_pods += free_pods < pods
+        short_cpu += free_cpu < cpu
+        short_memory += free_memory < memory
+        short_storage += free_storage < storage
     short = Counter(
         dict(
             zip(

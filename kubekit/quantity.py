@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from fractions import Fraction
 
@@ -27,6 +28,9 @@ class QuantityError(ValueError):
     """Not a Kubernetes quantity."""
 
 
+# Few distinct quantities recur across every pod a cluster holds ("500m", "1Gi"), and the
+# estimator parses each pod it is asked about: parsed once, kept (Fractions are immutable).
+@functools.lru_cache(maxsize=4096)
 def parse_quantity(text: str | int | float) -> Fraction:
     if isinstance(text, int | float):
         return Fraction(text)
