@@ -254,6 +254,7 @@ class _Decision:
     at: float
     estimates: dict[str, PodEstimate]
     reserved: set[str]
+    pod: bytes  # as the estimators were asked about it
 
 
 class Decisions:
@@ -276,6 +277,7 @@ class Decisions:
         answers: Mapping[str, Answer],
         now: float,
         released: Collection[str] = (),
+        pod: bytes = b"",
     ) -> None:
         estimates = {n: a for n, a in answers.items() if isinstance(a, PodEstimate)}
         reserved = reserved_nodes(answers) - set(released)
@@ -285,8 +287,13 @@ class Decisions:
             # what the first one reserved.
             estimates = {**earlier.estimates, **estimates}
             reserved |= earlier.reserved
-        self._by_uid[uid] = _Decision(now, estimates, reserved)
+        self._by_uid[uid] = _Decision(now, estimates, reserved, pod)
         self._expire(now)
+
+    def pod(self, uid: str) -> bytes:
+        """The pod as filter asked about it last (b"" once forgotten)."""
+        decision = self._by_uid.get(uid)
+        return b"" if decision is None else decision.pod
 
     def estimates(self, uid: str, now: float) -> dict[str, PodEstimate]:
         decision = self._by_uid.get(uid)

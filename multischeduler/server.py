@@ -52,14 +52,14 @@ class Extender:
     clock: Callable[[], float] = time.monotonic
 
     async def _estimate(
-        self, names: list[str], args: ExtenderArgs, reserve: bool
+        self, names: list[str], pod: bytes, pod_key: str, reserve: bool
     ) -> dict[str, Answer]:
-        query = PodQuery(pod=orjson.dumps(args.pod), reserve=reserve)
+        query = PodQuery(pod=pod, reserve=reserve)
         answers = await self.pool.estimate(names, query, self.estimator_timeout)
         for name, answer in answers.items():
             if isinstance(answer, EstimatorFailure):
                 self.metrics.estimator_errors += 1
-                log.warning("%s: pod %s: %s", name, args.pod_key, answer.message)
+                log.warning("%s: pod %s: %s", name, pod_key, answer.message)
         return answers
 
     async def filter(self, args: ExtenderArgs) -> JSON:
@@ -67,10 +67,11 @@ class Extender:
         virtual = [n for n in args.node_names if self.pool.is_virtual(n)]
         answers: dict[str, Answer] = {}
         if virtual:
-            answers = await self._estimate(virtual, args, reserve=True)
+            pod = orjson.dumps(args.pod)
+            answers = await self._estimate(virtual, pod, args.pod_key, reserve=True)
             surplus = surplus_reservations(answers, self.score)
             self.pool.release(surplus, args.uid)
-            self.decisions.remember(args.uid, answers, self.clock(), released=surplus)
+            self.decisions.remember(args.uid, answers, self.clock(), released=surplus, pod=pod)
         result = filter_result(args.node_names, answers, self.on_error)
         self.metrics.filter_seconds.observe(self.clock() - began)
         self.metrics.decisions["filter"] += 1
@@ -82,14 +83,26 @@ class Extender:
         if missing:
             # Filter's answers are gone (a restart, or too long ago): ask again, holding
             # nothing this time since the choice is about to be made.
-            answers = await self._estimate(missing, args, reserve=False)
+            answers = await self._estimate(
+                missing, orjson.dumps(args.pod), args.pod_key, reserve=False
+            )
             known |= {n: a for n, a in answers.items() if isinstance(a, PodEstimate)}
         self.metrics.decisions["prioritize"] += 1
         return scores(args.node_names, known, self.score)
 
     async def bind(self, args: BindingArgs) -> JSON:
         self.metrics.decisions["bind"] += 1
+        pod = self.decisions.pod(args.pod_uid)
         reserved = self.decisions.take_reserved(args.pod_uid, self.clock())
+        if pod and self.pool.is_virtual(args.node) and args.node not in reserved:
+            # The scheduler chose a cluster filter kept no room on (its own scores broke a
+            # tie): hold room there now, or refuse, and the pod is tried again from filter.
+            # Bound without, it could take room another pod was promised.
+            refusal = await self._hold(args, pod)
+            if refusal is not None:
+                self.pool.release(reserved, args.pod_uid)
+                return {"Error": refusal}
+            reserved.add(args.node)
         try:
             await self.binder(args)
         except Exception as error:
@@ -106,6 +119,20 @@ class Extender:
         # The chosen estimator keeps its room until the lower pod lands.
         self.pool.release(reserved - {args.node}, args.pod_uid)
         return {"Error": ""}
+
+    async def _hold(self, args: BindingArgs, pod: bytes) -> str | None:
+        key = f"{args.pod_namespace}/{args.pod_name}"
+        answer = (await self._estimate([args.node], pod, key, reserve=True))[args.node]
+        if isinstance(answer, PodEstimate) and answer.reserved_node:
+            return None
+        if isinstance(answer, EstimatorFailure) and answer.maybe_reserved:
+            self.pool.release([args.node], args.pod_uid)
+        why = (
+            answer.message
+            if isinstance(answer, EstimatorFailure)
+            else answer.error or (answer.message)
+        )
+        return f"no room left for pod {key} on {args.node}: {why}"
 
 
 def make_app(extender: Extender) -> web.Application:

@@ -378,6 +378,23 @@ async def test_bind_elsewhere_releases_the_room_kept_for_the_pod(federation: Fed
     assert estimators["vk-a"].releases == [["u1"]]
 
 
+async def test_bind_to_a_cluster_filled_since_filter_is_refused(federation: Federation) -> None:
+    await federation.estimator("vk-a", fits(0.9))
+    await federation.estimator("vk-b", fits(0.5))
+    await federation.filter("vk-a", "vk-b")
+    federation.estimators["vk-b"].answer = NO_ROOM
+    answer = await federation.post("bind", binding("vk-b"))
+    assert answer["Error"] == (
+        "no room left for pod ns/p on vk-b: 0/3 nodes are available: 3 Insufficient cpu"
+    )
+    assert federation.bindings == [], "bound without room it could take another pod's"
+    asked = federation.estimators["vk-b"].estimates[-1].pods[0]
+    assert asked.reserve and asked.pod == orjson.dumps(POD)
+    estimators = federation.estimators
+    await eventually(lambda: bool(estimators["vk-a"].releases))
+    assert estimators["vk-a"].releases == [["u1"]]
+
+
 async def test_a_failed_binding_is_reported_and_releases_everything(
     federation: Federation,
 ) -> None:
