@@ -59,3 +59,7 @@ ESTIMATOR_ADDRESS_ANNOTATION = f"{PREFIX}/estimator-address"
 # the upper kube-scheduler retry the pods the extender failed while it was away (a Node
 # annotation change is a cluster event; an extender's rejection waits for one).
 ESTIMATOR_STARTED_ANNOTATION = f"{PREFIX}/estimator-started"
+# On virtual Nodes: a digest of the lower nodes' labels, taints, schedulability and
+# readiness. The upper scheduler retries a pod the extender failed only on a cluster event;
+# a lower node labelled or uncordoned changes no capacity above, but changes this.
+LOWER_NODES_ANNOTATION = f"{PREFIX}/lower-nodes"

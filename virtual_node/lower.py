@@ -13,7 +13,7 @@ from kubekit.informer import FunctionHandler, Informer, object_key
 from kubekit.workqueue import WorkQueue
 from virtual_node.capacity import PodUsage, as_resource_list, free_capacity, pod_usage
 from virtual_node.naming import NamespaceMapping, NamingError
-from virtual_node.node import NodeReport, shared_labels
+from virtual_node.node import NodeReport, nodes_digest, shared_labels
 from virtual_node.podcontroller import (
     FINISHED,
     Mirrored,
@@ -155,6 +155,7 @@ class LowerCluster:
             allocatable=as_resource_list(free),
             labels=shared_labels(nodes),
             kubelet_version=self.version,
+            nodes_digest=nodes_digest(nodes),
         )
 
     # -- PodBackend ------------------------------------------------------------------------

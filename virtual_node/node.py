@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +46,7 @@ class NodeReport:
     labels: Mapping[str, str] = field(default_factory=dict)
     kubelet_version: str = ""
     message: str = ""
+    nodes_digest: str = ""
 
 
 def now_rfc3339() -> str:
@@ -71,6 +74,24 @@ def shared_labels(lower_nodes: Iterable[Mapping[str, Any]]) -> dict[str, str]:
             labels if shared is None else {k: v for k, v in shared.items() if labels.get(k) == v}
         )
     return shared or {}
+
+
+def nodes_digest(lower_nodes: Iterable[Mapping[str, Any]]) -> str:
+    """What the lower nodes offer a pod's node filters, in a few bytes: names, labels,
+    taints, cordon and readiness (not usage, which the Node's allocatable shows)."""
+    facts = sorted(
+        (
+            node["metadata"]["name"],
+            sorted((node["metadata"].get("labels") or {}).items()),
+            sorted(
+                (t.get("key", ""), t.get("value", ""), t.get("effect", ""))
+                for t in (node.get("spec") or {}).get("taints") or []
+            ),
+            node_is_usable(node),
+        )
+        for node in lower_nodes
+    )
+    return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:16]
 
 
 def node_labels(identity: NodeIdentity, report: NodeReport) -> dict[str, str]:

@@ -11,6 +11,7 @@ import logging
 import time
 from typing import Protocol
 
+from kubekit import keys
 from kubekit.client import LEASES, NODES, ApiError, KubeClient, is_not_found
 from virtual_node.node import (
     LEASE_NAMESPACE,
@@ -54,6 +55,7 @@ class NodeController:
         self._last_status: dict[str, object] = {}
         self._reachability_changed = asyncio.Event()
         self._last_sent = 0.0
+        self._nodes_digest = ""
 
     async def run(self) -> None:
         self.reachable = await self.provider.ping()
@@ -140,13 +142,25 @@ class NodeController:
             except (TimeoutError, ApiError, OSError) as error:
                 log.warning("status of %s not updated: %s", self.identity.name, error)
 
+    async def _send_nodes_digest(self, digest: str) -> None:
+        if not digest or digest == self._nodes_digest:
+            return
+        await self.upper.patch(
+            NODES,
+            self.identity.name,
+            {"metadata": {"annotations": {keys.LOWER_NODES_ANNOTATION: digest}}},
+        )
+        self._nodes_digest = digest
+
     async def update_status(self, force: bool) -> None:
         """Sends the status when it changed, or when ``force`` (the periodic heartbeat),
         and never while the lower cluster is unreachable: silence is how the upper node
         controller learns of it."""
         if not self.reachable and self._last_status:
             return
-        status = node_status(self.identity, self.provider.report(self.reachable), self._last_status)
+        report = self.provider.report(self.reachable)
+        await self._send_nodes_digest(report.nodes_digest)
+        status = node_status(self.identity, report, self._last_status)
         if not force and not status_changed(self._last_status, status):
             return
         try:

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from kubekit import keys
-from virtual_node.node import NodeIdentity, NodeReport, registration, registration_patch
+from virtual_node.node import (
+    NodeIdentity,
+    NodeReport,
+    nodes_digest,
+    registration,
+    registration_patch,
+)
 
 REPORT = NodeReport(ready=True, allocatable={"cpu": "8"})
 
@@ -38,3 +44,25 @@ def test_a_restarted_estimator_is_news_and_other_annotations_are_left_alone() ->
             "resourceVersion": "7",
         }
     }
+
+
+def lower_node(name: str, **labels: str) -> dict[str, object]:
+    return {
+        "metadata": {"name": name, "labels": labels, "resourceVersion": "1"},
+        "spec": {},
+        "status": {"conditions": [{"type": "Ready", "status": "True"}], "allocatable": {}},
+    }
+
+
+def test_the_lower_nodes_digest_moves_with_what_node_filters_read_and_only_that() -> None:
+    a, b = lower_node("a", disk="hdd"), lower_node("b")
+    digest = nodes_digest([a, b])
+    assert nodes_digest([b, a]) == digest, "order of the cache is no change"
+    busy = {**a, "status": {**a["status"], "allocatable": {"cpu": "1"}}}  # type: ignore[dict-item]
+    assert nodes_digest([busy, b]) == digest, "usage shows in allocatable, not here"
+    assert nodes_digest([lower_node("a", disk="ssd"), b]) != digest
+    tainted = {**a, "spec": {"taints": [{"key": "k", "effect": "NoSchedule"}]}}
+    assert nodes_digest([tainted, b]) != digest
+    cordoned = {**a, "spec": {"unschedulable": True}}
+    assert nodes_digest([cordoned, b]) != digest
+    assert nodes_digest([a]) != digest
