@@ -539,7 +539,8 @@ class LocalCluster(KubectlClient):
                 log.write(f"{stamp} {stream} F {line}\n")
 
     def records(self) -> list[ProcessRecord]:
-        return [p.record() for p in self.processes.values() if p.running()]
+        # Another cluster's start thread writes the state file while this one adds processes.
+        return [p.record() for p in list(self.processes.values()) if p.running()]
 
     def restart(self, component: str, timeout: float = READY_TIMEOUT_SECONDS) -> None:
         """Stops one component and starts it again on the same ports."""
