@@ -27,101 +27,61 @@ median and min-max over the rounds.
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import orjson
+from placement import (
+    NODE_FILE,
+    POD_FILE,
+    TRACE_DIR,
+    TraceNode,
+    TracePod,
+    node_spec,
+    pod_manifest,
+    read_nodes,
+    read_pods,
+)
 
-from kubekit import keys, stash
+from kubekit import stash
 from kubekit.clusterstate import ClusterState
 from virtual_node.estimator import FitEstimator
 from virtual_node.naming import NamespaceMapping
 from virtual_node.translate import Ownership
 
-TRACE = Path("/work/shared/data/alibaba-openb-2023")
-GPU = "nvidia.com/gpu"
-GPU_MODEL_LABEL = f"{keys.PREFIX}/gpu-model"
 P99_TARGET_SECONDS = 0.001
 LOWER_PODS = 20_000
 
 
-def rows(name: str) -> list[dict[str, str]]:
-    with (TRACE / name).open(newline="") as file:
-        return list(csv.DictReader(file))
+def lower_node(node: TraceNode) -> dict[str, Any]:
+    manifest = node_spec(node).manifest()
+    manifest["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+    return manifest
 
 
-def lower_node(row: dict[str, str]) -> dict[str, Any]:
-    allocatable = {"cpu": f"{row['cpu_milli']}m", "memory": f"{row['memory_mib']}Mi"}
-    allocatable["pods"] = "110"
-    labels = {"kubernetes.io/hostname": row["sn"]}
-    if int(row["gpu"]):
-        allocatable[GPU] = row["gpu"]
-        labels[GPU_MODEL_LABEL] = row["model"]
-    return {
-        "metadata": {"name": row["sn"], "labels": labels},
-        "spec": {},
-        "status": {
-            "allocatable": allocatable,
-            "conditions": [{"type": "Ready", "status": "True"}],
-        },
+def upper_pod(pod: TracePod, index: int) -> dict[str, Any]:
+    manifest = pod_manifest(pod)
+    spec, annotations = stash.stash_scheduling(manifest["spec"], {})
+    manifest["metadata"] = {
+        "name": f"{pod.name}-{index}",
+        "namespace": "bench",
+        "uid": f"uid-{index}",
+        "annotations": annotations,
     }
+    manifest["spec"] = spec
+    return manifest
 
 
-def requests(row: dict[str, str]) -> dict[str, str]:
-    wanted = {"cpu": f"{row['cpu_milli']}m", "memory": f"{row['memory_mib']}Mi"}
-    if int(row["num_gpu"]):
-        wanted[GPU] = row["num_gpu"]
-    return wanted
-
-
-def upper_pod(row: dict[str, str], index: int) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "containers": [{"name": "app", "resources": {"requests": requests(row)}}],
-    }
-    if row["gpu_spec"]:
-        spec["affinity"] = {
-            "nodeAffinity": {
-                "requiredDuringSchedulingIgnoredDuringExecution": {
-                    "nodeSelectorTerms": [
-                        {
-                            "matchExpressions": [
-                                {
-                                    "key": GPU_MODEL_LABEL,
-                                    "operator": "In",
-                                    "values": row["gpu_spec"].split("|"),
-                                }
-                            ]
-                        }
-                    ]
-                }
-            }
-        }
-    spec, annotations = stash.stash_scheduling(spec, {})
-    return {
-        "metadata": {
-            "name": f"{row['name']}-{index}",
-            "namespace": "bench",
-            "uid": f"uid-{index}",
-            "annotations": annotations,
-        },
-        "spec": spec,
-    }
-
-
-def fill(state: ClusterState, pod_rows: list[dict[str, str]]) -> list[dict[str, Any]]:
+def fill(state: ClusterState, trace_pods: list[TracePod]) -> list[dict[str, Any]]:
     """Binds trace pods to the first node that fits each, as foreign lower pods."""
     placed: list[dict[str, Any]] = []
-    for index, row in enumerate(itertools.islice(itertools.cycle(pod_rows), LOWER_PODS)):
-        pod: dict[str, Any] = {
-            "metadata": {"name": f"lower-{index}", "namespace": "tenant"},
-            "spec": {"containers": [{"name": "app", "resources": {"requests": requests(row)}}]},
-            "status": {"phase": "Running"},
-        }
+    for index, trace_pod in enumerate(itertools.islice(itertools.cycle(trace_pods), LOWER_PODS)):
+        pod = pod_manifest(trace_pod)
+        pod["metadata"] = {"name": f"lower-{index}", "namespace": "tenant"}
+        pod["status"] = {"phase": "Running"}
         estimate = state.estimate(pod)
         if not estimate.fitting:
             continue
@@ -158,15 +118,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    node_rows = rows("openb_node_list_all_node.csv")[: args.nodes]
-    pod_rows = rows("openb_pod_list_gpuspec33.csv")
-    nodes = [lower_node(row) for row in node_rows]
+    nodes = [lower_node(node) for node in read_nodes(TRACE_DIR / NODE_FILE, 1)[: args.nodes]]
+    trace_pods = read_pods(TRACE_DIR / POD_FILE, 1)
     owner = Ownership(origin="bench", node_name="vk-bench")
     estimator = FitEstimator(ClusterState(), NamespaceMapping(), owner)
     for node in nodes:
         estimator.state.set_node(node)
-    lower_pods = fill(estimator.state, pod_rows)
-    queries = [orjson.dumps(upper_pod(row, i)) for i, row in enumerate(pod_rows)]
+    lower_pods = fill(estimator.state, trace_pods)
+    queries = [orjson.dumps(upper_pod(pod, i)) for i, pod in enumerate(trace_pods)]
     print(
         f"lower cluster: {len(nodes)} nodes of openb_node_list_all_node.csv (the first), "
         f"{len(lower_pods)} pods of openb_pod_list_gpuspec33.csv bound first-fit; "
