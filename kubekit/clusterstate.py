@@ -123,12 +123,17 @@ class ClusterState:
 
     def assume(self, key: str, pod: JSON, node_name: str | None = None) -> str | None:
         """Counts the pod on ``node_name``, or on the node it would take: the fitting one
-        with the highest best fit, ties to the first name. Returns that node, or None
-        when none fits (then nothing is assumed)."""
+        left with the most room (the lowest best fit), ties to the first name, as the
+        stock scheduler's LeastAllocated spreads pods. Returns that node, or None when
+        none fits (then nothing is assumed).
+
+        Spreading within a cluster keeps room on every node for what comes next: on the
+        production trace of bench/placement.py, packing each pod on its tightest node
+        strands GPUs behind the cpu of the pods packed beside them."""
         self.forget(key)
         facts = PodFacts.of(pod)
         if node_name is None:
-            node_name = _best(self._evaluate(facts).scores)
+            node_name = _roomiest(self._evaluate(facts).scores)
             if node_name is None:
                 return None
         self._place((True, key), node_name, facts)
@@ -407,6 +412,12 @@ def _best(scores: Mapping[str, float]) -> str | None:
     equals wins."""
     top = max(scores.values(), default=None)
     return next((name for name, score in scores.items() if score == top), None)
+
+
+def _roomiest(scores: Mapping[str, float]) -> str | None:
+    """The node with the lowest best fit; the first of equals wins."""
+    bottom = min(scores.values(), default=None)
+    return next((name for name, score in scores.items() if score == bottom), None)
 
 
 def _discount(counts: Counter[str], key: str) -> None:

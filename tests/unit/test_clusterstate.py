@@ -163,16 +163,23 @@ def test_preferred() -> None:
     assert cluster.estimate(query).preferred == 3
 
 
-def test_assume_takes_the_tightest_node_and_forget_gives_it_back() -> None:
+def test_assume_takes_the_roomiest_node_and_forget_gives_it_back() -> None:
     cluster = state(node("roomy", cpu="8"), node("snug", cpu="2"))
-    assert cluster.assume("uid-1", needs("2")) == "snug"
-    assert cluster.estimate(needs("2")).fitting == ("roomy",)
-    assert cluster.assume("uid-2", needs("8")) == "roomy"
-    assert cluster.assume("uid-3", needs("1")) is None
-    assert cluster.estimate(needs("1")).fitting == ()
-    assert cluster.forget("uid-1") == "snug"
+    assert cluster.assume("uid-1", needs("2")) == "roomy"
+    assert cluster.estimate(needs("6")).fitting == ("roomy",)
+    assert cluster.assume("uid-2", needs("6")) == "roomy"
+    assert cluster.estimate(needs("1")).fitting == ("snug",)
+    assert cluster.assume("uid-3", needs("2")) == "snug"
+    assert cluster.assume("uid-4", needs("1")) is None
+    assert cluster.forget("uid-1") == "roomy"
     assert cluster.forget("uid-1") is None
-    assert cluster.estimate(needs("2")).fitting == ("snug",)
+    assert cluster.estimate(needs("2")).fitting == ("roomy",)
+
+
+def test_assume_breaks_ties_by_name() -> None:
+    cluster = state(node("b", cpu="4"), node("a", cpu="4"))
+    assert cluster.assume("uid-1", needs("1")) == "a"
+    assert cluster.assume("uid-2", needs("1")) == "b"
 
 
 def test_assume_on_a_given_node_and_again() -> None:
