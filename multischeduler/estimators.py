@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +36,10 @@ IN_CLUSTER_CA = SERVICE_ACCOUNT_DIR / "ca.crt"
 IN_CLUSTER_TOKEN = SERVICE_ACCOUNT_DIR / "token"
 
 RELEASE_TIMEOUT = 5.0
+# Releases ride on the next Estimate call to the same estimator (a decision's surplus
+# then costs no call of its own); those that find no call to ride on within this long
+# go in a Release call of their own.
+RELEASE_DELAY = 0.25
 
 # Codes that mean the estimator did not act on the request, so holds no room for it.
 _NOT_ACTED_ON = frozenset(
@@ -80,6 +84,12 @@ class _Estimator:
     started: str
     channel: grpc.aio.Channel
     stub: EstimatorAsyncStub
+    # UIDs whose room is to be given back with the next call.
+    releases: set[str] = field(default_factory=set)
+    flush_timer: asyncio.TimerHandle | None = None
+    # A Release call on its way: calls after it wait for it, or a release sent before a
+    # new reservation of the same pod could arrive after it and drop it.
+    flushing: asyncio.Task[None] | None = None
 
 
 class EstimatorPool:
@@ -87,10 +97,14 @@ class EstimatorPool:
     estimator."""
 
     def __init__(
-        self, credentials: grpc.ChannelCredentials, token: TokenFile | None = None
+        self,
+        credentials: grpc.ChannelCredentials,
+        token: TokenFile | None = None,
+        release_delay: float = RELEASE_DELAY,
     ) -> None:
         self.credentials = credentials
         self.token = token
+        self.release_delay = release_delay
         self.nodes: dict[str, VirtualNode] = {}
         self._estimators: dict[str, _Estimator] = {}
         # Fire-and-forget calls and channel closes, kept so they are not collected
@@ -135,12 +149,15 @@ class EstimatorPool:
             self._close(estimator)
 
     def _close(self, estimator: _Estimator) -> None:
+        if estimator.flush_timer is not None:
+            estimator.flush_timer.cancel()
         self._spawn(estimator.channel.close())
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         if self.token is None:
@@ -157,16 +174,15 @@ class EstimatorPool:
         except OSError as error:
             failure = EstimatorFailure(f"cannot read the token: {error}")
             return dict.fromkeys(names, failure)
-        request = EstimateRequest(pods=[query])
         answers = await asyncio.gather(
-            *(self._estimate(name, request, metadata, timeout) for name in names)
+            *(self._estimate(name, query, metadata, timeout) for name in names)
         )
         return dict(zip(names, answers, strict=True))
 
     async def _estimate(
         self,
         name: str,
-        request: EstimateRequest,
+        query: PodQuery,
         metadata: tuple[tuple[str, str], ...],
         timeout: float,
     ) -> Answer:
@@ -175,9 +191,16 @@ class EstimatorPool:
             return EstimatorFailure(
                 f"the node has no {keys.ESTIMATOR_ADDRESS_ANNOTATION} annotation"
             )
+        if estimator.flushing is not None:
+            await asyncio.shield(estimator.flushing)
+        releases = sorted(estimator.releases)
+        estimator.releases.clear()
+        request = EstimateRequest(pods=[query], release_pod_uids=releases)
         try:
             response = await estimator.stub.Estimate(request, timeout=timeout, metadata=metadata)
         except grpc.aio.AioRpcError as error:
+            # Given back again with the next call: a release is idempotent.
+            self._queue_releases(name, estimator, releases)
             code = error.code()
             return EstimatorFailure(
                 f"{estimator.address}: {code.name}: {error.details()}",
@@ -200,20 +223,42 @@ class EstimatorPool:
         return response.estimates[0]
 
     def release(self, names: Iterable[str], uid: str) -> None:
-        """Gives back the room held for pod ``uid`` on these nodes, in the background:
-        the estimators also let it go on their own after a while."""
+        """Gives back the room held for pod ``uid`` on these nodes with the next call to
+        each (the estimators also let it go on their own after a while)."""
         for name in names:
             estimator = self._estimators.get(name)
             if estimator is not None:
-                self._spawn(self._release(name, estimator, uid))
+                self._queue_releases(name, estimator, [uid])
 
-    async def _release(self, name: str, estimator: _Estimator, uid: str) -> None:
+    def _queue_releases(self, name: str, estimator: _Estimator, uids: Iterable[str]) -> None:
+        estimator.releases.update(uids)
+        if estimator.releases and estimator.flush_timer is None:
+            estimator.flush_timer = asyncio.get_running_loop().call_later(
+                self.release_delay, self._flush, name, estimator
+            )
+
+    def _flush(self, name: str, estimator: _Estimator) -> None:
+        estimator.flush_timer = None
+        if not estimator.releases or self._estimators.get(name) is not estimator:
+            return
+        if estimator.flushing is not None:
+            # The call on its way ends by looking again.
+            return
+        uids = sorted(estimator.releases)
+        estimator.releases.clear()
+        estimator.flushing = self._spawn(self._release(name, estimator, uids))
+
+    async def _release(self, name: str, estimator: _Estimator, uids: list[str]) -> None:
         try:
             await estimator.stub.Release(
-                ReleaseRequest(pod_uids=[uid]), timeout=RELEASE_TIMEOUT, metadata=self._metadata()
+                ReleaseRequest(pod_uids=uids), timeout=RELEASE_TIMEOUT, metadata=self._metadata()
             )
         except (grpc.aio.AioRpcError, OSError) as error:
-            log.warning("%s: releasing the room of pod %s: %s", name, uid, error)
+            log.warning("%s: releasing the room of pods %s: %s", name, ", ".join(uids), error)
+        finally:
+            estimator.flushing = None
+            if estimator.releases:
+                self._flush(name, estimator)
 
     async def close(self) -> None:
         for estimator in self._estimators.values():

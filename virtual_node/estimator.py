@@ -245,6 +245,7 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> estimator_pb2.EstimateResponse:
         await self._check_caller(context)
+        self.estimator.release(list(request.release_pod_uids))
         estimates = []
         for query in request.pods:
             try:

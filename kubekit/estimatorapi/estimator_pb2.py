@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$kubekit/estimatorapi/estimator.proto\x12\x17kubestrata.estimator.v1\"S\n\x08PodQuery\x12\x0b\n\x03pod\x18\x01 \x01(\x0c\x12\x10\n\x08replicas\x18\x02 \x01(\x05\x12\x0f\n\x07reserve\x18\x03 \x01(\x08\x12\x17\n\x0fwith_node_names\x18\x04 \x01(\x08\"B\n\x0f\x45stimateRequest\x12/\n\x04pods\x18\x01 \x03(\x0b\x32!.kubestrata.estimator.v1.PodQuery\"\xcf\x02\n\x0bPodEstimate\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x13\n\x0btotal_nodes\x18\x02 \x01(\x05\x12\x15\n\rfitting_count\x18\x03 \x01(\x05\x12\x15\n\rfitting_nodes\x18\x04 \x03(\t\x12\x14\n\x0cmax_replicas\x18\x05 \x01(\x05\x12\x42\n\x07reasons\x18\x06 \x03(\x0b\x32\x31.kubestrata.estimator.v1.PodEstimate.ReasonsEntry\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x10\n\x08\x62\x65st_fit\x18\x08 \x01(\x01\x12\x17\n\x0fleast_allocated\x18\t \x01(\x01\x12\x11\n\tpreferred\x18\n \x01(\x03\x12\x15\n\rreserved_node\x18\x0b \x01(\t\x1a.\n\x0cReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"_\n\x10\x45stimateResponse\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x37\n\testimates\x18\x02 \x03(\x0b\x32$.kubestrata.estimator.v1.PodEstimate\"\"\n\x0eReleaseRequest\x12\x10\n\x08pod_uids\x18\x01 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\x32\xca\x01\n\tEstimator\x12_\n\x08\x45stimate\x12(.kubestrata.estimator.v1.EstimateRequest\x1a).kubestrata.estimator.v1.EstimateResponse\x12\\\n\x07Release\x12\'.kubestrata.estimator.v1.ReleaseRequest\x1a(.kubestrata.estimator.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$kubekit/estimatorapi/estimator.proto\x12\x17kubestrata.estimator.v1\"S\n\x08PodQuery\x12\x0b\n\x03pod\x18\x01 \x01(\x0c\x12\x10\n\x08replicas\x18\x02 \x01(\x05\x12\x0f\n\x07reserve\x18\x03 \x01(\x08\x12\x17\n\x0fwith_node_names\x18\x04 \x01(\x08\"\\\n\x0f\x45stimateRequest\x12/\n\x04pods\x18\x01 \x03(\x0b\x32!.kubestrata.estimator.v1.PodQuery\x12\x18\n\x10release_pod_uids\x18\x02 \x03(\t\"\xcf\x02\n\x0bPodEstimate\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x13\n\x0btotal_nodes\x18\x02 \x01(\x05\x12\x15\n\rfitting_count\x18\x03 \x01(\x05\x12\x15\n\rfitting_nodes\x18\x04 \x03(\t\x12\x14\n\x0cmax_replicas\x18\x05 \x01(\x05\x12\x42\n\x07reasons\x18\x06 \x03(\x0b\x32\x31.kubestrata.estimator.v1.PodEstimate.ReasonsEntry\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x10\n\x08\x62\x65st_fit\x18\x08 \x01(\x01\x12\x17\n\x0fleast_allocated\x18\t \x01(\x01\x12\x11\n\tpreferred\x18\n \x01(\x03\x12\x15\n\rreserved_node\x18\x0b \x01(\t\x1a.\n\x0cReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"_\n\x10\x45stimateResponse\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x37\n\testimates\x18\x02 \x03(\x0b\x32$.kubestrata.estimator.v1.PodEstimate\"\"\n\x0eReleaseRequest\x12\x10\n\x08pod_uids\x18\x01 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\x32\xca\x01\n\tEstimator\x12_\n\x08\x45stimate\x12(.kubestrata.estimator.v1.EstimateRequest\x1a).kubestrata.estimator.v1.EstimateResponse\x12\\\n\x07Release\x12\'.kubestrata.estimator.v1.ReleaseRequest\x1a(.kubestrata.estimator.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,17 +36,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PODQUERY']._serialized_start=65
   _globals['_PODQUERY']._serialized_end=148
   _globals['_ESTIMATEREQUEST']._serialized_start=150
-  _globals['_ESTIMATEREQUEST']._serialized_end=216
-  _globals['_PODESTIMATE']._serialized_start=219
-  _globals['_PODESTIMATE']._serialized_end=554
-  _globals['_PODESTIMATE_REASONSENTRY']._serialized_start=508
-  _globals['_PODESTIMATE_REASONSENTRY']._serialized_end=554
-  _globals['_ESTIMATERESPONSE']._serialized_start=556
-  _globals['_ESTIMATERESPONSE']._serialized_end=651
-  _globals['_RELEASEREQUEST']._serialized_start=653
-  _globals['_RELEASEREQUEST']._serialized_end=687
-  _globals['_RELEASERESPONSE']._serialized_start=689
-  _globals['_RELEASERESPONSE']._serialized_end=724
-  _globals['_ESTIMATOR']._serialized_start=727
-  _globals['_ESTIMATOR']._serialized_end=929
+  _globals['_ESTIMATEREQUEST']._serialized_end=242
+  _globals['_PODESTIMATE']._serialized_start=245
+  _globals['_PODESTIMATE']._serialized_end=580
+  _globals['_PODESTIMATE_REASONSENTRY']._serialized_start=534
+  _globals['_PODESTIMATE_REASONSENTRY']._serialized_end=580
+  _globals['_ESTIMATERESPONSE']._serialized_start=582
+  _globals['_ESTIMATERESPONSE']._serialized_end=677
+  _globals['_RELEASEREQUEST']._serialized_start=679
+  _globals['_RELEASEREQUEST']._serialized_end=713
+  _globals['_RELEASERESPONSE']._serialized_start=715
+  _globals['_RELEASERESPONSE']._serialized_end=750
+  _globals['_ESTIMATOR']._serialized_start=753
+  _globals['_ESTIMATOR']._serialized_end=955
 # @@protoc_insertion_point(module_scope)

@@ -63,16 +63,25 @@ class EstimateRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PODS_FIELD_NUMBER: _builtins.int
+    RELEASE_POD_UIDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def pods(self) -> _containers.RepeatedCompositeFieldContainer[Global___PodQuery]: ...
+    @_builtins.property
+    def release_pod_uids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Reservations given back before the pods are judged, as Release does. A caller's
+        releases ride on its next call: they cost no call of their own, and that call's
+        answers never count room already given back.
+        """
+
     def __init__(
         self,
         *,
         pods: _abc.Iterable[Global___PodQuery] | None = ...,
+        release_pod_uids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pods", b"pods"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pods", b"pods", "release_pod_uids", b"release_pod_uids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

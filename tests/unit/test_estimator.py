@@ -12,8 +12,10 @@ import pytest
 from kubekit import keys
 from kubekit.client import NODES, PODS
 from kubekit.clusterstate import ClusterState
+from kubekit.estimatorapi.estimator_pb2 import EstimateRequest, PodQuery
 from kubekit.informer import Informer
-from virtual_node.estimator import RESERVATION_SECONDS, FitEstimator, QueryError
+from virtual_node.estimator import RESERVATION_SECONDS, EstimatorService, FitEstimator, QueryError
+from virtual_node.kubeletapi.auth import Authorizer, User
 from virtual_node.naming import NamespaceMapping
 from virtual_node.translate import Ownership, desired_lower_pod
 
@@ -214,3 +216,35 @@ def test_a_pod_bound_here_is_pinned_to_the_node_its_room_is_held_on() -> None:
     assert cluster.estimator.held_node("uid-web") == "big"
     cluster.lower_pods.apply({"type": "ADDED", "object": lower_copy(web, "small")})
     assert cluster.estimator.held_node("uid-web") is None, "landed: the real pod counts"
+
+
+class Admitting(Authorizer):
+    """Lets every caller in: these tests are about the answers, not the checks."""
+
+    def __init__(self) -> None:
+        pass
+
+    async def authenticate(self, peercert: dict[str, Any] | None, authorization: str) -> User:
+        return User(name="extender")
+
+    async def authorize_node_access(self, user: User, verb: str, subresource: str) -> None:
+        return None
+
+
+class Context:
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", "Bearer t"),)
+
+
+async def test_releases_sent_with_a_call_are_given_back_before_its_pods_are_judged() -> None:
+    cluster = Cluster()
+    service = EstimatorService(cluster.estimator, Admitting(), "lower-1")
+    cluster.estimator.answer(orjson.dumps(upper_pod("web", "4")), reserve=True)
+    request = EstimateRequest(
+        pods=[PodQuery(pod=orjson.dumps(upper_pod("api", "4")), reserve=True)],
+        release_pod_uids=["uid-web"],
+    )
+    response = await service.Estimate(request, Context())  # type: ignore[arg-type]
+    assert response.cluster_id == "lower-1"
+    assert response.estimates[0].reserved_node == "big", "web's room, given back first"
+    assert cluster.estimator.release(["uid-web"]) == 0

@@ -364,6 +364,58 @@ async def test_filter_keeps_room_only_where_the_pod_is_likeliest_to_go(
     assert estimators["vk-a"].releases == [], "the chosen cluster's room becomes the pod's"
 
 
+async def test_releases_ride_on_the_next_call(federation: Federation) -> None:
+    federation.extender.pool.release_delay = 3600.0
+    await federation.estimator("vk-a", fits(0.9))
+    await federation.estimator("vk-b", fits(0.5))
+    await federation.filter("vk-a", "vk-b")
+    other = {**POD, "metadata": {"name": "q", "namespace": "ns", "uid": "u2"}}
+    await federation.filter("vk-a", "vk-b", pod=other)
+    estimators = federation.estimators
+    assert [list(r.release_pod_uids) for r in estimators["vk-b"].estimates] == [[], ["u1"]]
+    assert [list(r.release_pod_uids) for r in estimators["vk-a"].estimates] == [[], []]
+    assert estimators["vk-b"].releases == [], "no call of their own"
+    # u2's surplus waits for the next call.
+    assert [list(r.release_pod_uids) for r in (await next_call(federation, "vk-b"))] == [["u2"]]
+
+
+async def next_call(federation: Federation, node: str) -> list[EstimateRequest]:
+    before = len(federation.estimators[node].estimates)
+    third = {**POD, "metadata": {"name": "r", "namespace": "ns", "uid": "u3"}}
+    await federation.filter(node, pod=third)
+    return federation.estimators[node].estimates[before:]
+
+
+async def test_releases_with_no_call_to_ride_on_go_alone(federation: Federation) -> None:
+    federation.extender.pool.release_delay = 0.05
+    await federation.estimator("vk-a", fits(0.9))
+    await federation.estimator("vk-b", fits(0.5))
+    await federation.filter("vk-a", "vk-b")
+    other = {**POD, "metadata": {"name": "q", "namespace": "ns", "uid": "u2"}}
+    await federation.filter("vk-a", "vk-b", pod=other)
+    estimators = federation.estimators
+    await eventually(lambda: bool(estimators["vk-b"].releases))
+    # u1 rode on the second call if it came in time; u2 had none to ride on.
+    carried = [uid for r in estimators["vk-b"].estimates for uid in r.release_pod_uids]
+    assert sorted(carried + sum(estimators["vk-b"].releases, [])) == ["u1", "u2"]
+    assert estimators["vk-b"].releases[-1][-1] == "u2"
+
+
+async def test_releases_of_a_failed_call_are_sent_again(federation: Federation) -> None:
+    federation.extender.pool.release_delay = 3600.0
+    await federation.estimator("vk-a", fits(0.9))
+    await federation.estimator("vk-b", fits(0.5))
+    await federation.filter("vk-a", "vk-b")
+    federation.estimators["vk-b"].delay = 1.0
+    other = {**POD, "metadata": {"name": "q", "namespace": "ns", "uid": "u2"}}
+    result = await federation.filter("vk-a", "vk-b", pod=other)
+    assert "vk-b" in result["FailedAndUnresolvableNodes"]
+    federation.estimators["vk-b"].delay = 0.0
+    (sent,) = await next_call(federation, "vk-b")
+    # u2 too: the estimator may have held room for it before the deadline.
+    assert list(sent.release_pod_uids) == ["u1", "u2"]
+
+
 async def test_bind_elsewhere_releases_the_room_kept_for_the_pod(federation: Federation) -> None:
     await federation.estimator("vk-a", fits(0.9))
     await federation.estimator("vk-b", fits(0.5))
