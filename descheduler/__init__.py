@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 
 
 def main(argv: Sequence[str]) -> int:
-    del argv
-    print(
-        "kubestrata descheduler: not available yet in this version of kubestrata", file=sys.stderr
-    )
-    return 2
+    from descheduler.main import main as run
+
+    return run(argv)

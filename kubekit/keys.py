@@ -63,3 +63,9 @@ ESTIMATOR_STARTED_ANNOTATION = f"{PREFIX}/estimator-started"
 # readiness. The upper scheduler retries a pod the extender failed only on a cluster event;
 # a lower node labelled or uncordoned changes no capacity above, but changes this.
 LOWER_NODES_ANNOTATION = f"{PREFIX}/lower-nodes"
+
+# On upper pods: "never" keeps the descheduler's hands off the pod.
+DESCHEDULER_ANNOTATION = f"{PREFIX}/descheduler"
+DESCHEDULER_NEVER = "never"
+# On a bare pod the descheduler re-created in another cluster: the UID of the original.
+COPY_OF_ANNOTATION = f"{PREFIX}/copy-of"

@@ -1,9 +1,11 @@
-"""The HTTPS serving flags our servers share (webhook, multischeduler): where to listen,
-and a serving certificate given as files or generated with a CA of its own."""
+"""Flags the components share: for the HTTPS servers (webhook, multischeduler) where to
+listen, and a serving certificate given as files or generated with a CA of its own; for
+every client of the upper cluster, its kubeconfig."""
 
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,3 +66,12 @@ def serving(args: argparse.Namespace, name: str) -> Serving:
         return Serving(host, int(port_text), args.tls_cert_file, args.tls_key_file, None)
     pair = pki.serving_pair(args.cert_dir, name, tuple(args.server_name) or (host,))
     return Serving(host, int(port_text), pair.cert_path, pair.key_path, pki.ca_path(pair))
+
+
+def check_kubeconfig(parser: argparse.ArgumentParser, kubeconfig: str | None) -> None:
+    """A component's ``--kubeconfig``: a file that exists, or none inside a cluster."""
+    if kubeconfig is not None:
+        if not Path(kubeconfig).is_file():
+            parser.error(f"--kubeconfig: no such file: {kubeconfig}")
+    elif "KUBERNETES_SERVICE_HOST" not in os.environ:
+        parser.error("--kubeconfig is needed outside a cluster")

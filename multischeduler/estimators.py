@@ -9,6 +9,7 @@ are rotated.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 from collections.abc import Coroutine, Iterable, Sequence
@@ -272,3 +273,48 @@ def channel_credentials(ca_file: Path | None) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(
         root_certificates=ca_file.read_bytes() if ca_file is not None else None
     )
+
+
+def add_estimator_client_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--estimator-ca-file",
+        type=Path,
+        help="CA that signed the estimators' certificates (default: the in-cluster CA when "
+        "present, else the system's)",
+    )
+    parser.add_argument(
+        "--estimator-token-file",
+        type=Path,
+        help="bearer token sent to the estimators, read again when it changes (default: the "
+        "in-cluster service-account token when present, else none)",
+    )
+
+
+@dataclass(frozen=True)
+class EstimatorClient:
+    """How to reach the estimators: whom to trust, what token to send."""
+
+    ca_file: Path | None
+    token_file: Path | None
+
+    def pool(self) -> EstimatorPool:
+        token = TokenFile(self.token_file) if self.token_file else None
+        return EstimatorPool(channel_credentials(self.ca_file), token)
+
+
+def estimator_client(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EstimatorClient:
+    """The estimator flags, checked; the in-cluster CA and token when not given."""
+    for flag, path in (
+        ("--estimator-ca-file", args.estimator_ca_file),
+        ("--estimator-token-file", args.estimator_token_file),
+    ):
+        if path is not None and not path.is_file():
+            parser.error(f"{flag}: no such file: {path}")
+    return EstimatorClient(
+        args.estimator_ca_file or _if_present(IN_CLUSTER_CA),
+        args.estimator_token_file or _if_present(IN_CLUSTER_TOKEN),
+    )
+
+
+def _if_present(path: Path) -> Path | None:
+    return path if path.is_file() else None

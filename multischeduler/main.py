@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,13 +16,16 @@ from aiohttp import web
 from kubekit import keys, pki
 from kubekit.client import NODES, PODS, ApiError, ClientSettings, KubeClient
 from kubekit.informer import Informer
-from kubekit.serving import add_serving_arguments, check_serving_arguments, serving
+from kubekit.serving import (
+    add_serving_arguments,
+    check_kubeconfig,
+    check_serving_arguments,
+    serving,
+)
 from multischeduler.estimators import (
-    IN_CLUSTER_CA,
-    IN_CLUSTER_TOKEN,
-    EstimatorPool,
-    TokenFile,
-    channel_credentials,
+    EstimatorClient,
+    add_estimator_client_arguments,
+    estimator_client,
 )
 from multischeduler.extender import BindingArgs, OnEstimatorError, Score, binding_body
 from multischeduler.server import Extender, make_app
@@ -41,8 +43,7 @@ class Config:
     cert_file: Path
     key_file: Path
     kubeconfig: str | None
-    estimator_ca_file: Path | None
-    estimator_token_file: Path | None
+    estimators: EstimatorClient
     estimator_timeout: float
     on_estimator_error: OnEstimatorError
     score: Score
@@ -58,11 +59,6 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _readable(parser: argparse.ArgumentParser, flag: str, path: Path | None) -> None:
-    if path is not None and not path.is_file():
-        parser.error(f"{flag}: no such file: {path}")
-
-
 def parse_args(argv: Sequence[str]) -> Config:
     parser = argparse.ArgumentParser(
         prog="kubestrata multischeduler",
@@ -74,18 +70,7 @@ def parse_args(argv: Sequence[str]) -> Config:
         "--kubeconfig", help="of the upper cluster, for Nodes and Bindings (default: in-cluster)"
     )
     add_serving_arguments(parser, "multischeduler-ca.crt, the scheduler's tlsConfig.caFile")
-    parser.add_argument(
-        "--estimator-ca-file",
-        type=Path,
-        help="CA that signed the estimators' certificates (default: the in-cluster CA when "
-        "present, else the system's)",
-    )
-    parser.add_argument(
-        "--estimator-token-file",
-        type=Path,
-        help="bearer token sent to the estimators, read again when it changes (default: the "
-        "in-cluster service-account token when present, else none)",
-    )
+    add_estimator_client_arguments(parser)
     parser.add_argument(
         "--estimator-timeout",
         type=_seconds,
@@ -113,12 +98,8 @@ def parse_args(argv: Sequence[str]) -> Config:
         level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     check_serving_arguments(parser, args)
-    _readable(parser, "--estimator-ca-file", args.estimator_ca_file)
-    _readable(parser, "--estimator-token-file", args.estimator_token_file)
-    if args.kubeconfig is not None:
-        _readable(parser, "--kubeconfig", Path(args.kubeconfig))
-    elif "KUBERNETES_SERVICE_HOST" not in os.environ:
-        parser.error("--kubeconfig is needed outside a cluster")
+    estimators = estimator_client(parser, args)
+    check_kubeconfig(parser, args.kubeconfig)
     listening = serving(args, "multischeduler")
     return Config(
         host=listening.host,
@@ -126,16 +107,11 @@ def parse_args(argv: Sequence[str]) -> Config:
         cert_file=listening.cert_file,
         key_file=listening.key_file,
         kubeconfig=args.kubeconfig,
-        estimator_ca_file=args.estimator_ca_file or _if_present(IN_CLUSTER_CA),
-        estimator_token_file=args.estimator_token_file or _if_present(IN_CLUSTER_TOKEN),
+        estimators=estimators,
         estimator_timeout=args.estimator_timeout,
         on_estimator_error=OnEstimatorError(args.on_estimator_error),
         score=Score(args.score),
     )
-
-
-def _if_present(path: Path) -> Path | None:
-    return path if path.is_file() else None
 
 
 async def run(config: Config) -> None:
@@ -145,8 +121,7 @@ async def run(config: Config) -> None:
             path = PODS.path(args.pod_namespace, args.pod_name, "binding")
             await client.request("POST", path, body=binding_body(args), timeout=BIND_TIMEOUT)
 
-        token = TokenFile(config.estimator_token_file) if config.estimator_token_file else None
-        pool = EstimatorPool(channel_credentials(config.estimator_ca_file), token)
+        pool = config.estimators.pool()
         nodes = Informer(
             client, NODES, label_selector=f"{keys.NODE_TYPE_LABEL}={keys.NODE_TYPE_VIRTUAL}"
         )

@@ -358,8 +358,8 @@ def test_every_flag(tmp_path: Path) -> None:
     )
     assert (config.host, config.port) == ("0.0.0.0", 8443)
     assert config.cert_file == pair.cert_path
-    assert config.estimator_ca_file == pki.ca_path(pair)
-    assert config.estimator_token_file == token
+    assert config.estimators.ca_file == pki.ca_path(pair)
+    assert config.estimators.token_file == token
     assert config.kubeconfig == str(token)
     assert config.estimator_timeout == 0.25
     assert config.on_estimator_error is OnEstimatorError.IGNORE

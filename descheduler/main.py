@@ -1,0 +1,129 @@
+"""`kubestrata descheduler`: flags, and the wiring of the upper cluster's caches, the
+estimators and the loop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from descheduler.controller import Descheduler
+from descheduler.policy import Policy, PolicyError, parse_policy
+from kubekit import keys
+from kubekit.client import NODES, PODS, ApiError, ClientSettings, KubeClient
+from kubekit.informer import Informer
+from kubekit.serving import check_kubeconfig
+from multischeduler.estimators import (
+    EstimatorClient,
+    add_estimator_client_arguments,
+    estimator_client,
+)
+
+log = logging.getLogger("descheduler")
+
+
+@dataclass(frozen=True)
+class Config:
+    kubeconfig: str | None
+    policy: Policy
+    dry_run: bool
+    once: bool
+    estimators: EstimatorClient
+
+
+def parse_args(argv: Sequence[str]) -> Config:
+    parser = argparse.ArgumentParser(
+        prog="kubestrata descheduler",
+        description="Moves upper pods stuck in their lower cluster (unschedulable there, or "
+        "the cluster down) to a cluster whose fit estimator says one real node fits them: "
+        "a controller's pod through the Eviction API, a bare pod as a copy.",
+    )
+    parser.add_argument("--kubeconfig", help="of the upper cluster (default: in-cluster)")
+    parser.add_argument(
+        "--policy",
+        type=Path,
+        help="YAML policy: pendingTimeout, clusterDownTimeout, interval (seconds), "
+        "maxEvictionsPerCycle, maxEvictionsPerNamespace, maxEvictionsPerNode "
+        "(default: 60, 300, 10, 10, 5, 5)",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print every move and make none")
+    parser.add_argument("--once", action="store_true", help="one cycle, then exit")
+    add_estimator_client_arguments(parser)
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    check_kubeconfig(parser, args.kubeconfig)
+    policy = Policy()
+    if args.policy is not None:
+        try:
+            policy = parse_policy(args.policy.read_text())
+        except OSError as error:
+            parser.error(f"--policy: {error}")
+        except PolicyError as error:
+            parser.error(f"--policy {args.policy}: {error}")
+    return Config(
+        kubeconfig=args.kubeconfig,
+        policy=policy,
+        dry_run=args.dry_run,
+        once=args.once,
+        estimators=estimator_client(parser, args),
+    )
+
+
+async def run(config: Config) -> None:
+    async with await KubeClient.connect(ClientSettings(config.kubeconfig)) as client:
+        pool = config.estimators.pool()
+        nodes = Informer(
+            client, NODES, label_selector=f"{keys.NODE_TYPE_LABEL}={keys.NODE_TYPE_VIRTUAL}"
+        )
+        nodes.add_handler(pool.handler())
+        pods = Informer(client, PODS)
+        watching = [
+            asyncio.create_task(informer.run(), name=repr(informer)) for informer in (nodes, pods)
+        ]
+        descheduler = Descheduler(client, pods, nodes, pool, config.policy, config.dry_run)
+        try:
+            if config.once:
+                await asyncio.gather(pods.wait_synced(), nodes.wait_synced())
+                await descheduler.cycle()
+                return
+            log.info(
+                "descheduling%s every %.0f s: pending %.0f s, cluster down %.0f s",
+                " (dry run)" if config.dry_run else "",
+                config.policy.interval,
+                config.policy.pending_timeout,
+                config.policy.cluster_down_timeout,
+            )
+            looping = asyncio.create_task(descheduler.run())
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, stop.set)
+            await asyncio.wait(
+                [looping, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED
+            )
+            looping.cancel()
+            await asyncio.gather(looping, return_exceptions=True)
+        finally:
+            for task in watching:
+                task.cancel()
+            await asyncio.gather(*watching, return_exceptions=True)
+            await pool.close()
+
+
+def main(argv: Sequence[str]) -> int:
+    config = parse_args(argv)
+    try:
+        asyncio.run(run(config))
+    except (OSError, ApiError) as error:
+        log.error("%s", error)
+        return 1
+    return 0

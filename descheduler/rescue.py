@@ -1,0 +1,224 @@
+"""Which upper pods are stuck in their lower cluster, and what to do about each (pure).
+
+A pod is stuck when its virtual node has been NotReady for ``clusterDownTimeout``, or
+when its lower copy has been unschedulable (the PodScheduled False the virtual node
+reports up) for ``pendingTimeout``. It moves only where an estimator says one real node
+fits it now: a controller's pod is evicted and its controller makes the replacement the
+scheduler places; a bare pod has nobody to replace it, so a copy bound to the chosen
+cluster is created before the original goes (a crash between the two leaves both, and
+the next cycle, finding the copy by its name, only deletes the original).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from descheduler.policy import Policy
+from kubekit import keys
+from kubekit.estimatorapi.estimator_pb2 import PodEstimate
+from kubekit.informer import object_key
+from kubekit.jsonvalue import json_copy
+
+JSON = dict[str, Any]
+
+_FINISHED = frozenset({"Succeeded", "Failed"})
+# Room for the copy's suffix within a pod name's 253 characters.
+_BASE_NAME_LIMIT = 240
+
+
+class Why(enum.StrEnum):
+    UNSCHEDULABLE = "Unschedulable"
+    CLUSTER_DOWN = "ClusterDown"
+
+
+@dataclass(frozen=True)
+class Stuck:
+    pod: Mapping[str, Any]
+    node: str
+    why: Why
+    # For how long, in seconds, and the lower cluster's own words.
+    seconds: float
+    detail: str
+
+    @property
+    def key(self) -> str:
+        return object_key(self.pod)
+
+    @property
+    def uid(self) -> str:
+        return str(self.pod["metadata"]["uid"])
+
+    @property
+    def namespace(self) -> str:
+        return str(self.pod["metadata"]["namespace"])
+
+    @property
+    def owned(self) -> bool:
+        return any(
+            ref.get("controller") for ref in self.pod["metadata"].get("ownerReferences") or []
+        )
+
+    def describe(self) -> str:
+        if self.why is Why.CLUSTER_DOWN:
+            return f"{self.node} NotReady for {self.seconds:.0f} s"
+        return f"unschedulable in {self.node} for {self.seconds:.0f} s: {self.detail}"
+
+
+def parse_time(text: str) -> datetime:
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def _condition(conditions: Iterable[Mapping[str, Any]], kind: str) -> Mapping[str, Any] | None:
+    return next((c for c in conditions if c.get("type") == kind), None)
+
+
+def _since(condition: Mapping[str, Any], now: datetime) -> float | None:
+    stamp = condition.get("lastTransitionTime")
+    if not isinstance(stamp, str):
+        return None
+    try:
+        return (now - parse_time(stamp)).total_seconds()
+    except ValueError:
+        return None
+
+
+def down_for(node: Mapping[str, Any], now: datetime) -> float | None:
+    """How long a Node has not been Ready; None while it is."""
+    ready = _condition((node.get("status") or {}).get("conditions") or [], "Ready")
+    if ready is None or ready.get("status") == "True":
+        return None
+    return _since(ready, now)
+
+
+def stuck_pods(
+    pods: Iterable[Mapping[str, Any]],
+    virtual_nodes: Mapping[str, Mapping[str, Any]],
+    now: datetime,
+    policy: Policy,
+) -> list[Stuck]:
+    """The pods on virtual nodes that have waited past the policy's timeouts, in key
+    order (the same state gives the same list)."""
+    down = {
+        name: seconds
+        for name, node in virtual_nodes.items()
+        if (seconds := down_for(node, now)) is not None and seconds >= policy.cluster_down_timeout
+    }
+    found = []
+    for pod in pods:
+        metadata, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
+        node = str(spec.get("nodeName") or "")
+        if node not in virtual_nodes or metadata.get("deletionTimestamp"):
+            continue
+        if status.get("phase") in _FINISHED:
+            continue
+        annotations = metadata.get("annotations") or {}
+        if annotations.get(keys.DESCHEDULER_ANNOTATION) == keys.DESCHEDULER_NEVER:
+            continue
+        if node in down:
+            found.append(Stuck(pod, node, Why.CLUSTER_DOWN, down[node], ""))
+            continue
+        if status.get("phase") != "Pending":
+            continue
+        scheduled = _condition(status.get("conditions") or [], "PodScheduled")
+        if scheduled is None or scheduled.get("status") != "False":
+            continue
+        seconds = _since(scheduled, now)
+        if seconds is not None and seconds >= policy.pending_timeout:
+            detail = str(scheduled.get("message") or scheduled.get("reason") or "")
+            found.append(Stuck(pod, node, Why.UNSCHEDULABLE, seconds, detail))
+    return sorted(found, key=lambda stuck: stuck.key)
+
+
+@dataclass(frozen=True)
+class Move:
+    stuck: Stuck
+    # The cluster (virtual node) the estimators rank first for the pod.
+    to: str
+
+
+@dataclass(frozen=True)
+class Stay:
+    stuck: Stuck
+    message: str
+
+
+def destination(stuck: Stuck, answers: Mapping[str, PodEstimate | str]) -> Move | Stay:
+    """Where the pod goes: the fitting cluster whose best node is left with the least
+    stranded room (the extender's default score), ties to the first name. ``answers``
+    are the other virtual nodes' estimates, or why one could not be asked."""
+    fitting = {
+        name: answer
+        for name, answer in answers.items()
+        if isinstance(answer, PodEstimate) and not answer.error and answer.max_replicas > 0
+    }
+    if fitting:
+        best = max(sorted(fitting), key=lambda name: fitting[name].best_fit)
+        return Move(stuck, best)
+    if not answers:
+        return Stay(stuck, "no other cluster to move it to")
+    reasons = "; ".join(
+        f"{name}: {answer if isinstance(answer, str) else answer.error or answer.message}"
+        for name, answer in sorted(answers.items())
+    )
+    return Stay(stuck, f"no cluster can run it now ({reasons})")
+
+
+def within_limits(moves: Sequence[Move], policy: Policy) -> tuple[list[Move], list[Move]]:
+    """The moves this cycle may make, in order, and those left for later: at most so many
+    in all, per namespace and per (source) virtual node."""
+    allowed: list[Move] = []
+    deferred: list[Move] = []
+    per_namespace: Counter[str] = Counter()
+    per_node: Counter[str] = Counter()
+    for move in moves:
+        namespace, node = move.stuck.namespace, move.stuck.node
+        if (
+            len(allowed) >= policy.max_evictions_per_cycle
+            or per_namespace[namespace] >= policy.max_evictions_per_namespace
+            or per_node[node] >= policy.max_evictions_per_node
+        ):
+            deferred.append(move)
+            continue
+        allowed.append(move)
+        per_namespace[namespace] += 1
+        per_node[node] += 1
+    return allowed, deferred
+
+
+def copy_name(pod: Mapping[str, Any]) -> str:
+    """The copy's name, the same on every try: derived from the original's UID."""
+    metadata = pod["metadata"]
+    digest = hashlib.sha256(str(metadata["uid"]).encode()).hexdigest()[:6]
+    return f"{str(metadata['name'])[:_BASE_NAME_LIMIT]}-{digest}"
+
+
+def pod_copy(pod: Mapping[str, Any], to: str) -> JSON:
+    """A bare pod re-created on virtual node ``to``: what its creator wrote (metadata the
+    apiserver sets, status and the old binding dropped), marked with the original's UID."""
+    metadata = pod["metadata"]
+    annotations = dict(metadata.get("annotations") or {})
+    annotations[keys.COPY_OF_ANNOTATION] = str(metadata["uid"])
+    spec = json_copy(dict(pod.get("spec") or {}))
+    spec["nodeName"] = to
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": copy_name(pod),
+            "namespace": metadata["namespace"],
+            "labels": dict(metadata.get("labels") or {}),
+            "annotations": annotations,
+        },
+        "spec": spec,
+    }
+
+
+def is_copy_of(candidate: Mapping[str, Any], original: Mapping[str, Any]) -> bool:
+    annotations = candidate["metadata"].get("annotations") or {}
+    return bool(annotations.get(keys.COPY_OF_ANNOTATION) == original["metadata"]["uid"])

@@ -1,0 +1,425 @@
+"""The descheduler: its policy file, which pods are stuck, where each goes, the limits,
+the bare pod's copy (pure), and the loop over a fake client fed through real informers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from descheduler.controller import Descheduler, receivers
+from descheduler.policy import Policy, PolicyError, parse_policy
+from descheduler.rescue import (
+    Move,
+    Stay,
+    Stuck,
+    Why,
+    copy_name,
+    destination,
+    is_copy_of,
+    pod_copy,
+    stuck_pods,
+    within_limits,
+)
+from kubekit import keys
+from kubekit.client import NODES, PODS, ApiError
+from kubekit.estimatorapi.estimator_pb2 import PodEstimate, PodQuery
+from kubekit.informer import Informer
+from multischeduler.extender import Answer, EstimatorFailure
+
+NOW = datetime(2026, 11, 23, 12, 0, 0, tzinfo=UTC)
+
+
+def stamp(seconds_ago: float) -> str:
+    return (NOW - timedelta(seconds=seconds_ago)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def virtual(name: str, down_for: float | None = None, cordoned: bool = False) -> dict[str, Any]:
+    ready = (
+        {"type": "Ready", "status": "True", "lastTransitionTime": stamp(3600)}
+        if down_for is None
+        else {"type": "Ready", "status": "Unknown", "lastTransitionTime": stamp(down_for)}
+    )
+    return {
+        "metadata": {"name": name, "labels": {keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL}},
+        "spec": {"unschedulable": True} if cordoned else {},
+        "status": {"conditions": [ready]},
+    }
+
+
+def pod(
+    name: str,
+    node: str = "vk-lower-1",
+    unschedulable_for: float | None = 120,
+    phase: str = "Pending",
+    owned: bool = True,
+    namespace: str = "apps",
+    **metadata: Any,
+) -> dict[str, Any]:
+    conditions = (
+        []
+        if unschedulable_for is None
+        else [
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "0/3 nodes are available: 3 Insufficient cpu.",
+                "lastTransitionTime": stamp(unschedulable_for),
+            }
+        ]
+    )
+    owners = [{"kind": "ReplicaSet", "name": "web-1", "uid": "rs", "controller": True}]
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": f"uid-{name}",
+            **({"ownerReferences": owners} if owned else {}),
+            **metadata,
+        },
+        "spec": {"nodeName": node, "containers": [{"name": "app", "image": "app"}]},
+        "status": {"phase": phase, "conditions": conditions},
+    }
+
+
+NODES_UP = {name: virtual(name) for name in ("vk-lower-1", "vk-lower-2", "vk-lower-3")}
+
+
+# -- the policy ----------------------------------------------------------------------------
+
+
+def test_an_empty_policy_is_the_defaults() -> None:
+    assert parse_policy("") == Policy()
+    assert Policy().pending_timeout == 60 and Policy().cluster_down_timeout == 300
+
+
+def test_every_policy_key() -> None:
+    policy = parse_policy(
+        "pendingTimeout: 5\nclusterDownTimeout: 30.5\ninterval: 2\n"
+        "maxEvictionsPerCycle: 3\nmaxEvictionsPerNamespace: 2\nmaxEvictionsPerNode: 1\n"
+    )
+    assert policy == Policy(5.0, 30.5, 2.0, 3, 2, 1)
+
+
+@pytest.mark.parametrize(
+    ("text", "complaint"),
+    [
+        ("- 1\n", "must be a mapping"),
+        ("pendingTimout: 5\n", "unknown key 'pendingTimout'"),
+        ("defragAfter: 60\n", "defragmentation is not available"),
+        ("pendingTimeout: soon\n", "'soon' is not a number"),
+        ("pendingTimeout: 0\n", "not above 0"),
+        ("pendingTimeout: true\n", "is not a number"),
+        ("maxEvictionsPerCycle: 1.5\n", "not a whole number"),
+        ("maxEvictionsPerNode: -1\n", "not a whole number"),
+        ("pendingTimeout: [\n", "not YAML"),
+    ],
+)
+def test_a_bad_policy_says_what_is_wrong(text: str, complaint: str) -> None:
+    with pytest.raises(PolicyError, match=complaint):
+        parse_policy(text)
+
+
+# -- which pods are stuck -------------------------------------------------------------------
+
+
+def test_a_pod_unschedulable_below_past_the_timeout_is_stuck() -> None:
+    pods = [pod("late", unschedulable_for=61), pod("early", unschedulable_for=59)]
+    (stuck,) = stuck_pods(pods, NODES_UP, NOW, Policy())
+    assert (stuck.key, stuck.node, stuck.why) == ("apps/late", "vk-lower-1", Why.UNSCHEDULABLE)
+    assert stuck.describe() == (
+        "unschedulable in vk-lower-1 for 61 s: 0/3 nodes are available: 3 Insufficient cpu."
+    )
+
+
+def test_pods_of_a_cluster_down_past_the_timeout_are_stuck_whatever_their_phase() -> None:
+    nodes = {**NODES_UP, "vk-lower-2": virtual("vk-lower-2", down_for=301)}
+    pods = [
+        pod("running", node="vk-lower-2", unschedulable_for=None, phase="Running"),
+        pod("done", node="vk-lower-2", unschedulable_for=None, phase="Succeeded"),
+        pod("fine", node="vk-lower-1", unschedulable_for=None, phase="Running"),
+    ]
+    (stuck,) = stuck_pods(pods, nodes, NOW, Policy())
+    assert (stuck.key, stuck.why, stuck.describe()) == (
+        "apps/running",
+        Why.CLUSTER_DOWN,
+        "vk-lower-2 NotReady for 301 s",
+    )
+    briefly = {**NODES_UP, "vk-lower-2": virtual("vk-lower-2", down_for=100)}
+    assert stuck_pods(pods, briefly, NOW, Policy()) == []
+
+
+def test_pods_left_alone() -> None:
+    pods = [
+        pod("ordinary-node", node="worker-1"),
+        pod("deleting", deletionTimestamp=stamp(1)),
+        pod("opted-out", annotations={keys.DESCHEDULER_ANNOTATION: keys.DESCHEDULER_NEVER}),
+        pod("running", phase="Running"),
+        pod("waiting-without-a-verdict", unschedulable_for=None),
+    ]
+    assert stuck_pods(pods, NODES_UP, NOW, Policy()) == []
+
+
+def test_stuck_pods_come_in_key_order() -> None:
+    pods = [pod("b"), pod("a", namespace="zz"), pod("a")]
+    keys_found = [s.key for s in stuck_pods(pods, NODES_UP, NOW, Policy())]
+    assert keys_found == ["apps/a", "apps/b", "zz/a"]
+
+
+# -- where each goes ------------------------------------------------------------------------
+
+
+def stuck(name: str = "web", node: str = "vk-lower-1", owned: bool = True, **kw: Any) -> Stuck:
+    return Stuck(pod(name, node=node, owned=owned, **kw), node, Why.UNSCHEDULABLE, 61, "full")
+
+
+def fits(best_fit: float) -> PodEstimate:
+    return PodEstimate(max_replicas=1, fitting_count=1, total_nodes=3, best_fit=best_fit)
+
+
+NO_ROOM = PodEstimate(total_nodes=3, message="0/3 nodes are available: 3 Insufficient cpu")
+
+
+def test_the_pod_goes_to_the_best_fitting_cluster_ties_to_the_first_name() -> None:
+    answers = {"vk-c": fits(0.9), "vk-b": fits(0.9), "vk-a": fits(0.2), "vk-d": NO_ROOM}
+    assert destination(stuck(), answers) == Move(stuck(), "vk-b")
+
+
+def test_a_pod_no_cluster_can_run_stays_and_says_why() -> None:
+    answers: dict[str, PodEstimate | str] = {
+        "vk-b": NO_ROOM,
+        "vk-c": "estimator unavailable: UNAVAILABLE",
+        "vk-d": PodEstimate(error="the stash cannot be read"),
+    }
+    decision = destination(stuck(), answers)
+    assert isinstance(decision, Stay)
+    assert decision.message == (
+        "no cluster can run it now (vk-b: 0/3 nodes are available: 3 Insufficient cpu; "
+        "vk-c: estimator unavailable: UNAVAILABLE; vk-d: the stash cannot be read)"
+    )
+    assert destination(stuck(), {}) == Stay(stuck(), "no other cluster to move it to")
+
+
+def test_receivers_are_the_other_ready_uncordoned_virtual_nodes() -> None:
+    nodes = {
+        **NODES_UP,
+        "vk-down": virtual("vk-down", down_for=5),
+        "vk-cordoned": virtual("vk-cordoned", cordoned=True),
+    }
+    assert receivers(nodes, NOW, "vk-lower-1") == ["vk-lower-2", "vk-lower-3"]
+
+
+def test_limits_per_cycle_namespace_and_node() -> None:
+    moves = [
+        Move(stuck("a1", namespace="a"), "vk-x"),
+        Move(stuck("a2", namespace="a"), "vk-x"),
+        Move(stuck("b1", namespace="b", node="vk-lower-2"), "vk-x"),
+        Move(stuck("c1", namespace="c"), "vk-x"),
+        Move(stuck("d1", namespace="d", node="vk-lower-3"), "vk-x"),
+    ]
+    policy = Policy(
+        max_evictions_per_cycle=3, max_evictions_per_namespace=1, max_evictions_per_node=2
+    )
+    allowed, deferred = within_limits(moves, policy)
+    assert [m.stuck.pod["metadata"]["name"] for m in allowed] == ["a1", "b1", "c1"]
+    assert [m.stuck.pod["metadata"]["name"] for m in deferred] == ["a2", "d1"]
+
+
+# -- the bare pod's copy --------------------------------------------------------------------
+
+
+def test_a_bare_pods_copy_is_bound_elsewhere_and_named_the_same_every_time() -> None:
+    original = pod(
+        "solo",
+        owned=False,
+        labels={"app": "solo"},
+        annotations={keys.STASH_ANNOTATION: "{}"},
+        resourceVersion="42",
+        creationTimestamp=stamp(100),
+    )
+    copy = pod_copy(original, "vk-lower-2")
+    assert copy["metadata"] == {
+        "name": copy_name(original),
+        "namespace": "apps",
+        "labels": {"app": "solo"},
+        "annotations": {keys.STASH_ANNOTATION: "{}", keys.COPY_OF_ANNOTATION: "uid-solo"},
+    }
+    assert copy["spec"]["nodeName"] == "vk-lower-2"
+    assert "status" not in copy
+    assert original["spec"]["nodeName"] == "vk-lower-1", "the original is not touched"
+    assert copy_name(original) == copy_name(pod("solo", owned=False)) != copy_name(pod("other"))
+    assert copy_name(original).startswith("solo-")
+    assert is_copy_of({**copy, "metadata": {**copy["metadata"], "uid": "new"}}, original)
+    assert not is_copy_of(pod("solo-x"), original)
+    long_name = pod("x" * 253, owned=False)
+    assert len(copy_name(long_name)) <= 253
+
+
+# -- the loop -------------------------------------------------------------------------------
+
+
+class FakeClient:
+    """Records what the descheduler asks of the upper apiserver."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.events: list[dict[str, Any]] = []
+        self.created: dict[str, dict[str, Any]] = {}
+        self.eviction_error: ApiError | None = None
+
+    async def request(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
+        self.calls.append((method, path))
+        if self.eviction_error is not None:
+            raise self.eviction_error
+        return {}
+
+    async def create(self, resource: Any, body: dict[str, Any], namespace: str) -> dict[str, Any]:
+        if body["kind"] == "Event":
+            self.events.append(body)
+            return body
+        name = body["metadata"]["name"]
+        self.calls.append(("create", f"{namespace}/{name}"))
+        if name in self.created:
+            raise ApiError(409, {"reason": "AlreadyExists", "message": "exists"})
+        made = {**body, "metadata": {**body["metadata"], "uid": f"uid-{name}"}}
+        self.created[name] = made
+        return made
+
+    async def get(self, resource: Any, name: str, namespace: str) -> dict[str, Any]:
+        return self.created[name]
+
+    async def delete_exact(self, resource: Any, obj: dict[str, Any]) -> None:
+        metadata = obj["metadata"]
+        self.calls.append(("delete", f"{metadata['namespace']}/{metadata['name']}"))
+
+
+class FakePool:
+    def __init__(self, answers: dict[str, Answer]) -> None:
+        self.answers = answers
+        self.asked: list[tuple[list[str], PodQuery]] = []
+
+    async def estimate(
+        self, names: Sequence[str], query: PodQuery, timeout: float
+    ) -> dict[str, Answer]:
+        self.asked.append((list(names), query))
+        return {name: self.answers[name] for name in names}
+
+
+class World:
+    def __init__(self, answers: dict[str, Answer], dry_run: bool = False) -> None:
+        self.client = FakeClient()
+        self.pool = FakePool(answers)
+        self.pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
+        self.nodes = Informer(client=None, resource=NODES)  # type: ignore[arg-type]
+        for node in NODES_UP.values():
+            self.nodes.apply({"type": "ADDED", "object": node})
+        self.descheduler = Descheduler(
+            self.client,  # type: ignore[arg-type]
+            self.pods,
+            self.nodes,
+            self.pool,  # type: ignore[arg-type]
+            Policy(),
+            dry_run=dry_run,
+            now=lambda: NOW,
+            clock=lambda: self.moment,
+        )
+        self.moment = 1000.0
+
+    def add(self, obj: dict[str, Any]) -> None:
+        self.pods.apply({"type": "ADDED", "object": obj})
+
+    def reasons(self) -> list[str]:
+        return [event["reason"] for event in self.client.events]
+
+
+ROOM_IN_2 = {"vk-lower-2": fits(0.5), "vk-lower-3": NO_ROOM}
+
+
+async def test_a_controllers_pod_is_evicted_through_the_eviction_api() -> None:
+    world = World(ROOM_IN_2)
+    world.add(pod("web"))
+    (decision,) = await world.descheduler.cycle()
+    assert decision == Move(stuck_pods([pod("web")], NODES_UP, NOW, Policy())[0], "vk-lower-2")
+    assert world.client.calls == [("POST", "/api/v1/namespaces/apps/pods/web/eviction")]
+    assert world.pool.asked[0][0] == ["vk-lower-2", "vk-lower-3"]
+    assert not world.pool.asked[0][1].reserve
+    (event,) = world.client.events
+    assert event["reason"] == "Rescheduled"
+    assert event["involvedObject"]["uid"] == "uid-web"
+    assert "evicted from vk-lower-1" in event["message"] and "vk-lower-2" in event["message"]
+
+
+async def test_an_eviction_a_budget_refuses_is_tried_again_later() -> None:
+    world = World(ROOM_IN_2)
+    world.add(pod("web"))
+    world.client.eviction_error = ApiError(
+        429, {"message": "Cannot evict pod as it would violate the pod's disruption budget."}
+    )
+    await world.descheduler.cycle()
+    assert world.reasons() == ["EvictionBlocked"]
+    assert "disruption budget" in world.client.events[0]["message"]
+    await world.descheduler.cycle()
+    assert len(world.client.calls) == 1, "not again before the retry time"
+    world.moment += 31
+    world.client.eviction_error = None
+    await world.descheduler.cycle()
+    assert len(world.client.calls) == 2
+    assert world.reasons() == ["EvictionBlocked", "Rescheduled"]
+
+
+async def test_a_bare_pod_is_copied_before_the_original_goes() -> None:
+    world = World(ROOM_IN_2)
+    solo = pod("solo", owned=False)
+    world.add(solo)
+    await world.descheduler.cycle()
+    name = copy_name(solo)
+    assert world.client.calls == [("create", f"apps/{name}"), ("delete", "apps/solo")]
+    assert world.client.created[name]["spec"]["nodeName"] == "vk-lower-2"
+    assert world.reasons() == ["Rescheduled", "Rescheduled"]
+
+
+async def test_a_copy_made_before_a_crash_is_found_and_only_the_original_deleted() -> None:
+    world = World(ROOM_IN_2)
+    solo = pod("solo", owned=False)
+    made = pod_copy(solo, "vk-lower-2")
+    made["metadata"]["uid"] = "uid-copy"
+    world.client.created[copy_name(solo)] = made
+    world.add(solo)
+    await world.descheduler.cycle()
+    assert world.client.calls == [("create", f"apps/{copy_name(solo)}"), ("delete", "apps/solo")]
+
+
+async def test_a_name_taken_by_another_pod_stops_the_copy() -> None:
+    world = World(ROOM_IN_2)
+    solo = pod("solo", owned=False)
+    world.client.created[copy_name(solo)] = pod(copy_name(solo))
+    world.add(solo)
+    await world.descheduler.cycle()
+    assert ("delete", "apps/solo") not in world.client.calls
+    assert world.reasons() == ["NotRescheduled"]
+
+
+async def test_a_pod_no_cluster_can_run_is_left_and_said_once() -> None:
+    world = World({"vk-lower-2": NO_ROOM, "vk-lower-3": EstimatorFailure("deadline")})
+    world.add(pod("web"))
+    await world.descheduler.cycle()
+    await world.descheduler.cycle()
+    assert world.client.calls == []
+    assert world.reasons() == ["NotRescheduled"]
+    assert "vk-lower-3: estimator unavailable: deadline" in world.client.events[0]["message"]
+
+
+async def test_a_dry_run_moves_nothing_and_prints_the_plan(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    world = World(ROOM_IN_2, dry_run=True)
+    world.add(pod("web"))
+    world.add(pod("solo", owned=False))
+    await world.descheduler.cycle()
+    assert world.client.calls == [] and world.client.events == []
+    printed = capsys.readouterr().out
+    assert "dry run: apps/web: unschedulable in vk-lower-1 for 120 s" in printed
+    assert f"re-create as {copy_name(pod('solo'))} on vk-lower-2" in printed
