@@ -87,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
         "to any virtual node whose summed free capacity takes them (the blind behaviour)",
     )
     up.add_argument(
+        "--no-descheduler",
+        dest="descheduler",
+        action="store_false",
+        help="leave pods stuck in a lower cluster where they are",
+    )
+    up.add_argument(
         "--detach",
         action="store_true",
         help="return once ready and leave the federation running (stop: kubestrata down)",
@@ -127,6 +133,8 @@ def _up(args: argparse.Namespace) -> int:
         federation.start_webhook()
         if args.multischeduler:
             federation.start_multischeduler()
+        if args.descheduler:
+            federation.start_descheduler()
     except BaseException:
         federation.stop()
         raise

@@ -33,6 +33,8 @@ from webhook.configuration import PATH as WEBHOOK_PATH
 STATE_FILE = "federation.json"
 MULTISCHEDULER = "multischeduler"
 MULTISCHEDULER_ACCOUNT = "kubestrata-multischeduler"
+DESCHEDULER = "descheduler"
+DESCHEDULER_ACCOUNT = "kubestrata-descheduler"
 MANIFESTS = Path(__file__).resolve().parent.parent / "manifests"
 UPPER = "upper"
 COMPONENTS = "components"
@@ -330,18 +332,7 @@ class Federation:
         directory = self.state_dir / MULTISCHEDULER
         serving = pki.serving_pair(directory, MULTISCHEDULER, (LOOPBACK,))
         ca_file = pki.ca_path(serving)
-        self.upper.kubectl("apply", "-f", str(MANIFESTS / "namespace.yaml"))
-        self.upper.kubectl("apply", "-f", str(MANIFESTS / "multischeduler" / "rbac.yaml"))
-        token = self.upper.kubectl(
-            "create",
-            "token",
-            MULTISCHEDULER_ACCOUNT,
-            "--namespace=kubestrata-system",
-            "--duration=8760h",
-        ).stdout.strip()
-        token_file = directory / "token"
-        token_file.write_text(token)
-        token_file.chmod(0o600)
+        token_file = self._account_token(MULTISCHEDULER, MULTISCHEDULER_ACCOUNT)
         port = free_port()
         url = f"https://{LOOPBACK}:{port}"
         process = self.start_component(
@@ -366,6 +357,35 @@ class Federation:
         self.upper.set_scheduler_extenders([scheduler_extender(url, ca_file)])
         self.multischeduler_url = url
         return url
+
+    def start_descheduler(self, policy: Path | None = None) -> ManagedProcess:
+        """`kubestrata descheduler`, calling the estimators with the identity its
+        manifests give it."""
+        token_file = self._account_token(DESCHEDULER, DESCHEDULER_ACCOUNT)
+        return self.start_component(
+            DESCHEDULER,
+            [
+                "descheduler",
+                f"--kubeconfig={self.upper.kubeconfig}",
+                f"--estimator-ca-file={self.upper.ca.cert_path}",
+                f"--estimator-token-file={token_file}",
+                *([f"--policy={policy}"] if policy is not None else []),
+            ],
+        )
+
+    def _account_token(self, component: str, account: str) -> Path:
+        """Applies the component's RBAC from the manifests; returns a file holding a token
+        of its ServiceAccount."""
+        self.upper.kubectl("apply", "-f", str(MANIFESTS / "namespace.yaml"))
+        self.upper.kubectl("apply", "-f", str(MANIFESTS / component / "rbac.yaml"))
+        token = self.upper.kubectl(
+            "create", "token", account, "--namespace=kubestrata-system", "--duration=8760h"
+        ).stdout.strip()
+        token_file = self.state_dir / component / "token"
+        token_file.parent.mkdir(parents=True, exist_ok=True)
+        token_file.write_text(token)
+        token_file.chmod(0o600)
+        return token_file
 
     def start_component(self, name: str, kubestrata_args: list[str]) -> ManagedProcess:
         process = ManagedProcess(

@@ -74,11 +74,12 @@ def test_up_detach_kubeconfig_down(state_dir: Path, toolchain: Toolchain) -> Non
             "virtual-node-lower-1",
             "webhook",
             "multischeduler",
+            "descheduler",
         }
     finally:
         down = kubestrata("down", "--state-dir", str(state_dir))
     assert down.returncode == 0, down.stderr
-    assert "stopped 12 processes" in down.stdout
+    assert "stopped 13 processes" in down.stdout
     assert not state_dir.exists()
     assert not any(p.alive() for p in processes)
 
@@ -93,6 +94,7 @@ def test_foreground_up_stops_everything_on_ctrl_c(state_dir: Path) -> None:
             "--nodes",
             "1",
             "--no-multischeduler",
+            "--no-descheduler",
             "--state-dir",
             str(state_dir),
         ],
@@ -109,8 +111,8 @@ def test_foreground_up_stops_everything_on_ctrl_c(state_dir: Path) -> None:
             pytest.fail(f"up ended before it was ready: {up.stderr.read() if up.stderr else ''}")
         processes = running_processes(state_dir)
         # --no-multischeduler: no extender, and the scheduler's configuration names none.
-        assert len(processes) == 11
-        assert "multischeduler" not in {p.name for p in processes}
+        assert len(processes) == 10
+        assert not {"multischeduler", "descheduler"} & {p.name for p in processes}
         assert "extenders" not in (state_dir / "upper" / "scheduler" / "config.yaml").read_text()
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0

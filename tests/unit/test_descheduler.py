@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from descheduler.controller import Descheduler, receivers
+from descheduler.main import parse_args
 from descheduler.policy import Policy, PolicyError, parse_policy
 from descheduler.rescue import (
     Move,
@@ -28,6 +31,7 @@ from kubekit.client import NODES, PODS, ApiError
 from kubekit.estimatorapi.estimator_pb2 import PodEstimate, PodQuery
 from kubekit.informer import Informer
 from multischeduler.extender import Answer, EstimatorFailure
+from tests.unit.test_multischeduler import core_grants
 
 NOW = datetime(2026, 11, 23, 12, 0, 0, tzinfo=UTC)
 
@@ -423,3 +427,54 @@ async def test_a_dry_run_moves_nothing_and_prints_the_plan(
     printed = capsys.readouterr().out
     assert "dry run: apps/web: unschedulable in vk-lower-1 for 120 s" in printed
     assert f"re-create as {copy_name(pod('solo'))} on vk-lower-2" in printed
+
+
+# -- manifests ------------------------------------------------------------------------------
+
+MANIFESTS = Path(__file__).parents[2] / "manifests" / "descheduler"
+
+
+def documents(name: str) -> list[Any]:
+    return list(yaml.safe_load_all((MANIFESTS / name).read_text()))
+
+
+def test_the_deployment_runs_the_policy_of_its_config_map(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    config_map, deployment = documents("deployment.yaml")
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text(config_map["data"]["policy.yaml"])
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    command, *args = container["args"]
+    assert command == "descheduler"
+    config = parse_args([a.replace("/etc/kubestrata/policy.yaml", str(policy_file)) for a in args])
+    assert config.policy == Policy(), "the ConfigMap spells out the defaults"
+    assert deployment["spec"]["replicas"] == 1
+
+
+def test_rbac_grants_exactly_what_the_descheduler_uses() -> None:
+    account, role, binding = documents("rbac.yaml")
+    assert account["metadata"]["name"] == "kubestrata-descheduler"
+    watch = {"get", "list", "watch"}
+    assert core_grants(role) == {("nodes", v) for v in watch} | {("pods", v) for v in watch} | {
+        ("pods", "create"),
+        ("pods", "delete"),
+        ("pods/eviction", "create"),
+        ("events", "create"),
+        ("nodes/estimator", "get"),
+    }
+    assert "*" not in str(role["rules"])
+    assert binding["subjects"][0]["name"] == account["metadata"]["name"]
+
+
+def test_a_bad_policy_file_stops_the_command_with_its_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text("defragAfter: 60\n")
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args([f"--policy={policy_file}"])
+    assert exit_info.value.code == 2
+    assert "defragAfter: defragmentation is not available" in capsys.readouterr().err

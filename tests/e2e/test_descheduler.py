@@ -1,0 +1,171 @@
+"""The descheduler end to end: bare pods bound straight to vk-lower-1 (no scheduler, as
+before the extender existed) whose lower copies cannot be scheduled there.
+
+A pool of one kwok node per cluster, tainted and labelled for these tests only:
+
+    lower-1: move node 4 cpu, 2 taken by a pinned foreign pod -> 2 free
+    lower-2: move node 4 cpu, free
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kubekit import keys
+from kubekit.federation import Federation
+from kubekit.localcluster import LocalCluster, NodeSpec
+
+from .helpers import apply, bound_pod, federated_namespace, get_json, pods_by_name, wait_for
+
+NAMESPACE = "move"
+POOL = {"kubestrata.io/e2e-pool": "move"}
+POOL_TAINT = {"key": "kubestrata.io/e2e-pool", "value": "move", "effect": "NoSchedule"}
+CLUSTERS = ("lower-1", "lower-2")
+
+
+def move_node(cluster: str) -> str:
+    return f"{cluster}-move"
+
+
+@pytest.fixture(scope="module")
+def descheduling(
+    federation: Federation, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Federation]:
+    for cluster in CLUSTERS:
+        lower = federation.clusters[cluster]
+        assert isinstance(lower, LocalCluster)
+        lower.add_nodes(
+            [
+                NodeSpec(
+                    name=move_node(cluster),
+                    cpu="4",
+                    memory="16Gi",
+                    pods=110,
+                    labels={**POOL, "topology.kubernetes.io/region": cluster},
+                    taints=(POOL_TAINT,),
+                )
+            ]
+        )
+    lower_1 = federation.clusters["lower-1"]
+    apply(
+        lower_1,
+        bound_pod(
+            "move-pin",
+            "default",
+            move_node("lower-1"),
+            containers=[
+                {
+                    "name": "app",
+                    "image": "registry.k8s.io/pause:3.10",
+                    "resources": {"requests": {"cpu": "2"}},
+                }
+            ],
+        ),
+    )
+    wait_for(
+        lambda: (
+            get_json(lower_1, "pod", "-n", "default", "move-pin")["status"].get("phase")
+            == "Running"
+        ),
+        "the pinned pod Running",
+    )
+    apply(federation.upper, federated_namespace(NAMESPACE))
+    policy = Path(tmp_path_factory.mktemp("descheduler")) / "policy.yaml"
+    policy.write_text("pendingTimeout: 2\ninterval: 1\n")
+    process = federation.start_descheduler(policy)
+    try:
+        yield federation
+    finally:
+        process.stop()
+        federation.upper.kubectl("delete", "namespace", NAMESPACE, "--wait=false")
+        lower_1.kubectl("delete", "pod", "-n", "default", "move-pin", "--force", "--wait=false")
+        for cluster in CLUSTERS:
+            federation.clusters[cluster].kubectl(
+                "delete", "node", move_node(cluster), "--wait=false"
+            )
+
+
+def stuck_pod(name: str, cpu: str) -> dict[str, Any]:
+    pod = bound_pod(
+        name,
+        NAMESPACE,
+        "vk-lower-1",
+        nodeSelector=POOL,
+        tolerations=[{**POOL_TAINT, "operator": "Equal"}],
+        terminationGracePeriodSeconds=0,
+        containers=[
+            {
+                "name": "app",
+                "image": "registry.k8s.io/pause:3.10",
+                "resources": {"requests": {"cpu": cpu}},
+            }
+        ],
+    )
+    pod["metadata"]["labels"] = {"app": name}
+    return pod
+
+
+def copies_of(federation: Federation, uid: str) -> list[dict[str, Any]]:
+    pods = get_json(federation.upper, "pods", "-n", NAMESPACE)["items"]
+    return [
+        p
+        for p in pods
+        if (p["metadata"].get("annotations") or {}).get(keys.COPY_OF_ANNOTATION) == uid
+    ]
+
+
+def events(federation: Federation, name: str, reason: str) -> list[str]:
+    found = get_json(
+        federation.upper,
+        "events",
+        "-n",
+        NAMESPACE,
+        "--field-selector",
+        f"involvedObject.name={name},reason={reason}",
+    )["items"]
+    return [str(e["message"]) for e in found]
+
+
+def running_copy(federation: Federation, uid: str) -> dict[str, Any] | None:
+    copies = copies_of(federation, uid)
+    if len(copies) == 1 and copies[0]["status"].get("phase") == "Running":
+        return copies[0]
+    return None
+
+
+def test_a_bare_pod_stuck_below_is_re_created_in_a_cluster_that_fits_it(
+    descheduling: Federation,
+) -> None:
+    apply(descheduling.upper, stuck_pod("solo", "3"))
+    uid = get_json(descheduling.upper, "pod", "-n", NAMESPACE, "solo")["metadata"]["uid"]
+    copy = wait_for(partial(running_copy, descheduling, uid), "the copy Running", timeout=120)
+    assert copy["spec"]["nodeName"] == "vk-lower-2"
+    assert copy["metadata"]["labels"] == {"app": "solo"}
+    upper = pods_by_name(descheduling.upper, NAMESPACE, "app=solo")
+    assert set(upper) == {copy["metadata"]["name"]}, "the original is gone, one copy runs"
+    wait_for(
+        lambda: not pods_by_name(descheduling.clusters["lower-1"], NAMESPACE, "app=solo"),
+        "the original's lower pod gone from lower-1",
+    )
+    below = pods_by_name(descheduling.clusters["lower-2"], NAMESPACE, "app=solo")
+    assert [p["spec"]["nodeName"] for p in below.values()] == [move_node("lower-2")]
+    (said,) = events(descheduling, "solo", "Rescheduled")
+    assert "unschedulable in vk-lower-1" in said and copy["metadata"]["name"] in said
+
+
+def test_a_pod_no_cluster_can_run_is_left_where_it_is_with_an_event(
+    descheduling: Federation,
+) -> None:
+    apply(descheduling.upper, stuck_pod("huge", "6"))
+    said = wait_for(
+        lambda: events(descheduling, "huge", "NotRescheduled"), "a NotRescheduled event"
+    )
+    assert "no cluster can run it now" in said[0] and "vk-lower-2: 0/" in said[0], said
+    pod = get_json(descheduling.upper, "pod", "-n", NAMESPACE, "huge")
+    assert pod["spec"]["nodeName"] == "vk-lower-1"
+    assert not copies_of(descheduling, pod["metadata"]["uid"])
