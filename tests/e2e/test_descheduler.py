@@ -144,6 +144,7 @@ def test_a_bare_pod_stuck_below_is_re_created_in_a_cluster_that_fits_it(
     apply(descheduling.upper, stuck_pod("solo", "3"))
     uid = get_json(descheduling.upper, "pod", "-n", NAMESPACE, "solo")["metadata"]["uid"]
     copy = wait_for(partial(running_copy, descheduling, uid), "the copy Running", timeout=120)
+    assert copy is not None
     assert copy["spec"]["nodeName"] == "vk-lower-2"
     assert copy["metadata"]["labels"]["app"] == "solo"
     upper = pods_by_name(descheduling.upper, NAMESPACE, "app=solo")

@@ -3,7 +3,7 @@ the bare pod's copy (pure), and the loop over a fake client fed through real inf
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -301,7 +301,7 @@ class FakeClient:
 
 
 class FakePool:
-    def __init__(self, answers: dict[str, Answer]) -> None:
+    def __init__(self, answers: Mapping[str, Answer]) -> None:
         self.answers = answers
         self.asked: list[tuple[list[str], PodQuery]] = []
 
@@ -313,7 +313,7 @@ class FakePool:
 
 
 class World:
-    def __init__(self, answers: dict[str, Answer], dry_run: bool = False) -> None:
+    def __init__(self, answers: Mapping[str, Answer], dry_run: bool = False) -> None:
         self.client = FakeClient()
         self.pool = FakePool(answers)
         self.pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
@@ -339,7 +339,7 @@ class World:
         return [event["reason"] for event in self.client.events]
 
 
-ROOM_IN_2 = {"vk-lower-2": fits(0.5), "vk-lower-3": NO_ROOM}
+ROOM_IN_2: dict[str, Answer] = {"vk-lower-2": fits(0.5), "vk-lower-3": NO_ROOM}
 
 
 async def test_a_controllers_pod_is_evicted_through_the_eviction_api() -> None:
