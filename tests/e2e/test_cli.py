@@ -111,7 +111,7 @@ def test_foreground_up_stops_everything_on_ctrl_c(state_dir: Path) -> None:
             pytest.fail(f"up ended before it was ready: {up.stderr.read() if up.stderr else ''}")
         processes = running_processes(state_dir)
         # --no-multischeduler: no extender, and the scheduler's configuration names none.
-        assert len(processes) == 10
+        assert len(processes) == 11
         assert not {"multischeduler", "descheduler"} & {p.name for p in processes}
         assert "extenders" not in (state_dir / "upper" / "scheduler" / "config.yaml").read_text()
         up.send_signal(signal.SIGINT)

@@ -234,7 +234,8 @@ def test_the_manifests_are_accepted_by_the_apiserver(federation: Federation) -> 
         # The local federation's own webhook already holds the name.
         if obj["kind"] == "MutatingWebhookConfiguration":
             obj["metadata"]["name"] = "kubestrata-webhook-from-manifests"
-    # apply, not create: `kubestrata up` already applied the multischeduler's RBAC.
+    # apply, not create: `kubestrata up` already applied the multischeduler's and the
+    # descheduler's RBAC.
     result = upper.kubectl(
         "apply",
         "--dry-run=server",
@@ -258,6 +259,11 @@ def test_the_manifests_are_accepted_by_the_apiserver(federation: Federation) -> 
         "clusterrolebinding.rbac.authorization.k8s.io/kubestrata-multischeduler",
         "service/kubestrata-multischeduler",
         "deployment.apps/kubestrata-multischeduler",
+        "serviceaccount/kubestrata-descheduler",
+        "clusterrole.rbac.authorization.k8s.io/kubestrata-descheduler",
+        "clusterrolebinding.rbac.authorization.k8s.io/kubestrata-descheduler",
+        "configmap/kubestrata-descheduler-policy",
+        "deployment.apps/kubestrata-descheduler",
     }, result.stdout
     # The cert-manager variant renders (its CRDs are not installed here).
     with_cert_manager = upper.kubectl("kustomize", str(MANIFESTS / "webhook-cert-manager")).stdout
