@@ -27,15 +27,16 @@ from descheduler.rescue import (
     stuck_pods,
     within_limits,
 )
-from kubekit.client import EVENTS, PODS, ApiError, KubeClient
+from kubekit.client import PODS, ApiError, KubeClient
 from kubekit.estimatorapi.estimator_pb2 import PodEstimate, PodQuery
 from kubekit.informer import Informer
+from kubekit.podevents import record_pod_event
 from multischeduler.estimators import EstimatorPool
 from multischeduler.extender import EstimatorFailure
 
 log = logging.getLogger("descheduler")
 
-COMPONENT = "kubestrata-descheduler"
+SOURCE = {"component": "kubestrata-descheduler"}
 ESTIMATOR_TIMEOUT = 2.0
 # After the Eviction API refused (a PodDisruptionBudget, 429), the pod is tried again
 # after this long.
@@ -57,35 +58,6 @@ def receivers(
         and down_for(node, now) is None
         and not (node.get("spec") or {}).get("unschedulable")
     )
-
-
-def pod_event(pod: Mapping[str, Any], reason: str, message: str, warning: bool = False) -> JSON:
-    metadata = pod["metadata"]
-    stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return {
-        "apiVersion": "v1",
-        "kind": "Event",
-        "metadata": {
-            "name": f"{metadata['name']}.{time.time_ns():x}",
-            "namespace": metadata["namespace"],
-        },
-        "involvedObject": {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "name": metadata["name"],
-            "namespace": metadata["namespace"],
-            "uid": metadata["uid"],
-        },
-        "reason": reason,
-        "message": message,
-        "type": "Warning" if warning else "Normal",
-        "source": {"component": COMPONENT},
-        "reportingComponent": COMPONENT,
-        "reportingInstance": COMPONENT,
-        "firstTimestamp": stamp,
-        "lastTimestamp": stamp,
-        "count": 1,
-    }
 
 
 class Descheduler:
@@ -178,12 +150,12 @@ class Descheduler:
 
     async def _move(self, move: Move) -> None:
         stuck = move.stuck
-        how = "evict" if stuck.owned else f"re-create as {copy_name(stuck.pod)} on"
-        plan = (
-            f"{stuck.describe()}; {how} {move.to}"
-            if not stuck.owned
-            else (f"{stuck.describe()}; evict (its controller replaces it; {move.to} can run it)")
+        how = (
+            f"evict (its controller replaces it; {move.to} can run it)"
+            if stuck.owned
+            else f"re-create as {copy_name(stuck.pod)} on {move.to}"
         )
+        plan = f"{stuck.describe()}; {how}"
         if self.dry_run:
             print(f"dry run: {stuck.key}: {plan}", flush=True)
             return
@@ -258,13 +230,8 @@ class Descheduler:
     async def _event(
         self, pod: Mapping[str, Any], reason: str, message: str, warning: bool = False
     ) -> None:
-        try:
-            await self.client.create(
-                EVENTS, pod_event(pod, reason, message, warning), pod["metadata"]["namespace"]
-            )
-        except ApiError as error:
-            # An event is news, not state: its loss must not stop a move.
-            log.warning("event %s on %s: %s", reason, pod["metadata"]["name"], error)
+        event_type = "Warning" if warning else "Normal"
+        await record_pod_event(self.client, pod, event_type, reason, message, SOURCE)
 
 
 def answer_text(failure: EstimatorFailure) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +13,8 @@ from pathlib import Path
 from descheduler.controller import Descheduler
 from descheduler.policy import Policy, PolicyError, parse_policy
 from kubekit import keys
-from kubekit.client import NODES, PODS, ApiError, ClientSettings, KubeClient
+from kubekit.client import NODES, PODS, ClientSettings, KubeClient
+from kubekit.component import run_component
 from kubekit.informer import Informer
 from kubekit.serving import check_kubeconfig
 from multischeduler.estimators import (
@@ -102,16 +102,7 @@ async def run(config: Config) -> None:
                 config.policy.pending_timeout,
                 config.policy.cluster_down_timeout,
             )
-            looping = asyncio.create_task(descheduler.run())
-            stop = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(signum, stop.set)
-            await asyncio.wait(
-                [looping, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED
-            )
-            looping.cancel()
-            await asyncio.gather(looping, return_exceptions=True)
+            await descheduler.run()
         finally:
             for task in watching:
                 task.cancel()
@@ -120,10 +111,4 @@ async def run(config: Config) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-    config = parse_args(argv)
-    try:
-        asyncio.run(run(config))
-    except (OSError, ApiError) as error:
-        log.error("%s", error)
-        return 1
-    return 0
+    return run_component(run(parse_args(argv)), log)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
@@ -49,7 +49,7 @@ def parse_policy(text: str) -> Policy:
         return Policy()
     if not isinstance(document, Mapping):
         raise PolicyError("the policy must be a mapping of keys to values")
-    types = {f.name: f.type for f in fields(Policy)}
+    defaults = Policy()
     values: dict[str, Any] = {}
     for key, value in document.items():
         if key in _NOT_YET:
@@ -57,7 +57,7 @@ def parse_policy(text: str) -> Policy:
         name = _KEYS.get(key)
         if name is None:
             raise PolicyError(f"unknown key {key!r} (known: {', '.join(sorted(_KEYS))})")
-        values[name] = _number(key, value, integer=types[name] == "int")
+        values[name] = _number(key, value, integer=isinstance(getattr(defaults, name), int))
     return Policy(**values)
 
 

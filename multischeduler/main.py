@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +13,8 @@ from pathlib import Path
 from aiohttp import web
 
 from kubekit import keys, pki
-from kubekit.client import NODES, PODS, ApiError, ClientSettings, KubeClient
+from kubekit.client import NODES, PODS, ClientSettings, KubeClient
+from kubekit.component import run_component
 from kubekit.informer import Informer
 from kubekit.serving import (
     add_serving_arguments,
@@ -152,11 +152,8 @@ async def run(config: Config) -> None:
                 config.port,
                 len(pool.nodes),
             )
-            stop = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(signum, stop.set)
-            await stop.wait()
+            # Until a signal cancels the task, which the finally below cleans up after.
+            await asyncio.Future()
         finally:
             await runner.cleanup()
             watching.cancel()
@@ -165,10 +162,4 @@ async def run(config: Config) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-    config = parse_args(argv)
-    try:
-        asyncio.run(run(config))
-    except (OSError, ApiError) as error:
-        log.error("%s", error)
-        return 1
-    return 0
+    return run_component(run(parse_args(argv)), log)

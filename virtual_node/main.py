@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import re
-import signal
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -29,7 +27,9 @@ from kubekit.client import (
     shrink_tls_read_buffers,
 )
 from kubekit.clusterstate import ClusterState
+from kubekit.component import run_component
 from kubekit.informer import InformerFactory
+from kubekit.timestamps import now_micro
 from kubekit.workqueue import WorkQueue
 from virtual_node.estimator import EstimatorService, FitEstimator
 from virtual_node.estimator import serve as serve_estimator
@@ -40,7 +40,7 @@ from virtual_node.kubeletapi.server import KubeletServer
 from virtual_node.kubeletstreams import LowerKubelet
 from virtual_node.lower import LowerCluster
 from virtual_node.naming import NamespaceMapping, Strategy
-from virtual_node.node import NodeIdentity, now_micro
+from virtual_node.node import NodeIdentity
 from virtual_node.nodecontroller import NodeController
 from virtual_node.podcontroller import PodController
 from virtual_node.reflector import RESOURCES as REFLECTED
@@ -331,15 +331,5 @@ def main(argv: Sequence[str]) -> int:
     logging.basicConfig(
         level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-
-    async def run_until_signal() -> None:
-        task = asyncio.create_task(run(config))
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, task.cancel)
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
     shrink_tls_read_buffers()
-    asyncio.run(run_until_signal())
-    return 0
+    return run_component(run(config), log)

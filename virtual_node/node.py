@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
@@ -10,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kubekit import keys
+from kubekit.timestamps import now_micro, now_rfc3339
 from virtual_node.capacity import node_is_usable
 
 JSON = dict[str, Any]
@@ -47,14 +47,6 @@ class NodeReport:
     kubelet_version: str = ""
     message: str = ""
     nodes_digest: str = ""
-
-
-def now_rfc3339() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def now_micro() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 _NOT_SHARED = {keys.HOSTNAME_LABEL, "kubernetes.io/hostname", "type"}

@@ -13,13 +13,13 @@ from typing import Protocol
 
 from kubekit import keys
 from kubekit.client import LEASES, NODES, ApiError, KubeClient, is_not_found
+from kubekit.timestamps import now_micro
 from virtual_node.node import (
     LEASE_NAMESPACE,
     NodeIdentity,
     NodeReport,
     lease,
     node_status,
-    now_micro,
     registration,
     registration_patch,
     status_changed,

@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kubekit.client import EVENTS, PODS, ApiError, KubeClient, is_conflict, is_not_found
+from kubekit.client import PODS, ApiError, KubeClient, is_conflict, is_not_found
 from kubekit.informer import FunctionHandler, Informer, object_key
+from kubekit.podevents import record_pod_event
 from kubekit.workqueue import WorkQueue
-from virtual_node.node import now_rfc3339
 from virtual_node.translate import failed_status
 
 log = logging.getLogger(__name__)
@@ -144,31 +144,5 @@ class PodController:
             await self._set_status(upper, failed_status(upper, "LowerPodDeleted", message))
 
     async def event(self, pod: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
-        metadata = pod["metadata"]
-        now = now_rfc3339()
-        body = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {
-                "generateName": f"{metadata['name']}.",
-                "namespace": metadata["namespace"],
-            },
-            "involvedObject": {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "name": metadata["name"],
-                "namespace": metadata["namespace"],
-                "uid": metadata["uid"],
-            },
-            "type": kind,
-            "reason": reason,
-            "message": message,
-            "source": {"component": "kubestrata-virtual-node", "host": self.node_name},
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
-        }
-        try:
-            await self.upper.create(EVENTS, body, metadata["namespace"])
-        except ApiError as error:
-            log.warning("event %s on %s not recorded: %s", reason, object_key(pod), error)
+        source = {"component": "kubestrata-virtual-node", "host": self.node_name}
+        await record_pod_event(self.upper, pod, kind, reason, message, source)

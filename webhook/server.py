@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import base64
 import logging
-import signal
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from aiohttp import web
 
 from kubekit import pki, stash
 from kubekit.client import ApiError, ClientSettings, KubeClient, Resource
+from kubekit.component import run_component
 from kubekit.serving import add_serving_arguments, check_serving_arguments, serving
 from webhook.admission import BadReview, parse_review, review_response
 from webhook.configuration import CONFIGURATION_NAME, PATH, url_configuration
@@ -187,20 +187,11 @@ async def run(config: WebhookConfig) -> None:
         log.info("serving admission reviews on https://%s:%d%s", config.host, config.port, PATH)
         if config.register_url or config.inject_ca_bundle:
             await publish_ca_bundle(config)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
-        await stop.wait()
+        # Until a signal cancels the task, which the finally below cleans up after.
+        await asyncio.Future()
     finally:
         await runner.cleanup()
 
 
 def main(argv: Sequence[str]) -> int:
-    config = parse_args(argv)
-    try:
-        asyncio.run(run(config))
-    except (OSError, ApiError) as error:
-        log.error("%s", error)
-        return 1
-    return 0
+    return run_component(run(parse_args(argv)), log)

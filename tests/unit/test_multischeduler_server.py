@@ -364,13 +364,21 @@ async def test_filter_keeps_room_only_where_the_pod_is_likeliest_to_go(
     assert estimators["vk-a"].releases == [], "the chosen cluster's room becomes the pod's"
 
 
-async def test_releases_ride_on_the_next_call(federation: Federation) -> None:
-    federation.extender.pool.release_delay = 3600.0
+def named(name: str, uid: str) -> dict[str, Any]:
+    return {**POD, "metadata": {"name": name, "namespace": "ns", "uid": uid}}
+
+
+async def surplus_on_vk_b(federation: Federation, release_delay: float) -> None:
+    """Pod u1 decided between vk-a (ranked first) and vk-b, whose room goes back."""
+    federation.extender.pool.release_delay = release_delay
     await federation.estimator("vk-a", fits(0.9))
     await federation.estimator("vk-b", fits(0.5))
     await federation.filter("vk-a", "vk-b")
-    other = {**POD, "metadata": {"name": "q", "namespace": "ns", "uid": "u2"}}
-    await federation.filter("vk-a", "vk-b", pod=other)
+
+
+async def test_releases_ride_on_the_next_call(federation: Federation) -> None:
+    await surplus_on_vk_b(federation, release_delay=3600.0)
+    await federation.filter("vk-a", "vk-b", pod=named("q", "u2"))
     estimators = federation.estimators
     assert [list(r.release_pod_uids) for r in estimators["vk-b"].estimates] == [[], ["u1"]]
     assert [list(r.release_pod_uids) for r in estimators["vk-a"].estimates] == [[], []]
@@ -381,18 +389,13 @@ async def test_releases_ride_on_the_next_call(federation: Federation) -> None:
 
 async def next_call(federation: Federation, node: str) -> list[EstimateRequest]:
     before = len(federation.estimators[node].estimates)
-    third = {**POD, "metadata": {"name": "r", "namespace": "ns", "uid": "u3"}}
-    await federation.filter(node, pod=third)
+    await federation.filter(node, pod=named("r", "u3"))
     return federation.estimators[node].estimates[before:]
 
 
 async def test_releases_with_no_call_to_ride_on_go_alone(federation: Federation) -> None:
-    federation.extender.pool.release_delay = 0.05
-    await federation.estimator("vk-a", fits(0.9))
-    await federation.estimator("vk-b", fits(0.5))
-    await federation.filter("vk-a", "vk-b")
-    other = {**POD, "metadata": {"name": "q", "namespace": "ns", "uid": "u2"}}
-    await federation.filter("vk-a", "vk-b", pod=other)
+    await surplus_on_vk_b(federation, release_delay=0.05)
+    await federation.filter("vk-a", "vk-b", pod=named("q", "u2"))
     estimators = federation.estimators
     await eventually(lambda: bool(estimators["vk-b"].releases))
     # u1 rode on the second call if it came in time; u2 had none to ride on.
@@ -403,13 +406,9 @@ async def test_releases_with_no_call_to_ride_on_go_alone(federation: Federation)
 
 
 async def test_releases_of_a_failed_call_are_sent_again(federation: Federation) -> None:
-    federation.extender.pool.release_delay = 3600.0
-    await federation.estimator("vk-a", fits(0.9))
-    await federation.estimator("vk-b", fits(0.5))
-    await federation.filter("vk-a", "vk-b")
+    await surplus_on_vk_b(federation, release_delay=3600.0)
     federation.estimators["vk-b"].delay = 1.0
-    other = {**POD, "metadata": {"name": "q", "namespace": "ns", "uid": "u2"}}
-    result = await federation.filter("vk-a", "vk-b", pod=other)
+    result = await federation.filter("vk-a", "vk-b", pod=named("q", "u2"))
     assert "vk-b" in result["FailedAndUnresolvableNodes"]
     federation.estimators["vk-b"].delay = 0.0
     (sent,) = await next_call(federation, "vk-b")

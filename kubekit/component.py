@@ -1,0 +1,34 @@
+"""How every component process runs: its main coroutine until it ends or a signal stops
+it, with an exit code."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Coroutine
+from typing import Any
+
+from kubekit.client import ApiError
+
+
+def run_component(main: Coroutine[Any, Any, None], log: logging.Logger) -> int:
+    """Runs ``main`` until it returns or SIGINT/SIGTERM cancels it (its ``finally``
+    blocks clean up); 1 when it failed on the network or the API, said in one log line
+    rather than a traceback."""
+
+    async def until_signalled() -> None:
+        task = asyncio.create_task(main)
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    try:
+        asyncio.run(until_signalled())
+    except (OSError, ApiError) as error:
+        log.error("%s", error)
+        return 1
+    return 0

@@ -1,0 +1,62 @@
+"""Events our components write about an upper pod, as `kubectl describe pod` lists them."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from kubekit.client import EVENTS, ApiError, KubeClient
+from kubekit.informer import object_key
+from kubekit.timestamps import now_rfc3339
+
+JSON = dict[str, Any]
+
+log = logging.getLogger(__name__)
+
+
+def pod_event(
+    pod: Mapping[str, Any],
+    event_type: str,
+    reason: str,
+    message: str,
+    source: Mapping[str, str],
+    now: str,
+) -> JSON:
+    metadata = pod["metadata"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{metadata['name']}.", "namespace": metadata["namespace"]},
+        "involvedObject": {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "name": metadata["name"],
+            "namespace": metadata["namespace"],
+            "uid": metadata["uid"],
+        },
+        "type": event_type,
+        "reason": reason,
+        "message": message,
+        "source": dict(source),
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+    }
+
+
+async def record_pod_event(
+    client: KubeClient,
+    pod: Mapping[str, Any],
+    event_type: str,
+    reason: str,
+    message: str,
+    source: Mapping[str, str],
+) -> None:
+    """Creates the event; one that cannot be written is logged, since an event is news,
+    not state, and its loss must not stop the work it tells of."""
+    body = pod_event(pod, event_type, reason, message, source, now_rfc3339())
+    try:
+        await client.create(EVENTS, body, pod["metadata"]["namespace"])
+    except ApiError as error:
+        log.warning("event %s on %s not recorded: %s", reason, object_key(pod), error)
