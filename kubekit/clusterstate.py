@@ -16,8 +16,10 @@ take before the cluster says it is there. They are keyed apart from real pods.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import ChainMap, Counter
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -30,6 +32,11 @@ Ref = tuple[bool, str]
 # What copies placed during a simulation request and use, by node.
 _Scratch = dict[str, tuple[Counter[str], Counter[HostPort]]]
 K = TypeVar("K")
+# Keys of the assumptions a simulation makes and takes back: NUL is in no pod's UID.
+_SIMULATED = "\0"
+# Sets of pods tried per node in search of the fewest evictions that make room: beyond
+# that, a node crowded with small pods is not worth the search.
+FREEING_TRIES = 20_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +66,17 @@ class Estimate:
         summary = ", ".join(f"{count} {reason}" for reason, count in ranked)
         available = f"0/{self.total_nodes} nodes are available"
         return f"{available}: {summary}" if summary else available
+
+
+@dataclass(frozen=True, slots=True)
+class Freeing:
+    """Room for a pod made on one node by evicting some of the pods there."""
+
+    node: str
+    # The keys of the pods to evict: the fewest that make room.
+    evicted: tuple[str, ...]
+    # Those no other node of the cluster takes once the pod holds this one.
+    homeless: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +186,119 @@ class ClusterState:
             least_allocated=1.0 - min(scores.values()) if scores else 0.0,
             preferred=preferred,
         )
+
+    def has_node(self, name: str) -> bool:
+        return name in self._nodes
+
+    def fit_in_turn(self, pods: Sequence[JSON]) -> list[str | None]:
+        """Where each pod would go, placed one after another on the roomiest node that
+        takes it (one that fits nowhere takes nothing); the state is left as it was."""
+        return self._in_turn([PodFacts.of(pod) for pod in pods])
+
+    def freeing(self, pod: JSON, movable: Mapping[str, JSON], most: int) -> list[Freeing]:
+        """How evicting at most ``most`` of the ``movable`` pods would make room for a pod
+        that fits no node now: for each node the pod could take once some of them left,
+        the fewest to evict, and which of those then fit no other node (``movable`` maps
+        the key of a real pod to what its replacement would be). Fewest evictions first,
+        ties by node name; nothing when the pod fits somewhere already."""
+        facts = PodFacts.of(pod)
+        evaluation = self._evaluate(facts)
+        if evaluation.scores or most <= 0:
+            return []
+        candidates = set(evaluation.candidates)
+        on_node: dict[str, list[tuple[str, PodFacts]]] = {}
+        for (assumed, key), (node, other) in self._placed.items():
+            if not assumed and key in movable and node in candidates:
+                on_node.setdefault(node, []).append((key, other))
+        plans = []
+        for node in evaluation.candidates:
+            evicted = self._fewest_evictions(facts, node, on_node.get(node, []), most)
+            if evicted is not None:
+                replacements = [PodFacts.of(movable[key]) for key in evicted]
+                homeless = self._homeless(facts, node, evicted, replacements)
+                plans.append(Freeing(node, evicted, homeless))
+        return sorted(plans, key=lambda plan: (len(plan.evicted), plan.node))
+
+    def _fewest_evictions(
+        self, pod: PodFacts, node: str, victims: list[tuple[str, PodFacts]], most: int
+    ) -> tuple[str, ...] | None:
+        """The smallest set of ``victims`` whose going lets the pod fit on ``node``, found
+        by trying sets in order of size, each size's sets biggest first; None when none
+        does within ``FREEING_TRIES``. A set must first cover what the node lacks, which
+        is integer arithmetic; only those are judged by every filter."""
+        free = self._headroom[node].free
+        missing = {
+            resource: need - free.get(resource, 0)
+            for resource, need in pod.requests.items()
+            if need > free.get(resource, 0)
+        }
+        victims = sorted(victims, key=lambda victim: (-_cover(victim[1], missing), victim[0]))
+        tries = 0
+        for size in range(1, min(most, len(victims)) + 1):
+            for chosen in itertools.combinations(victims, size):
+                tries += 1
+                if tries > FREEING_TRIES:
+                    return None
+                if any(
+                    sum(other.requests.get(resource, 0) for _, other in chosen) < short
+                    for resource, short in missing.items()
+                ):
+                    continue
+                keys = tuple(key for key, _ in chosen)
+                if self._fits_without(pod, node, keys):
+                    return keys
+        return None
+
+    def _fits_without(self, pod: PodFacts, node: str, keys: Iterable[str]) -> bool:
+        with self._without(keys):
+            counts = self._cluster_counts(pod, Counter())
+            return node in self._usage_filters(
+                pod, [node], counts, Counter(), self._headroom, self._ports
+            )
+
+    def _homeless(
+        self,
+        pod: PodFacts,
+        node: str,
+        evicted: tuple[str, ...],
+        replacements: list[PodFacts],
+    ) -> tuple[str, ...]:
+        planned: Ref = (True, _SIMULATED)
+        with self._without(evicted):
+            self._place(planned, node, pod)
+            try:
+                homes = self._in_turn(replacements)
+            finally:
+                self._unplace(planned)
+        return tuple(key for key, home in zip(evicted, homes, strict=True) if home is None)
+
+    @contextmanager
+    def _without(self, keys: Iterable[str]) -> Iterator[None]:
+        """The real pods of ``keys`` taken off their nodes for a while."""
+        removed = [(ref, self._placed[ref]) for ref in ((False, key) for key in keys)]
+        for ref, _ in removed:
+            self._unplace(ref)
+        try:
+            yield
+        finally:
+            for ref, (node, facts) in removed:
+                self._place(ref, node, facts)
+
+    def _in_turn(self, pods: Sequence[PodFacts]) -> list[str | None]:
+        refs: list[Ref] = []
+        homes: list[str | None] = []
+        try:
+            for index, facts in enumerate(pods):
+                home = _roomiest(self._evaluate(facts).scores)
+                homes.append(home)
+                if home is not None:
+                    ref = (True, f"{_SIMULATED}{index}")
+                    self._place(ref, home, facts)
+                    refs.append(ref)
+            return homes
+        finally:
+            for ref in refs:
+                self._unplace(ref)
 
     # -- bookkeeping -----------------------------------------------------------------------
 
@@ -418,6 +549,12 @@ def _roomiest(scores: Mapping[str, float]) -> str | None:
     """The node with the lowest best fit; the first of equals wins."""
     bottom = min(scores.values(), default=None)
     return next((name for name, score in scores.items() if score == bottom), None)
+
+
+def _cover(pod: PodFacts, missing: Mapping[str, int]) -> float:
+    """How much of what a node lacks a pod's going would give back, summed over the
+    resources as shares of each."""
+    return sum(min(pod.requests.get(r, 0), short) / short for r, short in missing.items())
 
 
 def _discount(counts: Counter[str], key: str) -> None:

@@ -7,6 +7,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from hypothesis import event as note_event
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -639,3 +640,130 @@ def test_estimates_leave_the_state_as_they_found_it(
     if uid is not None:
         cluster.forget("probe")
     assert cluster.estimate(query) == before
+
+
+# -- making room by evicting ------------------------------------------------------------
+
+
+def small(name: str, on: str, cpu: str = "1", **spec: Any) -> JSON:
+    return pod(name, on=on, labels={"app": name}, containers=[container(cpu=cpu)], **spec)
+
+
+def replacement(victim: JSON) -> JSON:
+    """What a controller would make in the victim's place: the same pod, unbound."""
+    spec = {k: v for k, v in victim["spec"].items() if k != "nodeName"}
+    return {**victim, "spec": spec, "status": {}}
+
+
+def movable(*victims: JSON) -> dict[str, JSON]:
+    return {f"ns/{v['metadata']['name']}": replacement(v) for v in victims}
+
+
+def test_fit_in_turn_places_each_pod_on_what_the_earlier_ones_left() -> None:
+    cluster = state(node("a", cpu="4"), node("b", cpu="2"))
+    assert cluster.fit_in_turn([needs("3"), needs("2"), needs("2")]) == ["a", "b", None]
+    assert cluster.estimate(needs("4")).fitting == ("a",), "nothing stays assumed"
+
+
+def test_freeing_finds_the_fewest_evictions_and_where_the_evicted_go() -> None:
+    # a: 3 of 4 cpu taken by three pods; b: 1.5 of 4 by one pod. A 4-cpu pod fits neither.
+    pods = [small("a1", "a"), small("a2", "a"), small("a3", "a"), small("b1", "b", cpu="1500m")]
+    cluster = state(node("a", cpu="4"), node("b", cpu="4"), *pods)
+    plans = cluster.freeing(needs("4"), movable(*pods), most=5)
+    assert [(p.node, p.evicted) for p in plans] == [
+        ("b", ("ns/b1",)),
+        ("a", ("ns/a1", "ns/a2", "ns/a3")),
+    ]
+    # b1 needs 1.5 cpu and a has 1 free; of a's pods, b (held for the pod no more) takes two.
+    assert plans[0].homeless == ("ns/b1",)
+    assert plans[1].homeless == ("ns/a3",)
+    assert cluster.estimate(needs("1")).fitting == ("a", "b"), "the state is as it was"
+
+
+def test_freeing_respects_the_most_evictions_and_what_may_move() -> None:
+    pods = [small("a1", "a"), small("a2", "a"), small("a3", "a")]
+    cluster = state(node("a", cpu="4"), *pods)
+    assert cluster.freeing(needs("4"), movable(*pods), most=2) == []
+    assert cluster.freeing(needs("3"), movable(*pods), most=2)[0].evicted == ("ns/a1", "ns/a2")
+    # a3 must stay: the two that may go free only 2 of the 3 cpu missing... plus the free one.
+    assert cluster.freeing(needs("4"), movable(pods[0], pods[1]), most=5) == []
+
+
+def test_freeing_evicts_the_big_pod_rather_than_several_small_ones() -> None:
+    pods = [small("s1", "a"), small("s2", "a"), small("big", "a", cpu="2")]
+    cluster = state(node("a", cpu="4"), *pods)
+    (plan,) = cluster.freeing(needs("2"), movable(*pods), most=3)
+    assert plan.evicted == ("ns/big",)
+
+
+def test_freeing_only_considers_nodes_the_pod_may_take_and_fits_already_means_nothing() -> None:
+    pods = [small("a1", "a", cpu="4"), small("b1", "b", cpu="4")]
+    cluster = state(node("a", cpu="4"), node("b", cpu="4", labels={"disk": "ssd"}), *pods)
+    (plan,) = cluster.freeing(needs("2", nodeSelector={"disk": "ssd"}), movable(*pods), most=3)
+    assert (plan.node, plan.evicted) == ("b", ("ns/b1",))
+    assert cluster.freeing(needs("0"), movable(*pods), most=3) == []
+
+
+def test_freeing_judges_every_filter_not_only_resources() -> None:
+    # Room enough on a, but a pod there the asked pod refuses to share a node with.
+    anti = {
+        "podAntiAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "labelSelector": {"matchLabels": {"app": "db"}},
+                    "topologyKey": "kubernetes.io/hostname",
+                }
+            ]
+        }
+    }
+    pods = [
+        small("web", "a"),
+        pod("db", on="a", labels={"app": "db"}, containers=[container(cpu="1")]),
+    ]
+    cluster = state(node("a", cpu="4"), *pods)
+    (plan,) = cluster.freeing(needs("1", affinity=anti), movable(*pods), most=2)
+    assert plan.evicted == ("ns/db",)
+
+
+# Nodes filled with running pods, and pods that need room: plans are common.
+packed_histories = st.builds(
+    lambda first, rest: [("set_node", n) for n in first] + [("set_pod", p) for p in rest],
+    st.lists(open_nodes, min_size=1, max_size=3),
+    st.lists(
+        st.builds(
+            lambda name, on, cpu, labels: pod(
+                name, on=on, labels=labels, containers=[container(cpu=cpu)]
+            ),
+            st.sampled_from([f"f{i}" for i in range(12)]),
+            st.sampled_from(NODE_NAMES),
+            st.sampled_from(["250m", "500m", "1"]),
+            st.sampled_from([{"app": "a"}, {}]),
+        ),
+        max_size=14,
+    ),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.one_of(packed_histories, crowded_histories),
+    st.one_of(queries, st.sampled_from([needs("1"), needs("2"), needs("4"), *PROBES[1:]])),
+)
+def test_a_plan_makes_room_per_a_diagnosis_from_scratch_and_leaves_the_state_alone(
+    history: list[tuple[str, Any]], query: JSON
+) -> None:
+    cluster, final_nodes, final_pods = replay(history)
+    real = {f"{p['metadata']['namespace']}/{p['metadata']['name']}": p for p in final_pods}
+    before = [cluster.estimate(asked) for asked in (query, *PROBES)]
+    plans = cluster.freeing(query, {key: replacement(p) for key, p in real.items()}, most=3)
+    note_event(f"plans: {min(len(plans), 2)}")
+    for plan in plans:
+        left = [
+            p
+            for p in final_pods
+            if f"{p['metadata']['namespace']}/{p['metadata']['name']}" not in plan.evicted
+        ]
+        assert not diagnose(query, final_nodes, left)[plan.node], plan
+        assert 1 <= len(plan.evicted) <= 3
+    assert [len(p.evicted) for p in plans] == sorted(len(p.evicted) for p in plans)
+    assert [cluster.estimate(asked) for asked in (query, *PROBES)] == before
