@@ -37,6 +37,8 @@ JSON = dict[str, Any]
 # binding here nor a release arrives (the scheduler chose another node and the release
 # was lost, or the binding failed).
 RESERVATION_SECONDS = 30.0
+# The longest a hold for a defragmentation may last.
+MAX_HOLD_SECONDS = 3600.0
 _FINISHED = frozenset({"Succeeded", "Failed"})
 
 
@@ -48,6 +50,15 @@ class QueryError(ValueError):
 class Answer:
     estimate: Estimate
     reserved_node: str | None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A defragmentation plan, by upper pod UID."""
+
+    node: str
+    evicted: tuple[str, ...]
+    homeless: tuple[str, ...]
 
 
 class FitEstimator:
@@ -70,8 +81,13 @@ class FitEstimator:
         self._in_flight: set[str] = set()
         # Lower copy bound to a lower node: the real pod counts, never an assumption.
         self._landed: set[str] = set()
+        # Upper UID -> the key of its lower pod, and of itself in the upper cache.
+        self._lower_keys: dict[str, str] = {}
+        self._upper_keys: dict[str, str] = {}
+        self._upper_pods: Informer | None = None
 
     def watch(self, lower_nodes: Informer, lower_pods: Informer, upper_pods: Informer) -> None:
+        self._upper_pods = upper_pods
         lower_nodes.add_handler(
             FunctionHandler(
                 add=self.state.set_node,
@@ -104,7 +120,10 @@ class FitEstimator:
     def _lower_pod_changed(self, pod: JSON) -> None:
         self.state.set_pod(pod)
         uid = self._upper_uid(pod)
-        if uid is not None and pod_holds_resources(pod):
+        if uid is None:
+            return
+        self._lower_keys[uid] = object_key(pod)
+        if pod_holds_resources(pod):
             self._landed.add(uid)
             self._drop_assumption(uid)
 
@@ -113,12 +132,14 @@ class FitEstimator:
         uid = self._upper_uid(pod)
         if uid is not None:
             self._landed.discard(uid)
+            self._lower_keys.pop(uid, None)
 
     def _upper_pod_changed(self, pod: JSON) -> None:
         uid = pod["metadata"]["uid"]
         if (pod.get("status") or {}).get("phase") in _FINISHED:
             self._drop(uid)
             return
+        self._upper_keys[uid] = object_key(pod)
         if uid in self._landed or uid in self._in_flight:
             return
         self._in_flight.add(uid)
@@ -131,6 +152,7 @@ class FitEstimator:
 
     def _drop(self, uid: str) -> None:
         self._landed.discard(uid)
+        self._upper_keys.pop(uid, None)
         self._drop_assumption(uid)
 
     def _drop_assumption(self, uid: str) -> None:
@@ -152,10 +174,8 @@ class FitEstimator:
 
     # -- queries ---------------------------------------------------------------------------
 
-    def answer(self, pod_json: bytes, replicas: int = 1, reserve: bool = False) -> Answer:
-        """How the pod (the upper pod as JSON) would fare here; with ``reserve``, the
-        room of one copy is held for it on the node it would take."""
-        self.expire()
+    def _read(self, pod_json: bytes) -> tuple[str, JSON]:
+        """The UID of an upper pod sent as JSON, and its lower form."""
         try:
             upper = orjson.loads(pod_json)
         except orjson.JSONDecodeError as error:
@@ -164,22 +184,79 @@ class FitEstimator:
             raise QueryError("the pod is not a JSON object with metadata")
         if not isinstance(upper.get("spec"), dict):
             raise QueryError("the pod has no spec")
-        lower = self._lower_form(upper)
-        uid = str(upper["metadata"].get("uid") or "")
+        return str(upper["metadata"].get("uid") or ""), self._lower_form(upper)
+
+    def answer(self, pod_json: bytes, replicas: int = 1, reserve: bool = False) -> Answer:
+        """How the pod (the upper pod as JSON) would fare here; with ``reserve``, the
+        room of one copy is held for it on the node it would take."""
+        self.expire()
+        uid, lower = self._read(pod_json)
         # A pod asked about again is judged without the room it already holds.
-        held = uid in self._reserved
-        held_on = self.state.forget(uid) if held else None
+        held_on = self.state.forget(uid) if uid in self._reserved else None
         estimate = self.state.estimate(lower, max(1, replicas))
         reserved_node: str | None = None
         if reserve and uid and uid not in self._in_flight and uid not in self._landed:
             reserved_node = self.state.assume(uid, lower)
             if reserved_node is not None:
                 self._reserved[uid] = self.clock() + RESERVATION_SECONDS
-            else:
-                self._reserved.pop(uid, None)
-        elif held and held_on is not None:
+                return Answer(estimate, reserved_node)
+        if held_on is not None:
+            # Kept until it lapses: room held while evicted pods go fits the pod only
+            # once they are gone.
             self.state.assume(uid, lower, held_on)
         return Answer(estimate, reserved_node)
+
+    def hold(self, pod_json: bytes, node: str, seconds: float) -> None:
+        """Holds the pod's room on ``node`` for ``seconds``, as a reservation: the
+        pod's next query takes a node that fits it then, or keeps this one."""
+        self.expire()
+        uid, lower = self._read(pod_json)
+        if not uid:
+            raise QueryError("the pod has no UID")
+        if uid in self._in_flight or uid in self._landed:
+            raise QueryError(f"pod {uid} is bound here already")
+        if not self.state.has_node(node):
+            raise QueryError(f"no lower node {node!r}")
+        if not 0 < seconds <= MAX_HOLD_SECONDS:
+            raise QueryError(f"{seconds} s is not above 0 and at most {MAX_HOLD_SECONDS:.0f} s")
+        self.state.assume(uid, lower, node)
+        self._reserved[uid] = self.clock() + seconds
+
+    def fit_in_turn(self, pods_json: list[bytes]) -> list[str | None]:
+        self.expire()
+        return self.state.fit_in_turn([self._read(pod)[1] for pod in pods_json])
+
+    def defragment(self, pod_json: bytes, movable_uids: list[str], most: int) -> list[Plan]:
+        """Plans that make room for the pod by evicting some of the ``movable_uids``
+        (upper pods bound here; those not on a lower node yet, or unknown, are left
+        out), each judged as its controller's replacement would be."""
+        self.expire()
+        _, lower = self._read(pod_json)
+        uids_by_key: dict[str, str] = {}
+        movable: dict[str, JSON] = {}
+        for uid in movable_uids:
+            key, upper_key = self._lower_keys.get(uid), self._upper_keys.get(uid)
+            upper = (
+                self._upper_pods.get(upper_key)
+                if self._upper_pods is not None and upper_key is not None
+                else None
+            )
+            if key is None or upper is None or uid not in self._landed:
+                continue
+            try:
+                movable[key] = self._lower_form(upper)
+            except QueryError as error:
+                log.debug("pod %s not movable: %s", upper_key, error)
+                continue
+            uids_by_key[key] = uid
+        return [
+            Plan(
+                freeing.node,
+                tuple(uids_by_key[key] for key in freeing.evicted),
+                tuple(uids_by_key[key] for key in freeing.homeless),
+            )
+            for freeing in self.state.freeing(lower, movable, most)
+        ]
 
     def release(self, uids: list[str]) -> int:
         """Gives back reservations (never the room of pods bound here)."""
@@ -265,6 +342,56 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
         return estimator_pb2.ReleaseResponse(
             released=self.estimator.release(list(request.pod_uids))
         )
+
+    async def Defragment(
+        self,
+        request: estimator_pb2.DefragmentRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> estimator_pb2.DefragmentResponse:
+        await self._check_caller(context)
+        try:
+            plans = self.estimator.defragment(
+                request.pod, list(request.movable_pod_uids), request.max_evictions
+            )
+        except QueryError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        return estimator_pb2.DefragmentResponse(
+            cluster_id=self.cluster_id,
+            plans=[
+                estimator_pb2.Freeing(
+                    node=plan.node,
+                    evicted_pod_uids=plan.evicted,
+                    homeless_pod_uids=plan.homeless,
+                )
+                for plan in plans
+            ],
+        )
+
+    async def FitInTurn(
+        self,
+        request: estimator_pb2.FitInTurnRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> estimator_pb2.FitInTurnResponse:
+        await self._check_caller(context)
+        try:
+            nodes = self.estimator.fit_in_turn(list(request.pods))
+        except QueryError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        return estimator_pb2.FitInTurnResponse(
+            cluster_id=self.cluster_id, nodes=[node or "" for node in nodes]
+        )
+
+    async def Hold(
+        self,
+        request: estimator_pb2.HoldRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> estimator_pb2.HoldResponse:
+        await self._check_caller(context)
+        try:
+            self.estimator.hold(request.pod, request.node, request.seconds)
+        except QueryError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        return estimator_pb2.HoldResponse()
 
 
 async def serve(

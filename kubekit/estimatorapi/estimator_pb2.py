@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$kubekit/estimatorapi/estimator.proto\x12\x17kubestrata.estimator.v1\"S\n\x08PodQuery\x12\x0b\n\x03pod\x18\x01 \x01(\x0c\x12\x10\n\x08replicas\x18\x02 \x01(\x05\x12\x0f\n\x07reserve\x18\x03 \x01(\x08\x12\x17\n\x0fwith_node_names\x18\x04 \x01(\x08\"\\\n\x0f\x45stimateRequest\x12/\n\x04pods\x18\x01 \x03(\x0b\x32!.kubestrata.estimator.v1.PodQuery\x12\x18\n\x10release_pod_uids\x18\x02 \x03(\t\"\xcf\x02\n\x0bPodEstimate\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x13\n\x0btotal_nodes\x18\x02 \x01(\x05\x12\x15\n\rfitting_count\x18\x03 \x01(\x05\x12\x15\n\rfitting_nodes\x18\x04 \x03(\t\x12\x14\n\x0cmax_replicas\x18\x05 \x01(\x05\x12\x42\n\x07reasons\x18\x06 \x03(\x0b\x32\x31.kubestrata.estimator.v1.PodEstimate.ReasonsEntry\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x10\n\x08\x62\x65st_fit\x18\x08 \x01(\x01\x12\x17\n\x0fleast_allocated\x18\t \x01(\x01\x12\x11\n\tpreferred\x18\n \x01(\x03\x12\x15\n\rreserved_node\x18\x0b \x01(\t\x1a.\n\x0cReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"_\n\x10\x45stimateResponse\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x37\n\testimates\x18\x02 \x03(\x0b\x32$.kubestrata.estimator.v1.PodEstimate\"\"\n\x0eReleaseRequest\x12\x10\n\x08pod_uids\x18\x01 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\x32\xca\x01\n\tEstimator\x12_\n\x08\x45stimate\x12(.kubestrata.estimator.v1.EstimateRequest\x1a).kubestrata.estimator.v1.EstimateResponse\x12\\\n\x07Release\x12\'.kubestrata.estimator.v1.ReleaseRequest\x1a(.kubestrata.estimator.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$kubekit/estimatorapi/estimator.proto\x12\x17kubestrata.estimator.v1\"S\n\x08PodQuery\x12\x0b\n\x03pod\x18\x01 \x01(\x0c\x12\x10\n\x08replicas\x18\x02 \x01(\x05\x12\x0f\n\x07reserve\x18\x03 \x01(\x08\x12\x17\n\x0fwith_node_names\x18\x04 \x01(\x08\"\\\n\x0f\x45stimateRequest\x12/\n\x04pods\x18\x01 \x03(\x0b\x32!.kubestrata.estimator.v1.PodQuery\x12\x18\n\x10release_pod_uids\x18\x02 \x03(\t\"\xcf\x02\n\x0bPodEstimate\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x13\n\x0btotal_nodes\x18\x02 \x01(\x05\x12\x15\n\rfitting_count\x18\x03 \x01(\x05\x12\x15\n\rfitting_nodes\x18\x04 \x03(\t\x12\x14\n\x0cmax_replicas\x18\x05 \x01(\x05\x12\x42\n\x07reasons\x18\x06 \x03(\x0b\x32\x31.kubestrata.estimator.v1.PodEstimate.ReasonsEntry\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x10\n\x08\x62\x65st_fit\x18\x08 \x01(\x01\x12\x17\n\x0fleast_allocated\x18\t \x01(\x01\x12\x11\n\tpreferred\x18\n \x01(\x03\x12\x15\n\rreserved_node\x18\x0b \x01(\t\x1a.\n\x0cReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"_\n\x10\x45stimateResponse\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x37\n\testimates\x18\x02 \x03(\x0b\x32$.kubestrata.estimator.v1.PodEstimate\"\"\n\x0eReleaseRequest\x12\x10\n\x08pod_uids\x18\x01 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\"Q\n\x11\x44\x65\x66ragmentRequest\x12\x0b\n\x03pod\x18\x01 \x01(\x0c\x12\x18\n\x10movable_pod_uids\x18\x02 \x03(\t\x12\x15\n\rmax_evictions\x18\x03 \x01(\x05\"L\n\x07\x46reeing\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x18\n\x10\x65victed_pod_uids\x18\x02 \x03(\t\x12\x19\n\x11homeless_pod_uids\x18\x03 \x03(\t\"Y\n\x12\x44\x65\x66ragmentResponse\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12/\n\x05plans\x18\x02 \x03(\x0b\x32 .kubestrata.estimator.v1.Freeing\" \n\x10\x46itInTurnRequest\x12\x0c\n\x04pods\x18\x01 \x03(\x0c\"6\n\x11\x46itInTurnResponse\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x03(\t\"9\n\x0bHoldRequest\x12\x0b\n\x03pod\x18\x01 \x01(\x0c\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\x0e\n\x0cHoldResponse2\xea\x03\n\tEstimator\x12_\n\x08\x45stimate\x12(.kubestrata.estimator.v1.EstimateRequest\x1a).kubestrata.estimator.v1.EstimateResponse\x12\\\n\x07Release\x12\'.kubestrata.estimator.v1.ReleaseRequest\x1a(.kubestrata.estimator.v1.ReleaseResponse\x12\x65\n\nDefragment\x12*.kubestrata.estimator.v1.DefragmentRequest\x1a+.kubestrata.estimator.v1.DefragmentResponse\x12\x62\n\tFitInTurn\x12).kubestrata.estimator.v1.FitInTurnRequest\x1a*.kubestrata.estimator.v1.FitInTurnResponse\x12S\n\x04Hold\x12$.kubestrata.estimator.v1.HoldRequest\x1a%.kubestrata.estimator.v1.HoldResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,6 +47,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELEASEREQUEST']._serialized_end=713
   _globals['_RELEASERESPONSE']._serialized_start=715
   _globals['_RELEASERESPONSE']._serialized_end=750
-  _globals['_ESTIMATOR']._serialized_start=753
-  _globals['_ESTIMATOR']._serialized_end=955
+  _globals['_DEFRAGMENTREQUEST']._serialized_start=752
+  _globals['_DEFRAGMENTREQUEST']._serialized_end=833
+  _globals['_FREEING']._serialized_start=835
+  _globals['_FREEING']._serialized_end=911
+  _globals['_DEFRAGMENTRESPONSE']._serialized_start=913
+  _globals['_DEFRAGMENTRESPONSE']._serialized_end=1002
+  _globals['_FITINTURNREQUEST']._serialized_start=1004
+  _globals['_FITINTURNREQUEST']._serialized_end=1036
+  _globals['_FITINTURNRESPONSE']._serialized_start=1038
+  _globals['_FITINTURNRESPONSE']._serialized_end=1092
+  _globals['_HOLDREQUEST']._serialized_start=1094
+  _globals['_HOLDREQUEST']._serialized_end=1151
+  _globals['_HOLDRESPONSE']._serialized_start=1153
+  _globals['_HOLDRESPONSE']._serialized_end=1167
+  _globals['_ESTIMATOR']._serialized_start=1170
+  _globals['_ESTIMATOR']._serialized_end=1660
 # @@protoc_insertion_point(module_scope)

@@ -231,3 +231,179 @@ class ReleaseResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReleaseResponse: _TypeAlias = ReleaseResponse  # noqa: Y015
+
+@_typing.final
+class DefragmentRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POD_FIELD_NUMBER: _builtins.int
+    MOVABLE_POD_UIDS_FIELD_NUMBER: _builtins.int
+    MAX_EVICTIONS_FIELD_NUMBER: _builtins.int
+    pod: _builtins.bytes
+    """The upper pod to make room for, as JSON."""
+    max_evictions: _builtins.int
+    """No plan evicts more than this many."""
+    @_builtins.property
+    def movable_pod_uids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Upper pods bound to this virtual node that may be evicted, by UID."""
+
+    def __init__(
+        self,
+        *,
+        pod: _builtins.bytes = ...,
+        movable_pod_uids: _abc.Iterable[_builtins.str] | None = ...,
+        max_evictions: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_evictions", b"max_evictions", "movable_pod_uids", b"movable_pod_uids", "pod", b"pod"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DefragmentRequest: _TypeAlias = DefragmentRequest  # noqa: Y015
+
+@_typing.final
+class Freeing(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    EVICTED_POD_UIDS_FIELD_NUMBER: _builtins.int
+    HOMELESS_POD_UIDS_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    @_builtins.property
+    def evicted_pod_uids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The fewest movable pods whose going lets the pod fit on the node."""
+
+    @_builtins.property
+    def homeless_pod_uids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Those of them no other lower node would take, placed in turn, once the pod holds
+        the node: they must find room in another cluster.
+        """
+
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        evicted_pod_uids: _abc.Iterable[_builtins.str] | None = ...,
+        homeless_pod_uids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["evicted_pod_uids", b"evicted_pod_uids", "homeless_pod_uids", b"homeless_pod_uids", "node", b"node"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Freeing: _TypeAlias = Freeing  # noqa: Y015
+
+@_typing.final
+class DefragmentResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    PLANS_FIELD_NUMBER: _builtins.int
+    cluster_id: _builtins.str
+    @_builtins.property
+    def plans(self) -> _containers.RepeatedCompositeFieldContainer[Global___Freeing]:
+        """Fewest evictions first, ties by node name; none when the pod fits somewhere now."""
+
+    def __init__(
+        self,
+        *,
+        cluster_id: _builtins.str = ...,
+        plans: _abc.Iterable[Global___Freeing] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "plans", b"plans"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DefragmentResponse: _TypeAlias = DefragmentResponse  # noqa: Y015
+
+@_typing.final
+class FitInTurnRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PODS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def pods(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Upper pods as JSON."""
+
+    def __init__(
+        self,
+        *,
+        pods: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pods", b"pods"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FitInTurnRequest: _TypeAlias = FitInTurnRequest  # noqa: Y015
+
+@_typing.final
+class FitInTurnResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
+    cluster_id: _builtins.str
+    @_builtins.property
+    def nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The lower node each pod would take, in the order asked; "" for none."""
+
+    def __init__(
+        self,
+        *,
+        cluster_id: _builtins.str = ...,
+        nodes: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "nodes", b"nodes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FitInTurnResponse: _TypeAlias = FitInTurnResponse  # noqa: Y015
+
+@_typing.final
+class HoldRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POD_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    pod: _builtins.bytes
+    node: _builtins.str
+    seconds: _builtins.float
+    """Until the pod is bound to this virtual node, released, or this many seconds pass."""
+    def __init__(
+        self,
+        *,
+        pod: _builtins.bytes = ...,
+        node: _builtins.str = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node", b"node", "pod", b"pod", "seconds", b"seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HoldRequest: _TypeAlias = HoldRequest  # noqa: Y015
+
+@_typing.final
+class HoldResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HoldResponse: _TypeAlias = HoldResponse  # noqa: Y015

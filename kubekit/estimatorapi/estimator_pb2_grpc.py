@@ -44,6 +44,21 @@ class EstimatorStub:
                 request_serializer=kubekit_dot_estimatorapi_dot_estimator__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kubekit_dot_estimatorapi_dot_estimator__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Defragment = channel.unary_unary(
+                '/kubestrata.estimator.v1.Estimator/Defragment',
+                request_serializer=kubekit_dot_estimatorapi_dot_estimator__pb2.DefragmentRequest.SerializeToString,
+                response_deserializer=kubekit_dot_estimatorapi_dot_estimator__pb2.DefragmentResponse.FromString,
+                _registered_method=True)
+        self.FitInTurn = channel.unary_unary(
+                '/kubestrata.estimator.v1.Estimator/FitInTurn',
+                request_serializer=kubekit_dot_estimatorapi_dot_estimator__pb2.FitInTurnRequest.SerializeToString,
+                response_deserializer=kubekit_dot_estimatorapi_dot_estimator__pb2.FitInTurnResponse.FromString,
+                _registered_method=True)
+        self.Hold = channel.unary_unary(
+                '/kubestrata.estimator.v1.Estimator/Hold',
+                request_serializer=kubekit_dot_estimatorapi_dot_estimator__pb2.HoldRequest.SerializeToString,
+                response_deserializer=kubekit_dot_estimatorapi_dot_estimator__pb2.HoldResponse.FromString,
+                _registered_method=True)
 
 
 class EstimatorServicer:
@@ -63,6 +78,30 @@ class EstimatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Defragment(self, request, context):
+        """How evicting some of the pods bound here would make room on one lower node for a
+        pod that fits none now: the descheduler's defragmentation plans.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FitInTurn(self, request, context):
+        """Where pods would go placed one after another, each on the roomiest node that takes
+        it; nothing is held.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Hold(self, request, context):
+        """Holds the room of a pod on a named lower node, as a reservation does: the room a
+        defragmentation frees for it, kept from others while the evicted pods go.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EstimatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +114,21 @@ def add_EstimatorServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kubekit_dot_estimatorapi_dot_estimator__pb2.ReleaseRequest.FromString,
                     response_serializer=kubekit_dot_estimatorapi_dot_estimator__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Defragment': grpc.unary_unary_rpc_method_handler(
+                    servicer.Defragment,
+                    request_deserializer=kubekit_dot_estimatorapi_dot_estimator__pb2.DefragmentRequest.FromString,
+                    response_serializer=kubekit_dot_estimatorapi_dot_estimator__pb2.DefragmentResponse.SerializeToString,
+            ),
+            'FitInTurn': grpc.unary_unary_rpc_method_handler(
+                    servicer.FitInTurn,
+                    request_deserializer=kubekit_dot_estimatorapi_dot_estimator__pb2.FitInTurnRequest.FromString,
+                    response_serializer=kubekit_dot_estimatorapi_dot_estimator__pb2.FitInTurnResponse.SerializeToString,
+            ),
+            'Hold': grpc.unary_unary_rpc_method_handler(
+                    servicer.Hold,
+                    request_deserializer=kubekit_dot_estimatorapi_dot_estimator__pb2.HoldRequest.FromString,
+                    response_serializer=kubekit_dot_estimatorapi_dot_estimator__pb2.HoldResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +185,87 @@ class Estimator:
             '/kubestrata.estimator.v1.Estimator/Release',
             kubekit_dot_estimatorapi_dot_estimator__pb2.ReleaseRequest.SerializeToString,
             kubekit_dot_estimatorapi_dot_estimator__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Defragment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kubestrata.estimator.v1.Estimator/Defragment',
+            kubekit_dot_estimatorapi_dot_estimator__pb2.DefragmentRequest.SerializeToString,
+            kubekit_dot_estimatorapi_dot_estimator__pb2.DefragmentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FitInTurn(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kubestrata.estimator.v1.Estimator/FitInTurn',
+            kubekit_dot_estimatorapi_dot_estimator__pb2.FitInTurnRequest.SerializeToString,
+            kubekit_dot_estimatorapi_dot_estimator__pb2.FitInTurnResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Hold(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kubestrata.estimator.v1.Estimator/Hold',
+            kubekit_dot_estimatorapi_dot_estimator__pb2.HoldRequest.SerializeToString,
+            kubekit_dot_estimatorapi_dot_estimator__pb2.HoldResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -37,6 +37,18 @@ class EstimatorStub:
     """One answer per pod, in the order asked."""
     Release: _grpc.UnaryUnaryMultiCallable[_estimator_pb2.ReleaseRequest, _estimator_pb2.ReleaseResponse]
     """Gives back the room held for pods that went elsewhere or were given up."""
+    Defragment: _grpc.UnaryUnaryMultiCallable[_estimator_pb2.DefragmentRequest, _estimator_pb2.DefragmentResponse]
+    """How evicting some of the pods bound here would make room on one lower node for a
+    pod that fits none now: the descheduler's defragmentation plans.
+    """
+    FitInTurn: _grpc.UnaryUnaryMultiCallable[_estimator_pb2.FitInTurnRequest, _estimator_pb2.FitInTurnResponse]
+    """Where pods would go placed one after another, each on the roomiest node that takes
+    it; nothing is held.
+    """
+    Hold: _grpc.UnaryUnaryMultiCallable[_estimator_pb2.HoldRequest, _estimator_pb2.HoldResponse]
+    """Holds the room of a pod on a named lower node, as a reservation does: the room a
+    defragmentation frees for it, kept from others while the evicted pods go.
+    """
 
 @_typing.type_check_only
 class EstimatorAsyncStub(EstimatorStub):
@@ -45,6 +57,18 @@ class EstimatorAsyncStub(EstimatorStub):
     """One answer per pod, in the order asked."""
     Release: _aio.UnaryUnaryMultiCallable[_estimator_pb2.ReleaseRequest, _estimator_pb2.ReleaseResponse]  # type: ignore[assignment]
     """Gives back the room held for pods that went elsewhere or were given up."""
+    Defragment: _aio.UnaryUnaryMultiCallable[_estimator_pb2.DefragmentRequest, _estimator_pb2.DefragmentResponse]  # type: ignore[assignment]
+    """How evicting some of the pods bound here would make room on one lower node for a
+    pod that fits none now: the descheduler's defragmentation plans.
+    """
+    FitInTurn: _aio.UnaryUnaryMultiCallable[_estimator_pb2.FitInTurnRequest, _estimator_pb2.FitInTurnResponse]  # type: ignore[assignment]
+    """Where pods would go placed one after another, each on the roomiest node that takes
+    it; nothing is held.
+    """
+    Hold: _aio.UnaryUnaryMultiCallable[_estimator_pb2.HoldRequest, _estimator_pb2.HoldResponse]  # type: ignore[assignment]
+    """Holds the room of a pod on a named lower node, as a reservation does: the room a
+    defragmentation frees for it, kept from others while the evicted pods go.
+    """
 
 class EstimatorServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -62,5 +86,35 @@ class EstimatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_estimator_pb2.ReleaseResponse, _abc.Awaitable[_estimator_pb2.ReleaseResponse]]:
         """Gives back the room held for pods that went elsewhere or were given up."""
+
+    @_abc_1.abstractmethod
+    def Defragment(
+        self,
+        request: _estimator_pb2.DefragmentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_estimator_pb2.DefragmentResponse, _abc.Awaitable[_estimator_pb2.DefragmentResponse]]:
+        """How evicting some of the pods bound here would make room on one lower node for a
+        pod that fits none now: the descheduler's defragmentation plans.
+        """
+
+    @_abc_1.abstractmethod
+    def FitInTurn(
+        self,
+        request: _estimator_pb2.FitInTurnRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_estimator_pb2.FitInTurnResponse, _abc.Awaitable[_estimator_pb2.FitInTurnResponse]]:
+        """Where pods would go placed one after another, each on the roomiest node that takes
+        it; nothing is held.
+        """
+
+    @_abc_1.abstractmethod
+    def Hold(
+        self,
+        request: _estimator_pb2.HoldRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_estimator_pb2.HoldResponse, _abc.Awaitable[_estimator_pb2.HoldResponse]]:
+        """Holds the room of a pod on a named lower node, as a reservation does: the room a
+        defragmentation frees for it, kept from others while the evicted pods go.
+        """
 
 def add_EstimatorServicer_to_server(servicer: EstimatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

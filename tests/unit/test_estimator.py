@@ -12,7 +12,13 @@ import pytest
 from kubekit import keys
 from kubekit.client import NODES, PODS
 from kubekit.clusterstate import ClusterState
-from kubekit.estimatorapi.estimator_pb2 import EstimateRequest, PodQuery
+from kubekit.estimatorapi.estimator_pb2 import (
+    DefragmentRequest,
+    EstimateRequest,
+    FitInTurnRequest,
+    HoldRequest,
+    PodQuery,
+)
 from kubekit.informer import Informer
 from virtual_node.estimator import RESERVATION_SECONDS, EstimatorService, FitEstimator, QueryError
 from virtual_node.kubeletapi.auth import Authorizer, User
@@ -248,3 +254,105 @@ async def test_releases_sent_with_a_call_are_given_back_before_its_pods_are_judg
     assert response.cluster_id == "lower-1"
     assert response.estimates[0].reserved_node == "big", "web's room, given back first"
     assert cluster.estimator.release(["uid-web"]) == 0
+
+
+def landed(cluster: Cluster, name: str, cpu: str, node_name: str) -> dict[str, Any]:
+    """An upper pod bound here whose lower copy runs on ``node_name``."""
+    pod = {**upper_pod(name, cpu), "status": {"phase": "Running"}}
+    cluster.upper_pods.apply({"type": "ADDED", "object": pod})
+    cluster.lower_pods.apply({"type": "ADDED", "object": lower_copy(pod, node_name)})
+    return pod
+
+
+def test_defragment_plans_by_upper_uid_and_leaves_out_what_may_not_move() -> None:
+    cluster = Cluster()
+    for name in ("a", "b", "c"):
+        landed(cluster, name, "1", "big")
+    in_flight = upper_pod("new", "1")
+    cluster.upper_pods.apply({"type": "ADDED", "object": in_flight})
+    wanted = orjson.dumps(upper_pod("wanted", "4"))
+    movable = ["uid-a", "uid-b", "uid-c", "uid-new", "uid-unknown"]
+    (plan,) = cluster.estimator.defragment(wanted, movable, 5)
+    # The in-flight pod holds the small node's room and is not on a lower node to evict.
+    assert plan.node == "big"
+    assert plan.evicted == ("uid-a", "uid-b", "uid-c")
+    assert plan.homeless == ("uid-b", "uid-c"), "the small node has room for one more"
+    assert cluster.estimator.defragment(wanted, ["uid-a", "uid-b"], 5) == []
+    assert cluster.estimator.defragment(wanted, movable, 2) == []
+
+
+def test_a_hold_keeps_the_room_freed_for_a_pod_until_it_lapses() -> None:
+    cluster = Cluster()
+    for name in ("a", "b", "c"):
+        landed(cluster, name, "1", "big")
+    wanted = upper_pod("wanted", "4")
+    cluster.estimator.hold(orjson.dumps(wanted), "big", 60)
+    # The evicted pods go: their room is the held pod's, not theirs to come back to.
+    for name in ("a", "b", "c"):
+        gone = lower_copy(upper_pod(name, "1"), "big")
+        cluster.lower_pods.apply({"type": "DELETED", "object": gone})
+    assert cluster.fits("1") == 1 and cluster.fits("2") == 1 and cluster.fits("3") == 0
+    # Asked while it does not fit (other room went meanwhile), the pod keeps its hold.
+    answer = cluster.estimator.answer(orjson.dumps(wanted), reserve=True)
+    assert answer.reserved_node == "big"
+    cluster.clock.now += RESERVATION_SECONDS + 1
+    assert cluster.fits("4") == 1, "a reservation taken from the hold lapses as any does"
+
+
+def test_a_hold_asked_again_before_the_room_is_free_stays_where_it_is() -> None:
+    cluster = Cluster()
+    landed(cluster, "a", "1", "big")
+    wanted = upper_pod("wanted", "4")
+    cluster.estimator.hold(orjson.dumps(wanted), "big", 60)
+    answer = cluster.estimator.answer(orjson.dumps(wanted), reserve=True)
+    assert answer.reserved_node is None and answer.estimate.max_replicas == 0
+    assert cluster.fits("2") == 1 and cluster.fits("3") == 0, "big still held"
+    cluster.clock.now += 61
+    assert cluster.fits("3") == 1, "the hold lapsed"
+
+
+@pytest.mark.parametrize(
+    ("node_name", "seconds", "complaint"),
+    [("nowhere", 60, "no lower node"), ("big", 0, "not above 0"), ("big", 1e9, "at most")],
+)
+def test_a_hold_that_cannot_be_kept_is_a_clear_error(
+    node_name: str, seconds: float, complaint: str
+) -> None:
+    cluster = Cluster()
+    with pytest.raises(QueryError, match=complaint):
+        cluster.estimator.hold(orjson.dumps(upper_pod("wanted", "1")), node_name, seconds)
+    assert cluster.fits("4") == 1
+
+
+def test_a_pod_bound_here_cannot_be_held() -> None:
+    cluster = Cluster()
+    pod = landed(cluster, "a", "1", "big")
+    with pytest.raises(QueryError, match="bound here already"):
+        cluster.estimator.hold(orjson.dumps(pod), "small", 60)
+
+
+def test_fit_in_turn_answers_by_lower_node() -> None:
+    cluster = Cluster()
+    pods = [orjson.dumps(upper_pod(name, "2")) for name in ("a", "b", "c", "d")]
+    assert cluster.estimator.fit_in_turn(pods) == ["big", "big", "small", None]
+    assert cluster.fits("4") == 1
+
+
+async def test_the_service_answers_plans_in_turn_and_holds() -> None:
+    cluster = Cluster()
+    service = EstimatorService(cluster.estimator, Admitting(), "lower-1")
+    landed(cluster, "a", "3", "big")
+    wanted = orjson.dumps(upper_pod("wanted", "4"))
+    context: Any = Context()
+    plans = await service.Defragment(
+        DefragmentRequest(pod=wanted, movable_pod_uids=["uid-a"], max_evictions=3), context
+    )
+    assert plans.cluster_id == "lower-1"
+    assert [(p.node, list(p.evicted_pod_uids), list(p.homeless_pod_uids)) for p in plans.plans] == [
+        ("big", ["uid-a"], ["uid-a"])
+    ]
+    fitted = await service.FitInTurn(FitInTurnRequest(pods=[wanted]), context)
+    assert list(fitted.nodes) == [""]
+    assert cluster.fits("1", replicas=10) == 3
+    await service.Hold(HoldRequest(pod=wanted, node="big", seconds=30), context)
+    assert cluster.fits("1", replicas=10) == 2, "big is held: only the small node's 2 cpu"
