@@ -1,7 +1,8 @@
 """The descheduler's loop: every ``interval``, the stuck pods of the watch caches, the
 estimators of the other clusters asked about each, and the moves carried out (or, in a
-dry run, printed). Level-triggered: a cycle judges the pods as they are, so a move cut
-short by a crash or an error is taken up again by the next one."""
+dry run, printed); then the pods waiting above for a node no cluster has, and the plans
+that make room for them. Level-triggered: a cycle judges the pods as they are, so a move
+cut short by a crash or an error is taken up again by the next one."""
 
 from __future__ import annotations
 
@@ -14,7 +15,15 @@ from typing import Any
 
 import orjson
 
-from descheduler.policy import Policy
+from descheduler.defrag import (
+    Plan,
+    Waiting,
+    budgets_allow,
+    candidate_plans,
+    movable_pods,
+    waiting_pods,
+)
+from descheduler.policy import Limits, Policy
 from descheduler.rescue import (
     Move,
     Stay,
@@ -28,8 +37,16 @@ from descheduler.rescue import (
     within_limits,
 )
 from kubekit.client import PODS, ApiError, KubeClient
-from kubekit.estimatorapi.estimator_pb2 import PodEstimate, PodQuery
-from kubekit.informer import Informer
+from kubekit.estimatorapi.estimator_pb2 import (
+    DefragmentRequest,
+    DefragmentResponse,
+    FitInTurnRequest,
+    FitInTurnResponse,
+    HoldRequest,
+    PodEstimate,
+    PodQuery,
+)
+from kubekit.informer import Informer, object_key
 from kubekit.podevents import record_pod_event
 from multischeduler.estimators import EstimatorPool
 from multischeduler.extender import EstimatorFailure
@@ -45,6 +62,10 @@ BLOCKED_RETRY_SECONDS = 30.0
 STAY_EVENT_SECONDS = 600.0
 
 JSON = dict[str, Any]
+
+
+class EvictionBlocked(Exception):
+    """The Eviction API refused (429): a PodDisruptionBudget allows no disruption now."""
 
 
 def receivers(
@@ -66,6 +87,7 @@ class Descheduler:
         client: KubeClient,
         pods: Informer,
         nodes: Informer,
+        budgets: Informer,
         pool: EstimatorPool,
         policy: Policy,
         dry_run: bool = False,
@@ -75,6 +97,7 @@ class Descheduler:
         self.client = client
         self.pods = pods
         self.nodes = nodes
+        self.budgets = budgets
         self.pool = pool
         self.policy = policy
         self.dry_run = dry_run
@@ -84,9 +107,16 @@ class Descheduler:
         self._blocked: dict[str, float] = {}
         # UID -> (what was said about a pod that stays, when).
         self._said: dict[str, tuple[str, float]] = {}
+        # UID of a waiting pod -> until when the room made for it is held.
+        self._holding: dict[str, float] = {}
+
+    async def wait_synced(self) -> None:
+        await asyncio.gather(
+            self.pods.wait_synced(), self.nodes.wait_synced(), self.budgets.wait_synced()
+        )
 
     async def run(self) -> None:
-        await asyncio.gather(self.pods.wait_synced(), self.nodes.wait_synced())
+        await self.wait_synced()
         while True:
             try:
                 await self.cycle()
@@ -97,8 +127,9 @@ class Descheduler:
     def _virtual_nodes(self) -> dict[str, JSON]:
         return {node["metadata"]["name"]: node for node in self.nodes.items()}
 
-    async def cycle(self) -> list[Move | Stay]:
-        """One look at every pod; returns what was decided for each stuck one."""
+    async def cycle(self) -> list[Move | Stay | Plan]:
+        """One look at every pod; returns what was decided for each stuck one, and the
+        plans carried out for waiting ones."""
         now, virtual_nodes = self.now(), self._virtual_nodes()
         moment = self.clock()
         stuck = [
@@ -114,15 +145,27 @@ class Descheduler:
         moves = [d for d in decisions if isinstance(d, Move)]
         for stay in (d for d in decisions if isinstance(d, Stay)):
             await self._stay(stay)
-        allowed, deferred = within_limits(moves, self.policy)
+        limits = Limits(self.policy)
+        allowed, deferred = within_limits(moves, limits)
         for move in deferred:
             log.info("%s: move to %s left for a later cycle (limits)", move.stuck.key, move.to)
         for move in allowed:
             await self._move(move)
-        live = {s.uid for s in stuck}
+        waiting = [
+            w
+            for w in waiting_pods(self.pods.items(), now, self.policy)
+            if self._holding.get(w.uid, 0.0) <= moment
+        ]
+        plans = []
+        for each in waiting:
+            plan = await self._defragment(each, receivers(virtual_nodes, now, ""), limits)
+            if plan is not None:
+                plans.append(plan)
+        live = {s.uid for s in stuck} | {w.uid for w in waiting}
         self._said = {uid: said for uid, said in self._said.items() if uid in live}
         self._blocked = {uid: t for uid, t in self._blocked.items() if t > moment}
-        return decisions
+        self._holding = {uid: t for uid, t in self._holding.items() if t > moment}
+        return [*decisions, *plans]
 
     async def _destination(self, stuck: Stuck, names: list[str]) -> Move | Stay:
         if not names:
@@ -138,15 +181,21 @@ class Descheduler:
         )
 
     async def _stay(self, stay: Stay) -> None:
-        said = self._said.get(stay.stuck.uid)
-        moment = self.clock()
-        if said is not None and said[0] == stay.message and moment - said[1] < STAY_EVENT_SECONDS:
-            return
-        self._said[stay.stuck.uid] = (stay.message, moment)
         message = f"{stay.stuck.describe()}; left where it is: {stay.message}"
-        log.info("%s: %s", stay.stuck.key, message)
+        await self._say_once(stay.stuck.pod, "NotRescheduled", message)
+
+    async def _say_once(self, pod: Mapping[str, Any], reason: str, message: str) -> None:
+        """A warning about a pod left as it is, said again only when it changes or after
+        a while, not every cycle."""
+        uid = str(pod["metadata"]["uid"])
+        said = self._said.get(uid)
+        moment = self.clock()
+        if said is not None and said[0] == message and moment - said[1] < STAY_EVENT_SECONDS:
+            return
+        self._said[uid] = (message, moment)
+        log.info("%s: %s", object_key(pod), message)
         if not self.dry_run:
-            await self._event(stay.stuck.pod, "NotRescheduled", message, warning=True)
+            await self._event(pod, reason, message, warning=True)
 
     async def _move(self, move: Move) -> None:
         stuck = move.stuck
@@ -161,13 +210,14 @@ class Descheduler:
             return
         log.info("%s: %s", stuck.key, plan)
         if stuck.owned:
-            await self._evict(move)
+            await self._evict_stuck(move)
         else:
             await self._copy(move)
 
-    async def _evict(self, move: Move) -> None:
-        stuck = move.stuck
-        metadata = stuck.pod["metadata"]
+    async def _evict(self, pod: Mapping[str, Any]) -> bool:
+        """Evicts a pod through the Eviction API; False when it was gone or replaced
+        meanwhile. Raises EvictionBlocked on a 429."""
+        metadata = pod["metadata"]
         body = {
             "apiVersion": "policy/v1",
             "kind": "Eviction",
@@ -179,19 +229,28 @@ class Descheduler:
             await self.client.request("POST", path, body=body)
         except ApiError as error:
             if error.status in (404, 409):
-                return  # gone or replaced meanwhile: nothing left to move
+                return False
             if error.status == 429:
-                self._blocked[stuck.uid] = self.clock() + BLOCKED_RETRY_SECONDS
-                log.info("%s: eviction refused, tried again later: %s", stuck.key, error.message)
-                await self._event(
-                    stuck.pod,
-                    "EvictionBlocked",
-                    f"{stuck.describe()}; the eviction was refused, tried again in "
-                    f"{BLOCKED_RETRY_SECONDS:.0f} s: {error.message}",
-                    warning=True,
-                )
-                return
+                raise EvictionBlocked(error.message) from error
             raise
+        return True
+
+    async def _evict_stuck(self, move: Move) -> None:
+        stuck = move.stuck
+        try:
+            if not await self._evict(stuck.pod):
+                return  # nothing left to move
+        except EvictionBlocked as blocked:
+            self._blocked[stuck.uid] = self.clock() + BLOCKED_RETRY_SECONDS
+            log.info("%s: eviction refused, tried again later: %s", stuck.key, blocked)
+            await self._event(
+                stuck.pod,
+                "EvictionBlocked",
+                f"{stuck.describe()}; the eviction was refused, tried again in "
+                f"{BLOCKED_RETRY_SECONDS:.0f} s: {blocked}",
+                warning=True,
+            )
+            return
         await self._event(
             stuck.pod,
             "Rescheduled",
@@ -226,6 +285,130 @@ class Descheduler:
             f"{stuck.describe()}; re-created as pod {name} on {made['spec'].get('nodeName')}",
         )
         await self._event(made, "Rescheduled", f"copy of pod {stuck.key} ({stuck.describe()})")
+
+    # -- defragmentation ---------------------------------------------------------------------
+
+    async def _defragment(self, waiting: Waiting, names: list[str], limits: Limits) -> Plan | None:
+        """Makes room for a waiting pod if a complete plan exists; returns it."""
+        pod_json = orjson.dumps(waiting.pod)
+        answers = await self.pool.estimate(names, PodQuery(pod=pod_json), ESTIMATOR_TIMEOUT)
+        if any(isinstance(a, PodEstimate) and a.max_replicas > 0 for a in answers.values()):
+            return None  # a node fits it now: the scheduler's next try places it
+        budgets = list(self.budgets.items())
+        movable = movable_pods(self.pods.items(), waiting, names, budgets)
+        most = min(self.policy.max_evictions_per_node, self.policy.max_evictions_per_cycle)
+        asked = sorted(movable)
+        responses = await asyncio.gather(
+            *(
+                self.pool.defragment(
+                    name,
+                    DefragmentRequest(
+                        pod=pod_json,
+                        movable_pod_uids=[str(p["metadata"]["uid"]) for p in movable[name]],
+                        max_evictions=most,
+                    ),
+                    ESTIMATOR_TIMEOUT,
+                )
+                for name in asked
+            )
+        )
+        plans = candidate_plans(
+            waiting,
+            {
+                name: response
+                for name, response in zip(asked, responses, strict=True)
+                if isinstance(response, DefragmentResponse)
+            },
+            movable,
+        )
+        refusals = []
+        for plan in plans:
+            why = await self._incomplete(plan, names, budgets, limits)
+            if why is None:
+                await self._carry_out(plan)
+                return plan
+            refusals.append(f"{plan.cluster}/{plan.node}: {why}")
+        failures = [
+            f"{name}: {answer.message}"
+            for name, answer in zip(asked, responses, strict=True)
+            if isinstance(answer, EstimatorFailure)
+        ]
+        found = "; ".join(refusals + failures) or "no movable pods make room on any node"
+        await self._say_once(
+            waiting.pod,
+            "NotDefragmented",
+            f"no cluster has a node that fits it ({waiting.seconds:.0f} s), and no complete "
+            f"plan makes room: {found}",
+        )
+        return None
+
+    async def _incomplete(
+        self, plan: Plan, names: list[str], budgets: list[JSON], limits: Limits
+    ) -> str | None:
+        """Why a plan cannot be carried out in full now; None when it can (then its
+        evictions are counted against this cycle's limits)."""
+        if not budgets_allow(plan.evicted, budgets):
+            return "its PodDisruptionBudgets do not allow all its evictions at once"
+        if plan.homeless:
+            others = [name for name in names if name != plan.cluster]
+            left = await self._rehome(plan.homeless, others)
+            if left:
+                return f"no other cluster has room for {', '.join(left)}"
+        evictions = [(str(pod["metadata"]["namespace"]), plan.cluster) for pod in plan.evicted]
+        if not limits.take(evictions):
+            return f"{len(evictions)} evictions are beyond this cycle's limits"
+        return None
+
+    async def _rehome(self, pods: tuple[Mapping[str, Any], ...], names: list[str]) -> list[str]:
+        """Which of the pods the clusters of ``names``, asked in turn, cannot all take
+        between them (each cluster placing what is left one after another)."""
+        left = list(pods)
+        for name in names:
+            if not left:
+                break
+            request = FitInTurnRequest(pods=[orjson.dumps(pod) for pod in left])
+            answer = await self.pool.fit_in_turn(name, request, ESTIMATOR_TIMEOUT)
+            if isinstance(answer, FitInTurnResponse) and len(answer.nodes) == len(left):
+                left = [pod for pod, node in zip(left, answer.nodes, strict=True) if not node]
+        return [object_key(pod) for pod in left]
+
+    async def _carry_out(self, plan: Plan) -> None:
+        waiting = plan.waiting
+        if self.dry_run:
+            print(f"dry run: {plan.describe()}", flush=True)
+            return
+        log.info("%s", plan.describe())
+        hold = HoldRequest(
+            pod=orjson.dumps(waiting.pod), node=plan.node, seconds=self.policy.hold_timeout
+        )
+        failure = await self.pool.hold(plan.cluster, hold, ESTIMATOR_TIMEOUT)
+        if failure is not None:
+            log.warning("%s: room not held, nothing evicted: %s", waiting.key, failure.message)
+            return
+        self._holding[waiting.uid] = self.clock() + self.policy.hold_timeout
+        await self._event(
+            waiting.pod,
+            "Defragmenting",
+            f"no cluster has a node that fits it; {plan.describe()} (held for it "
+            f"{self.policy.hold_timeout:.0f} s)",
+        )
+        for pod in plan.evicted:
+            try:
+                await self._evict(pod)
+            except EvictionBlocked as blocked:
+                await self._event(
+                    waiting.pod,
+                    "DefragmentationIncomplete",
+                    f"the eviction of {object_key(pod)} was refused: {blocked}",
+                    warning=True,
+                )
+                return
+            await self._event(
+                pod,
+                "Descheduled",
+                f"evicted from {plan.cluster} (lower node {plan.node}) to make room for pod "
+                f"{waiting.key}, which no node of any cluster fits; its controller replaces it",
+            )
 
     async def _event(
         self, pod: Mapping[str, Any], reason: str, message: str, warning: bool = False

@@ -13,7 +13,7 @@ from pathlib import Path
 from descheduler.controller import Descheduler
 from descheduler.policy import Policy, PolicyError, parse_policy
 from kubekit import keys
-from kubekit.client import NODES, PODS, ClientSettings, KubeClient
+from kubekit.client import NODES, PODDISRUPTIONBUDGETS, PODS, ClientSettings, KubeClient
 from kubekit.component import run_component
 from kubekit.informer import Informer
 from kubekit.serving import check_kubeconfig
@@ -40,15 +40,16 @@ def parse_args(argv: Sequence[str]) -> Config:
         prog="kubestrata descheduler",
         description="Moves upper pods stuck in their lower cluster (unschedulable there, or "
         "the cluster down) to a cluster whose fit estimator says one real node fits them: "
-        "a controller's pod through the Eviction API, a bare pod as a copy.",
+        "a controller's pod through the Eviction API, a bare pod as a copy. Makes room for "
+        "pods no node of any cluster fits by evicting the fewest movable pods from one.",
     )
     parser.add_argument("--kubeconfig", help="of the upper cluster (default: in-cluster)")
     parser.add_argument(
         "--policy",
         type=Path,
-        help="YAML policy: pendingTimeout, clusterDownTimeout, interval (seconds), "
-        "maxEvictionsPerCycle, maxEvictionsPerNamespace, maxEvictionsPerNode "
-        "(default: 60, 300, 10, 10, 5, 5)",
+        help="YAML policy: pendingTimeout, clusterDownTimeout, interval, defragAfter, "
+        "holdTimeout (seconds), maxEvictionsPerCycle, maxEvictionsPerNamespace, "
+        "maxEvictionsPerNode (default: 60, 300, 10, 60, 120, 10, 5, 5)",
     )
     parser.add_argument("--dry-run", action="store_true", help="print every move and make none")
     parser.add_argument("--once", action="store_true", help="one cycle, then exit")
@@ -86,21 +87,25 @@ async def run(config: Config) -> None:
         )
         nodes.add_handler(pool.handler())
         pods = Informer(client, PODS)
+        budgets = Informer(client, PODDISRUPTIONBUDGETS)
         watching = [
-            asyncio.create_task(informer.run(), name=repr(informer)) for informer in (nodes, pods)
+            asyncio.create_task(informer.run(), name=repr(informer))
+            for informer in (nodes, pods, budgets)
         ]
-        descheduler = Descheduler(client, pods, nodes, pool, config.policy, config.dry_run)
+        descheduler = Descheduler(client, pods, nodes, budgets, pool, config.policy, config.dry_run)
         try:
             if config.once:
-                await asyncio.gather(pods.wait_synced(), nodes.wait_synced())
+                await descheduler.wait_synced()
                 await descheduler.cycle()
                 return
             log.info(
-                "descheduling%s every %.0f s: pending %.0f s, cluster down %.0f s",
+                "descheduling%s every %.0f s: pending %.0f s, cluster down %.0f s, "
+                "defragmenting after %.0f s",
                 " (dry run)" if config.dry_run else "",
                 config.policy.interval,
                 config.policy.pending_timeout,
                 config.policy.cluster_down_timeout,
+                config.policy.defrag_after,
             )
             await descheduler.run()
         finally:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,11 @@ class Policy:
     cluster_down_timeout: float = 300.0
     # Time between two looks at every pod.
     interval: float = 10.0
+    # A pod Pending above because no cluster has a node that fits it, for this long,
+    # has room made for it by evicting movable pods.
+    defrag_after: float = 60.0
+    # How long the room a defragmentation frees is kept for the pod it was made for.
+    hold_timeout: float = 120.0
     max_evictions_per_cycle: int = 10
     max_evictions_per_namespace: int = 5
     max_evictions_per_node: int = 5
@@ -31,13 +37,12 @@ _KEYS = {
     "pendingTimeout": "pending_timeout",
     "clusterDownTimeout": "cluster_down_timeout",
     "interval": "interval",
+    "defragAfter": "defrag_after",
+    "holdTimeout": "hold_timeout",
     "maxEvictionsPerCycle": "max_evictions_per_cycle",
     "maxEvictionsPerNamespace": "max_evictions_per_namespace",
     "maxEvictionsPerNode": "max_evictions_per_node",
 }
-# Keys of the design that this version does not carry out: refused rather than ignored,
-# so nobody believes them in force.
-_NOT_YET = {"defragAfter": "defragmentation is not available in this version"}
 
 
 def parse_policy(text: str) -> Policy:
@@ -52,8 +57,6 @@ def parse_policy(text: str) -> Policy:
     defaults = Policy()
     values: dict[str, Any] = {}
     for key, value in document.items():
-        if key in _NOT_YET:
-            raise PolicyError(f"{key}: {_NOT_YET[key]}")
         name = _KEYS.get(key)
         if name is None:
             raise PolicyError(f"unknown key {key!r} (known: {', '.join(sorted(_KEYS))})")
@@ -71,3 +74,36 @@ def _number(key: str, value: Any, integer: bool) -> float | int:
     if not 0 < value <= 86400:
         raise PolicyError(f"{key}: {value!r} seconds is not above 0 and at most a day")
     return float(value)
+
+
+class Limits:
+    """What evictions are left this cycle: in all, per namespace and per (source)
+    virtual node."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.total = 0
+        self.per_namespace: Counter[str] = Counter()
+        self.per_node: Counter[str] = Counter()
+
+    def take(self, evictions: Sequence[tuple[str, str]]) -> bool:
+        """Counts the (namespace, node) evictions if all of them are within the limits;
+        takes none otherwise."""
+        namespaces = Counter(namespace for namespace, _ in evictions)
+        nodes = Counter(node for _, node in evictions)
+        policy = self.policy
+        if (
+            self.total + len(evictions) > policy.max_evictions_per_cycle
+            or any(
+                self.per_namespace[ns] + n > policy.max_evictions_per_namespace
+                for ns, n in namespaces.items()
+            )
+            or any(
+                self.per_node[node] + n > policy.max_evictions_per_node for node, n in nodes.items()
+            )
+        ):
+            return False
+        self.total += len(evictions)
+        self.per_namespace.update(namespaces)
+        self.per_node.update(nodes)
+        return True

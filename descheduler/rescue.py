@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from descheduler.policy import Policy
+from descheduler.policy import Limits, Policy
 from kubekit import keys
 from kubekit.estimatorapi.estimator_pb2 import PodEstimate
 from kubekit.informer import object_key
@@ -37,14 +36,21 @@ class Why(enum.StrEnum):
     CLUSTER_DOWN = "ClusterDown"
 
 
+def owned(pod: Mapping[str, Any]) -> bool:
+    """Whether a controller replaces the pod when it goes."""
+    return any(ref.get("controller") for ref in pod["metadata"].get("ownerReferences") or [])
+
+
+def opted_out(pod: Mapping[str, Any]) -> bool:
+    annotations = pod["metadata"].get("annotations") or {}
+    return bool(annotations.get(keys.DESCHEDULER_ANNOTATION) == keys.DESCHEDULER_NEVER)
+
+
 @dataclass(frozen=True)
-class Stuck:
+class PodCase:
+    """A pod the descheduler has something to decide about."""
+
     pod: Mapping[str, Any]
-    node: str
-    why: Why
-    # For how long, in seconds, and the lower cluster's own words.
-    seconds: float
-    detail: str
 
     @property
     def key(self) -> str:
@@ -58,11 +64,18 @@ class Stuck:
     def namespace(self) -> str:
         return str(self.pod["metadata"]["namespace"])
 
+
+@dataclass(frozen=True)
+class Stuck(PodCase):
+    node: str
+    why: Why
+    # For how long, in seconds, and the lower cluster's own words.
+    seconds: float
+    detail: str
+
     @property
     def owned(self) -> bool:
-        return any(
-            ref.get("controller") for ref in self.pod["metadata"].get("ownerReferences") or []
-        )
+        return owned(self.pod)
 
     def describe(self) -> str:
         if self.why is Why.CLUSTER_DOWN:
@@ -74,12 +87,13 @@ def parse_time(text: str) -> datetime:
     return datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 
-def _condition(conditions: Iterable[Mapping[str, Any]], kind: str) -> Mapping[str, Any] | None:
+def condition(conditions: Iterable[Mapping[str, Any]], kind: str) -> Mapping[str, Any] | None:
     return next((c for c in conditions if c.get("type") == kind), None)
 
 
-def _since(condition: Mapping[str, Any], now: datetime) -> float | None:
-    stamp = condition.get("lastTransitionTime")
+def since(transition: Mapping[str, Any], now: datetime) -> float | None:
+    """How long ago a condition took its status."""
+    stamp = transition.get("lastTransitionTime")
     if not isinstance(stamp, str):
         return None
     try:
@@ -90,10 +104,10 @@ def _since(condition: Mapping[str, Any], now: datetime) -> float | None:
 
 def down_for(node: Mapping[str, Any], now: datetime) -> float | None:
     """How long a Node has not been Ready; None while it is."""
-    ready = _condition((node.get("status") or {}).get("conditions") or [], "Ready")
+    ready = condition((node.get("status") or {}).get("conditions") or [], "Ready")
     if ready is None or ready.get("status") == "True":
         return None
-    return _since(ready, now)
+    return since(ready, now)
 
 
 def stuck_pods(
@@ -117,18 +131,17 @@ def stuck_pods(
             continue
         if status.get("phase") in _FINISHED:
             continue
-        annotations = metadata.get("annotations") or {}
-        if annotations.get(keys.DESCHEDULER_ANNOTATION) == keys.DESCHEDULER_NEVER:
+        if opted_out(pod):
             continue
         if node in down:
             found.append(Stuck(pod, node, Why.CLUSTER_DOWN, down[node], ""))
             continue
         if status.get("phase") != "Pending":
             continue
-        scheduled = _condition(status.get("conditions") or [], "PodScheduled")
+        scheduled = condition(status.get("conditions") or [], "PodScheduled")
         if scheduled is None or scheduled.get("status") != "False":
             continue
-        seconds = _since(scheduled, now)
+        seconds = since(scheduled, now)
         if seconds is not None and seconds >= policy.pending_timeout:
             detail = str(scheduled.get("message") or scheduled.get("reason") or "")
             found.append(Stuck(pod, node, Why.UNSCHEDULABLE, seconds, detail))
@@ -169,25 +182,13 @@ def destination(stuck: Stuck, answers: Mapping[str, PodEstimate | str]) -> Move 
     return Stay(stuck, f"no cluster can run it now ({reasons})")
 
 
-def within_limits(moves: Sequence[Move], policy: Policy) -> tuple[list[Move], list[Move]]:
-    """The moves this cycle may make, in order, and those left for later: at most so many
-    in all, per namespace and per (source) virtual node."""
+def within_limits(moves: Sequence[Move], limits: Limits) -> tuple[list[Move], list[Move]]:
+    """The moves this cycle may make, in order, and those left for later."""
     allowed: list[Move] = []
     deferred: list[Move] = []
-    per_namespace: Counter[str] = Counter()
-    per_node: Counter[str] = Counter()
     for move in moves:
-        namespace, node = move.stuck.namespace, move.stuck.node
-        if (
-            len(allowed) >= policy.max_evictions_per_cycle
-            or per_namespace[namespace] >= policy.max_evictions_per_namespace
-            or per_node[node] >= policy.max_evictions_per_node
-        ):
-            deferred.append(move)
-            continue
-        allowed.append(move)
-        per_namespace[namespace] += 1
-        per_node[node] += 1
+        fits = limits.take([(move.stuck.namespace, move.stuck.node)])
+        (allowed if fits else deferred).append(move)
     return allowed, deferred
 
 

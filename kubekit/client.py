@@ -92,6 +92,7 @@ EVENTS = Resource("", "v1", "events")
 LEASES = Resource("coordination.k8s.io", "v1", "leases")
 SERVICES = Resource("", "v1", "services")
 ENDPOINTSLICES = Resource("discovery.k8s.io", "v1", "endpointslices")
+PODDISRUPTIONBUDGETS = Resource("policy", "v1", "poddisruptionbudgets")
 
 
 @dataclass(frozen=True)

@@ -12,17 +12,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 import grpc.aio
 
 from kubekit import keys
 from kubekit.client import JSON
-from kubekit.estimatorapi.estimator_pb2 import EstimateRequest, PodQuery, ReleaseRequest
+from kubekit.estimatorapi.estimator_pb2 import (
+    DefragmentRequest,
+    DefragmentResponse,
+    EstimateRequest,
+    FitInTurnRequest,
+    FitInTurnResponse,
+    HoldRequest,
+    PodQuery,
+    ReleaseRequest,
+)
 from kubekit.estimatorapi.estimator_pb2_grpc import EstimatorStub
 from kubekit.informer import FunctionHandler
 from multischeduler.extender import Answer, EstimatorFailure, VirtualNode, virtual_node
@@ -31,6 +40,17 @@ if TYPE_CHECKING:
     from kubekit.estimatorapi.estimator_pb2_grpc import EstimatorAsyncStub
 
 log = logging.getLogger("multischeduler.estimators")
+
+Response = TypeVar("Response")
+
+
+class _ClusterAnswer(Protocol):
+    @property
+    def cluster_id(self) -> str: ...
+
+
+Clustered = TypeVar("Clustered", bound=_ClusterAnswer)
+Metadata = tuple[tuple[str, str], ...]
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 IN_CLUSTER_CA = SERVICE_ACCOUNT_DIR / "ca.crt"
@@ -212,16 +232,81 @@ class EstimatorPool:
                 f"{estimator.address}: {len(response.estimates)} estimates for 1 pod",
                 maybe_reserved=True,
             )
-        # An address annotation pointing at another cluster's estimator would place pods
-        # by the wrong cluster's room.
-        expected = self.nodes[name].cluster_id
-        if expected and response.cluster_id != expected:
+        return (
+            self._other_cluster(name, estimator.address, response.cluster_id)
+            or response.estimates[0]
+        )
+
+    def _other_cluster(self, name: str, address: str, cluster_id: str) -> EstimatorFailure | None:
+        """An address annotation pointing at another cluster's estimator would place
+        pods by the wrong cluster's room."""
+        node = self.nodes.get(name)
+        expected = node.cluster_id if node is not None else ""
+        if expected and cluster_id != expected:
             return EstimatorFailure(
-                f"{estimator.address} answers for cluster {response.cluster_id!r}, "
-                f"not {expected!r}",
+                f"{address} answers for cluster {cluster_id!r}, not {expected!r}",
                 maybe_reserved=True,
             )
-        return response.estimates[0]
+        return None
+
+    async def _call(
+        self, name: str, call: Callable[[EstimatorAsyncStub, Metadata], Awaitable[Response]]
+    ) -> Response | EstimatorFailure:
+        """One call to the estimator of ``name``, its failures as answers."""
+        estimator = self._estimators.get(name)
+        if estimator is None:
+            return EstimatorFailure(
+                f"the node has no {keys.ESTIMATOR_ADDRESS_ANNOTATION} annotation"
+            )
+        try:
+            metadata = self._metadata()
+        except OSError as error:
+            return EstimatorFailure(f"cannot read the token: {error}")
+        try:
+            return await call(estimator.stub, metadata)
+        except grpc.aio.AioRpcError as error:
+            code = error.code()
+            return EstimatorFailure(
+                f"{estimator.address}: {code.name}: {error.details()}",
+                maybe_reserved=code not in _NOT_ACTED_ON,
+            )
+
+    def _same_cluster(
+        self, name: str, answer: Clustered | EstimatorFailure
+    ) -> Clustered | EstimatorFailure:
+        if isinstance(answer, EstimatorFailure):
+            return answer
+        return self._other_cluster(name, name, answer.cluster_id) or answer
+
+    async def defragment(
+        self, name: str, request: DefragmentRequest, timeout: float
+    ) -> DefragmentResponse | EstimatorFailure:
+        return self._same_cluster(
+            name,
+            await self._call(
+                name,
+                lambda stub, metadata: stub.Defragment(request, timeout=timeout, metadata=metadata),
+            ),
+        )
+
+    async def fit_in_turn(
+        self, name: str, request: FitInTurnRequest, timeout: float
+    ) -> FitInTurnResponse | EstimatorFailure:
+        return self._same_cluster(
+            name,
+            await self._call(
+                name,
+                lambda stub, metadata: stub.FitInTurn(request, timeout=timeout, metadata=metadata),
+            ),
+        )
+
+    async def hold(
+        self, name: str, request: HoldRequest, timeout: float
+    ) -> EstimatorFailure | None:
+        answer = await self._call(
+            name, lambda stub, metadata: stub.Hold(request, timeout=timeout, metadata=metadata)
+        )
+        return answer if isinstance(answer, EstimatorFailure) else None
 
     def release(self, names: Iterable[str], uid: str) -> None:
         """Gives back the room held for pod ``uid`` on these nodes with the next call to

@@ -12,8 +12,16 @@ import pytest
 import yaml
 
 from descheduler.controller import Descheduler, receivers
+from descheduler.defrag import (
+    Plan,
+    Waiting,
+    budgets_allow,
+    candidate_plans,
+    movable_pods,
+    waiting_pods,
+)
 from descheduler.main import parse_args
-from descheduler.policy import Policy, PolicyError, parse_policy
+from descheduler.policy import Limits, Policy, PolicyError, parse_policy
 from descheduler.rescue import (
     Move,
     Stay,
@@ -27,8 +35,17 @@ from descheduler.rescue import (
     within_limits,
 )
 from kubekit import keys
-from kubekit.client import NODES, PODS, ApiError
-from kubekit.estimatorapi.estimator_pb2 import PodEstimate, PodQuery
+from kubekit.client import NODES, PODDISRUPTIONBUDGETS, PODS, ApiError
+from kubekit.estimatorapi.estimator_pb2 import (
+    DefragmentRequest,
+    DefragmentResponse,
+    FitInTurnRequest,
+    FitInTurnResponse,
+    Freeing,
+    HoldRequest,
+    PodEstimate,
+    PodQuery,
+)
 from kubekit.informer import Informer
 from multischeduler.extender import Answer, EstimatorFailure
 from tests.unit.test_multischeduler import core_grants
@@ -102,10 +119,20 @@ def test_an_empty_policy_is_the_defaults() -> None:
 
 def test_every_policy_key() -> None:
     policy = parse_policy(
-        "pendingTimeout: 5\nclusterDownTimeout: 30.5\ninterval: 2\n"
-        "maxEvictionsPerCycle: 3\nmaxEvictionsPerNamespace: 2\nmaxEvictionsPerNode: 1\n"
+        "pendingTimeout: 5\nclusterDownTimeout: 30.5\ninterval: 2\ndefragAfter: 7\n"
+        "holdTimeout: 90\nmaxEvictionsPerCycle: 3\nmaxEvictionsPerNamespace: 2\n"
+        "maxEvictionsPerNode: 1\n"
     )
-    assert policy == Policy(5.0, 30.5, 2.0, 3, 2, 1)
+    assert policy == Policy(
+        pending_timeout=5.0,
+        cluster_down_timeout=30.5,
+        interval=2.0,
+        defrag_after=7.0,
+        hold_timeout=90.0,
+        max_evictions_per_cycle=3,
+        max_evictions_per_namespace=2,
+        max_evictions_per_node=1,
+    )
 
 
 @pytest.mark.parametrize(
@@ -113,7 +140,7 @@ def test_every_policy_key() -> None:
     [
         ("- 1\n", "must be a mapping"),
         ("pendingTimout: 5\n", "unknown key 'pendingTimout'"),
-        ("defragAfter: 60\n", "defragmentation is not available"),
+        ("defragAfter: -1\n", "not above 0"),
         ("pendingTimeout: soon\n", "'soon' is not a number"),
         ("pendingTimeout: 0\n", "not above 0"),
         ("pendingTimeout: true\n", "is not a number"),
@@ -227,7 +254,7 @@ def test_limits_per_cycle_namespace_and_node() -> None:
     policy = Policy(
         max_evictions_per_cycle=3, max_evictions_per_namespace=1, max_evictions_per_node=2
     )
-    allowed, deferred = within_limits(moves, policy)
+    allowed, deferred = within_limits(moves, Limits(policy))
     assert [m.stuck.pod["metadata"]["name"] for m in allowed] == ["a1", "b1", "c1"]
     assert [m.stuck.pod["metadata"]["name"] for m in deferred] == ["a2", "d1"]
 
@@ -304,12 +331,33 @@ class FakePool:
     def __init__(self, answers: Mapping[str, Answer]) -> None:
         self.answers = answers
         self.asked: list[tuple[list[str], PodQuery]] = []
+        # Virtual node -> its plans; -> how many of the pods asked in turn it takes.
+        self.plans: dict[str, list[Freeing]] = {}
+        self.room: dict[str, int] = {}
+        self.defragment_asked: dict[str, DefragmentRequest] = {}
+        self.held: list[tuple[str, HoldRequest]] = []
 
     async def estimate(
         self, names: Sequence[str], query: PodQuery, timeout: float
     ) -> dict[str, Answer]:
         self.asked.append((list(names), query))
         return {name: self.answers[name] for name in names}
+
+    async def defragment(
+        self, name: str, request: DefragmentRequest, timeout: float
+    ) -> DefragmentResponse:
+        self.defragment_asked[name] = request
+        return DefragmentResponse(cluster_id=name, plans=self.plans.get(name, []))
+
+    async def fit_in_turn(
+        self, name: str, request: FitInTurnRequest, timeout: float
+    ) -> FitInTurnResponse:
+        room = self.room.get(name, 0)
+        nodes = ["n" if index < room else "" for index in range(len(request.pods))]
+        return FitInTurnResponse(cluster_id=name, nodes=nodes)
+
+    async def hold(self, name: str, request: HoldRequest, timeout: float) -> None:
+        self.held.append((name, request))
 
 
 class World:
@@ -318,12 +366,14 @@ class World:
         self.pool = FakePool(answers)
         self.pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
         self.nodes = Informer(client=None, resource=NODES)  # type: ignore[arg-type]
+        self.budgets = Informer(client=None, resource=PODDISRUPTIONBUDGETS)  # type: ignore[arg-type]
         for node in NODES_UP.values():
             self.nodes.apply({"type": "ADDED", "object": node})
         self.descheduler = Descheduler(
             self.client,  # type: ignore[arg-type]
             self.pods,
             self.nodes,
+            self.budgets,
             self.pool,  # type: ignore[arg-type]
             Policy(),
             dry_run=dry_run,
@@ -429,6 +479,226 @@ async def test_a_dry_run_moves_nothing_and_prints_the_plan(
     assert f"re-create as {copy_name(pod('solo'))} on vk-lower-2" in printed
 
 
+# -- defragmentation -----------------------------------------------------------------------
+
+
+def federated(name: str, waiting_for: float = 120, **spec: Any) -> dict[str, Any]:
+    """An unbound pod the upper scheduler has found no node for."""
+    waiting = pod(name, node="", unschedulable_for=waiting_for, owned=False)
+    waiting["spec"] = {
+        "tolerations": [
+            {
+                "key": keys.PROVIDER_TAINT_KEY,
+                "operator": "Equal",
+                "value": keys.PROVIDER_TAINT_VALUE,
+                "effect": "NoSchedule",
+            }
+        ],
+        "containers": [{"name": "app", "image": "app"}],
+        **spec,
+    }
+    return waiting
+
+
+def running(name: str, node: str = "vk-lower-1", **spec: Any) -> dict[str, Any]:
+    bound = pod(name, node=node, unschedulable_for=None, phase="Running")
+    bound["metadata"]["labels"] = {"app": "small"}
+    bound["spec"].update(spec)
+    return bound
+
+
+def budget(allowed: int, name: str = "small", **selector: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "namespace": "apps"},
+        "spec": {"selector": selector or {"matchLabels": {"app": "small"}}},
+        "status": {"disruptionsAllowed": allowed},
+    }
+
+
+def waiting_one(pod_json: dict[str, Any]) -> Waiting:
+    (found,) = waiting_pods([pod_json], NOW, Policy())
+    return found
+
+
+def test_a_federated_pod_the_scheduler_cannot_place_waits_past_defrag_after() -> None:
+    pods = [
+        federated("late", 61),
+        federated("early", 59),
+        federated("important", 61, priority=1000),
+        {**federated("plain", 61), "spec": {"containers": []}},
+        federated("bound", 61, nodeName="vk-lower-1"),
+        pod("never", node="", annotations={keys.DESCHEDULER_ANNOTATION: keys.DESCHEDULER_NEVER}),
+    ]
+    found = waiting_pods(pods, NOW, Policy())
+    assert [w.key for w in found] == ["apps/important", "apps/late"]
+    assert found[1].seconds == 61 and "Insufficient cpu" in found[1].message
+    gated = federated("gated")
+    gated["status"]["conditions"][0]["reason"] = "SchedulingGated"
+    assert waiting_pods([gated], NOW, Policy()) == []
+
+
+def test_movable_pods_are_running_controller_pods_of_no_higher_priority() -> None:
+    waiting = waiting_one(federated("big", priority=100))
+    pods = [
+        running("ok"),
+        running("elsewhere", node="vk-lower-2"),
+        running("on-a-real-node", node="real-1"),
+        running("higher", priority=200),
+        running("equal", priority=100),
+        {**running("bare"), "metadata": {**running("bare")["metadata"], "ownerReferences": []}},
+        pod("pending", unschedulable_for=None),
+        running("system")
+        | {"metadata": {**running("system")["metadata"], "namespace": "kube-system"}},
+        pod("never", phase="Running", annotations={keys.DESCHEDULER_ANNOTATION: "never"}),
+    ]
+    found = movable_pods(pods, waiting, ["vk-lower-1", "vk-lower-2"], [])
+    assert {node: [p["metadata"]["name"] for p in ps] for node, ps in found.items()} == {
+        "vk-lower-1": ["ok", "equal"],
+        "vk-lower-2": ["elsewhere"],
+    }
+
+
+def test_a_budget_that_allows_no_disruption_or_two_budgets_keep_a_pod_in_place() -> None:
+    waiting = waiting_one(federated("big"))
+    pods = [running("a")]
+    assert movable_pods(pods, waiting, ["vk-lower-1"], [budget(1)]) != {}
+    assert movable_pods(pods, waiting, ["vk-lower-1"], [budget(0)]) == {}
+    assert movable_pods(pods, waiting, ["vk-lower-1"], [budget(1), budget(1, "all")]) == {}
+    other = {**budget(0), "metadata": {"name": "small", "namespace": "other"}}
+    assert movable_pods(pods, waiting, ["vk-lower-1"], [other]) != {}
+
+
+def test_budgets_allow_a_plan_only_within_each_budget() -> None:
+    pods = [running("a"), running("b")]
+    assert budgets_allow(pods, [budget(2)])
+    assert not budgets_allow(pods, [budget(1)])
+    assert budgets_allow(pods, [])
+    assert budgets_allow(pods, [budget(0, matchLabels={"app": "other"})])
+
+
+def test_limits_take_a_plan_whole_or_not_at_all() -> None:
+    limits = Limits(Policy(max_evictions_per_cycle=3, max_evictions_per_node=2))
+    assert not limits.take([("a", "vk-1")] * 3), "three from one node"
+    assert limits.take([("a", "vk-1"), ("b", "vk-1")])
+    assert not limits.take([("c", "vk-2"), ("c", "vk-2")]), "one left in the cycle"
+    assert limits.take([("c", "vk-2")])
+
+
+def test_candidate_plans_fewest_evictions_first_and_only_offered_pods() -> None:
+    waiting = waiting_one(federated("big"))
+    a, b, c = running("a"), running("b"), running("c", node="vk-lower-2")
+    responses = {
+        "vk-lower-1": DefragmentResponse(
+            plans=[
+                Freeing(
+                    node="n1", evicted_pod_uids=["uid-a", "uid-b"], homeless_pod_uids=["uid-b"]
+                ),
+                Freeing(node="n2", evicted_pod_uids=["uid-x"]),
+            ]
+        ),
+        "vk-lower-2": DefragmentResponse(plans=[Freeing(node="m1", evicted_pod_uids=["uid-c"])]),
+    }
+    plans = candidate_plans(waiting, responses, {"vk-lower-1": [a, b], "vk-lower-2": [c]})
+    assert [(p.cluster, p.node, len(p.evicted), len(p.homeless)) for p in plans] == [
+        ("vk-lower-2", "m1", 1, 0),
+        ("vk-lower-1", "n1", 2, 1),
+    ]
+    assert plans[1].describe() == (
+        "free lower node n1 of vk-lower-1 for pod apps/big: evict apps/a, apps/b"
+    )
+
+
+class Fragmented(World):
+    """vk-lower-1 runs a and b; evicting both frees its node n1 for the waiting pod."""
+
+    def __init__(self, dry_run: bool = False) -> None:
+        super().__init__({name: NO_ROOM for name in NODES_UP}, dry_run=dry_run)
+        self.add(federated("big"))
+        self.add(running("a"))
+        self.add(running("b"))
+        self.pool.plans["vk-lower-1"] = [
+            Freeing(node="n1", evicted_pod_uids=["uid-a", "uid-b"], homeless_pod_uids=["uid-b"])
+        ]
+
+
+async def test_a_complete_plan_holds_the_room_then_evicts() -> None:
+    world = Fragmented()
+    world.pool.room["vk-lower-3"] = 1
+    (plan,) = await world.descheduler.cycle()
+    assert isinstance(plan, Plan) and plan.node == "n1"
+    assert list(world.pool.defragment_asked) == ["vk-lower-1"]
+    assert sorted(world.pool.defragment_asked["vk-lower-1"].movable_pod_uids) == ["uid-a", "uid-b"]
+    ((held_on, hold),) = world.pool.held
+    assert (held_on, hold.node, hold.seconds) == ("vk-lower-1", "n1", Policy().hold_timeout)
+    assert world.client.calls == [
+        ("POST", "/api/v1/namespaces/apps/pods/a/eviction"),
+        ("POST", "/api/v1/namespaces/apps/pods/b/eviction"),
+    ]
+    assert world.reasons() == ["Defragmenting", "Descheduled", "Descheduled"]
+    assert "to make room for pod apps/big" in world.client.events[1]["message"]
+    assert await world.descheduler.cycle() == [], "not planned again while the room is held"
+    world.moment += Policy().hold_timeout + 1
+    await world.descheduler.cycle()
+    assert len(world.pool.held) == 2, "planned again once the hold lapsed"
+
+
+async def test_a_plan_whose_homeless_pods_find_no_room_is_not_carried_out() -> None:
+    world = Fragmented()
+    await world.descheduler.cycle()
+    assert world.client.calls == [] and world.pool.held == []
+    assert world.reasons() == ["NotDefragmented"]
+    message = world.client.events[0]["message"]
+    assert "vk-lower-1/n1: no other cluster has room for apps/b" in message
+    await world.descheduler.cycle()
+    assert world.reasons() == ["NotDefragmented"], "said once"
+
+
+async def test_a_plan_beyond_a_budget_or_the_limits_is_not_carried_out() -> None:
+    world = Fragmented()
+    world.pool.room["vk-lower-2"] = 5
+    world.budgets.apply({"type": "ADDED", "object": budget(1)})
+    await world.descheduler.cycle()
+    # Each pod alone may go (so both are offered), not both at once.
+    assert world.client.calls == []
+    assert "do not allow all its evictions at once" in world.client.events[0]["message"]
+    limited = Fragmented()
+    limited.pool.room["vk-lower-2"] = 5
+    limited.descheduler.policy = Policy(max_evictions_per_namespace=1)
+    await limited.descheduler.cycle()
+    assert limited.client.calls == []
+    assert "beyond this cycle's limits" in limited.client.events[0]["message"]
+
+
+async def test_a_pod_a_node_fits_now_is_left_to_the_scheduler() -> None:
+    world = Fragmented()
+    world.pool.answers = {**world.pool.answers, "vk-lower-2": fits(0.5)}
+    assert await world.descheduler.cycle() == []
+    assert world.pool.defragment_asked == {} and world.client.events == []
+
+
+async def test_an_eviction_refused_mid_plan_stops_it_with_a_warning() -> None:
+    world = Fragmented()
+    world.pool.room["vk-lower-2"] = 5
+    world.client.eviction_error = ApiError(429, {"message": "disruption budget"})
+    await world.descheduler.cycle()
+    assert len(world.client.calls) == 1, "the second pod is not evicted"
+    assert world.reasons() == ["Defragmenting", "DefragmentationIncomplete"]
+
+
+async def test_a_dry_run_prints_the_plan_and_holds_and_evicts_nothing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    world = Fragmented(dry_run=True)
+    world.pool.room["vk-lower-2"] = 5
+    await world.descheduler.cycle()
+    assert world.client.calls == [] and world.pool.held == [] and world.client.events == []
+    printed = capsys.readouterr().out
+    assert (
+        "dry run: free lower node n1 of vk-lower-1 for pod apps/big: evict apps/a, apps/b"
+        in printed
+    )
+
+
 # -- manifests ------------------------------------------------------------------------------
 
 MANIFESTS = Path(__file__).parents[2] / "manifests" / "descheduler"
@@ -464,6 +734,10 @@ def test_rbac_grants_exactly_what_the_descheduler_uses() -> None:
         ("events", "create"),
         ("nodes/estimator", "get"),
     }
+    policy_rules = [rule for rule in role["rules"] if rule["apiGroups"] == ["policy"]]
+    assert policy_rules == [
+        {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": ["list", "watch"]}
+    ]
     assert "*" not in str(role["rules"])
     assert binding["subjects"][0]["name"] == account["metadata"]["name"]
 
@@ -473,8 +747,8 @@ def test_a_bad_policy_file_stops_the_command_with_its_reason(
 ) -> None:
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
     policy_file = tmp_path / "policy.yaml"
-    policy_file.write_text("defragAfter: 60\n")
+    policy_file.write_text("defragAfter: soon\n")
     with pytest.raises(SystemExit) as exit_info:
         parse_args([f"--policy={policy_file}"])
     assert exit_info.value.code == 2
-    assert "defragAfter: defragmentation is not available" in capsys.readouterr().err
+    assert "defragAfter: 'soon' is not a number" in capsys.readouterr().err

@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from kubekit import keys, pki
 from kubekit.client import NODES, ApiError
-from kubekit.estimatorapi import estimator_pb2_grpc
+from kubekit.estimatorapi import estimator_pb2, estimator_pb2_grpc
 from kubekit.estimatorapi.estimator_pb2 import (
     EstimateRequest,
     EstimateResponse,
@@ -28,7 +28,7 @@ from kubekit.estimatorapi.estimator_pb2 import (
 )
 from kubekit.informer import Informer
 from multischeduler.estimators import EstimatorPool, TokenFile, channel_credentials
-from multischeduler.extender import BindingArgs, OnEstimatorError
+from multischeduler.extender import BindingArgs, EstimatorFailure, OnEstimatorError
 from multischeduler.server import Extender, make_app
 
 POD = {
@@ -77,6 +77,33 @@ class FakeEstimator(estimator_pb2_grpc.EstimatorServicer):
         self._caller(context)
         self.releases.append(list(request.pod_uids))
         return ReleaseResponse(released=len(request.pod_uids))
+
+    async def Defragment(
+        self,
+        request: estimator_pb2.DefragmentRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> estimator_pb2.DefragmentResponse:
+        self._caller(context)
+        plan = estimator_pb2.Freeing(node="n1", evicted_pod_uids=request.movable_pod_uids)
+        return estimator_pb2.DefragmentResponse(cluster_id=self.cluster_id, plans=[plan])
+
+    async def FitInTurn(
+        self,
+        request: estimator_pb2.FitInTurnRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> estimator_pb2.FitInTurnResponse:
+        self._caller(context)
+        return estimator_pb2.FitInTurnResponse(
+            cluster_id=self.cluster_id, nodes=["n1"] + [""] * (len(request.pods) - 1)
+        )
+
+    async def Hold(
+        self, request: estimator_pb2.HoldRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> estimator_pb2.HoldResponse:
+        self._caller(context)
+        if not request.node:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no lower node ''")
+        return estimator_pb2.HoldResponse()
 
 
 def cluster_of(node: str) -> str:
@@ -501,3 +528,30 @@ async def test_a_restarted_estimator_gets_a_fresh_channel(tmp_path: Path) -> Non
         assert put("t2") is not first
     finally:
         await pool.close()
+
+
+async def test_the_pool_asks_for_plans_fits_and_holds_and_reports_failures(
+    federation: Federation,
+) -> None:
+    pool = federation.extender.pool
+    address = await federation.estimator("vk-a", NO_ROOM)
+    plans = await pool.defragment(
+        "vk-a", estimator_pb2.DefragmentRequest(movable_pod_uids=["u1"]), 2.0
+    )
+    assert isinstance(plans, estimator_pb2.DefragmentResponse)
+    assert [list(p.evicted_pod_uids) for p in plans.plans] == [["u1"]]
+    fitted = await pool.fit_in_turn("vk-a", estimator_pb2.FitInTurnRequest(pods=[b"{}"] * 2), 2.0)
+    assert isinstance(fitted, estimator_pb2.FitInTurnResponse)
+    assert list(fitted.nodes) == ["n1", ""]
+    assert await pool.hold("vk-a", estimator_pb2.HoldRequest(node="n1", seconds=5), 2.0) is None
+    refused = await pool.hold("vk-a", estimator_pb2.HoldRequest(seconds=5), 2.0)
+    assert isinstance(refused, EstimatorFailure)
+    assert refused.message == f"{address}: INVALID_ARGUMENT: no lower node ''"
+    # Another cluster's estimator behind vk-b's address is not believed.
+    federation.virtual_node("vk-b", address)
+    wrong = await pool.defragment("vk-b", estimator_pb2.DefragmentRequest(), 2.0)
+    assert (
+        isinstance(wrong, EstimatorFailure) and "answers for cluster 'a', not 'b'" in wrong.message
+    )
+    unknown = await pool.fit_in_turn("vk-x", estimator_pb2.FitInTurnRequest(), 2.0)
+    assert isinstance(unknown, EstimatorFailure)

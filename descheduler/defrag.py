@@ -1,0 +1,172 @@
+"""Defragmentation (pure): which pods wait above for a node that no cluster has, which
+pods may be evicted to make room for one, and which of the estimators' plans to carry out.
+
+A federated pod the upper scheduler cannot place (PodScheduled False, Unschedulable) for
+``defragAfter`` may have room made for it: the estimator of each cluster plans, per lower
+node, the fewest evictions of movable pods that let it fit there, and says which of the
+evicted would fit no other node of that cluster. A plan is carried out only if it is
+complete: every evicted pod's PodDisruptionBudget allows it, the limits allow them all,
+and those its cluster cannot take again fit, together, in the others.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from descheduler.policy import Policy
+from descheduler.rescue import PodCase, condition, opted_out, owned, since
+from kubekit import fit, keys
+from kubekit.estimatorapi.estimator_pb2 import DefragmentResponse
+from kubekit.informer import object_key
+
+# Never evicted to make room: the cluster's own machinery.
+PROTECTED_NAMESPACES = frozenset({"kube-system"})
+_PROVIDER_TAINT = fit.Taint(keys.PROVIDER_TAINT_KEY, keys.PROVIDER_TAINT_VALUE, fit.NO_SCHEDULE)
+
+
+def priority(pod: Mapping[str, Any]) -> int:
+    value = (pod.get("spec") or {}).get("priority")
+    return value if isinstance(value, int) else 0
+
+
+@dataclass(frozen=True)
+class Waiting(PodCase):
+    # For how long the upper scheduler has found no node, and its words.
+    seconds: float
+    message: str
+
+
+def waiting_pods(pods: Iterable[Mapping[str, Any]], now: datetime, policy: Policy) -> list[Waiting]:
+    """Unbound federated pods the upper scheduler has found no node for since
+    ``defragAfter``, the highest priority first, then by key."""
+    found = []
+    for pod in pods:
+        metadata, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
+        if spec.get("nodeName") or metadata.get("deletionTimestamp") or opted_out(pod):
+            continue
+        if status.get("phase", "Pending") != "Pending":
+            continue
+        # Only a pod that may go to a virtual node waits for a lower node's room.
+        if not fit.tolerates(fit.PodFacts.of(dict(pod)).tolerations, _PROVIDER_TAINT):
+            continue
+        scheduled = condition(status.get("conditions") or [], "PodScheduled")
+        if scheduled is None or scheduled.get("status") != "False":
+            continue
+        if scheduled.get("reason") != "Unschedulable":
+            continue
+        seconds = since(scheduled, now)
+        if seconds is not None and seconds >= policy.defrag_after:
+            found.append(Waiting(pod, seconds, str(scheduled.get("message") or "")))
+    return sorted(found, key=lambda waiting: (-priority(waiting.pod), waiting.key))
+
+
+def budgets_of(
+    pod: Mapping[str, Any], budgets: Iterable[Mapping[str, Any]]
+) -> list[Mapping[str, Any]]:
+    """The PodDisruptionBudgets that cover a pod: same namespace, selector matching."""
+    metadata = pod["metadata"]
+    labels = metadata.get("labels") or {}
+    return [
+        budget
+        for budget in budgets
+        if budget["metadata"].get("namespace") == metadata.get("namespace")
+        and fit.selector_matches(
+            fit.label_selector((budget.get("spec") or {}).get("selector")), labels
+        )
+    ]
+
+
+def _allowed(budget: Mapping[str, Any]) -> int:
+    value = (budget.get("status") or {}).get("disruptionsAllowed")
+    return value if isinstance(value, int) else 0
+
+
+def movable_pods(
+    pods: Iterable[Mapping[str, Any]],
+    waiting: Waiting,
+    virtual_nodes: Iterable[str],
+    budgets: Sequence[Mapping[str, Any]],
+) -> dict[str, list[Mapping[str, Any]]]:
+    """By virtual node, the pods that may be evicted to make room for ``waiting``:
+    Running there, replaced by a controller, of no higher priority, not in a protected
+    namespace, not opted out, and under at most one PodDisruptionBudget that allows a
+    disruption now (the Eviction API refuses a pod under several)."""
+    nodes = set(virtual_nodes)
+    ceiling = priority(waiting.pod)
+    found: dict[str, list[Mapping[str, Any]]] = {}
+    for pod in pods:
+        metadata, spec = pod["metadata"], pod.get("spec") or {}
+        node = spec.get("nodeName")
+        if node not in nodes or metadata.get("deletionTimestamp"):
+            continue
+        if (pod.get("status") or {}).get("phase") != "Running":
+            continue
+        if not owned(pod) or opted_out(pod) or priority(pod) > ceiling:
+            continue
+        if metadata.get("namespace") in PROTECTED_NAMESPACES:
+            continue
+        covering = budgets_of(pod, budgets)
+        if len(covering) > 1 or any(_allowed(budget) < 1 for budget in covering):
+            continue
+        found.setdefault(str(node), []).append(pod)
+    return found
+
+
+def budgets_allow(
+    evicted: Iterable[Mapping[str, Any]], budgets: Sequence[Mapping[str, Any]]
+) -> bool:
+    """Whether evicting all of them at once stays within every budget that covers them."""
+    taken: Counter[str] = Counter()
+    by_key = {object_key(budget): budget for budget in budgets}
+    for pod in evicted:
+        taken.update(object_key(budget) for budget in budgets_of(pod, budgets))
+    return all(count <= _allowed(by_key[key]) for key, count in taken.items())
+
+
+@dataclass(frozen=True)
+class Plan:
+    waiting: Waiting
+    # The virtual node of the cluster, and the lower node freed there.
+    cluster: str
+    node: str
+    evicted: tuple[Mapping[str, Any], ...]
+    # Those of them that must find room in another cluster.
+    homeless: tuple[Mapping[str, Any], ...]
+
+    def describe(self) -> str:
+        names = ", ".join(object_key(pod) for pod in self.evicted)
+        return (
+            f"free lower node {self.node} of {self.cluster} for pod {self.waiting.key}: "
+            f"evict {names}"
+        )
+
+
+def candidate_plans(
+    waiting: Waiting,
+    responses: Mapping[str, DefragmentResponse],
+    movable: Mapping[str, Sequence[Mapping[str, Any]]],
+) -> list[Plan]:
+    """The estimators' plans, the fewest evictions first, then by cluster and node; a
+    plan naming a pod that was not offered is dropped."""
+    plans = []
+    for cluster, response in responses.items():
+        offered = {str(pod["metadata"]["uid"]): pod for pod in movable.get(cluster, ())}
+        for freeing in response.plans:
+            uids = list(freeing.evicted_pod_uids)
+            if not uids or any(uid not in offered for uid in uids):
+                continue
+            homeless = [uid for uid in freeing.homeless_pod_uids if uid in uids]
+            plans.append(
+                Plan(
+                    waiting,
+                    cluster,
+                    freeing.node,
+                    tuple(offered[uid] for uid in uids),
+                    tuple(offered[uid] for uid in homeless),
+                )
+            )
+    return sorted(plans, key=lambda plan: (len(plan.evicted), plan.cluster, plan.node))
