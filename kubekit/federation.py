@@ -359,19 +359,19 @@ class Federation:
         return url
 
     def start_descheduler(self, policy: Path | None = None) -> ManagedProcess:
-        """`kubestrata descheduler`, calling the estimators with the identity its
-        manifests give it."""
+        return self.start_component(DESCHEDULER, self.descheduler_args(policy))
+
+    def descheduler_args(self, policy: Path | None = None) -> list[str]:
+        """The arguments of `kubestrata descheduler` for this federation, calling the
+        estimators with the identity its manifests give it."""
         token_file = self._account_token(DESCHEDULER, DESCHEDULER_ACCOUNT)
-        return self.start_component(
-            DESCHEDULER,
-            [
-                "descheduler",
-                f"--kubeconfig={self.upper.kubeconfig}",
-                f"--estimator-ca-file={self.upper.ca.cert_path}",
-                f"--estimator-token-file={token_file}",
-                *([f"--policy={policy}"] if policy is not None else []),
-            ],
-        )
+        return [
+            "descheduler",
+            f"--kubeconfig={self.upper.kubeconfig}",
+            f"--estimator-ca-file={self.upper.ca.cert_path}",
+            f"--estimator-token-file={token_file}",
+            *([f"--policy={policy}"] if policy is not None else []),
+        ]
 
     def _account_token(self, component: str, account: str) -> Path:
         """Applies the component's RBAC from the manifests; returns a file holding a token
