@@ -34,9 +34,17 @@ _Scratch = dict[str, tuple[Counter[str], Counter[HostPort]]]
 K = TypeVar("K")
 # Keys of the assumptions a simulation makes and takes back: NUL is in no pod's UID.
 _SIMULATED = "\0"
-# Sets of pods tried per node in search of the fewest evictions that make room: beyond
-# that, a node crowded with small pods is not worth the search.
-FREEING_TRIES = 20_000
+# The work one search for the fewest evictions may do, since it runs on the event loop
+# that serves queries: sets of pods looked at (integer sums), and sets judged by every
+# filter. Nodes are searched in name order; those left when it is spent give no plan.
+FREEING_SETS = 100_000
+FREEING_CHECKS = 500
+
+
+@dataclass(slots=True)
+class _SearchBudget:
+    sets: int = FREEING_SETS
+    checks: int = FREEING_CHECKS
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,8 +219,12 @@ class ClusterState:
             if not assumed and key in movable and node in candidates:
                 on_node.setdefault(node, []).append((key, other))
         plans = []
+        budget = _SearchBudget()
         for node in evaluation.candidates:
-            evicted = self._fewest_evictions(facts, node, on_node.get(node, []), most)
+            victims = on_node.get(node)
+            if not victims:
+                continue
+            evicted = self._fewest_evictions(facts, node, victims, most, budget)
             if evicted is not None:
                 replacements = [PodFacts.of(movable[key]) for key in evicted]
                 homeless = self._homeless(facts, node, evicted, replacements)
@@ -220,30 +232,40 @@ class ClusterState:
         return sorted(plans, key=lambda plan: (len(plan.evicted), plan.node))
 
     def _fewest_evictions(
-        self, pod: PodFacts, node: str, victims: list[tuple[str, PodFacts]], most: int
+        self,
+        pod: PodFacts,
+        node: str,
+        victims: list[tuple[str, PodFacts]],
+        most: int,
+        budget: _SearchBudget,
     ) -> tuple[str, ...] | None:
         """The smallest set of ``victims`` whose going lets the pod fit on ``node``, found
         by trying sets in order of size, each size's sets biggest first; None when none
-        does within ``FREEING_TRIES``. A set must first cover what the node lacks, which
-        is integer arithmetic; only those are judged by every filter."""
+        does within the budget. A set must first cover what the node lacks, which is
+        integer arithmetic; only those are judged by every filter."""
         free = self._headroom[node].free
         missing = {
             resource: need - free.get(resource, 0)
             for resource, need in pod.requests.items()
             if need > free.get(resource, 0)
         }
+        if any(
+            sum(other.requests.get(resource, 0) for _, other in victims) < short
+            for resource, short in missing.items()
+        ):
+            return None  # not even all of them would make room
         victims = sorted(victims, key=lambda victim: (-_cover(victim[1], missing), victim[0]))
-        tries = 0
         for size in range(1, min(most, len(victims)) + 1):
             for chosen in itertools.combinations(victims, size):
-                tries += 1
-                if tries > FREEING_TRIES:
+                budget.sets -= 1
+                if budget.sets < 0 or budget.checks <= 0:
                     return None
                 if any(
                     sum(other.requests.get(resource, 0) for _, other in chosen) < short
                     for resource, short in missing.items()
                 ):
                     continue
+                budget.checks -= 1
                 keys = tuple(key for key, _ in chosen)
                 if self._fits_without(pod, node, keys):
                     return keys

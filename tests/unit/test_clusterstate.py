@@ -767,3 +767,13 @@ def test_a_plan_makes_room_per_a_diagnosis_from_scratch_and_leaves_the_state_alo
         assert 1 <= len(plan.evicted) <= 3
     assert [len(p.evicted) for p in plans] == sorted(len(p.evicted) for p in plans)
     assert [cluster.estimate(asked) for asked in (query, *PROBES)] == before
+
+
+def test_a_search_with_too_many_sets_gives_up_without_a_plan() -> None:
+    # Room only if all 40 pods go; sets of up to 40 of 40 are far more than a search looks at.
+    pods = [small(f"s{i:02}", "a", cpu="100m") for i in range(40)]
+    cluster = state(node("a", cpu="4"), *pods)
+    assert cluster.freeing(needs("4"), movable(*pods), most=40) == []
+    assert cluster.freeing(needs("4"), movable(*pods), most=39) == [], "all of them could not"
+    (plan,) = cluster.freeing(needs("100m"), movable(*pods), most=40)
+    assert plan.evicted == ("ns/s00",)
