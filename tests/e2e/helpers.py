@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kubekit import keys
+from kubekit.federation import Federation
 from kubekit.localcluster import LocalCluster
 
 T = TypeVar("T")
@@ -132,3 +133,8 @@ def rollout(cluster: LocalCluster, deployment: str, namespace: str, timeout: int
             f"deployment {namespace}/{deployment} not rolled out: {result.stderr}\n"
             f"pods:\n{pods}\nevents:\n{events}\nnodes:\n{nodes}\nobjects:\n{workloads}"
         )
+
+
+def node_ready(federation: Federation, name: str) -> str:
+    node = get_json(federation.upper, "node", name)
+    return str(next(c["status"] for c in node["status"]["conditions"] if c["type"] == "Ready"))

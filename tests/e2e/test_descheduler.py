@@ -20,7 +20,15 @@ from kubekit import keys
 from kubekit.federation import Federation
 from kubekit.localcluster import LocalCluster, NodeSpec
 
-from .helpers import apply, bound_pod, federated_namespace, get_json, pods_by_name, wait_for
+from .helpers import (
+    apply,
+    bound_pod,
+    federated_namespace,
+    get_json,
+    node_ready,
+    pods_by_name,
+    wait_for,
+)
 
 NAMESPACE = "move"
 POOL = {"kubestrata.io/e2e-pool": "move"}
@@ -76,7 +84,7 @@ def descheduling(
     )
     apply(federation.upper, federated_namespace(NAMESPACE))
     policy = Path(tmp_path_factory.mktemp("descheduler")) / "policy.yaml"
-    policy.write_text("pendingTimeout: 2\ninterval: 1\n")
+    policy.write_text("pendingTimeout: 2\nclusterDownTimeout: 2\ninterval: 1\n")
     process = federation.start_descheduler(policy)
     try:
         yield federation
@@ -170,3 +178,71 @@ def test_a_pod_no_cluster_can_run_is_left_where_it_is_with_an_event(
     pod = get_json(descheduling.upper, "pod", "-n", NAMESPACE, "huge")
     assert pod["spec"]["nodeName"] == "vk-lower-1"
     assert not copies_of(descheduling, pod["metadata"]["uid"])
+
+
+def evacuee() -> dict[str, Any]:
+    spec = stuck_pod("evacuee", "1")["spec"]
+    del spec["nodeName"]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "evacuee", "namespace": NAMESPACE},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": "evacuee"}},
+            "template": {"metadata": {"labels": {"app": "evacuee"}}, "spec": spec},
+        },
+    }
+
+
+def test_a_controllers_pod_leaves_a_cluster_that_is_down(descheduling: Federation) -> None:
+    upper = descheduling.upper
+    apply(upper, evacuee())
+
+    def placed() -> dict[str, Any] | None:
+        pods = list(pods_by_name(upper, NAMESPACE, "app=evacuee").values())
+        running = [p for p in pods if p["status"].get("phase") == "Running"]
+        return running[0] if len(pods) == 1 and running else None
+
+    first = wait_for(placed, "the evacuee Running")
+    assert first is not None
+    left = first["spec"]["nodeName"]
+    cluster = left.removeprefix("vk-")
+    lower = descheduling.clusters[cluster]
+    assert isinstance(lower, LocalCluster)
+    lower.stop_component("kube-apiserver")
+    try:
+        wait_for(
+            lambda: node_ready(descheduling, left) == "Unknown",
+            f"{left} NotReady",
+            timeout=120,
+            interval=2,
+        )
+
+        def replaced() -> dict[str, Any] | None:
+            pods = pods_by_name(upper, NAMESPACE, "app=evacuee").values()
+            elsewhere = [
+                p
+                for p in pods
+                if p["spec"].get("nodeName") not in (None, left)
+                and p["status"].get("phase") == "Running"
+            ]
+            return elsewhere[0] if len(elsewhere) == 1 else None
+
+        replacement = wait_for(replaced, "the replacement Running in the other cluster")
+        assert replacement is not None
+        (said,) = events(descheduling, first["metadata"]["name"], "Rescheduled")
+        assert f"{left} NotReady for" in said and "evicted from" in said, said
+        assert replacement["metadata"]["ownerReferences"] == first["metadata"]["ownerReferences"]
+    finally:
+        lower.restart("kube-apiserver")
+    wait_for(lambda: node_ready(descheduling, left) == "True", f"{left} Ready again", timeout=120)
+    # Back, the cluster lets the evicted pod go: one pod left, the replacement.
+    wait_for(
+        lambda: (
+            set(pods_by_name(upper, NAMESPACE, "app=evacuee")) == {replacement["metadata"]["name"]}
+        ),
+        "the evicted pod gone",
+        timeout=120,
+    )
+    assert not pods_by_name(lower, NAMESPACE, "app=evacuee")

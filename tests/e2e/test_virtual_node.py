@@ -17,15 +17,11 @@ from .helpers import (
     federated_deployment,
     get_json,
     namespace,
+    node_ready,
     pods_by_name,
     rollout,
     wait_for,
 )
-
-
-def node_ready(federation: Federation, name: str) -> str:
-    node = get_json(federation.upper, "node", name)
-    return str(next(c["status"] for c in node["status"]["conditions"] if c["type"] == "Ready"))
 
 
 def allocatable(federation: Federation, name: str) -> dict[str, Any]:
