@@ -110,18 +110,19 @@ def events(federation: Federation, reason: str) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def defragmenting(federation: Federation) -> Iterator[Federation]:
-    add_node(federation, "lower-1")
-    apply(federation.upper, federated_namespace(NAMESPACE), SMALL)
-    wait_for(lambda: len(running(federation, "app=small")) == 3, "the three small pods Running")
-    add_node(federation, "lower-2")
-    apply(federation.upper, BIG)
+    # Cleaned up even when the set-up fails half way: later modules count the nodes.
     try:
+        add_node(federation, "lower-1")
+        apply(federation.upper, federated_namespace(NAMESPACE), SMALL)
+        wait_for(lambda: len(running(federation, "app=small")) == 3, "the three small pods Running")
+        add_node(federation, "lower-2")
+        apply(federation.upper, BIG)
         yield federation
     finally:
         federation.upper.kubectl("delete", "namespace", NAMESPACE, "--wait=false")
         for cluster in NODE_CPU:
             federation.clusters[cluster].kubectl(
-                "delete", "node", defrag_node(cluster), "--wait=false"
+                "delete", "node", defrag_node(cluster), "--ignore-not-found", "--wait=false"
             )
 
 

@@ -44,57 +44,69 @@ def move_node(cluster: str) -> str:
 def descheduling(
     federation: Federation, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Federation]:
-    for cluster in CLUSTERS:
-        lower = federation.clusters[cluster]
-        assert isinstance(lower, LocalCluster)
-        lower.add_nodes(
-            [
-                NodeSpec(
-                    name=move_node(cluster),
-                    cpu="4",
-                    memory="16Gi",
-                    pods=110,
-                    labels={**POOL, "topology.kubernetes.io/region": cluster},
-                    taints=(POOL_TAINT,),
-                )
-            ]
-        )
     lower_1 = federation.clusters["lower-1"]
-    apply(
-        lower_1,
-        bound_pod(
-            "move-pin",
-            "default",
-            move_node("lower-1"),
-            containers=[
-                {
-                    "name": "app",
-                    "image": "registry.k8s.io/pause:3.10",
-                    "resources": {"requests": {"cpu": "2"}},
-                }
-            ],
-        ),
-    )
-    wait_for(
-        lambda: (
-            get_json(lower_1, "pod", "-n", "default", "move-pin")["status"].get("phase")
-            == "Running"
-        ),
-        "the pinned pod Running",
-    )
-    apply(federation.upper, federated_namespace(NAMESPACE))
     policy = Path(tmp_path_factory.mktemp("descheduler")) / "policy.yaml"
     policy.write_text("pendingTimeout: 2\nclusterDownTimeout: 2\ninterval: 1\n")
-    process = federation.start_descheduler(policy)
+    process = None
+    # Cleaned up even when the set-up fails half way: later modules count the nodes.
     try:
+        for cluster in CLUSTERS:
+            lower = federation.clusters[cluster]
+            assert isinstance(lower, LocalCluster)
+            lower.add_nodes(
+                [
+                    NodeSpec(
+                        name=move_node(cluster),
+                        cpu="4",
+                        memory="16Gi",
+                        pods=110,
+                        labels={**POOL, "topology.kubernetes.io/region": cluster},
+                        taints=(POOL_TAINT,),
+                    )
+                ]
+            )
+        apply(
+            lower_1,
+            bound_pod(
+                "move-pin",
+                "default",
+                move_node("lower-1"),
+                containers=[
+                    {
+                        "name": "app",
+                        "image": "registry.k8s.io/pause:3.10",
+                        "resources": {"requests": {"cpu": "2"}},
+                    }
+                ],
+            ),
+        )
+        wait_for(
+            lambda: (
+                get_json(lower_1, "pod", "-n", "default", "move-pin")["status"].get("phase")
+                == "Running"
+            ),
+            "the pinned pod Running",
+        )
+        apply(federation.upper, federated_namespace(NAMESPACE))
+        process = federation.start_descheduler(policy)
         yield federation
     finally:
-        process.stop()
+        if process is not None:
+            process.stop()
         federation.upper.kubectl("delete", "namespace", NAMESPACE, "--wait=false")
-        lower_1.kubectl("delete", "pod", "-n", "default", "move-pin", "--force", "--wait=false")
+        lower_1.kubectl(
+            "delete",
+            "pod",
+            "-n",
+            "default",
+            "move-pin",
+            "--force",
+            "--ignore-not-found",
+            "--wait=false",
+        )
         for cluster in CLUSTERS:
             federation.clusters[cluster].kubectl(
-                "delete", "node", move_node(cluster), "--wait=false"
+                "delete", "node", move_node(cluster), "--ignore-not-found", "--wait=false"
             )
 
 

@@ -62,48 +62,60 @@ def pins_running(lower: LocalCluster, count: int) -> bool:
 
 @pytest.fixture(scope="module")
 def fragmented(federation: Federation) -> Iterator[Federation]:
-    for cluster, taken in TAKEN.items():
-        lower = federation.clusters[cluster]
-        assert isinstance(lower, LocalCluster)
-        lower.add_nodes(
-            NodeSpec(
-                name=frag_node(cluster, suffix),
-                cpu="8",
-                memory="32Gi",
-                pods=110,
-                # The region every node of the cluster has, so the virtual node keeps it.
-                labels={
-                    **POOL,
-                    "topology.kubernetes.io/region": cluster,
-                    **({"kubestrata.io/e2e-disk": "ssd"} if cluster == "lower-2" else {}),
-                },
-                taints=(POOL_TAINT,),
+    # Cleaned up even when the set-up fails half way: later modules count the nodes.
+    try:
+        for cluster, taken in TAKEN.items():
+            lower = federation.clusters[cluster]
+            assert isinstance(lower, LocalCluster)
+            lower.add_nodes(
+                NodeSpec(
+                    name=frag_node(cluster, suffix),
+                    cpu="8",
+                    memory="32Gi",
+                    pods=110,
+                    # The region every node of the cluster has, so the virtual node keeps it.
+                    labels={
+                        **POOL,
+                        "topology.kubernetes.io/region": cluster,
+                        **({"kubestrata.io/e2e-disk": "ssd"} if cluster == "lower-2" else {}),
+                    },
+                    taints=(POOL_TAINT,),
+                )
+                for suffix in taken
             )
-            for suffix in taken
-        )
-        apply(
-            lower,
-            *(
-                foreign_pod(f"pin-{suffix}", frag_node(cluster, suffix), cpu)
-                for suffix, cpu in taken.items()
-            ),
-        )
-        wait_for(partial(pins_running, lower, len(taken)), f"the pinned pods of {cluster} Running")
-    apply(federation.upper, federated_namespace(NAMESPACE))
-    yield federation
-    federation.upper.kubectl("delete", "namespace", NAMESPACE, "--wait=false")
-    for cluster, taken in TAKEN.items():
-        lower = federation.clusters[cluster]
-        lower.kubectl(
-            "delete",
-            "pod",
-            "-n",
-            "default",
-            *(f"pin-{s}" for s in taken),
-            "--force",
-            "--wait=false",
-        )
-        lower.kubectl("delete", "node", *(frag_node(cluster, s) for s in taken), "--wait=false")
+            apply(
+                lower,
+                *(
+                    foreign_pod(f"pin-{suffix}", frag_node(cluster, suffix), cpu)
+                    for suffix, cpu in taken.items()
+                ),
+            )
+            wait_for(
+                partial(pins_running, lower, len(taken)), f"the pinned pods of {cluster} Running"
+            )
+        apply(federation.upper, federated_namespace(NAMESPACE))
+        yield federation
+    finally:
+        federation.upper.kubectl("delete", "namespace", NAMESPACE, "--wait=false")
+        for cluster, taken in TAKEN.items():
+            lower = federation.clusters[cluster]
+            lower.kubectl(
+                "delete",
+                "pod",
+                "-n",
+                "default",
+                *(f"pin-{s}" for s in taken),
+                "--force",
+                "--ignore-not-found",
+                "--wait=false",
+            )
+            lower.kubectl(
+                "delete",
+                "node",
+                *(frag_node(cluster, s) for s in taken),
+                "--ignore-not-found",
+                "--wait=false",
+            )
 
 
 def frag_pod(

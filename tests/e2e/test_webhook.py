@@ -28,7 +28,7 @@ def ssd_node(federation: Federation) -> Iterator[str]:
     """One node of lower-1 labelled disk=ssd (the virtual node does not carry it: the
     other lower node lacks it)."""
     lower = federation.clusters["lower-1"]
-    name = str(get_json(lower, "nodes")["items"][1]["metadata"]["name"])
+    name = f"{lower.name}-node-1"
     lower.kubectl("label", "node", name, "disk=ssd")
     yield name
     lower.kubectl("label", "node", name, "disk-")
