@@ -141,12 +141,19 @@ class KubectlClient:
     def name(self) -> str:
         raise NotImplementedError
 
+    def kubectl_argv(self, *args: str) -> list[str]:
+        return [str(self.toolchain.kubectl), f"--kubeconfig={self.kubeconfig}", *args]
+
+    def kubectl_process(self, *args: str, **popen: Any) -> subprocess.Popen[Any]:
+        """The stock kubectl against this cluster, running on while the caller acts."""
+        return subprocess.Popen(self.kubectl_argv(*args), **popen)
+
     def kubectl(
         self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120.0
     ) -> subprocess.CompletedProcess[str]:
         """Runs the stock kubectl against this cluster."""
         result = subprocess.run(
-            [str(self.toolchain.kubectl), f"--kubeconfig={self.kubeconfig}", *args],
+            self.kubectl_argv(*args),
             input=input,
             capture_output=True,
             text=True,

@@ -296,7 +296,7 @@ class LowerCluster:
         # Gone once the lower informer reports the delete, which wakes this key again.
         return False
 
-    async def remove_orphan(self, upper_key: str) -> None:
+    async def remove_orphan(self, upper_key: str, grace_period_seconds: int | None) -> None:
         try:
             lower_key = self.lower_key(upper_key)
         except NamingError:
@@ -308,7 +308,7 @@ class LowerCluster:
             and not lower["metadata"].get("deletionTimestamp")
         ):
             log.info("removing orphan lower pod %s", lower_key)
-            await self.client.delete_exact(PODS, lower, grace_period_seconds=None)
+            await self.client.delete_exact(PODS, lower, grace_period_seconds=grace_period_seconds)
 
     def orphan_keys(self, upper_keys: set[str]) -> list[str]:
         """Upper keys of our lower pods whose upper pod does not exist."""

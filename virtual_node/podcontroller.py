@@ -72,7 +72,10 @@ class PodBackend(Protocol):
         """Starts or continues deleting the lower pod; True once it is gone."""
         ...
 
-    async def remove_orphan(self, upper_key: str) -> None: ...
+    async def remove_orphan(self, upper_key: str, grace_period_seconds: int | None) -> None:
+        """Deletes our lower pod whose upper pod is gone, with the grace the upper pod was
+        deleted with (None when unknown: the lower pod's own)."""
+        ...
 
 
 class PodController:
@@ -89,7 +92,22 @@ class PodController:
         self.backend = backend
         self.node_name = node_name
         self.queue = queue
-        pods.add_handler(FunctionHandler.on_any(lambda pod: queue.add(object_key(pod))))
+        # The grace of upper pods deleted before their lower pods went, by key: a force
+        # delete (grace 0) leaves no upper pod to read it from at reconcile time.
+        self._deleted_grace: dict[str, int] = {}
+        pods.add_handler(
+            FunctionHandler(add=self._changed, update=self._changed, delete=self._deleted)
+        )
+
+    def _changed(self, pod: JSON) -> None:
+        self.queue.add(object_key(pod))
+
+    def _deleted(self, pod: JSON) -> None:
+        key = object_key(pod)
+        grace = pod["metadata"].get("deletionGracePeriodSeconds")
+        if grace is not None:
+            self._deleted_grace[key] = grace
+        self.queue.add(key)
 
     async def run(self, workers: int) -> None:
         await self.queue.run_workers(workers, self.reconcile)
@@ -97,8 +115,10 @@ class PodController:
     async def reconcile(self, key: str) -> None:
         upper = self.pods.get(key)
         if upper is None:
-            await self.backend.remove_orphan(key)
+            await self.backend.remove_orphan(key, self._deleted_grace.get(key))
+            self._deleted_grace.pop(key, None)
             return
+        self._deleted_grace.pop(key, None)
         if upper["metadata"].get("deletionTimestamp"):
             if await self.backend.delete(upper):
                 await self.upper.delete_exact(PODS, upper, grace_period_seconds=0)

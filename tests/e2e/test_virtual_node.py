@@ -3,6 +3,8 @@ ways, conflicts, drain and faults, all through the stock kubectl against real cl
 
 from __future__ import annotations
 
+import json
+import subprocess
 from functools import partial
 from typing import Any
 
@@ -206,6 +208,86 @@ def test_lower_pod_deleted_behind_our_back_is_replaced(federation: Federation) -
     assert any(e["reason"] == "LowerPodDeleted" for e in events["items"])
     assert second in pods_by_name(lower, "lost", "app=victim")
     upper.kubectl("delete", "namespace", "lost", "--wait=false")
+
+
+HOLD = "kubestrata.io/e2e-hold"
+
+
+def deletion_graces(watch_output: str) -> dict[str, int | None]:
+    """The grace of each pod's first event marked for deletion, from ``kubectl get -w -o
+    json``: kwok deletes again with grace 0 right after, so only the first is ours."""
+    decoder = json.JSONDecoder()
+    graces: dict[str, int | None] = {}
+    position = 0
+    while position < len(watch_output):
+        if watch_output[position].isspace():
+            position += 1
+            continue
+        event, position = decoder.raw_decode(watch_output, position)
+        metadata = event["object"]["metadata"] if "object" in event else event["metadata"]
+        if metadata.get("deletionTimestamp") and metadata["name"] not in graces:
+            graces[metadata["name"]] = metadata.get("deletionGracePeriodSeconds")
+    return graces
+
+
+def test_force_deleted_upper_pods_are_force_deleted_below(federation: Federation) -> None:
+    upper, lower = federation.upper, federation.clusters["lower-2"]
+    assert isinstance(lower, LocalCluster)
+    names = [f"forced-{n}" for n in range(8)]
+    apply(upper, namespace("forced"), *(bound_pod(n, "forced", "vk-lower-2") for n in names))
+    wait_for(
+        lambda: (
+            sum(
+                p["status"].get("phase") == "Running"
+                for p in get_json(lower, "pods", "-n", "forced")["items"]
+            )
+            == len(names)
+        ),
+        "the eight lower pods Running",
+    )
+
+    def set_finalizers(finalizers: list[str] | None) -> None:
+        for name in names:
+            lower.kubectl(
+                "patch",
+                "pod",
+                name,
+                "-n",
+                "forced",
+                "--type=merge",
+                "-p",
+                json.dumps({"metadata": {"finalizers": finalizers}}),
+                check=finalizers is not None,
+            )
+
+    # The finalizer keeps each lower pod, marked, to be read.
+    set_finalizers([HOLD])
+    watch = lower.kubectl_process(
+        "get",
+        "pods",
+        "-n",
+        "forced",
+        "--watch-only",
+        "-o",
+        "json",
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        upper.kubectl("delete", "pods", "--all", "-n", "forced", "--force", "--grace-period=0")
+        wait_for(
+            lambda: all(
+                p["metadata"].get("deletionTimestamp")
+                for p in get_json(lower, "pods", "-n", "forced")["items"]
+            ),
+            "every lower pod marked for deletion",
+        )
+    finally:
+        watch.terminate()
+        output, _ = watch.communicate(timeout=10)
+        set_finalizers(None)
+        upper.kubectl("delete", "namespace", "forced", "--wait=false")
+    assert deletion_graces(output) == dict.fromkeys(names, 0)
 
 
 def test_name_taken_below_by_someone_else_fails_the_pod_and_leaves_theirs(
