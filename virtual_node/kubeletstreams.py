@@ -265,11 +265,13 @@ class LowerKubelet:
             await self._metrics("pods"), self._mirrored_by_lower_key(), self._cpu_counters
         )
 
-    def _mirrored_by_lower_key(self) -> dict[str, tuple[str, str]]:
-        """lower namespace/name → upper (namespace, name) of the pods we mirror."""
+    def _mirrored_by_lower_key(self) -> dict[str, metrics.UpperPod]:
+        """lower namespace/name → the upper pod, of the pods we mirror."""
         mirrored = {}
         for pod in self.upper_pods.items():
             metadata = pod["metadata"]
             lower_key = f"{self.mapping.lower(metadata['namespace'])}/{metadata['name']}"
-            mirrored[lower_key] = (metadata["namespace"], metadata["name"])
+            mirrored[lower_key] = metrics.UpperPod(
+                metadata["namespace"], metadata["name"], metadata.get("uid", "")
+            )
         return mirrored

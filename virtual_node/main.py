@@ -126,7 +126,11 @@ def parse_args(argv: Sequence[str]) -> VirtualNodeConfig:
         const=False,
         help="do not taint the Node with virtual-kubelet.io/provider",
     )
-    parser.add_argument("--address", help="address the upper apiserver reaches the kubelet API at")
+    parser.add_argument(
+        "--address",
+        help="address the upper apiserver reaches the kubelet API at (default 127.0.0.1; "
+        "the apiserver proxies nodes/proxy to no loopback address: set the pod's IP)",
+    )
     parser.add_argument("--kubelet-port", type=int)
     parser.add_argument(
         "--estimator-port", type=int, help="fit estimator's gRPC port (default 10352; 0: none)"

@@ -64,14 +64,6 @@ def lower(federation: Federation) -> LocalCluster:
     return cluster
 
 
-def kubectl_process(federation: Federation, *args: str, **popen: Any) -> subprocess.Popen[Any]:
-    """The stock kubectl against the upper cluster, running on while the test acts."""
-    return subprocess.Popen(
-        [str(federation.toolchain.kubectl), f"--kubeconfig={federation.upper.kubeconfig}", *args],
-        **popen,
-    )
-
-
 def logs(federation: Federation, *args: str) -> str:
     return federation.upper.kubectl("logs", "-n", NS, POD, *args).stdout
 
@@ -96,8 +88,7 @@ def test_logs_with_tail_timestamps_limit_and_since(federation: Federation, pod: 
 
 
 def test_logs_follow_sees_lines_written_after_it_started(federation: Federation, pod: str) -> None:
-    follower = kubectl_process(
-        federation,
+    follower = federation.upper.kubectl_process(
         "logs",
         "-f",
         "--tail=0",
@@ -147,8 +138,7 @@ def test_exec_stdout_stderr_stdin_and_exit_code(federation: Federation, pod: str
 
 def test_exec_with_a_terminal(federation: Federation, pod: str) -> None:
     controller, terminal = pty.openpty()
-    process = kubectl_process(
-        federation,
+    process = federation.upper.kubectl_process(
         "exec",
         "-it",
         "-n",
@@ -216,8 +206,7 @@ def test_cp_of_a_multi_megabyte_file_into_the_pod(
 
 
 def test_attach_streams_the_container_output(federation: Federation, pod: str) -> None:
-    attach = kubectl_process(
-        federation,
+    attach = federation.upper.kubectl_process(
         "attach",
         "-n",
         NS,
@@ -271,8 +260,7 @@ class UppercaseServer:
 
 def test_port_forward_carries_data_both_ways(federation: Federation, pod: str) -> None:
     server = UppercaseServer(lower(federation).ports.pod_ports)
-    forward = kubectl_process(
-        federation,
+    forward = federation.upper.kubectl_process(
         "port-forward",
         "-n",
         NS,
@@ -348,6 +336,25 @@ def test_unauthenticated_and_unauthorized_callers_are_refused(
     assert f"{NS}/{POD}" in {
         f"{p['metadata']['namespace']}/{p['metadata']['name']}" for p in pods["items"]
     }
+
+
+def test_running_pods_lists_the_pod_as_a_kubelet_does(federation: Federation, pod: str) -> None:
+    status, listed = call_kubelet(
+        kubelet_url(federation, "/runningpods/"), cert=federation.upper.admin_cert
+    )
+    assert status == 200 and listed["kind"] == "PodList"
+    above = get_json(federation.upper, "pod", "-n", NS, POD)
+    (entry,) = [
+        p
+        for p in listed["items"]
+        if (p["metadata"]["namespace"], p["metadata"]["name"]) == (NS, POD)
+    ]
+    assert entry["metadata"]["uid"] == above["metadata"]["uid"]
+    assert entry["spec"]["containers"] == [
+        {"name": c["name"], "image": c["image"], "resources": {}}
+        for c in above["status"]["containerStatuses"]
+        if "running" in c["state"]
+    ]
 
 
 def test_bad_requests_get_clear_statuses(federation: Federation, pod: str) -> None:

@@ -21,6 +21,7 @@ from virtual_node.kubeletapi.auth import User, node_attributes, user_from_certif
 from virtual_node.kubeletapi.certificates import SIGNER, USAGES, approvable, signing_request
 from virtual_node.kubeletapi.metrics import (
     CpuCounters,
+    UpperPod,
     mirrored_pod_metrics,
     prometheus_text,
     summary,
@@ -31,6 +32,7 @@ from virtual_node.kubeletapi.server import (
     parse_exec_options,
     parse_log_options,
     parse_ports,
+    running_pods,
     status_response,
 )
 from virtual_node.kubeletstreams import exec_status
@@ -223,10 +225,55 @@ def test_status_response_is_a_kubernetes_status() -> None:
         ("GET", "/statsfoo", ("get", "proxy")),
         ("GET", "/metricsx/resource", ("get", "proxy")),
         ("GET", "/logsy", ("get", "proxy")),
+        ("GET", "/runningpods/", ("get", "proxy")),
     ],
 )
 def test_node_attributes(method: str, path: str, expected: tuple[str, str]) -> None:
     assert node_attributes(method, path) == expected
+
+
+def container_status(name: str, state: str) -> dict[str, Any]:
+    return {"name": name, "image": f"img-{name}", "state": {state: {}}}
+
+
+def test_running_pods_lists_running_containers_of_pods_that_have_one() -> None:
+    pods: list[dict[str, Any]] = [
+        {
+            "metadata": {"name": "web", "namespace": "shop", "uid": "u1", "labels": {"a": "b"}},
+            "spec": {"containers": [{"name": "app"}, {"name": "side"}]},
+            "status": {
+                "phase": "Running",
+                "initContainerStatuses": [container_status("init", "terminated")],
+                "containerStatuses": [
+                    container_status("app", "running"),
+                    container_status("side", "waiting"),
+                ],
+                "ephemeralContainerStatuses": [container_status("debugger", "running")],
+            },
+        },
+        {
+            "metadata": {"name": "done", "namespace": "shop", "uid": "u2"},
+            "status": {"containerStatuses": [container_status("app", "terminated")]},
+        },
+        {"metadata": {"name": "new", "namespace": "shop", "uid": "u3"}, "status": {}},
+    ]
+    assert running_pods(pods) == [
+        {
+            "metadata": {
+                "name": "web",
+                "namespace": "shop",
+                "uid": "u1",
+                "creationTimestamp": None,
+            },
+            "spec": {
+                "containers": [
+                    {"name": "app", "image": "img-app", "resources": {}},
+                    {"name": "debugger", "image": "img-debugger", "resources": {}},
+                ]
+            },
+            "status": {},
+        }
+    ]
 
 
 def test_user_from_certificate_names_and_groups() -> None:
@@ -269,16 +316,15 @@ LOWER_METRICS: list[dict[str, Any]] = [
         "containers": [{"name": "main", "usage": {"cpu": "1", "memory": "1Gi"}}],
     },
 ]
-MIRRORED = {"lower-default/p": ("default", "p"), "lower-team/q": ("team", "q")}
+P = UpperPod("default", "p", "uid-p")
+Q = UpperPod("team", "q", "uid-q")
+MIRRORED = {"lower-default/p": P, "lower-team/q": Q}
 
 
 def test_mirrored_pod_metrics_maps_lower_keys_to_upper_pods() -> None:
     found = mirrored_pod_metrics(LOWER_METRICS, MIRRORED)
-    assert [(ns, name, item["metadata"]["name"]) for ns, name, item in found] == [
-        ("default", "p", "p"),
-        ("team", "q", "q"),
-    ]
-    assert mirrored_pod_metrics(LOWER_METRICS, {"default/p": ("default", "p")}) == []
+    assert [(upper, item["metadata"]["name"]) for upper, item in found] == [(P, "p"), (Q, "q")]
+    assert mirrored_pod_metrics(LOWER_METRICS, {"default/p": P}) == []
 
 
 def test_summary_sums_containers_into_pods_and_mirrored_pods_into_the_node() -> None:
@@ -289,8 +335,12 @@ def test_summary_sums_containers_into_pods_and_mirrored_pods_into_the_node() -> 
         "cpu": {"time": stamp, "usageNanoCores": 1_375_000_000},
         "memory": {"time": stamp, "workingSetBytes": 64 * 2**20 + 1024 + 2**30},
     }
+    # As a kubelet writes it: consumers match pods on the uid.
+    assert [p["podRef"] for p in result["pods"]] == [
+        {"name": "p", "namespace": "default", "uid": "uid-p"},
+        {"name": "q", "namespace": "team", "uid": "uid-q"},
+    ]
     pods = {(p["podRef"]["namespace"], p["podRef"]["name"]): p for p in result["pods"]}
-    assert set(pods) == {("default", "p"), ("team", "q")}
     p = pods["default", "p"]
     assert p["cpu"] == {"time": stamp, "usageNanoCores": 375_000_000}
     assert p["memory"] == {"time": stamp, "workingSetBytes": 64 * 2**20 + 1024}
@@ -327,11 +377,11 @@ def test_summary_nanocores_are_exact(cpu: str, nanocores: int) -> None:
 
 
 def _samples(text: str) -> dict[str, float]:
-    """'name{labels}' → value of each sample line (the timestamp dropped)."""
+    """'name{labels}' → value of each sample line (a timestamp dropped)."""
     found = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
-            series, value, _stamp = line.rsplit(" ", 2)
+            series, value, *_stamp = line.split(" ")
             found[series] = float(value)
     return found
 
@@ -339,6 +389,7 @@ def _samples(text: str) -> dict[str, float]:
 APP = 'container_cpu_usage_seconds_total{container="app",namespace="default",pod="p"}'
 MAIN = 'container_cpu_usage_seconds_total{container="main",namespace="team",pod="q"}'
 NODE = "node_cpu_usage_seconds_total"
+POD_Q = 'pod_cpu_usage_seconds_total{namespace="team",pod="q"}'
 
 
 def test_prometheus_text_families_have_help_and_type() -> None:
@@ -349,9 +400,14 @@ def test_prometheus_text_families_have_help_and_type() -> None:
         ("container_memory_working_set_bytes", "gauge"),
         ("node_cpu_usage_seconds_total", "counter"),
         ("node_memory_working_set_bytes", "gauge"),
+        ("pod_cpu_usage_seconds_total", "counter"),
+        ("pod_memory_working_set_bytes", "gauge"),
+        ("resource_scrape_error", "gauge"),
     ):
         lines = text.splitlines()
-        help_at = next(i for i, line in enumerate(lines) if line.startswith(f"# HELP {family} "))
+        help_at = next(
+            i for i, line in enumerate(lines) if line.startswith(f"# HELP {family} [STABLE] ")
+        )
         assert lines[help_at + 1] == f"# TYPE {family} {kind}"
         assert lines[help_at + 2].startswith(family)
     samples = _samples(text)
@@ -359,6 +415,12 @@ def test_prometheus_text_families_have_help_and_type() -> None:
     memory = 'container_memory_working_set_bytes{container="app",namespace="default",pod="p"}'
     assert samples[memory] == 64 * 2**20
     assert samples["node_memory_working_set_bytes"] == 64 * 2**20 + 1024 + 2**30
+    assert samples['pod_memory_working_set_bytes{namespace="default",pod="p"}'] == 64 * 2**20 + 1024
+    assert samples['pod_memory_working_set_bytes{namespace="team",pod="q"}'] == 2**30
+    assert samples["resource_scrape_error"] == 0
+    # Families in name order, as the kubelet's registry writes them.
+    families = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+    assert families == sorted(families)
     assert not any("intruder" in line for line in text.splitlines())
     assert re.search(r"^node_cpu_usage_seconds_total 0\.000000000 1000000$", text, re.M)
 
@@ -371,7 +433,10 @@ def test_prometheus_labels_are_escaped() -> None:
     text = prometheus_text([item], MIRRORED, CpuCounters(), now=1.0)
     assert 'container="a\\"b\\\\c\\nd",namespace="default",pod="p"' in text
     # The newline inside the name did not split a sample line.
-    assert all(line.startswith(("#", "container_", "node_")) for line in text.splitlines())
+    assert all(
+        line.startswith(("#", "container_", "node_", "pod_", "resource_"))
+        for line in text.splitlines()
+    )
 
 
 def test_cpu_counters_integrate_the_rate_monotonically() -> None:
@@ -388,17 +453,19 @@ def test_cpu_counters_integrate_the_rate_monotonically() -> None:
     assert (first[APP], second[APP], third[APP]) == pytest.approx((0.0, 2.5, 3.0))
     assert (first[MAIN], second[MAIN], third[MAIN]) == pytest.approx((0.0, 10.0, 16.0))
     assert (first[NODE], second[NODE], third[NODE]) == pytest.approx((0.0, 13.75, 13.75 + 6.75))
+    assert (first[POD_Q], second[POD_Q], third[POD_Q]) == pytest.approx((0.0, 10.0, 16.0))
 
 
 def test_cpu_counters_forget_pods_that_are_gone() -> None:
     counters = CpuCounters()
     prometheus_text(LOWER_METRICS, MIRRORED, counters, now=1000.0)
     prometheus_text(LOWER_METRICS, MIRRORED, counters, now=1010.0)
-    only_q = {"lower-team/q": ("team", "q")}
+    only_q = {"lower-team/q": Q}
     later = _samples(prometheus_text(LOWER_METRICS, only_q, counters, now=1020.0))
     assert APP not in later and MAIN in later
     # p's counter was dropped: were it kept, 20 s at 0.25 cores would show up as 5.0.
     assert counters.advance("default/p/app", 0.25, 1030.0) == 0.0
+    assert counters.advance("default/p", 0.375, 1030.0) == 0.0
     assert counters.advance("team/q/main", 1.0, 1030.0) == pytest.approx(30.0)
     # The node's counter survives the pod going away.
     assert later[NODE] == pytest.approx(13.75 + 10.0)

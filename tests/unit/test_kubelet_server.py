@@ -47,6 +47,15 @@ POD: JSON = {
         "initContainers": [{"name": "setup"}],
         "containers": [{"name": "app"}, {"name": "broken"}],
     },
+    "status": {
+        "initContainerStatuses": [
+            {"name": "setup", "image": "busybox", "state": {"terminated": {"exitCode": 0}}}
+        ],
+        "containerStatuses": [
+            {"name": "app", "image": "pause:3.10", "state": {"running": {}}},
+            {"name": "broken", "image": "pause:3.10", "state": {"waiting": {}}},
+        ],
+    },
 }
 LOG_CHUNKS = (b"line one\n", b"line two\n", b"line three\n")
 AUTH = {"Authorization": "Bearer alice"}
@@ -253,6 +262,33 @@ async def test_pods_healthz_and_metrics(kubelet: Kubelet) -> None:
     }
     healthz = await kubelet.client.get("/healthz", headers=AUTH)
     assert await healthz.text() == "ok"
+    for path in ("/runningpods/", "/runningpods"):
+        running = await kubelet.client.get(path, headers=AUTH)
+        assert running.status == 200
+        assert await running.json() == {
+            "kind": "PodList",
+            "apiVersion": "v1",
+            "metadata": {},
+            "items": [
+                {
+                    "metadata": {
+                        "name": "p",
+                        "namespace": "default",
+                        "uid": "0b1c",
+                        "creationTimestamp": None,
+                    },
+                    "spec": {
+                        "containers": [{"name": "app", "image": "pause:3.10", "resources": {}}]
+                    },
+                    "status": {},
+                }
+            ],
+        }
+    # The kubelet's authorizer calls it nodes/proxy: a reader of stats may not.
+    denied = await kubelet.client.get(
+        "/runningpods/", headers={"Authorization": "Bearer stats-reader"}
+    )
+    assert denied.status == 403
     metrics = await kubelet.client.get("/metrics/resource", headers=AUTH)
     assert metrics.content_type == "text/plain"
     assert "node_cpu_usage_seconds_total 1 2" in await metrics.text()

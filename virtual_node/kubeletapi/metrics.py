@@ -10,11 +10,19 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from fractions import Fraction
-from typing import Any
+from typing import Any, NamedTuple
 
 from kubekit.quantity import parse_quantity
 
 JSON = dict[str, Any]
+
+
+class UpperPod(NamedTuple):
+    """The upper pod a lower pod's metrics are reported as."""
+
+    namespace: str
+    name: str
+    uid: str
 
 
 def _cores(usage: Mapping[str, Any]) -> Fraction:
@@ -49,28 +57,28 @@ class CpuCounters:
 
 
 def mirrored_pod_metrics(
-    pod_metrics: Iterable[JSON], mirrored: Mapping[str, tuple[str, str]]
-) -> list[tuple[str, str, JSON]]:
-    """(upper namespace, upper name, PodMetrics) of the lower pods we mirror."""
+    pod_metrics: Iterable[JSON], mirrored: Mapping[str, UpperPod]
+) -> list[tuple[UpperPod, JSON]]:
+    """(upper pod, PodMetrics) of the lower pods we mirror."""
     found = []
     for item in pod_metrics:
         metadata = item.get("metadata") or {}
         upper = mirrored.get(f"{metadata.get('namespace')}/{metadata.get('name')}")
         if upper is not None:
-            found.append((upper[0], upper[1], item))
+            found.append((upper, item))
     return found
 
 
 def summary(
     node_name: str,
     pod_metrics: Iterable[JSON],
-    mirrored: Mapping[str, tuple[str, str]],
+    mirrored: Mapping[str, UpperPod],
     timestamp: str,
 ) -> JSON:
     """A kubelet Summary: the node is what our mirrored pods use."""
     pods = []
     node_cores, node_memory = Fraction(0), 0
-    for namespace, name, item in mirrored_pod_metrics(pod_metrics, mirrored):
+    for upper, item in mirrored_pod_metrics(pod_metrics, mirrored):
         containers = []
         pod_cores, pod_memory = Fraction(0), 0
         for container in item.get("containers") or []:
@@ -89,7 +97,7 @@ def summary(
         node_memory += pod_memory
         pods.append(
             {
-                "podRef": {"name": name, "namespace": namespace},
+                "podRef": {"name": upper.name, "namespace": upper.namespace, "uid": upper.uid},
                 "containers": containers,
                 "cpu": {"time": timestamp, "usageNanoCores": _nanocores(pod_cores)},
                 "memory": {"time": timestamp, "workingSetBytes": pod_memory},
@@ -109,51 +117,93 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+def _family(name: str, kind: str, help_text: str, samples: list[str]) -> list[str]:
+    return [f"# HELP {name} [STABLE] {help_text}", f"# TYPE {name} {kind}", *samples]
+
+
 def prometheus_text(
     pod_metrics: Iterable[JSON],
-    mirrored: Mapping[str, tuple[str, str]],
+    mirrored: Mapping[str, UpperPod],
     counters: CpuCounters,
     now: float | None = None,
 ) -> str:
-    """The kubelet's /metrics/resource families for the node and our mirrored pods."""
+    """The kubelet's /metrics/resource families for the node and our mirrored pods, as a
+    v1.35 kubelet writes them: families sorted by name, labels sorted by name."""
     now = time.time() if now is None else now
     stamp = int(now * 1000)
     node_cores, node_memory = Fraction(0), 0
-    cpu_lines, memory_lines = [], []
+    container_cpu, container_memory, pod_cpu, pod_memory = [], [], [], []
     keys = []
-    for namespace, name, item in mirrored_pod_metrics(pod_metrics, mirrored):
+    for upper, item in mirrored_pod_metrics(pod_metrics, mirrored):
+        pod_labels = f'namespace="{_label(upper.namespace)}",pod="{_label(upper.name)}"'
+        pod_cores, pod_bytes = Fraction(0), 0
         for container in item.get("containers") or []:
             usage = container.get("usage") or {}
             cores, memory = _cores(usage), _bytes(usage)
-            node_cores += cores
-            node_memory += memory
-            key = f"{namespace}/{name}/{container.get('name', '')}"
+            pod_cores += cores
+            pod_bytes += memory
+            key = f"{upper.namespace}/{upper.name}/{container.get('name', '')}"
             keys.append(key)
-            labels = (
-                f'container="{_label(container.get("name", ""))}",'
-                f'namespace="{_label(namespace)}",pod="{_label(name)}"'
-            )
+            labels = f'container="{_label(container.get("name", ""))}",{pod_labels}'
             total = counters.advance(key, float(cores), now)
-            cpu_lines.append(f"container_cpu_usage_seconds_total{{{labels}}} {total:.9f} {stamp}")
-            memory_lines.append(f"container_memory_working_set_bytes{{{labels}}} {memory} {stamp}")
+            container_cpu.append(
+                f"container_cpu_usage_seconds_total{{{labels}}} {total:.9f} {stamp}"
+            )
+            container_memory.append(
+                f"container_memory_working_set_bytes{{{labels}}} {memory} {stamp}"
+            )
+        key = f"{upper.namespace}/{upper.name}"
+        keys.append(key)
+        pod_total = counters.advance(key, float(pod_cores), now)
+        pod_cpu.append(f"pod_cpu_usage_seconds_total{{{pod_labels}}} {pod_total:.9f} {stamp}")
+        pod_memory.append(f"pod_memory_working_set_bytes{{{pod_labels}}} {pod_bytes} {stamp}")
+        node_cores += pod_cores
+        node_memory += pod_bytes
     keys.append("")
     node_total = counters.advance("", float(node_cores), now)
     counters.forget_except(keys)
     lines = [
-        "# HELP container_cpu_usage_seconds_total [STABLE] Cumulative cpu time consumed by "
-        "the container in core-seconds",
-        "# TYPE container_cpu_usage_seconds_total counter",
-        *cpu_lines,
-        "# HELP container_memory_working_set_bytes [STABLE] Current working set of the "
-        "container in bytes",
-        "# TYPE container_memory_working_set_bytes gauge",
-        *memory_lines,
-        "# HELP node_cpu_usage_seconds_total [STABLE] Cumulative cpu time consumed by the "
-        "node in core-seconds",
-        "# TYPE node_cpu_usage_seconds_total counter",
-        f"node_cpu_usage_seconds_total {node_total:.9f} {stamp}",
-        "# HELP node_memory_working_set_bytes [STABLE] Current working set of the node in bytes",
-        "# TYPE node_memory_working_set_bytes gauge",
-        f"node_memory_working_set_bytes {node_memory} {stamp}",
+        *_family(
+            "container_cpu_usage_seconds_total",
+            "counter",
+            "Cumulative cpu time consumed by the container in core-seconds",
+            container_cpu,
+        ),
+        *_family(
+            "container_memory_working_set_bytes",
+            "gauge",
+            "Current working set of the container in bytes",
+            container_memory,
+        ),
+        *_family(
+            "node_cpu_usage_seconds_total",
+            "counter",
+            "Cumulative cpu time consumed by the node in core-seconds",
+            [f"node_cpu_usage_seconds_total {node_total:.9f} {stamp}"],
+        ),
+        *_family(
+            "node_memory_working_set_bytes",
+            "gauge",
+            "Current working set of the node in bytes",
+            [f"node_memory_working_set_bytes {node_memory} {stamp}"],
+        ),
+        *_family(
+            "pod_cpu_usage_seconds_total",
+            "counter",
+            "Cumulative cpu time consumed by the pod in core-seconds",
+            pod_cpu,
+        ),
+        *_family(
+            "pod_memory_working_set_bytes",
+            "gauge",
+            "Current working set of the pod in bytes",
+            pod_memory,
+        ),
+        *_family(
+            "resource_scrape_error",
+            "gauge",
+            "1 if there was an error while getting container metrics, 0 otherwise",
+            ["resource_scrape_error 0"],
+        ),
     ]
     return "\n".join(lines) + "\n"

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
 from aiohttp import WSMsgType, web
@@ -16,6 +16,7 @@ from aiohttp import WSMsgType, web
 from virtual_node.kubeletapi import channels
 from virtual_node.kubeletapi.auth import AuthError, Authorizer
 from virtual_node.kubeletapi.provider import (
+    JSON,
     ExecOptions,
     KubeletProvider,
     LogOptions,
@@ -51,6 +52,43 @@ _REASONS = {
 
 class BadParameter(ValueError):
     pass
+
+
+def running_pods(pods: Iterable[Mapping[str, Any]]) -> list[JSON]:
+    """The pods with a running container, as the kubelet's /runningpods/ lists them from
+    its container runtime: name, namespace, uid and the running containers' names and
+    images, nothing else."""
+    listed = []
+    for pod in pods:
+        status = pod.get("status") or {}
+        containers = [
+            {"name": c.get("name", ""), "image": c.get("image", ""), "resources": {}}
+            for key in ("initContainerStatuses", "containerStatuses", "ephemeralContainerStatuses")
+            for c in status.get(key) or []
+            if "running" in (c.get("state") or {})
+        ]
+        if not containers:
+            continue
+        metadata = pod["metadata"]
+        listed.append(
+            {
+                "metadata": {
+                    "name": metadata["name"],
+                    "namespace": metadata["namespace"],
+                    "uid": metadata.get("uid", ""),
+                    "creationTimestamp": None,
+                },
+                "spec": {"containers": containers},
+                "status": {},
+            }
+        )
+    return listed
+
+
+def pod_list(items: list[JSON]) -> web.Response:
+    return web.json_response(
+        {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": items}
+    )
 
 
 def status_response(code: int, message: str) -> web.Response:
@@ -155,6 +193,8 @@ class KubeletServer:
         app = web.Application(middlewares=[self._authenticate])
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/pods", self._pods)
+        for path in ("/runningpods/", "/runningpods"):
+            app.router.add_get(path, self._running_pods)
         app.router.add_get("/containerLogs/{namespace}/{pod}/{container}", self._logs)
         for verb in ("exec", "attach"):
             for method in ("GET", "POST"):
@@ -190,9 +230,10 @@ class KubeletServer:
         return web.Response(text="ok")
 
     async def _pods(self, _request: web.Request) -> web.Response:
-        return web.json_response(
-            {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": self.provider.pods()}
-        )
+        return pod_list(self.provider.pods())
+
+    async def _running_pods(self, _request: web.Request) -> web.Response:
+        return pod_list(running_pods(self.provider.pods()))
 
     def _pod(self, request: web.Request, container: str | None = None) -> Mapping[str, Any]:
         namespace, name = request.match_info["namespace"], request.match_info["pod"]
