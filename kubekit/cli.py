@@ -93,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="leave pods stuck in a lower cluster where they are",
     )
     up.add_argument(
+        "--metrics-server",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run a metrics-server in every local cluster, for kubectl top (default: on)",
+    )
+    up.add_argument(
         "--detach",
         action="store_true",
         help="return once ready and leave the federation running (stop: kubestrata down)",
@@ -115,6 +121,7 @@ def _up(args: argparse.Namespace) -> int:
         node_memory=args.node_memory,
         node_pods=args.node_pods,
         k3s=args.k3s,
+        metrics_server=args.metrics_server,
     )
     federation = Federation(
         args.state_dir, spec.clusters(), Toolchain.locate(), die_with_parent=not args.detach

@@ -50,13 +50,14 @@ class FederationSpec:
     node_memory: str = "64Gi"
     node_pods: int = 110
     k3s: bool = False  # lower clusters as K3s containers (needs a Docker engine)
+    metrics_server: bool = False  # one per local cluster, for `kubectl top`
 
     def clusters(self) -> list[ClusterSpec]:
         if self.lower < 1:
             raise ValueError(f"a federation needs at least one lower cluster, not {self.lower}")
         if self.nodes_per_lower < 0:
             raise ValueError(f"nodes per lower cluster must be >= 0, not {self.nodes_per_lower}")
-        specs = [ClusterSpec(UPPER, "upper")]
+        specs = [ClusterSpec(UPPER, "upper", metrics_server=self.metrics_server)]
         for index in range(1, self.lower + 1):
             name = f"lower-{index}"
             nodes = tuple(
@@ -75,7 +76,7 @@ class FederationSpec:
             if self.k3s:
                 specs.append(ClusterSpec(name, "lower", runtime="k3s"))
             else:
-                specs.append(ClusterSpec(name, "lower", nodes))
+                specs.append(ClusterSpec(name, "lower", nodes, metrics_server=self.metrics_server))
         return specs
 
 

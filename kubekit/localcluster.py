@@ -39,6 +39,17 @@ class ClusterError(RuntimeError):
     """A local cluster could not be started or did not become ready."""
 
 
+RESOURCE_METRICS_PATH_ANNOTATION = "metrics.k8s.io/resource-metrics-path"
+# The usage kwok simulates for a pod's containers, each, unless the pod says otherwise.
+USAGE_CPU_ANNOTATION = "kwok.x-k8s.io/usage-cpu"
+USAGE_MEMORY_ANNOTATION = "kwok.x-k8s.io/usage-memory"
+DEFAULT_USAGE = {"cpu": "1m", "memory": "1Mi"}
+
+
+def kwok_resource_metrics_path(node: str) -> str:
+    return f"/metrics/nodes/{node}/metrics/resource"
+
+
 @dataclass(frozen=True)
 class NodeSpec:
     """A simulated Node of a lower cluster, run by kwok."""
@@ -68,7 +79,11 @@ class NodeSpec:
             "metadata": {
                 "name": self.name,
                 "labels": labels,
-                "annotations": {"kwok.x-k8s.io/node": "fake"},
+                "annotations": {
+                    "kwok.x-k8s.io/node": "fake",
+                    # Where kwok serves this node's resource metrics; metrics-server reads it.
+                    RESOURCE_METRICS_PATH_ANNOTATION: kwok_resource_metrics_path(self.name),
+                },
             },
             "spec": {"unschedulable": self.unschedulable, "taints": [dict(t) for t in self.taints]},
             "status": {"capacity": resources, "allocatable": resources},
@@ -82,6 +97,9 @@ class ClusterSpec:
     nodes: tuple[NodeSpec, ...] = ()
     # "k3s": a K3s container through testcontainers (kubekit.k3s), lower clusters only.
     runtime: Literal["local", "k3s"] = "local"
+    # A metrics-server serving metrics.k8s.io, scraping the cluster's nodes (kwok's
+    # simulated usage below, the virtual nodes' kubelet API above).
+    metrics_server: bool = False
 
 
 _handed_out: set[int] = set()
@@ -124,10 +142,11 @@ class Ports:
     # Where kwok forwards every pod port of `kubectl port-forward`; whoever wants a pod
     # to serve something listens here.
     pod_ports: int
+    metrics_server: int
 
     @classmethod
     def allocate(cls) -> Ports:
-        return cls(*(free_port() for _ in range(7)))
+        return cls(*(free_port() for _ in range(8)))
 
 
 class KubectlClient:
@@ -215,6 +234,8 @@ class LocalCluster(KubectlClient):
                 self._start_kwok(timeout)
                 self.add_nodes(self.spec.nodes, timeout)
             self._wait_default_service_account(timeout)
+            if self.spec.metrics_server:
+                self._start_metrics_server(timeout)
         except BaseException:
             self.stop()
             raise
@@ -250,6 +271,12 @@ class LocalCluster(KubectlClient):
             "kube-apiserver-kubelet-client",
             organizations=("system:masters",),
             client=True,
+        )
+        # The aggregation layer: how the apiserver proves itself to an extension apiserver
+        # (metrics-server) it proxies to.
+        self.front_proxy_ca = pki.create_ca(pki_dir, "front-proxy")
+        self.front_proxy_client_cert = pki.issue(
+            self.front_proxy_ca, pki_dir / "front-proxy-client", "front-proxy-client", client=True
         )
         self.service_account_key = pki.create_service_account_key(pki_dir / "service-account.key")
         pki.write_kubeconfig(
@@ -324,6 +351,13 @@ class LocalCluster(KubectlClient):
             f"--kubelet-client-certificate={self.kubelet_client_cert.cert_path}",
             f"--kubelet-client-key={self.kubelet_client_cert.key_path}",
             f"--cert-dir={pki_dir}",
+            f"--requestheader-client-ca-file={self.front_proxy_ca.cert_path}",
+            "--requestheader-allowed-names=front-proxy-client",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            f"--proxy-client-cert-file={self.front_proxy_client_cert.cert_path}",
+            f"--proxy-client-key-file={self.front_proxy_client_cert.key_path}",
             "--profiling=false",
         ]
 
@@ -449,6 +483,91 @@ class LocalCluster(KubectlClient):
         )
         self._wait(process, timeout, self._kwok_ready)
 
+    def _start_metrics_server(self, timeout: float) -> None:
+        metrics_server = self.toolchain.metrics_server
+        if metrics_server is None:
+            raise ClusterError(
+                "metrics-server is not built: run `hack/k8s/build.sh metrics-server`"
+            )
+        port = self.ports.metrics_server
+        process = self._launch(
+            "metrics-server",
+            [
+                str(metrics_server),
+                f"--kubeconfig={self.kubeconfig}",
+                f"--authentication-kubeconfig={self.kubeconfig}",
+                f"--authorization-kubeconfig={self.kubeconfig}",
+                f"--bind-address={LOOPBACK}",
+                f"--secure-port={port}",
+                f"--cert-dir={self.directory / 'pki' / 'metrics-server'}",
+                # Nodes here serve self-signed certificates (kwok's, a virtual node's own).
+                "--kubelet-insecure-tls",
+                "--kubelet-preferred-address-types=InternalIP",
+                "--kubelet-use-node-status-port",
+                f"--metric-resolution={METRIC_RESOLUTION_SECONDS}s",
+                # Below the resolution, as metrics-server requires.
+                f"--kubelet-request-timeout={METRIC_RESOLUTION_SECONDS // 2}s",
+            ],
+            (port,),
+        )
+        # Not /readyz: that waits for a first scrape, and the upper cluster may have no
+        # node yet.
+        self._wait(process, timeout, lambda: _https_ok(LOOPBACK, port, "/livez", _UNVERIFIED))
+        self.register_metrics_api(timeout)
+
+    def register_metrics_api(self, timeout: float = READY_TIMEOUT_SECONDS) -> None:
+        """Serves metrics.k8s.io from this cluster's metrics-server, once it is Available.
+        The aggregator reaches it through an ExternalName Service: Endpoints may not name
+        a loopback address."""
+        port = self.ports.metrics_server
+        self.kubectl(
+            "apply",
+            "-f",
+            "-",
+            input=json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "List",
+                    "items": [
+                        {
+                            "apiVersion": "v1",
+                            "kind": "Service",
+                            "metadata": {"name": "metrics-server", "namespace": "kube-system"},
+                            "spec": {
+                                "type": "ExternalName",
+                                "externalName": "localhost",
+                                "ports": [{"name": "https", "port": port, "protocol": "TCP"}],
+                            },
+                        },
+                        {
+                            "apiVersion": "apiregistration.k8s.io/v1",
+                            "kind": "APIService",
+                            "metadata": {"name": "v1beta1.metrics.k8s.io"},
+                            "spec": {
+                                "group": "metrics.k8s.io",
+                                "version": "v1beta1",
+                                "service": {
+                                    "name": "metrics-server",
+                                    "namespace": "kube-system",
+                                    "port": port,
+                                },
+                                "insecureSkipTLSVerify": True,
+                                "groupPriorityMinimum": 100,
+                                "versionPriority": 100,
+                            },
+                        },
+                    ],
+                }
+            ),
+        )
+        self.kubectl(
+            "wait",
+            "--for=condition=Available",
+            "apiservice/v1beta1.metrics.k8s.io",
+            f"--timeout={int(timeout)}s",
+            timeout=timeout + 10,
+        )
+
     def _kwok_ready(self) -> bool:
         return _http_ok(LOOPBACK, self.ports.kwok, "/healthz")
 
@@ -484,6 +603,8 @@ class LocalCluster(KubectlClient):
                 "spec": {"execs": [{"local": {"workDir": str(self.exec_dir)}}]},
             },
         ]
+        if self.spec.metrics_server:
+            documents += _kwok_resource_metrics()
         parts = [yaml.safe_dump(d) for d in documents]
         parts += [p.read_text() for p in sorted(self.toolchain.kwok_stages.glob("*.yaml"))]
         return "---\n".join(part if part.endswith("\n") else part + "\n" for part in parts)
@@ -578,6 +699,78 @@ class LocalCluster(KubectlClient):
             process.stop()
 
 
+def _kwok_resource_metrics() -> list[dict[str, Any]]:
+    """kwok's simulated resource usage (from the pod's usage annotations, else the default)
+    and the /metrics/resource families metrics-server reads, per node."""
+
+    def usage(resource: str, annotation: str) -> dict[str, str]:
+        return {
+            "expression": f'"{annotation}" in pod.metadata.annotations'
+            f' ? Quantity(pod.metadata.annotations["{annotation}"])'
+            f' : Quantity("{DEFAULT_USAGE[resource]}")'
+        }
+
+    container_labels = [
+        {"name": "container", "value": "container.name"},
+        {"name": "namespace", "value": "pod.metadata.namespace"},
+        {"name": "pod", "value": "pod.metadata.name"},
+    ]
+    families = [
+        ("node_cpu_usage_seconds_total", "counter", "node", [], 'node.CumulativeUsage("cpu")'),
+        ("node_memory_working_set_bytes", "gauge", "node", [], 'node.Usage("memory")'),
+        (
+            "container_cpu_usage_seconds_total",
+            "counter",
+            "container",
+            container_labels,
+            'pod.CumulativeUsage("cpu", container.name)',
+        ),
+        (
+            "container_memory_working_set_bytes",
+            "gauge",
+            "container",
+            container_labels,
+            'pod.Usage("memory", container.name)',
+        ),
+    ]
+    return [
+        {
+            "apiVersion": "kwok.x-k8s.io/v1alpha1",
+            "kind": "ClusterResourceUsage",
+            "metadata": {"name": "usage-from-annotations"},
+            "spec": {
+                "usages": [
+                    {
+                        "usage": {
+                            "cpu": usage("cpu", USAGE_CPU_ANNOTATION),
+                            "memory": usage("memory", USAGE_MEMORY_ANNOTATION),
+                        }
+                    }
+                ]
+            },
+        },
+        {
+            "apiVersion": "kwok.x-k8s.io/v1alpha1",
+            "kind": "Metric",
+            "metadata": {"name": "resource"},
+            "spec": {
+                "path": kwok_resource_metrics_path("{nodeName}"),
+                "metrics": [
+                    {
+                        "name": name,
+                        "help": name,
+                        "kind": kind,
+                        "dimension": dimension,
+                        "labels": labels,
+                        "value": value,
+                    }
+                    for name, kind, dimension, labels, value in families
+                ],
+            },
+        },
+    ]
+
+
 def _unverified_context() -> ssl.SSLContext:
     # Health endpoints of controllers serve self-signed certificates made at their start.
     context = ssl.create_default_context()
@@ -587,6 +780,8 @@ def _unverified_context() -> ssl.SSLContext:
 
 
 _UNVERIFIED = _unverified_context()
+# metrics-server's smallest: each layer needs two scrapes before it has a CPU rate.
+METRIC_RESOLUTION_SECONDS = 10
 
 
 def _http_ok(host: str, port: int, path: str) -> bool:

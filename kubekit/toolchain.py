@@ -45,6 +45,9 @@ class Toolchain:
     kwok: Path
     kwok_stages: Path
     kubernetes_version: str
+    # Built by `hack/k8s/build.sh metrics-server`; only federations that serve resource
+    # metrics need it.
+    metrics_server: Path | None = None
 
     @property
     def kubectl(self) -> Path:
@@ -56,11 +59,15 @@ class Toolchain:
         kubernetes_version = versions["KUBERNETES_VERSION"]
         kube_dir = cache_dir() / f"kubernetes-{kubernetes_version}"
         kwok_dir = cache_dir() / f"kwok-{versions['KWOK_VERSION']}"
+        metrics_server = (
+            cache_dir() / f"metrics-server-{versions['METRICS_SERVER_VERSION']}" / "metrics-server"
+        )
         toolchain = cls(
             kube=kube_dir / "kube",
             kwok=kwok_dir / "kwok",
             kwok_stages=kwok_dir / "stages",
             kubernetes_version=kubernetes_version,
+            metrics_server=metrics_server if metrics_server.exists() else None,
         )
         missing = [
             p for p in (toolchain.kube, toolchain.kwok, toolchain.kwok_stages) if not p.exists()

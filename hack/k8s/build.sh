@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the test control planes (the multi-call `kube` binary: kube-apiserver,
-# kube-controller-manager, kube-scheduler, etcd, kubectl) and kwok, at the
+# kube-controller-manager, kube-scheduler, etcd, kubectl), kwok and metrics-server, at the
 # versions pinned in versions.env, into a cache outside the repository keyed by
 # version. A second run with the same versions builds nothing.
 set -euo pipefail
@@ -9,6 +9,7 @@ source "$here/versions.env"
 cache=${KUBESTRATA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kubestrata}
 kube_dir="$cache/kubernetes-$KUBERNETES_VERSION"
 kwok_dir="$cache/kwok-$KWOK_VERSION"
+metrics_server_dir="$cache/metrics-server-$METRICS_SERVER_VERSION"
 
 die() { echo "hack/k8s/build.sh: $*" >&2; exit 1; }
 
@@ -54,11 +55,24 @@ build_kwok() {
   rm -rf "$kwok_dir" && mv "$tmp" "$kwok_dir"
 }
 
+build_metrics_server() {
+  [ -x "$metrics_server_dir/metrics-server" ] && return 0
+  echo "building metrics-server $METRICS_SERVER_VERSION into $metrics_server_dir"
+  local tmp="$metrics_server_dir.tmp"
+  rm -rf "$tmp" && mkdir -p "$tmp"
+  CGO_ENABLED=0 GOBIN="$tmp" go install -trimpath -ldflags "-s -w" \
+    "sigs.k8s.io/metrics-server/cmd/metrics-server@$METRICS_SERVER_VERSION" ||
+    die "building metrics-server $METRICS_SERVER_VERSION failed (see the go output above)"
+  rm -rf "$metrics_server_dir" && mv "$tmp" "$metrics_server_dir"
+}
+
 case "${1:-all}" in
   kube) build_kube ;;
   kwok) build_kwok ;;
-  all) build_kwok; build_kube ;;
-  *) die "usage: build.sh [all|kube|kwok]" ;;
+  metrics-server) build_metrics_server ;;
+  all) build_kwok; build_metrics_server; build_kube ;;
+  *) die "usage: build.sh [all|kube|kwok|metrics-server]" ;;
 esac
 echo "kube: $kube_dir"
 echo "kwok: $kwok_dir"
+echo "metrics-server: $metrics_server_dir"

@@ -12,7 +12,12 @@ from kubekit.toolchain import Toolchain, ToolchainError
 
 # Small nodes keep capacity arithmetic in tests readable.
 TEST_FEDERATION = FederationSpec(
-    lower=2, nodes_per_lower=2, node_cpu="8", node_memory="32Gi", node_pods=300
+    lower=2,
+    nodes_per_lower=2,
+    node_cpu="8",
+    node_memory="32Gi",
+    node_pods=300,
+    metrics_server=True,
 )
 
 

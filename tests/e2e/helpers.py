@@ -18,6 +18,12 @@ def get_json(cluster: LocalCluster, *args: str) -> Any:
     return json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
 
 
+def get_raw(cluster: LocalCluster, path: str) -> Any:
+    """An API path's JSON, or None while the apiserver refuses it (not found, not ready)."""
+    found = cluster.kubectl("get", "--raw", path, check=False)
+    return json.loads(found.stdout) if found.returncode == 0 else None
+
+
 def wait_for(
     probe: Callable[[], T], description: str, timeout: float = 90.0, interval: float = 0.5
 ) -> T:
@@ -87,6 +93,24 @@ def bound_pod(name: str, namespace: str, node_name: str, **spec: Any) -> dict[st
             "nodeName": node_name,
             "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10"}],
             **spec,
+        },
+    }
+
+
+def cluster_pod(
+    name: str, namespace: str, cluster: str, annotations: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """A bare pause pod for the virtual node of one lower cluster, placed by the upper
+    scheduler (the virtual node's taint tolerated; no webhook needed)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "annotations": annotations or {}},
+        "spec": {
+            "nodeSelector": {keys.CLUSTER_ID_LABEL: cluster},
+            "tolerations": [{"key": keys.PROVIDER_TAINT_KEY, "operator": "Exists"}],
+            "terminationGracePeriodSeconds": 0,
+            "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10"}],
         },
     }
 

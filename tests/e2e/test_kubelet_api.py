@@ -22,11 +22,11 @@ from typing import Any
 
 import pytest
 
-from kubekit import keys, pki
+from kubekit import pki
 from kubekit.federation import Federation
 from kubekit.localcluster import LocalCluster
 
-from .helpers import apply, get_json, namespace, wait_for
+from .helpers import apply, cluster_pod, get_json, namespace, wait_for
 
 NS = "kapi"
 POD = "shell"
@@ -36,21 +36,7 @@ POD = "shell"
 def pod(federation: Federation) -> Iterator[str]:
     """A pod of the upper cluster that runs in lower-1."""
     upper = federation.upper
-    apply(
-        upper,
-        namespace(NS),
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": POD, "namespace": NS},
-            "spec": {
-                "nodeSelector": {keys.CLUSTER_ID_LABEL: "lower-1"},
-                "tolerations": [{"key": keys.PROVIDER_TAINT_KEY, "operator": "Exists"}],
-                "terminationGracePeriodSeconds": 0,
-                "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10"}],
-            },
-        },
-    )
+    apply(upper, namespace(NS), cluster_pod(POD, NS, "lower-1"))
     upper.kubectl("wait", "--for=condition=Ready", f"pod/{POD}", "-n", NS, "--timeout=90s")
     yield POD
     # A bare pod left on the node would stop other tests' drains.
@@ -371,10 +357,40 @@ def test_bad_requests_get_clear_statuses(federation: Federation, pod: str) -> No
         kubelet_url(federation, f"/containerLogs/{NS}/{POD}/app?tailLines=-3"), cert=admin
     )
     assert status == 400 and body["message"].startswith("tailLines")
-    status, body = call_kubelet(kubelet_url(federation, "/stats/summary"), cert=admin)
-    assert status == 503 and "metrics.k8s.io" in body["message"]
     result = federation.upper.kubectl("logs", "-n", NS, POD, "-c", "nope", check=False)
     assert result.returncode != 0 and "nope" in result.stderr
+
+
+def test_stats_summary_names_each_pod_by_its_upper_uid(federation: Federation, pod: str) -> None:
+    uid = get_json(federation.upper, "pod", "-n", NS, POD)["metadata"]["uid"]
+
+    def listed() -> dict[str, Any] | None:
+        status, summary = call_kubelet(
+            kubelet_url(federation, "/stats/summary"), cert=federation.upper.admin_cert
+        )
+        assert status == 200, summary
+        refs = [p["podRef"] for p in summary["pods"]]
+        return next((r for r in refs if (r["namespace"], r["name"]) == (NS, POD)), None)
+
+    # The lower metrics-server has the pod after its first scrapes.
+    assert wait_for(listed, "the pod in the summary", timeout=120, interval=5) == {
+        "name": POD,
+        "namespace": NS,
+        "uid": uid,
+    }
+
+
+def test_without_a_metrics_api_below_the_stats_say_so(federation: Federation) -> None:
+    cluster = lower(federation)
+    cluster.kubectl("delete", "apiservice", "v1beta1.metrics.k8s.io")
+    try:
+        for path in ("/stats/summary", "/metrics/resource"):
+            status, body = call_kubelet(
+                kubelet_url(federation, path), cert=federation.upper.admin_cert
+            )
+            assert status == 503 and "metrics.k8s.io" in body["message"], body
+    finally:
+        cluster.register_metrics_api()
 
 
 def test_the_serving_certificate_comes_from_an_approved_kubelet_serving_csr(

@@ -2,6 +2,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kubekit.cli import build_parser
 from kubekit.federation import (
@@ -11,7 +12,12 @@ from kubekit.federation import (
     FederationSpec,
     kubeconfig_path,
 )
-from kubekit.localcluster import ClusterError, NodeSpec
+from kubekit.localcluster import (
+    RESOURCE_METRICS_PATH_ANNOTATION,
+    ClusterError,
+    LocalCluster,
+    NodeSpec,
+)
 from kubekit.process import ManagedProcess
 from kubekit.toolchain import Toolchain
 
@@ -60,6 +66,41 @@ def test_node_manifest_has_capacity_labels_and_extended_resources() -> None:
     }
     assert node["metadata"]["labels"]["disk"] == "ssd"
     assert node["metadata"]["labels"]["kubernetes.io/hostname"] == "n1"
+    # Where kwok serves the node's resource metrics, for metrics-server.
+    assert node["metadata"]["annotations"][RESOURCE_METRICS_PATH_ANNOTATION] == (
+        "/metrics/nodes/n1/metrics/resource"
+    )
+
+
+def test_a_metrics_server_runs_in_every_cluster_when_asked_and_by_default_with_up() -> None:
+    assert all(c.metrics_server for c in FederationSpec(metrics_server=True).clusters())
+    assert not any(c.metrics_server for c in FederationSpec().clusters())
+    parser = build_parser()
+    assert parser.parse_args(["up"]).metrics_server is True
+    assert parser.parse_args(["up", "--no-metrics-server"]).metrics_server is False
+
+
+def test_kwok_simulates_usage_and_serves_resource_metrics_only_when_asked(
+    tmp_path: Path,
+) -> None:
+    def kinds(metrics_server: bool) -> dict[str, dict[str, object]]:
+        spec = FederationSpec(lower=1, metrics_server=metrics_server).clusters()[1]
+        config = LocalCluster(spec, tmp_path, FAKE_TOOLCHAIN).kwok_config()
+        return {d["kind"]: d for d in yaml.safe_load_all(config)}
+
+    plain = kinds(False)
+    assert "Metric" not in plain and "ClusterResourceUsage" not in plain
+    served = kinds(True)
+    metric = served["Metric"]["spec"]
+    assert isinstance(metric, dict)
+    assert metric["path"] == "/metrics/nodes/{nodeName}/metrics/resource"
+    assert {m["name"] for m in metric["metrics"]} == {
+        "node_cpu_usage_seconds_total",
+        "node_memory_working_set_bytes",
+        "container_cpu_usage_seconds_total",
+        "container_memory_working_set_bytes",
+    }
+    assert "ClusterResourceUsage" in served
 
 
 def test_a_running_federation_is_not_started_over(tmp_path: Path) -> None:
