@@ -71,6 +71,7 @@ def test_up_detach_kubeconfig_down(state_dir: Path, toolchain: Toolchain) -> Non
             "kube-controller-manager",
             "kube-scheduler",
             "kwok",
+            "metrics-server",
             "virtual-node-lower-1",
             "webhook",
             "multischeduler",
@@ -79,7 +80,7 @@ def test_up_detach_kubeconfig_down(state_dir: Path, toolchain: Toolchain) -> Non
     finally:
         down = kubestrata("down", "--state-dir", str(state_dir))
     assert down.returncode == 0, down.stderr
-    assert "stopped 13 processes" in down.stdout
+    assert "stopped 15 processes" in down.stdout
     assert not state_dir.exists()
     assert not any(p.alive() for p in processes)
 
@@ -95,6 +96,7 @@ def test_foreground_up_stops_everything_on_ctrl_c(state_dir: Path) -> None:
             "1",
             "--no-multischeduler",
             "--no-descheduler",
+            "--no-metrics-server",
             "--state-dir",
             str(state_dir),
         ],
@@ -112,7 +114,7 @@ def test_foreground_up_stops_everything_on_ctrl_c(state_dir: Path) -> None:
         processes = running_processes(state_dir)
         # --no-multischeduler: no extender, and the scheduler's configuration names none.
         assert len(processes) == 11
-        assert not {"multischeduler", "descheduler"} & {p.name for p in processes}
+        assert not {"multischeduler", "descheduler", "metrics-server"} & {p.name for p in processes}
         assert "extenders" not in (state_dir / "upper" / "scheduler" / "config.yaml").read_text()
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0

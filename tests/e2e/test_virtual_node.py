@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 from functools import partial
 from typing import Any
 
@@ -213,18 +214,30 @@ def test_lower_pod_deleted_behind_our_back_is_replaced(federation: Federation) -
 HOLD = "kubestrata.io/e2e-hold"
 
 
-def deletion_graces(watch_output: str) -> dict[str, int | None]:
-    """The grace of each pod's first event marked for deletion, from ``kubectl get -w -o
-    json``: kwok deletes again with grace 0 right after, so only the first is ours."""
+def watched_pods(watch_output: str) -> list[dict[str, Any]]:
+    """The pods ``kubectl get -w -o json`` printed, in order: the listed ones first, then
+    one per watch event."""
     decoder = json.JSONDecoder()
-    graces: dict[str, int | None] = {}
+    pods = []
     position = 0
     while position < len(watch_output):
         if watch_output[position].isspace():
             position += 1
             continue
-        event, position = decoder.raw_decode(watch_output, position)
-        metadata = event["object"]["metadata"] if "object" in event else event["metadata"]
+        try:
+            pod, position = decoder.raw_decode(watch_output, position)
+        except json.JSONDecodeError:
+            break  # the rest is still being written
+        pods.append(pod)
+    return pods
+
+
+def deletion_graces(pods: list[dict[str, Any]]) -> dict[str, int | None]:
+    """The grace of each pod's first state marked for deletion: kwok deletes again with
+    grace 0 right after, so only the first is ours."""
+    graces: dict[str, int | None] = {}
+    for pod in pods:
+        metadata = pod["metadata"]
         if metadata.get("deletionTimestamp") and metadata["name"] not in graces:
             graces[metadata["name"]] = metadata.get("deletionGracePeriodSeconds")
     return graces
@@ -262,18 +275,18 @@ def test_force_deleted_upper_pods_are_force_deleted_below(federation: Federation
 
     # The finalizer keeps each lower pod, marked, to be read.
     set_finalizers([HOLD])
+    # Listed first, then watched from the list's resourceVersion: no change is missed
+    # however late the watch connects.
     watch = lower.kubectl_process(
-        "get",
-        "pods",
-        "-n",
-        "forced",
-        "--watch-only",
-        "-o",
-        "json",
-        stdout=subprocess.PIPE,
-        text=True,
+        "get", "pods", "-n", "forced", "--watch", "-o", "json", stdout=subprocess.PIPE, text=True
     )
+    stream = watch.stdout
+    assert stream is not None
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(iter(stream.readline, "")))
+    reader.start()
     try:
+        wait_for(lambda: len(watched_pods("".join(output))) >= len(names), "the pods listed")
         upper.kubectl("delete", "pods", "--all", "-n", "forced", "--force", "--grace-period=0")
         wait_for(
             lambda: all(
@@ -282,12 +295,17 @@ def test_force_deleted_upper_pods_are_force_deleted_below(federation: Federation
             ),
             "every lower pod marked for deletion",
         )
+        wait_for(
+            lambda: len(deletion_graces(watched_pods("".join(output)))) == len(names),
+            "every marking watched",
+        )
     finally:
         watch.terminate()
-        output, _ = watch.communicate(timeout=10)
+        watch.wait(timeout=10)
+        reader.join(timeout=10)
         set_finalizers(None)
         upper.kubectl("delete", "namespace", "forced", "--wait=false")
-    assert deletion_graces(output) == dict.fromkeys(names, 0)
+    assert deletion_graces(watched_pods("".join(output))) == dict.fromkeys(names, 0)
 
 
 def test_name_taken_below_by_someone_else_fails_the_pod_and_leaves_theirs(
