@@ -603,6 +603,7 @@ class LocalCluster(KubectlClient):
                 "spec": {"execs": [{"local": {"workDir": str(self.exec_dir)}}]},
             },
         ]
+        documents.append(_KWOK_EPHEMERAL_CONTAINERS_RUNNING)
         if self.spec.metrics_server:
             documents += _kwok_resource_metrics()
         parts = [yaml.safe_dump(d) for d in documents]
@@ -697,6 +698,45 @@ class LocalCluster(KubectlClient):
         # Reverse start order: dependants first, etcd last.
         for process in reversed(list(self.processes.values())):
             process.stop()
+
+
+# kwok's stages run no ephemeral container (`kubectl debug`); this one reports each
+# running, as a kubelet would once it started it.
+_KWOK_EPHEMERAL_CONTAINERS_RUNNING: dict[str, Any] = {
+    "apiVersion": "kwok.x-k8s.io/v1alpha1",
+    "kind": "Stage",
+    "metadata": {"name": "pod-ephemeral-containers-running"},
+    "spec": {
+        "resourceRef": {"apiGroup": "v1", "kind": "Pod"},
+        "selector": {
+            "matchExpressions": [
+                {"key": ".metadata.deletionTimestamp", "operator": "DoesNotExist"},
+                {"key": ".status.phase", "operator": "In", "values": ["Running"]},
+                {
+                    "key": "(.spec.ephemeralContainers // [] | length)"
+                    " > (.status.ephemeralContainerStatuses // [] | length)",
+                    "operator": "In",
+                    "values": ["true"],
+                },
+            ]
+        },
+        "next": {
+            "statusTemplate": (
+                "{{ $now := Now }}\n"
+                "ephemeralContainerStatuses:\n"
+                "{{ range .spec.ephemeralContainers }}\n"
+                "- image: {{ .image | Quote }}\n"
+                "  name: {{ .name | Quote }}\n"
+                "  ready: false\n"
+                "  restartCount: 0\n"
+                "  state:\n"
+                "    running:\n"
+                "      startedAt: {{ $now | Quote }}\n"
+                "{{ end }}\n"
+            )
+        },
+    },
+}
 
 
 def _kwok_resource_metrics() -> list[dict[str, Any]]:

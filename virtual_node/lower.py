@@ -27,6 +27,7 @@ from virtual_node.translate import (
     Ownership,
     TranslationError,
     desired_lower_pod,
+    ephemeral_containers_patch,
     lower_pod_patch,
     pinned_to,
     upper_status,
@@ -191,18 +192,34 @@ class LowerCluster:
             # Left by an earlier upper pod of the same name: it goes before ours is made.
             await self.client.delete_exact(PODS, lower, grace_period_seconds=0)
             return Waiting()
-        patch = lower_pod_patch(lower, desired)
-        if patch is not None and not lower["metadata"].get("deletionTimestamp"):
-            try:
-                lower = await self.client.patch(PODS, name, patch, namespace, patch_type=_SMP)
-            except ApiError as error:
-                if error.status in _PERMANENT:
-                    log.warning(
-                        "update of lower pod %s/%s refused: %s", namespace, name, error.message
-                    )
-                else:
-                    raise
+        if not lower["metadata"].get("deletionTimestamp"):
+            for patch, subresource in (
+                (lower_pod_patch(lower, desired), ""),
+                (ephemeral_containers_patch(upper, lower), "ephemeralcontainers"),
+            ):
+                if patch is not None:
+                    lower = await self._patch(lower, patch, subresource)
         return Mirrored(upper_status(lower, upper, self.host_ip))
+
+    async def _patch(self, lower: JSON, patch: JSON, subresource: str) -> JSON:
+        """The lower pod patched, or as it was when the lower apiserver refuses the change
+        for good (logged: the pod runs on as it is)."""
+        namespace, name = lower["metadata"]["namespace"], lower["metadata"]["name"]
+        try:
+            return await self.client.patch(
+                PODS, name, patch, namespace, subresource=subresource, patch_type=_SMP
+            )
+        except ApiError as error:
+            if error.status not in _PERMANENT:
+                raise
+            log.warning(
+                "update of lower pod %s/%s%s refused: %s",
+                namespace,
+                name,
+                f" ({subresource})" if subresource else "",
+                error.message,
+            )
+            return lower
 
     async def _create(self, upper: Mapping[str, Any], desired: JSON) -> SyncResult:
         namespace = desired["metadata"]["namespace"]

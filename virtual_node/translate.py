@@ -207,6 +207,17 @@ def _upper_keys(lower: Mapping[str, Any]) -> dict[str, list[str]]:
     }
 
 
+def ephemeral_containers_patch(upper: Mapping[str, Any], lower: Mapping[str, Any]) -> JSON | None:
+    """A strategic merge patch for the lower pod's ephemeralcontainers subresource adding
+    the upper pod's ephemeral containers (`kubectl debug`) it lacks, or None. They can only
+    be added, never changed or removed, so those already below are left as they are."""
+    below = {c["name"] for c in lower["spec"].get("ephemeralContainers") or []}
+    missing = [
+        dict(c) for c in upper["spec"].get("ephemeralContainers") or [] if c["name"] not in below
+    ]
+    return {"spec": {"ephemeralContainers": missing}} if missing else None
+
+
 def lower_pod_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> JSON | None:
     """A strategic merge patch bringing the fields that may change on a running pod
     (labels, annotations, images, activeDeadlineSeconds, tolerations) to the desired

@@ -406,3 +406,30 @@ def test_the_serving_certificate_comes_from_an_approved_kubelet_serving_csr(
     context.load_cert_chain(upper.admin_cert.cert_path, upper.admin_cert.key_path)
     with urllib.request.urlopen(kubelet_url(federation, "/healthz"), context=context) as answer:
         assert answer.read() == b"ok"
+
+
+def test_kubectl_debug_adds_the_ephemeral_container_below(federation: Federation, pod: str) -> None:
+    upper = federation.upper
+    upper.kubectl(
+        "debug", "-n", NS, POD, "--image=registry.k8s.io/pause:3.10", "--container=debugger"
+    )
+
+    def below() -> list[dict[str, Any]]:
+        lower_pod = get_json(lower(federation), "pod", "-n", NS, POD)
+        return list(lower_pod["spec"].get("ephemeralContainers") or [])
+
+    (added,) = wait_for(below, "the ephemeral container in the lower pod")
+    assert (added["name"], added["image"]) == ("debugger", "registry.k8s.io/pause:3.10")
+    (above,) = get_json(upper, "pod", "-n", NS, POD)["spec"]["ephemeralContainers"]
+    assert {k: added.get(k) for k in above} == above
+
+    def running_above() -> list[str]:
+        status = get_json(upper, "pod", "-n", NS, POD)["status"]
+        return [
+            c["name"]
+            for c in status.get("ephemeralContainerStatuses") or []
+            if "running" in c["state"]
+        ]
+
+    # Reported by the lower cluster (kwok, through the local federation's Stage).
+    assert wait_for(running_above, "the ephemeral container running above") == ["debugger"]

@@ -90,6 +90,8 @@ def test_kwok_simulates_usage_and_serves_resource_metrics_only_when_asked(
 
     plain = kinds(False)
     assert "Metric" not in plain and "ClusterResourceUsage" not in plain
+    # Always: kwok runs no ephemeral container by itself.
+    assert plain["Stage"]["metadata"] == {"name": "pod-ephemeral-containers-running"}
     served = kinds(True)
     metric = served["Metric"]["spec"]
     assert isinstance(metric, dict)

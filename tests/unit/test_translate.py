@@ -11,6 +11,7 @@ from virtual_node.translate import (
     Ownership,
     TranslationError,
     desired_lower_pod,
+    ephemeral_containers_patch,
     lower_pod_patch,
     pinned_to,
     upper_status,
@@ -338,3 +339,29 @@ def test_pods_with_volumes_or_devices_the_estimator_cannot_judge_are_not_pinned(
     spec: dict[str, Any], unmodelled: bool
 ) -> None:
     assert uses_unmodelled_filters(spec) is unmodelled
+
+
+def debugger(name: str, image: str = "busybox") -> dict[str, Any]:
+    return {"name": name, "image": image, "targetContainerName": "app", "stdin": True}
+
+
+def test_ephemeral_containers_added_above_are_added_below_and_only_those() -> None:
+    upper = {"spec": {"containers": [{"name": "app"}], "ephemeralContainers": [debugger("d1")]}}
+    lower: dict[str, Any] = {"spec": {"containers": [{"name": "app"}]}}
+    assert ephemeral_containers_patch(upper, lower) == {
+        "spec": {"ephemeralContainers": [debugger("d1")]}
+    }
+    lower["spec"]["ephemeralContainers"] = [debugger("d1")]
+    assert ephemeral_containers_patch(upper, lower) is None
+    upper["spec"]["ephemeralContainers"].append(debugger("d2"))
+    assert ephemeral_containers_patch(upper, lower) == {
+        "spec": {"ephemeralContainers": [debugger("d2")]}
+    }
+
+
+def test_an_ephemeral_container_already_below_is_never_changed() -> None:
+    # The API refuses changes to an ephemeral container; the one below stays as it is.
+    upper = {"spec": {"ephemeralContainers": [debugger("d1", image="alpine")]}}
+    lower = {"spec": {"ephemeralContainers": [debugger("d1")]}}
+    assert ephemeral_containers_patch(upper, lower) is None
+    assert ephemeral_containers_patch({"spec": {}}, lower) is None
