@@ -21,6 +21,7 @@ from kubekit.localcluster import (
     LOOPBACK,
     ClusterError,
     ClusterSpec,
+    KubectlClient,
     LocalCluster,
     NodeSpec,
     free_port,
@@ -29,17 +30,30 @@ from kubekit.process import ManagedProcess, ProcessRecord
 from kubekit.toolchain import Toolchain
 from webhook.configuration import CONFIGURATION_NAME as WEBHOOK_CONFIGURATION
 from webhook.configuration import PATH as WEBHOOK_PATH
+from webhook.configuration import url_configuration
 
 STATE_FILE = "federation.json"
 MULTISCHEDULER = "multischeduler"
 MULTISCHEDULER_ACCOUNT = "kubestrata-multischeduler"
 DESCHEDULER = "descheduler"
 DESCHEDULER_ACCOUNT = "kubestrata-descheduler"
+WEBHOOK = "webhook"
+WEBHOOK_ACCOUNT = "kubestrata-webhook"
+VIRTUAL_NODE_ACCOUNT = "kubestrata-virtual-node"
 MANIFESTS = Path(__file__).resolve().parent.parent / "manifests"
 UPPER = "upper"
 COMPONENTS = "components"
 # Two apiservers starting at once already fill two cores.
 _PARALLEL_STARTS = 2
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a component authenticates with in one cluster: the token of the ServiceAccount
+    its manifests give it, alone (for the estimators) and in a kubeconfig."""
+
+    kubeconfig: Path
+    token_file: Path
 
 
 @dataclass(frozen=True)
@@ -257,21 +271,10 @@ class Federation:
 
     def start_virtual_nodes(self, timeout: float = 120.0) -> None:
         """One `kubestrata virtual-node` per lower cluster, each with its kubelet-API
-        port; returns once every virtual Node is Ready in the upper cluster."""
+        port, with the identities the manifests give it above and below; returns once
+        every virtual Node is Ready in the upper cluster."""
         for lower in self.lowers:
-            self.start_component(
-                virtual_node_name(lower.name),
-                [
-                    "virtual-node",
-                    f"--upper-kubeconfig={self.upper.kubeconfig}",
-                    f"--lower-kubeconfig={lower.kubeconfig}",
-                    f"--cluster-id={lower.name}",
-                    f"--kubelet-port={free_port()}",
-                    f"--estimator-port={free_port()}",
-                    f"--client-ca-file={self.upper.ca.cert_path}",
-                    f"--cert-dir={self.state_dir / COMPONENTS / virtual_node_name(lower.name)}",
-                ],
-            )
+            self.start_component(virtual_node_name(lower.name), self.virtual_node_args(lower))
         nodes = [f"node/{keys.default_node_name(lower.name)}" for lower in self.lowers]
         deadline = time.monotonic() + timeout
         while True:
@@ -293,33 +296,61 @@ class Federation:
             timeout=timeout + 10,
         )
 
+    def virtual_node_args(self, lower: KubectlClient, replica: str = "") -> list[str]:
+        """The arguments of `kubestrata virtual-node` for ``lower``; ``replica`` names one
+        more replica beside the first, with ports and a Lease identity of its own."""
+        name = virtual_node_name(lower.name)
+        upper_identity = self._identity(
+            self.upper, name, VIRTUAL_NODE_ACCOUNT, MANIFESTS / "virtual-node" / "rbac"
+        )
+        lower_identity = self._identity(
+            lower, name, VIRTUAL_NODE_ACCOUNT, MANIFESTS / "virtual-node-lower"
+        )
+        replica_name = f"{name}-{replica}" if replica else name
+        return [
+            "virtual-node",
+            f"--upper-kubeconfig={upper_identity.kubeconfig}",
+            f"--lower-kubeconfig={lower_identity.kubeconfig}",
+            f"--cluster-id={lower.name}",
+            f"--kubelet-port={free_port()}",
+            f"--estimator-port={free_port()}",
+            f"--health-port={free_port()}",
+            f"--client-ca-file={self.upper.ca.cert_path}",
+            f"--cert-dir={self.state_dir / COMPONENTS / replica_name}",
+        ]
+
     def start_webhook(self, timeout: float = 60.0) -> str:
-        """`kubestrata webhook` on a loopback port, registered with the upper apiserver;
-        returns its URL once the MutatingWebhookConfiguration is in place."""
+        """`kubestrata webhook` on a loopback port. As with the manifests, the
+        MutatingWebhookConfiguration is applied for it (here with its URL) and the webhook,
+        with its manifests' identity, puts its CA in; returns the URL once it has."""
         port = free_port()
         url = f"https://127.0.0.1:{port}{WEBHOOK_PATH}"
+        self.upper.kubectl("apply", "-f", "-", input=json.dumps(url_configuration(url)))
+        identity = self._identity(
+            self.upper, WEBHOOK, WEBHOOK_ACCOUNT, MANIFESTS / WEBHOOK / "rbac.yaml"
+        )
         self.start_component(
-            "webhook",
+            WEBHOOK,
             [
                 "webhook",
                 f"--listen=127.0.0.1:{port}",
-                f"--cert-dir={self.state_dir / 'webhook'}",
-                f"--kubeconfig={self.upper.kubeconfig}",
-                f"--register-url={url}",
+                f"--cert-dir={self.state_dir / WEBHOOK}",
+                f"--kubeconfig={identity.kubeconfig}",
+                f"--inject-ca-bundle={WEBHOOK_CONFIGURATION}",
             ],
         )
         deadline = time.monotonic() + timeout
         while True:
-            self.components["webhook"].check_running()
+            self.components[WEBHOOK].check_running()
             found = self.upper.kubectl(
                 "get",
                 "mutatingwebhookconfiguration",
                 WEBHOOK_CONFIGURATION,
                 "-o",
-                "jsonpath={.webhooks[0].clientConfig.url}",
+                "jsonpath={.webhooks[0].clientConfig.caBundle}",
                 check=False,
             )
-            if found.returncode == 0 and found.stdout.strip() == url:
+            if found.returncode == 0 and found.stdout.strip():
                 self.webhook_url = url
                 return url
             if time.monotonic() > deadline:
@@ -333,19 +364,24 @@ class Federation:
         directory = self.state_dir / MULTISCHEDULER
         serving = pki.serving_pair(directory, MULTISCHEDULER, (LOOPBACK,))
         ca_file = pki.ca_path(serving)
-        token_file = self._account_token(MULTISCHEDULER, MULTISCHEDULER_ACCOUNT)
+        identity = self._identity(
+            self.upper,
+            MULTISCHEDULER,
+            MULTISCHEDULER_ACCOUNT,
+            MANIFESTS / MULTISCHEDULER / "rbac.yaml",
+        )
         port = free_port()
         url = f"https://{LOOPBACK}:{port}"
         process = self.start_component(
             MULTISCHEDULER,
             [
                 "multischeduler",
-                f"--kubeconfig={self.upper.kubeconfig}",
+                f"--kubeconfig={identity.kubeconfig}",
                 f"--listen={LOOPBACK}:{port}",
                 f"--tls-cert-file={serving.cert_path}",
                 f"--tls-key-file={serving.key_path}",
                 f"--estimator-ca-file={self.upper.ca.cert_path}",
-                f"--estimator-token-file={token_file}",
+                f"--estimator-token-file={identity.token_file}",
             ],
         )
         context = ssl.create_default_context(cafile=str(ca_file))
@@ -365,28 +401,34 @@ class Federation:
     def descheduler_args(self, policy: Path | None = None) -> list[str]:
         """The arguments of `kubestrata descheduler` for this federation, calling the
         estimators with the identity its manifests give it."""
-        token_file = self._account_token(DESCHEDULER, DESCHEDULER_ACCOUNT)
+        identity = self._identity(
+            self.upper, DESCHEDULER, DESCHEDULER_ACCOUNT, MANIFESTS / DESCHEDULER / "rbac.yaml"
+        )
         return [
             "descheduler",
-            f"--kubeconfig={self.upper.kubeconfig}",
+            f"--kubeconfig={identity.kubeconfig}",
             f"--estimator-ca-file={self.upper.ca.cert_path}",
-            f"--estimator-token-file={token_file}",
+            f"--estimator-token-file={identity.token_file}",
             *([f"--policy={policy}"] if policy is not None else []),
         ]
 
-    def _account_token(self, component: str, account: str) -> Path:
-        """Applies the component's RBAC from the manifests; returns a file holding a token
-        of its ServiceAccount."""
-        self.upper.kubectl("apply", "-f", str(MANIFESTS / "namespace.yaml"))
-        self.upper.kubectl("apply", "-f", str(MANIFESTS / component / "rbac.yaml"))
-        token = self.upper.kubectl(
-            "create", "token", account, "--namespace=kubestrata-system", "--duration=8760h"
-        ).stdout.strip()
-        token_file = self.state_dir / component / "token"
+    def _identity(
+        self, cluster: KubectlClient, component: str, account: str, rbac: Path
+    ) -> Identity:
+        """Applies the component's RBAC from the manifests to ``cluster``; the component
+        then runs with its ServiceAccount's token and nothing more, which proves the RBAC
+        is enough."""
+        cluster.kubectl("apply", "-k", str(MANIFESTS / "namespace"))
+        token = cluster.service_account_token(account, rbac)
+        directory = self.state_dir / component
+        token_file = directory / f"{cluster.name}.token"
         token_file.parent.mkdir(parents=True, exist_ok=True)
         token_file.write_text(token)
         token_file.chmod(0o600)
-        return token_file
+        kubeconfig = cluster.write_token_kubeconfig(
+            directory / f"{cluster.name}.kubeconfig", account, token
+        )
+        return Identity(kubeconfig, token_file)
 
     def start_component(self, name: str, kubestrata_args: list[str]) -> ManagedProcess:
         process = ManagedProcess(

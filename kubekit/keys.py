@@ -4,6 +4,10 @@ from __future__ import annotations
 
 PREFIX = "kubestrata.io"
 
+# The namespace of every component and ServiceAccount the manifests deploy, in the upper
+# cluster and (for the virtual node's lower identity) in each lower cluster.
+SYSTEM_NAMESPACE = "kubestrata-system"
+
 # On virtual Nodes: which lower cluster a Node stands for. Also what the webhook keeps on
 # pods and the schedulers select on.
 CLUSTER_ID_LABEL = f"{PREFIX}/cluster-id"

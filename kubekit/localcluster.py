@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import yaml
 
-from kubekit import pki
+from kubekit import keys, pki
 from kubekit.process import ManagedProcess, ProcessError, ProcessRecord
 from kubekit.toolchain import Toolchain
 
@@ -166,6 +166,28 @@ class KubectlClient:
     def kubectl_process(self, *args: str, **popen: Any) -> subprocess.Popen[Any]:
         """The stock kubectl against this cluster, running on while the caller acts."""
         return subprocess.Popen(self.kubectl_argv(*args), **popen)
+
+    def service_account_token(self, account: str, rbac: Path) -> str:
+        """Applies ``rbac`` (a kustomization directory or a file of the manifests) and
+        returns a year-long token of ServiceAccount ``account``, from the TokenRequest
+        API as a pod would get one."""
+        self.kubectl("apply", "-k" if rbac.is_dir() else "-f", str(rbac))
+        return self.kubectl(
+            "create", "token", account, f"--namespace={keys.SYSTEM_NAMESPACE}", "--duration=8760h"
+        ).stdout.strip()
+
+    def write_token_kubeconfig(self, path: Path, user: str, token: str) -> Path:
+        """This cluster's kubeconfig with ``token`` as its only credential."""
+        config = json.loads(
+            self.kubectl("config", "view", "--raw", "--minify", "--flatten", "-o", "json").stdout
+        )
+        for context in config["contexts"]:
+            context["context"]["user"] = user
+        config["users"] = [{"name": user, "user": {"token": token}}]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(config))
+        path.chmod(0o600)
+        return path
 
     def kubectl(
         self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120.0

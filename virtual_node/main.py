@@ -28,6 +28,7 @@ from kubekit.client import (
 )
 from kubekit.clusterstate import ClusterState
 from kubekit.component import run_component
+from kubekit.health import Health
 from kubekit.informer import InformerFactory
 from kubekit.timestamps import now_micro
 from kubekit.workqueue import WorkQueue
@@ -58,14 +59,15 @@ _CLUSTER_ID = re.compile(r"^[a-z0-9]([-a-z0-9]{0,51}[a-z0-9])?$")
 
 @dataclass(frozen=True)
 class VirtualNodeConfig:
-    upper_kubeconfig: str
     lower_kubeconfig: str
     cluster_id: str
+    upper_kubeconfig: str = ""  # "": in-cluster (the pod's ServiceAccount)
     node_name: str = ""
     taint: bool = True
     address: str = "127.0.0.1"
     kubelet_port: int = 10250
     estimator_port: int = 10352  # 0: no fit estimator
+    health_port: int = 10248  # 0: no /healthz and /readyz
     workers: int = DEFAULT_WORKERS
     upper_qps: float = 200.0
     upper_burst: int = 400
@@ -93,6 +95,8 @@ class VirtualNodeConfig:
             raise ValueError(f"kubelet port {self.kubelet_port} is not a TCP port")
         if not 0 <= self.estimator_port < 65536:
             raise ValueError(f"estimator port {self.estimator_port} is not a TCP port (0: none)")
+        if not 0 <= self.health_port < 65536:
+            raise ValueError(f"health port {self.health_port} is not a TCP port (0: none)")
         NamespaceMapping(self.namespace_strategy, self.namespace_prefix)  # validates
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("tls_cert_file and tls_key_file go together")
@@ -115,7 +119,7 @@ def parse_args(argv: Sequence[str]) -> VirtualNodeConfig:
     parser.add_argument(
         "--config", type=Path, help="YAML file with any of the options below (snake_case keys)"
     )
-    parser.add_argument("--upper-kubeconfig")
+    parser.add_argument("--upper-kubeconfig", help="default: in-cluster")
     parser.add_argument("--lower-kubeconfig")
     parser.add_argument("--cluster-id")
     parser.add_argument("--node-name", help="default vk-<cluster-id>")
@@ -134,6 +138,12 @@ def parse_args(argv: Sequence[str]) -> VirtualNodeConfig:
     parser.add_argument("--kubelet-port", type=int)
     parser.add_argument(
         "--estimator-port", type=int, help="fit estimator's gRPC port (default 10352; 0: none)"
+    )
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        help="plain HTTP /healthz and /readyz for probes, unauthenticated (default 10248; 0: "
+        "none); ready once the caches are synced",
     )
     parser.add_argument("--tls-cert-file", help="kubelet API serving certificate (PEM)")
     parser.add_argument("--tls-key-file", help="its key; without both: a CSR, else self-signed")
@@ -165,9 +175,7 @@ def parse_args(argv: Sequence[str]) -> VirtualNodeConfig:
             parser.error(f"{args.config}: unknown keys {', '.join(sorted(unknown))}")
         values.update(loaded)
     values.update({k: v for k, v in vars(args).items() if k != "config" and v is not None})
-    missing = [
-        k for k in ("upper_kubeconfig", "lower_kubeconfig", "cluster_id") if not values.get(k)
-    ]
+    missing = [k for k in ("lower_kubeconfig", "cluster_id") if not values.get(k)]
     if missing:
         parser.error("missing " + ", ".join("--" + m.replace("_", "-") for m in missing))
     try:
@@ -188,8 +196,14 @@ async def serve_kubelet_api(
 
 
 async def run(config: VirtualNodeConfig) -> None:
+    health = Health()
+    health_runner = (
+        await health.serve(config.address, config.health_port) if config.health_port else None
+    )
     upper = await KubeClient.connect(
-        ClientSettings(config.upper_kubeconfig, qps=config.upper_qps, burst=config.upper_burst)
+        ClientSettings(
+            config.upper_kubeconfig or None, qps=config.upper_qps, burst=config.upper_burst
+        )
     )
     lower = await KubeClient.connect(
         ClientSettings(config.lower_kubeconfig, qps=config.lower_qps, burst=config.lower_burst)
@@ -197,7 +211,9 @@ async def run(config: VirtualNodeConfig) -> None:
     # Re-emitted events get their own budget (the kubelet's --event-qps), so a burst of
     # them never slows pod creates and status updates.
     upper_events = await KubeClient.connect(
-        ClientSettings(config.upper_kubeconfig, qps=config.event_qps, burst=config.event_burst)
+        ClientSettings(
+            config.upper_kubeconfig or None, qps=config.event_qps, burst=config.event_burst
+        )
     )
     upper_informers = InformerFactory(upper)
     lower_informers = InformerFactory(lower)
@@ -284,6 +300,7 @@ async def run(config: VirtualNodeConfig) -> None:
             len(upper_pods),
             len(backend.pods),
         )
+        health.mark_ready()
         if config.estimator_port:
             # Served once the caches are whole: an empty cluster would refuse every pod.
             estimator_server = await serve_estimator(
@@ -304,8 +321,9 @@ async def run(config: VirtualNodeConfig) -> None:
     finally:
         if estimator_server is not None:
             await estimator_server.stop(grace=1)
-        if runner is not None:
-            await runner.cleanup()
+        for server in (runner, health_runner):
+            if server is not None:
+                await server.cleanup()
         await upper_informers.stop()
         await lower_informers.stop()
         await lower_event_informers.stop()

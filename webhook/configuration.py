@@ -17,9 +17,8 @@ JSON = dict[str, Any]
 CONFIGURATION_NAME = "kubestrata-webhook"
 WEBHOOK_NAME = "stash.kubestrata.io"
 PATH = "/mutate"
-SYSTEM_NAMESPACE = "kubestrata-system"
 # Never federated, whatever their labels say: the cluster's own and ours.
-PROTECTED_NAMESPACES = ("kube-system", "kube-node-lease", "kube-public", SYSTEM_NAMESPACE)
+PROTECTED_NAMESPACES = ("kube-system", "kube-node-lease", "kube-public", keys.SYSTEM_NAMESPACE)
 TIMEOUT_SECONDS = 5
 
 
@@ -79,9 +78,12 @@ def stash_webhook(client_config: JSON) -> JSON:
     }
 
 
-def url_configuration(url: str, ca_bundle: bytes) -> JSON:
-    """The configuration for a webhook reached by URL (a local federation)."""
-    client_config = {"url": url, "caBundle": base64.b64encode(ca_bundle).decode()}
+def url_configuration(url: str, ca_bundle: bytes = b"") -> JSON:
+    """The configuration for a webhook reached by URL (a local federation); without
+    ``ca_bundle``, for a webhook that puts its CA in itself."""
+    client_config = {"url": url}
+    if ca_bundle:
+        client_config["caBundle"] = base64.b64encode(ca_bundle).decode()
     return {
         "apiVersion": "admissionregistration.k8s.io/v1",
         "kind": "MutatingWebhookConfiguration",

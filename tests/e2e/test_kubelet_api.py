@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from kubekit import pki
-from kubekit.federation import Federation
+from kubekit import keys, pki
+from kubekit.federation import Federation, virtual_node_name
 from kubekit.localcluster import LocalCluster
 
 from .helpers import apply, cluster_pod, get_json, namespace, wait_for
@@ -399,7 +399,10 @@ def test_the_serving_certificate_comes_from_an_approved_kubelet_serving_csr(
     upper = federation.upper
     csrs = get_json(upper, "certificatesigningrequests")["items"]
     ours = [c for c in csrs if c["spec"]["signerName"] == "kubernetes.io/kubelet-serving"]
-    assert {c["spec"]["username"] for c in ours} == {"kubestrata-admin"}
+    # Asked for and approved by the virtual nodes' own ServiceAccount.
+    assert {c["spec"]["username"] for c in ours} == {
+        f"system:serviceaccount:{keys.SYSTEM_NAMESPACE}:kubestrata-virtual-node"
+    }
     assert all(c["status"].get("certificate") for c in ours)
     # Signed by the upper cluster's signer, so an apiserver that verifies kubelets trusts it.
     context = ssl.create_default_context(cafile=str(upper.ca.cert_path))
@@ -433,3 +436,15 @@ def test_kubectl_debug_adds_the_ephemeral_container_below(federation: Federation
 
     # Reported by the lower cluster (kwok, through the local federation's Stage).
     assert wait_for(running_above, "the ephemeral container running above") == ["debugger"]
+
+
+def test_probes_need_no_credentials_while_the_kubelet_api_does(federation: Federation) -> None:
+    [port] = [
+        argument.partition("=")[2]
+        for argument in federation.components[virtual_node_name("lower-1")].argv
+        if argument.startswith("--health-port=")
+    ]
+    for path in ("/healthz", "/readyz"):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as answer:
+            assert answer.read() == b"ok"
+    assert call_kubelet(kubelet_url(federation, "/healthz"))[0] == 401

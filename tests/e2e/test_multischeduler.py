@@ -310,5 +310,5 @@ def test_the_estimator_answers_only_callers_allowed_to_get_nodes_estimator(
     stranger = fragmented.upper.kubectl("create", "token", "default", "-n", "default").stdout
     assert asyncio.run(ask(stranger.strip())) == grpc.StatusCode.PERMISSION_DENIED
     # The multischeduler's own token (its ServiceAccount may get nodes/estimator).
-    token = (fragmented.state_dir / "multischeduler" / "token").read_text()
+    token = (fragmented.state_dir / "multischeduler" / "upper.token").read_text()
     assert asyncio.run(ask(token)) == grpc.StatusCode.OK

@@ -8,18 +8,15 @@ import ssl
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from kubekit import keys, stash
 from kubekit.federation import Federation
 
 from .helpers import apply, federated_namespace, get_json, pods_by_name, rollout, wait_for
 
-MANIFESTS = Path(__file__).parents[2] / "manifests"
 SSD = {"disk": "ssd"}
 
 
@@ -223,50 +220,3 @@ def test_malformed_admission_reviews_get_400(
         urllib.request.urlopen(request, context=context, timeout=10)
     assert raised.value.code == 400
     assert message in json.loads(raised.value.read())["message"]
-
-
-def test_the_manifests_are_accepted_by_the_apiserver(federation: Federation) -> None:
-    upper = federation.upper
-    upper.kubectl("apply", "-f", str(MANIFESTS / "namespace.yaml"))
-    rendered = yaml.safe_load_all(upper.kubectl("kustomize", str(MANIFESTS)).stdout)
-    objects = [o for o in rendered if o["kind"] != "Namespace"]
-    for obj in objects:
-        # The local federation's own webhook already holds the name.
-        if obj["kind"] == "MutatingWebhookConfiguration":
-            obj["metadata"]["name"] = "kubestrata-webhook-from-manifests"
-    # apply, not create: `kubestrata up` already applied the multischeduler's and the
-    # descheduler's RBAC.
-    result = upper.kubectl(
-        "apply",
-        "--dry-run=server",
-        "-f",
-        "-",
-        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}),
-    )
-    accepted = {
-        line.split()[0] for line in result.stdout.splitlines() if line.endswith("(server dry run)")
-    }
-    assert accepted == {
-        "serviceaccount/kubestrata-webhook",
-        "clusterrole.rbac.authorization.k8s.io/kubestrata-webhook",
-        "clusterrolebinding.rbac.authorization.k8s.io/kubestrata-webhook",
-        "service/kubestrata-webhook",
-        "deployment.apps/kubestrata-webhook",
-        "mutatingwebhookconfiguration.admissionregistration.k8s.io/"
-        "kubestrata-webhook-from-manifests",
-        "serviceaccount/kubestrata-multischeduler",
-        "clusterrole.rbac.authorization.k8s.io/kubestrata-multischeduler",
-        "clusterrolebinding.rbac.authorization.k8s.io/kubestrata-multischeduler",
-        "service/kubestrata-multischeduler",
-        "deployment.apps/kubestrata-multischeduler",
-        "serviceaccount/kubestrata-descheduler",
-        "clusterrole.rbac.authorization.k8s.io/kubestrata-descheduler",
-        "clusterrolebinding.rbac.authorization.k8s.io/kubestrata-descheduler",
-        "configmap/kubestrata-descheduler-policy",
-        "deployment.apps/kubestrata-descheduler",
-    }, result.stdout
-    # The cert-manager variant renders (its CRDs are not installed here).
-    with_cert_manager = upper.kubectl("kustomize", str(MANIFESTS / "webhook-cert-manager")).stdout
-    assert "cert-manager.io/inject-ca-from: kubestrata-system/kubestrata-webhook" in (
-        with_cert_manager
-    )

@@ -1,0 +1,207 @@
+"""The manifests against real apiservers: every overlay is accepted as it is, and the
+components of the test federation run with the identities the manifests give them and
+nothing more (so every other end-to-end test also proves their RBAC is enough)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kubekit import keys
+from kubekit.federation import (
+    DESCHEDULER_ACCOUNT,
+    MULTISCHEDULER,
+    MULTISCHEDULER_ACCOUNT,
+    VIRTUAL_NODE_ACCOUNT,
+    WEBHOOK,
+    WEBHOOK_ACCOUNT,
+    Federation,
+    virtual_node_name,
+)
+from kubekit.localcluster import KubectlClient
+
+MANIFESTS = Path(__file__).parents[2] / "manifests"
+# Stand-ins for cert-manager's CRDs (not installed here): the kinds at their real group and
+# version, any content, so that the rest of the overlay is checked by the apiserver.
+CERT_MANAGER_KINDS = {"Certificate": "certificates", "Issuer": "issuers"}
+
+
+def rendered(cluster: KubectlClient, overlay: str) -> list[dict[str, Any]]:
+    return list(yaml.safe_load_all(cluster.kubectl("kustomize", str(MANIFESTS / overlay)).stdout))
+
+
+def dry_run(cluster: KubectlClient, objects: list[dict[str, Any]]) -> set[str]:
+    """What the apiserver accepts of ``objects`` with `kubectl apply --dry-run=server`
+    (apply, not create: the test federation applied some of them already)."""
+    result = cluster.kubectl(
+        "apply",
+        "--dry-run=server",
+        "-o",
+        "name",
+        "-f",
+        "-",
+        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}),
+    )
+    return set(result.stdout.split())
+
+
+def names(objects: list[dict[str, Any]]) -> set[str]:
+    """``kind.group/name`` as `kubectl -o name` prints them."""
+    result = set()
+    for obj in objects:
+        group = obj["apiVersion"].rpartition("/")[0]
+        kind = obj["kind"].lower() + (f".{group}" if group else "")
+        result.add(f"{kind}/{obj['metadata']['name']}")
+    return result
+
+
+def test_the_upper_manifests_are_accepted_as_they_are(federation: Federation) -> None:
+    objects = rendered(federation.upper, ".")
+    for obj in objects:
+        # The local federation's own configuration already holds the name.
+        if obj["kind"] == "MutatingWebhookConfiguration":
+            obj["metadata"]["name"] = "kubestrata-webhook-from-manifests"
+    assert dry_run(federation.upper, objects) == names(objects)
+    kinds = {(o["kind"], o["metadata"]["name"]) for o in objects}
+    for component in ("webhook", "multischeduler", "descheduler", "virtual-node"):
+        assert ("Deployment", f"kubestrata-{component}") in kinds
+        assert ("ClusterRole", f"kubestrata-{component}") in kinds
+
+
+def test_the_two_cluster_example_makes_two_virtual_nodes(federation: Federation) -> None:
+    objects = rendered(federation.upper, "examples/two-clusters")
+    assert dry_run(federation.upper, objects) == names(objects)
+    deployments = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Deployment"}
+    assert set(deployments) == {
+        "kubestrata-virtual-node-lower-a",
+        "kubestrata-virtual-node-lower-b",
+    }
+    for cluster in ("lower-a", "lower-b"):
+        deployment = deployments[f"kubestrata-virtual-node-{cluster}"]
+        spec = deployment["spec"]["template"]["spec"]
+        [container] = spec["containers"]
+        assert f"--cluster-id={cluster}" in container["args"]
+        assert "--address=$(POD_IP)" in container["args"]
+        assert (
+            spec["volumes"][0]["secret"]["secretName"] == f"kubestrata-lower-kubeconfig-{cluster}"
+        )
+        assert spec["serviceAccountName"] == VIRTUAL_NODE_ACCOUNT
+        # Each Deployment owns only its own pods.
+        selector = deployment["spec"]["selector"]["matchLabels"]
+        assert selector[keys.CLUSTER_ID_LABEL] == cluster
+    rbac = [o for o in objects if o["kind"].endswith("Role") or o["kind"].endswith("Binding")]
+    assert len(rbac) == len(rendered(federation.upper, "virtual-node/rbac")) - 1, (
+        "one set of RBAC (all of virtual-node/rbac but its ServiceAccount) shared by both"
+    )
+
+
+def test_the_lower_manifests_are_accepted_by_every_lower_cluster(federation: Federation) -> None:
+    for lower in federation.lowers:
+        objects = rendered(lower, "virtual-node-lower")
+        assert dry_run(lower, objects) == names(objects), lower.name
+
+
+@pytest.fixture
+def cert_manager_kinds(federation: Federation) -> Iterator[None]:
+    definitions = [
+        {
+            "apiVersion": "apiextensions.k8s.io/v1",
+            "kind": "CustomResourceDefinition",
+            "metadata": {"name": f"{plural}.cert-manager.io"},
+            "spec": {
+                "group": "cert-manager.io",
+                "scope": "Namespaced",
+                "names": {"kind": kind, "plural": plural},
+                "versions": [
+                    {
+                        "name": "v1",
+                        "served": True,
+                        "storage": True,
+                        "schema": {
+                            "openAPIV3Schema": {
+                                "type": "object",
+                                "x-kubernetes-preserve-unknown-fields": True,
+                            }
+                        },
+                    }
+                ],
+            },
+        }
+        for kind, plural in CERT_MANAGER_KINDS.items()
+    ]
+    manifest = json.dumps({"apiVersion": "v1", "kind": "List", "items": definitions})
+    federation.upper.kubectl("apply", "-f", "-", input=manifest)
+    federation.upper.kubectl(
+        "wait",
+        "--for=condition=Established",
+        *(f"crd/{plural}.cert-manager.io" for plural in CERT_MANAGER_KINDS.values()),
+        "--timeout=60s",
+    )
+    yield
+    federation.upper.kubectl("delete", "-f", "-", input=manifest)
+
+
+def test_the_cert_manager_overlay_is_accepted(
+    federation: Federation, cert_manager_kinds: None
+) -> None:
+    objects = rendered(federation.upper, "webhook-cert-manager")
+    for obj in objects:
+        if obj["kind"] == "MutatingWebhookConfiguration":
+            obj["metadata"]["name"] = "kubestrata-webhook-from-manifests"
+            annotations = obj["metadata"]["annotations"]
+            assert annotations["cert-manager.io/inject-ca-from"] == (
+                "kubestrata-system/kubestrata-webhook"
+            )
+    assert dry_run(federation.upper, objects) == names(objects)
+    assert {o["kind"] for o in objects} >= set(CERT_MANAGER_KINDS)
+
+
+def whoami(federation: Federation, kubeconfig: str) -> str:
+    """Whom the upper or a lower apiserver takes the holder of ``kubeconfig`` for."""
+    kubectl = federation.upper.toolchain.kubectl
+    result = subprocess.run(
+        [kubectl, f"--kubeconfig={kubeconfig}", "auth", "whoami", "-o", "json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return str(json.loads(result.stdout)["status"]["userInfo"]["username"])
+
+
+def test_every_component_runs_with_its_service_account_only(federation: Federation) -> None:
+    accounts = {
+        WEBHOOK: WEBHOOK_ACCOUNT,
+        MULTISCHEDULER: MULTISCHEDULER_ACCOUNT,
+        **{virtual_node_name(lower.name): VIRTUAL_NODE_ACCOUNT for lower in federation.lowers},
+    }
+    assert set(accounts) <= set(federation.components)
+    for component, account in accounts.items():
+        kubeconfigs = [
+            value
+            for argument in federation.components[component].argv
+            for flag, _, value in [argument.partition("=")]
+            if flag in ("--kubeconfig", "--upper-kubeconfig", "--lower-kubeconfig")
+        ]
+        assert len(kubeconfigs) == (2 if account == VIRTUAL_NODE_ACCOUNT else 1), component
+        for kubeconfig in kubeconfigs:
+            user = f"system:serviceaccount:{keys.SYSTEM_NAMESPACE}:{account}"
+            assert whoami(federation, kubeconfig) == user, (component, kubeconfig)
+    # The descheduler runs in its own tests; its arguments come with its identity.
+    (descheduler_kubeconfig,) = [
+        a.partition("=")[2] for a in federation.descheduler_args() if a.startswith("--kubeconfig=")
+    ]
+    assert whoami(federation, descheduler_kubeconfig).endswith(f":{DESCHEDULER_ACCOUNT}")
+    for account in {*accounts.values(), DESCHEDULER_ACCOUNT}:
+        user = f"system:serviceaccount:{keys.SYSTEM_NAMESPACE}:{account}"
+        allowed = federation.upper.kubectl("auth", "can-i", "*", "*", f"--as={user}", check=False)
+        assert allowed.stdout.strip() == "no", account
+        assert federation.upper.kubectl(
+            "auth", "can-i", "create", "pods", f"--as={user}", "-n", "default", check=False
+        ).stdout.strip() == ("yes" if account == DESCHEDULER_ACCOUNT else "no"), account

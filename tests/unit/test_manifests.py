@@ -1,0 +1,105 @@
+"""Every manifest: least-privilege RBAC, and the virtual node's Deployment started with
+flags its command accepts (the apiserver's verdict is in tests/e2e/test_manifests.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from virtual_node.main import parse_args
+
+MANIFESTS = Path(__file__).parents[2] / "manifests"
+# Roles that grant far more than any component needs.
+BROAD_ROLES = {"cluster-admin", "admin", "edit", "system:masters"}
+# Verbs that let a holder grant itself more than it was given.
+ESCALATING_VERBS = {"escalate", "bind", "impersonate"}
+
+
+def all_documents() -> list[tuple[Path, dict[str, Any]]]:
+    return [
+        (path, document)
+        for path in sorted(MANIFESTS.rglob("*.yaml"))
+        for document in yaml.safe_load_all(path.read_text())
+        if document
+    ]
+
+
+def roles() -> list[tuple[Path, dict[str, Any]]]:
+    return [(p, d) for p, d in all_documents() if d["kind"] in ("Role", "ClusterRole")]
+
+
+def test_every_component_has_a_role() -> None:
+    names = {d["metadata"]["name"] for _, d in roles()}
+    assert names == {
+        "kubestrata-webhook",
+        "kubestrata-multischeduler",
+        "kubestrata-descheduler",
+        "kubestrata-virtual-node",
+    }
+    # The virtual node's: in the upper cluster, for its Lease, and in each lower cluster.
+    assert len(roles()) == 6
+
+
+@pytest.mark.parametrize("path, role", roles(), ids=lambda v: str(v)[-40:])
+def test_no_role_grants_wildcards_or_escalation(path: Path, role: dict[str, Any]) -> None:
+    assert not role.get("aggregationRule"), path
+    for rule in role["rules"]:
+        for field in ("apiGroups", "resources", "verbs", "resourceNames"):
+            assert not any("*" in value for value in rule.get(field) or ()), (path, rule)
+        assert not rule.get("nonResourceURLs"), (path, rule)
+        assert not set(rule["verbs"]) & ESCALATING_VERBS, (path, rule)
+
+
+def test_every_binding_names_one_of_our_roles_for_one_of_our_accounts() -> None:
+    ours = {(d["kind"], d["metadata"]["name"]) for _, d in roles()}
+    bindings = [
+        (p, d) for p, d in all_documents() if d["kind"] in ("RoleBinding", "ClusterRoleBinding")
+    ]
+    assert bindings
+    for path, binding in bindings:
+        reference = binding["roleRef"]
+        assert reference["name"] not in BROAD_ROLES, path
+        assert (reference["kind"], reference["name"]) in ours, path
+        for subject in binding["subjects"]:
+            assert subject["kind"] == "ServiceAccount", path
+            assert subject["namespace"] == "kubestrata-system", path
+            assert subject["name"] == reference["name"], path
+
+
+def virtual_node_container() -> dict[str, Any]:
+    [deployment] = yaml.safe_load_all(
+        (MANIFESTS / "virtual-node" / "deployment" / "deployment.yaml").read_text()
+    )
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    return dict(container)
+
+
+def test_the_virtual_node_advertises_its_pod_ip() -> None:
+    container = virtual_node_container()
+    assert "--address=$(POD_IP)" in container["args"]
+    [pod_ip] = [v for v in container["env"] if v["name"] == "POD_IP"]
+    assert pod_ip["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+
+
+def test_the_virtual_node_deployment_starts_with_flags_it_knows() -> None:
+    container = virtual_node_container()
+    command, *args = container["args"]
+    assert command == "virtual-node"
+    config = parse_args([a.replace("$(POD_IP)", "10.0.0.7") for a in args])
+    assert config.upper_kubeconfig == "", "in-cluster"
+    assert config.address == "10.0.0.7"
+    assert config.cluster_id == "lower"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {
+        "kubelet": config.kubelet_port,
+        "estimator": config.estimator_port,
+        "health": config.health_port,
+    }
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert Path(config.lower_kubeconfig).parent.as_posix() in mounts
+    assert config.cert_dir in mounts
