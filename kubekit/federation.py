@@ -19,12 +19,14 @@ from kubekit import keys, pki
 from kubekit.k3s import K3sCluster
 from kubekit.localcluster import (
     LOOPBACK,
+    POD_CIDRS,
     ClusterError,
     ClusterSpec,
     KubectlClient,
     LocalCluster,
     NodeSpec,
     free_port,
+    pod_cidr,
 )
 from kubekit.process import ManagedProcess, ProcessRecord
 from kubekit.toolchain import Toolchain
@@ -45,6 +47,8 @@ UPPER = "upper"
 COMPONENTS = "components"
 # Two apiservers starting at once already fill two cores.
 _PARALLEL_STARTS = 2
+# Lower cluster N takes the pod CIDR pod_cidr(N); 0 is left out, as the upper's.
+MAX_LOWER = POD_CIDRS - 1
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,10 @@ class FederationSpec:
     def clusters(self) -> list[ClusterSpec]:
         if self.lower < 1:
             raise ValueError(f"a federation needs at least one lower cluster, not {self.lower}")
+        if self.lower > MAX_LOWER:
+            raise ValueError(
+                f"a local federation has room for {MAX_LOWER} lower clusters, not {self.lower}"
+            )
         if self.nodes_per_lower < 0:
             raise ValueError(f"nodes per lower cluster must be >= 0, not {self.nodes_per_lower}")
         specs = [ClusterSpec(UPPER, "upper", metrics_server=self.metrics_server)]
@@ -90,7 +98,15 @@ class FederationSpec:
             if self.k3s:
                 specs.append(ClusterSpec(name, "lower", runtime="k3s"))
             else:
-                specs.append(ClusterSpec(name, "lower", nodes, metrics_server=self.metrics_server))
+                specs.append(
+                    ClusterSpec(
+                        name,
+                        "lower",
+                        nodes,
+                        metrics_server=self.metrics_server,
+                        pod_cidr=pod_cidr(index),
+                    )
+                )
         return specs
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import datetime
 import http.client
+import ipaddress
+import itertools
 import json
 import socket
 import ssl
@@ -31,7 +33,11 @@ Role = Literal["upper", "lower"]
 
 LOOPBACK = "127.0.0.1"
 SERVICE_CIDR = "10.0.0.0/24"
+# Pod addresses of the local lower clusters: each takes its own /16 of this range, so an
+# address (in a reflected EndpointSlice, say) names one pod of the whole federation.
 POD_CIDR = "10.240.0.0/12"
+_POD_CIDR_PREFIX = 16
+POD_CIDRS = 2 ** (_POD_CIDR_PREFIX - ipaddress.ip_network(POD_CIDR).prefixlen)
 READY_TIMEOUT_SECONDS = 120.0
 
 
@@ -90,6 +96,14 @@ class NodeSpec:
         }
 
 
+def pod_cidr(index: int) -> str:
+    """The pod CIDR of the ``index``-th (from 0) local cluster."""
+    if not 0 <= index < POD_CIDRS:
+        raise ValueError(f"{POD_CIDR} has room for the pods of {POD_CIDRS} clusters")
+    subnets = ipaddress.ip_network(POD_CIDR).subnets(new_prefix=_POD_CIDR_PREFIX)
+    return str(next(itertools.islice(subnets, index, None)))
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     name: str
@@ -100,6 +114,8 @@ class ClusterSpec:
     # A metrics-server serving metrics.k8s.io, scraping the cluster's nodes (kwok's
     # simulated usage below, the virtual nodes' kubelet API above).
     metrics_server: bool = False
+    # Where kwok takes this cluster's pod IPs from.
+    pod_cidr: str = POD_CIDR
 
 
 _handed_out: set[int] = set()
@@ -496,7 +512,7 @@ class LocalCluster(KubectlClient):
                 # Without it kwok renews no Lease, and the controller-manager finds the
                 # simulated nodes silent after its grace period and marks their pods NotReady.
                 "--node-lease-duration-seconds=40",
-                f"--cidr={POD_CIDR}",
+                f"--cidr={self.spec.pod_cidr}",
                 f"--node-ip={LOOPBACK}",
                 f"--node-port={self.ports.kwok}",
                 f"--server-address={LOOPBACK}:{self.ports.kwok}",

@@ -3,6 +3,7 @@ ways, conflicts, drain and faults, all through the stock kubectl against real cl
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import subprocess
 import threading
@@ -117,6 +118,7 @@ def test_deployment_spreads_over_both_virtual_nodes_and_deletes_cleanly(
     # 16 cpu per virtual node: at most two of these fit on each.
     rollout(upper, "web", "spread")
     pods = pods_by_name(upper, "spread", "app=web")
+    assert len({p["status"]["podIP"] for p in pods.values()}) == 4
     assert sorted(p["spec"]["nodeName"] for p in pods.values()) == [
         "vk-lower-1",
         "vk-lower-1",
@@ -128,6 +130,9 @@ def test_deployment_spreads_over_both_virtual_nodes_and_deletes_cleanly(
         lower = get_json(cluster, "pod", "-n", "spread", name)
         assert lower["status"]["phase"] == pod["status"]["phase"] == "Running"
         assert pod["status"]["podIP"] == lower["status"]["podIP"]
+        # Each lower cluster hands out addresses of its own: one names one pod above.
+        address = ipaddress.ip_address(pod["status"]["podIP"])
+        assert address in ipaddress.ip_network(cluster.spec.pod_cidr)
         assert lower["metadata"]["annotations"][keys.UPPER_UID_ANNOTATION] == pod["metadata"]["uid"]
         assert lower["metadata"]["labels"][keys.MANAGED_BY_LABEL] == keys.MANAGED_BY_VALUE
         assert lower["spec"]["nodeName"].startswith(cluster.name + "-node-")

@@ -1,3 +1,5 @@
+import ipaddress
+import itertools
 import json
 from pathlib import Path
 
@@ -6,6 +8,7 @@ import yaml
 
 from kubekit.cli import build_parser
 from kubekit.federation import (
+    MAX_LOWER,
     STATE_FILE,
     Federation,
     FederationRunning,
@@ -17,6 +20,7 @@ from kubekit.localcluster import (
     ClusterError,
     LocalCluster,
     NodeSpec,
+    pod_cidr,
 )
 from kubekit.process import ManagedProcess
 from kubekit.toolchain import Toolchain
@@ -47,6 +51,18 @@ def test_spec_rejects_impossible_sizes() -> None:
         FederationSpec(lower=0).clusters()
     with pytest.raises(ValueError, match="nodes per lower cluster"):
         FederationSpec(nodes_per_lower=-1).clusters()
+
+
+def test_every_lower_cluster_gives_its_pods_addresses_of_its_own() -> None:
+    lowers = FederationSpec(lower=MAX_LOWER).clusters()[1:]
+    networks = [ipaddress.ip_network(c.pod_cidr) for c in lowers]
+    assert [str(n) for n in networks[:2]] == ["10.241.0.0/16", "10.242.0.0/16"]
+    assert str(networks[-1]) == "10.255.0.0/16"
+    assert not any(a.overlaps(b) for a, b in itertools.combinations(networks, 2))
+    with pytest.raises(ValueError, match=f"room for {MAX_LOWER} lower clusters, not 16"):
+        FederationSpec(lower=MAX_LOWER + 1).clusters()
+    with pytest.raises(ValueError, match="room for the pods of 16 clusters"):
+        pod_cidr(16)
 
 
 def test_node_manifest_has_capacity_labels_and_extended_resources() -> None:
