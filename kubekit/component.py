@@ -11,12 +11,13 @@ from collections.abc import Coroutine
 from typing import Any
 
 from kubekit.client import ApiError
+from kubekit.leader import LeadershipLost
 
 
 def run_component(main: Coroutine[Any, Any, None], log: logging.Logger) -> int:
     """Runs ``main`` until it returns or SIGINT/SIGTERM cancels it (its ``finally``
-    blocks clean up); 1 when it failed on the network or the API, said in one log line
-    rather than a traceback."""
+    blocks clean up); 1 when it failed on the network or the API or lost its leader Lease,
+    said in one log line rather than a traceback."""
 
     async def until_signalled() -> None:
         task = asyncio.create_task(main)
@@ -28,7 +29,7 @@ def run_component(main: Coroutine[Any, Any, None], log: logging.Logger) -> int:
 
     try:
         asyncio.run(until_signalled())
-    except (OSError, ApiError) as error:
+    except (OSError, ApiError, LeadershipLost) as error:
         log.error("%s", error)
         return 1
     return 0

@@ -331,6 +331,9 @@ class Federation:
             f"--kubelet-port={free_port()}",
             f"--estimator-port={free_port()}",
             f"--health-port={free_port()}",
+            # Named after the replica, a restarted process holds the Lease again at once
+            # instead of waiting for it to expire.
+            f"--leader-elect-identity={replica_name}",
             f"--client-ca-file={self.upper.ca.cert_path}",
             f"--cert-dir={self.state_dir / COMPONENTS / replica_name}",
         ]

@@ -16,6 +16,9 @@ class Health:
     def mark_ready(self) -> None:
         self._not_ready = ""
 
+    def mark_not_ready(self, reason: str) -> None:
+        self._not_ready = reason
+
     def app(self) -> web.Application:
         async def healthz(_request: web.Request) -> web.Response:
             return web.Response(text="ok")

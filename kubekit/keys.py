@@ -23,6 +23,12 @@ def default_node_name(cluster_id: str) -> str:
     return f"vk-{cluster_id}"
 
 
+def virtual_node_lease_name(node_name: str) -> str:
+    """The Lease (in SYSTEM_NAMESPACE) whose holder is the one replica of a virtual node
+    that mirrors; not the Node's heartbeat Lease in kube-node-lease."""
+    return f"kubestrata-virtual-node-{node_name}"
+
+
 # The taint that keeps ordinary pods and DaemonSets off virtual Nodes; federated pods
 # get its toleration from the webhook.
 PROVIDER_TAINT_KEY = "virtual-kubelet.io/provider"

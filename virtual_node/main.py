@@ -30,6 +30,7 @@ from kubekit.clusterstate import ClusterState
 from kubekit.component import run_component
 from kubekit.health import Health
 from kubekit.informer import InformerFactory
+from kubekit.leader import ElectionSettings, LeaderElector, default_identity
 from kubekit.timestamps import now_micro
 from kubekit.workqueue import WorkQueue
 from virtual_node.estimator import EstimatorService, FitEstimator
@@ -82,6 +83,13 @@ class VirtualNodeConfig:
     namespace_strategy: Strategy = "same"
     namespace_prefix: str = ""
     log_level: str = "INFO"
+    # Of several replicas, only the one holding the Lease mirrors.
+    leader_elect: bool = True
+    leader_elect_namespace: str = keys.SYSTEM_NAMESPACE
+    leader_elect_identity: str = ""  # "": the host name and a random part
+    leader_elect_lease_duration: float = 10.0
+    leader_elect_renew_deadline: float = 7.0
+    leader_elect_retry_period: float = 2.0
 
     def __post_init__(self) -> None:
         if not _CLUSTER_ID.match(self.cluster_id):
@@ -98,6 +106,7 @@ class VirtualNodeConfig:
         if not 0 <= self.health_port < 65536:
             raise ValueError(f"health port {self.health_port} is not a TCP port (0: none)")
         NamespaceMapping(self.namespace_strategy, self.namespace_prefix)  # validates
+        self.election()  # validates
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("tls_cert_file and tls_key_file go together")
         if not self.client_ca_file:
@@ -109,6 +118,16 @@ class VirtualNodeConfig:
     @property
     def name(self) -> str:
         return self.node_name or keys.default_node_name(self.cluster_id)
+
+    def election(self) -> ElectionSettings:
+        return ElectionSettings(
+            self.leader_elect_namespace,
+            keys.virtual_node_lease_name(self.name),
+            self.leader_elect_identity or default_identity(),
+            self.leader_elect_lease_duration,
+            self.leader_elect_renew_deadline,
+            self.leader_elect_retry_period,
+        )
 
 
 def parse_args(argv: Sequence[str]) -> VirtualNodeConfig:
@@ -165,6 +184,33 @@ def parse_args(argv: Sequence[str]) -> VirtualNodeConfig:
     parser.add_argument("--namespace-strategy", choices=["same", "prefix"])
     parser.add_argument("--namespace-prefix")
     parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument(
+        "--leader-elect",
+        action=argparse.BooleanOptionalAction,
+        help="of the replicas for one lower cluster, only the holder of a Lease in the upper "
+        "cluster mirrors; the others stand by (default: on)",
+    )
+    parser.add_argument(
+        "--leader-elect-namespace", help=f"the Lease's namespace (default {keys.SYSTEM_NAMESPACE})"
+    )
+    parser.add_argument(
+        "--leader-elect-identity", help="this replica's name in the Lease (default: host_uuid)"
+    )
+    parser.add_argument(
+        "--leader-elect-lease-duration",
+        type=float,
+        help="seconds a standby waits on a Lease nobody renews before it takes over (default 10)",
+    )
+    parser.add_argument(
+        "--leader-elect-renew-deadline",
+        type=float,
+        help="seconds a leader keeps mirroring without renewing its Lease (default 7)",
+    )
+    parser.add_argument(
+        "--leader-elect-retry-period",
+        type=float,
+        help="seconds between attempts to take or renew the Lease (default 2)",
+    )
     args = parser.parse_args(argv)
     values: dict[str, Any] = {}
     if args.config:
@@ -200,6 +246,24 @@ async def run(config: VirtualNodeConfig) -> None:
     health_runner = (
         await health.serve(config.address, config.health_port) if config.health_port else None
     )
+    try:
+        if not config.leader_elect:
+            await mirror(config, health)
+            return
+        async with await KubeClient.connect(
+            ClientSettings(config.upper_kubeconfig or None)
+        ) as upper:
+            # A standby is doing its job: ready, so a rollout of two replicas completes.
+            health.mark_ready()
+            await LeaderElector(upper, config.election()).run(lambda: mirror(config, health))
+    finally:
+        if health_runner is not None:
+            await health_runner.cleanup()
+
+
+async def mirror(config: VirtualNodeConfig, health: Health) -> None:
+    """Everything a virtual node does, from registering its Node on."""
+    health.mark_not_ready("starting")
     upper = await KubeClient.connect(
         ClientSettings(
             config.upper_kubeconfig or None, qps=config.upper_qps, burst=config.upper_burst
@@ -321,9 +385,8 @@ async def run(config: VirtualNodeConfig) -> None:
     finally:
         if estimator_server is not None:
             await estimator_server.stop(grace=1)
-        for server in (runner, health_runner):
-            if server is not None:
-                await server.cleanup()
+        if runner is not None:
+            await runner.cleanup()
         await upper_informers.stop()
         await lower_informers.stop()
         await lower_event_informers.stop()

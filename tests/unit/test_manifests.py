@@ -38,9 +38,11 @@ def test_every_component_has_a_role() -> None:
         "kubestrata-multischeduler",
         "kubestrata-descheduler",
         "kubestrata-virtual-node",
+        "kubestrata-virtual-node-leader",
     }
-    # The virtual node's: in the upper cluster, for its Lease, and in each lower cluster.
-    assert len(roles()) == 6
+    # The virtual node's: in the upper cluster, for its heartbeat Lease, for its leader
+    # Lease, and in each lower cluster.
+    assert len(roles()) == 7
 
 
 @pytest.mark.parametrize("path, role", roles(), ids=lambda v: str(v)[-40:])
@@ -66,7 +68,8 @@ def test_every_binding_names_one_of_our_roles_for_one_of_our_accounts() -> None:
         for subject in binding["subjects"]:
             assert subject["kind"] == "ServiceAccount", path
             assert subject["namespace"] == "kubestrata-system", path
-            assert subject["name"] == reference["name"], path
+            # A component's roles bear its account's name.
+            assert reference["name"] in (subject["name"], f"{subject['name']}-leader"), path
 
 
 def virtual_node_container() -> dict[str, Any]:

@@ -1,0 +1,229 @@
+"""Leader election on a coordination.k8s.io Lease, as client-go's leaderelection does it:
+of the replicas of a component, only the one holding the Lease does its work; the others
+stand by and take the Lease over once its holder stops renewing it.
+
+kubernetes_asyncio ships an elector, but it lets a connection error out of its loop (a
+leader then dies on a blip of the apiserver), logs a traceback on every lost race and
+writes local time marked as UTC into the Lease; this one is small and does none of that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from kubekit.client import LEASES, ApiError, KubeClient, is_conflict, is_not_found
+from kubekit.timestamps import now_micro
+
+JSON = dict[str, Any]
+log = logging.getLogger("kubekit.leader")
+
+
+class LeadershipLost(Exception):
+    """The Lease could not be renewed within the renew deadline: another replica may
+    hold it now, so this one must stop writing."""
+
+
+def default_identity() -> str:
+    """The host (a pod's name) and a random part, as client-go makes it: two processes on
+    one host are two candidates."""
+    return f"{socket.gethostname()}_{uuid.uuid4()}"
+
+
+@dataclass(frozen=True)
+class ElectionSettings:
+    namespace: str
+    name: str
+    identity: str
+    # A follower takes over lease_duration after it last saw the Lease change; a leader
+    # that could not renew for renew_deadline has stopped before that.
+    lease_duration: float = 10.0
+    renew_deadline: float = 7.0
+    retry_period: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.identity:
+            raise ValueError("a leader election candidate needs an identity")
+        if not 0 < self.retry_period < self.renew_deadline < self.lease_duration:
+            raise ValueError(
+                "leader election needs 0 < retry period < renew deadline < lease duration, "
+                f"not {self.retry_period}s, {self.renew_deadline}s, {self.lease_duration}s"
+            )
+
+
+def holder(lease: JSON | None) -> str:
+    return str(((lease or {}).get("spec") or {}).get("holderIdentity") or "")
+
+
+def claim(lease: JSON | None, settings: ElectionSettings, now: str) -> JSON:
+    """The Lease the candidate writes to take or keep the lock: ``lease`` (None: there is
+    none yet) with the candidate as holder and ``now`` as renew time. Its resourceVersion is
+    kept, so the write fails if another candidate wrote in between."""
+    spec = dict((lease or {}).get("spec") or {})
+    taken_over = holder(lease) != settings.identity
+    if taken_over:
+        spec["acquireTime"] = now
+        if lease is not None:
+            spec["leaseTransitions"] = int(spec.get("leaseTransitions") or 0) + 1
+    spec.update(
+        holderIdentity=settings.identity,
+        leaseDurationSeconds=max(1, round(settings.lease_duration)),
+        renewTime=now,
+    )
+    spec.setdefault("leaseTransitions", 0)
+    metadata = dict((lease or {}).get("metadata") or {"name": settings.name})
+    return {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": metadata,
+        "spec": spec,
+    }
+
+
+def released(lease: JSON, now: str) -> JSON:
+    """The Lease a leader that stops writes: no holder, so a follower takes it at once
+    (client-go's ReleaseOnCancel)."""
+    spec = dict(lease.get("spec") or {})
+    spec.update(holderIdentity=None, leaseDurationSeconds=1, renewTime=now, acquireTime=now)
+    return {**lease, "spec": spec}
+
+
+class LeaseObserver:
+    """When a candidate last saw the Lease change, by its own clock: the holder's renew
+    times come from another machine's clock, so only a change seen here counts."""
+
+    def __init__(self) -> None:
+        self._record: tuple[object, ...] | None = None
+        self._seen_at = 0.0
+
+    def held_by_other(self, lease: JSON, identity: str, now: float) -> bool:
+        """Whether another candidate holds ``lease`` and may still be renewing it."""
+        spec = lease.get("spec") or {}
+        record = (
+            spec.get("holderIdentity"),
+            spec.get("renewTime"),
+            spec.get("leaseDurationSeconds"),
+        )
+        if record != self._record:
+            self._record, self._seen_at = record, now
+        owner = holder(lease)
+        duration = float(spec.get("leaseDurationSeconds") or 0)
+        return bool(owner) and owner != identity and now < self._seen_at + duration
+
+
+class LeaderElector:
+    def __init__(
+        self,
+        client: KubeClient,
+        settings: ElectionSettings,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client = client
+        self.settings = settings
+        self._clock = clock
+        self._observer = LeaseObserver()
+        self._lease: JSON | None = None  # as last written by this candidate
+        self._reported_holder: str | None = None
+
+    async def try_acquire_or_renew(self) -> bool:
+        """One attempt; False when another candidate holds the Lease or the API failed."""
+        settings = self.settings
+        try:
+            try:
+                lease: JSON | None = await self.client.get(
+                    LEASES, settings.name, settings.namespace
+                )
+            except ApiError as error:
+                if not is_not_found(error):
+                    raise
+                lease = None
+            if lease is not None:
+                self._report_holder(holder(lease))
+                if self._observer.held_by_other(lease, settings.identity, self._clock()):
+                    return False
+            body = claim(lease, settings, now_micro())
+            if lease is None:
+                self._lease = await self.client.create(LEASES, body, settings.namespace)
+            else:
+                self._lease = await self.client.replace(LEASES, body, settings.namespace)
+        except ApiError as error:
+            if not is_conflict(error):
+                log.warning("lease %s: %s", self._key(), error.message)
+            return False
+        except (OSError, aiohttp.ClientError, TimeoutError) as error:
+            log.warning("lease %s: %s", self._key(), error or type(error).__name__)
+            return False
+        self._report_holder(settings.identity)
+        return True
+
+    async def run(self, work: Callable[[], Awaitable[None]]) -> None:
+        """Waits for the Lease, then runs ``work`` while renewing it. Returns or raises
+        as ``work`` does; raises LeadershipLost (after cancelling ``work``) when the Lease
+        could not be renewed in time. A leader that stops releases the Lease."""
+        settings = self.settings
+        log.info("lease %s: candidate %s waiting to lead", self._key(), settings.identity)
+        await self._acquire()
+        log.info("lease %s: %s leads", self._key(), settings.identity)
+        task = asyncio.ensure_future(work())
+        lost = False
+        try:
+            renewed_at = self._clock()
+            while True:
+                await asyncio.wait({task}, timeout=settings.retry_period)
+                if task.done():
+                    return task.result()
+                left = renewed_at + settings.renew_deadline - self._clock()
+                try:
+                    renewed = await asyncio.wait_for(self.try_acquire_or_renew(), max(left, 0.1))
+                except TimeoutError:
+                    renewed = False
+                if renewed:
+                    renewed_at = self._clock()
+                elif self._clock() >= renewed_at + settings.renew_deadline:
+                    lost = True
+                    raise LeadershipLost(
+                        f"lease {self._key()} not renewed for {settings.renew_deadline}s"
+                    )
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            if not lost:
+                await self._release()
+
+    async def _acquire(self) -> None:
+        while True:
+            if await self.try_acquire_or_renew():
+                return
+            await asyncio.sleep(self.settings.retry_period)
+
+    async def _release(self) -> None:
+        if self._lease is None or holder(self._lease) != self.settings.identity:
+            return
+        try:
+            await asyncio.wait_for(
+                self.client.replace(
+                    LEASES, released(self._lease, now_micro()), self.settings.namespace
+                ),
+                self.settings.retry_period,
+            )
+            log.info("lease %s: released by %s", self._key(), self.settings.identity)
+        except (ApiError, OSError, aiohttp.ClientError, TimeoutError) as error:
+            # The followers take over when the Lease expires instead.
+            log.warning("lease %s: not released: %s", self._key(), error or type(error).__name__)
+
+    def _report_holder(self, current: str) -> None:
+        if current != self._reported_holder:
+            self._reported_holder = current
+            if current and current != self.settings.identity:
+                log.info("lease %s: held by %s", self._key(), current)
+
+    def _key(self) -> str:
+        return f"{self.settings.namespace}/{self.settings.name}"

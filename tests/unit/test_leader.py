@@ -1,0 +1,240 @@
+import asyncio
+import copy
+from typing import Any
+
+import pytest
+
+from kubekit.client import LEASES, ApiError, Resource
+from kubekit.leader import (
+    ElectionSettings,
+    LeaderElector,
+    LeadershipLost,
+    LeaseObserver,
+    claim,
+    released,
+)
+
+NOW = "2026-11-25T03:00:00.000000Z"
+LATER = "2026-11-25T03:00:02.000000Z"
+
+
+def settings(identity: str, **timing: float) -> ElectionSettings:
+    return ElectionSettings("kubestrata-system", "lock", identity, **timing)
+
+
+class LeaseStore:
+    """The Lease part of an apiserver: 404 for what is not there, 409 for a create of what
+    is or a write carrying a resourceVersion that is not the current one."""
+
+    def __init__(self) -> None:
+        self.leases: dict[tuple[str, str], dict[str, Any]] = {}
+        self.version = 0
+        self.down = False
+
+    def _check(self, resource: Resource) -> None:
+        assert resource == LEASES
+        if self.down:
+            raise ConnectionRefusedError("connection refused")
+
+    def _stored(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.version += 1
+        stored = copy.deepcopy(body)
+        stored["metadata"]["resourceVersion"] = str(self.version)
+        self.leases[namespace, body["metadata"]["name"]] = stored
+        return copy.deepcopy(stored)
+
+    async def get(self, resource: Resource, name: str, namespace: str) -> dict[str, Any]:
+        self._check(resource)
+        if (namespace, name) not in self.leases:
+            raise ApiError(404, {"reason": "NotFound"})
+        return copy.deepcopy(self.leases[namespace, name])
+
+    async def create(
+        self, resource: Resource, body: dict[str, Any], namespace: str
+    ) -> dict[str, Any]:
+        self._check(resource)
+        if (namespace, body["metadata"]["name"]) in self.leases:
+            raise ApiError(409, {"reason": "AlreadyExists"})
+        return self._stored(namespace, body)
+
+    async def replace(
+        self, resource: Resource, body: dict[str, Any], namespace: str
+    ) -> dict[str, Any]:
+        self._check(resource)
+        current = self.leases[namespace, body["metadata"]["name"]]
+        if body["metadata"].get("resourceVersion") != current["metadata"]["resourceVersion"]:
+            raise ApiError(409, {"reason": "Conflict"})
+        return self._stored(namespace, body)
+
+    def holder(self) -> str | None:
+        holder: str | None = self.leases["kubestrata-system", "lock"]["spec"]["holderIdentity"]
+        return holder
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def elector(store: LeaseStore, identity: str, clock: Clock, **timing: float) -> LeaderElector:
+    return LeaderElector(store, settings(identity, **timing), clock)  # type: ignore[arg-type]
+
+
+def test_settings_refuse_timings_that_let_two_leaders_overlap() -> None:
+    with pytest.raises(ValueError, match="retry period < renew deadline < lease duration"):
+        settings("a", lease_duration=5, renew_deadline=5, retry_period=1)
+    with pytest.raises(ValueError, match="retry period"):
+        settings("a", retry_period=0)
+    with pytest.raises(ValueError, match="needs an identity"):
+        settings("")
+
+
+def test_the_first_claim_creates_the_lease() -> None:
+    lease = claim(None, settings("a"), NOW)
+    assert lease["metadata"] == {"name": "lock"}
+    assert lease["spec"] == {
+        "holderIdentity": "a",
+        "leaseDurationSeconds": 10,
+        "acquireTime": NOW,
+        "renewTime": NOW,
+        "leaseTransitions": 0,
+    }
+
+
+def test_a_renewal_keeps_the_acquire_time_and_a_takeover_counts_a_transition() -> None:
+    mine = claim(None, settings("a"), NOW)
+    mine["metadata"]["resourceVersion"] = "7"
+    renewed = claim(mine, settings("a"), LATER)
+    assert renewed["metadata"]["resourceVersion"] == "7"
+    assert renewed["spec"]["acquireTime"] == NOW
+    assert renewed["spec"]["renewTime"] == LATER
+    assert renewed["spec"]["leaseTransitions"] == 0
+    taken = claim(renewed, settings("b"), LATER)
+    assert taken["spec"]["holderIdentity"] == "b"
+    assert taken["spec"]["acquireTime"] == LATER
+    assert taken["spec"]["leaseTransitions"] == 1
+    assert mine["spec"]["holderIdentity"] == "a", "the lease read is left as it was"
+
+
+def test_a_released_lease_has_no_holder() -> None:
+    lease = released(claim(None, settings("a"), NOW), LATER)
+    assert lease["spec"]["holderIdentity"] is None
+    assert lease["spec"]["leaseDurationSeconds"] == 1
+
+
+def test_another_holder_holds_until_its_lease_goes_unrenewed_for_its_duration() -> None:
+    observer = LeaseObserver()
+    theirs = claim(None, settings("b"), NOW)
+    assert observer.held_by_other(theirs, "a", now=0.0)
+    assert observer.held_by_other(theirs, "a", now=9.9)
+    # A renewal seen at 9.9 gives the holder its whole duration again.
+    renewed = claim(theirs, settings("b"), LATER)
+    assert observer.held_by_other(renewed, "a", now=9.9)
+    assert observer.held_by_other(renewed, "a", now=19.8)
+    assert not observer.held_by_other(renewed, "a", now=19.9)
+    assert not observer.held_by_other(renewed, "b", now=10.0), "its own lease"
+    assert not observer.held_by_other(released(renewed, LATER), "a", now=20.0)
+
+
+async def test_one_candidate_leads_and_the_other_takes_over_once_the_lease_expires() -> None:
+    store, clock = LeaseStore(), Clock()
+    first, second = elector(store, "a", clock), elector(store, "b", clock)
+    assert await first.try_acquire_or_renew()
+    assert not await second.try_acquire_or_renew()
+    clock.now += 5
+    assert await first.try_acquire_or_renew(), "the leader renews"
+    assert not await second.try_acquire_or_renew(), "the follower sees the renewal"
+    clock.now += 9
+    assert not await second.try_acquire_or_renew(), "renewed 9 s ago: still held"
+    # The leader is killed: nobody renews.
+    clock.now += 1
+    assert await second.try_acquire_or_renew()
+    assert store.holder() == "b"
+    assert store.leases["kubestrata-system", "lock"]["spec"]["leaseTransitions"] == 1
+    assert not await first.try_acquire_or_renew(), "the old leader stands by"
+
+
+async def test_of_two_candidates_writing_at_once_one_wins() -> None:
+    store, clock = LeaseStore(), Clock()
+    first, second = elector(store, "a", clock), elector(store, "b", clock)
+    assert await first.try_acquire_or_renew()
+    assert not await second.try_acquire_or_renew()
+    clock.now += 11
+    stale = await store.get(LEASES, "lock", "kubestrata-system")
+    assert await second.try_acquire_or_renew()
+    with pytest.raises(ApiError):
+        await store.replace(LEASES, claim(stale, settings("a"), LATER), "kubestrata-system")
+    assert store.holder() == "b"
+
+
+async def test_an_unreachable_apiserver_is_a_failed_attempt_not_a_crash() -> None:
+    store, clock = LeaseStore(), Clock()
+    store.down = True
+    assert not await elector(store, "a", clock).try_acquire_or_renew()
+
+
+FAST = {"lease_duration": 1.0, "renew_deadline": 0.3, "retry_period": 0.05}
+
+
+async def test_a_leader_that_cannot_renew_stops_its_work_before_the_lease_expires() -> None:
+    store = LeaseStore()
+    leader = LeaderElector(store, settings("a", **FAST))  # type: ignore[arg-type]
+    working = asyncio.Event()
+    cancelled = asyncio.Event()
+
+    async def work() -> None:
+        working.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            cancelled.set()
+
+    run = asyncio.create_task(leader.run(work))
+    await asyncio.wait_for(working.wait(), 1)
+    store.down = True
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(LeadershipLost):
+        await asyncio.wait_for(run, 2)
+    assert cancelled.is_set()
+    assert asyncio.get_running_loop().time() - started < FAST["lease_duration"]
+
+
+async def test_a_leader_that_stops_releases_the_lease_and_the_follower_leads_at_once() -> None:
+    store = LeaseStore()
+    first = LeaderElector(store, settings("a", **FAST))  # type: ignore[arg-type]
+    second = LeaderElector(store, settings("b", **FAST))  # type: ignore[arg-type]
+    led = {"a": asyncio.Event(), "b": asyncio.Event()}
+
+    async def work(name: str) -> None:
+        led[name].set()
+        await asyncio.Event().wait()
+
+    leading = asyncio.create_task(first.run(lambda: work("a")))
+    await asyncio.wait_for(led["a"].wait(), 1)
+    standing_by = asyncio.create_task(second.run(lambda: work("b")))
+    await asyncio.sleep(0.2)
+    assert not led["b"].is_set()
+    leading.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await leading
+    assert store.holder() is None
+    # Well before the 1 s lease would have expired.
+    await asyncio.wait_for(led["b"].wait(), 0.3)
+    standing_by.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await standing_by
+
+
+async def test_work_that_ends_ends_the_leadership_with_its_result() -> None:
+    store = LeaseStore()
+    leader = LeaderElector(store, settings("a", **FAST))  # type: ignore[arg-type]
+
+    async def failing() -> None:
+        raise RuntimeError("the work failed")
+
+    with pytest.raises(RuntimeError, match="the work failed"):
+        await leader.run(failing)
+    assert store.holder() is None
