@@ -156,7 +156,7 @@ def _up(args: argparse.Namespace) -> int:
         return 0
     print("running; press Ctrl-C to stop.", flush=True)
     try:
-        stop_requested.wait()
+        federation.supervise(stop_requested, lambda line: print(line, flush=True))
     except KeyboardInterrupt:
         pass
     finally:

@@ -3,6 +3,7 @@ that lets ``kubestrata down`` (another process) find and stop everything by PID.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +30,8 @@ from kubekit.localcluster import (
     free_port,
     pod_cidr,
 )
-from kubekit.process import ManagedProcess, ProcessRecord
+from kubekit.process import ManagedProcess, ProcessError, ProcessRecord
+from kubekit.supervisor import RestartPolicy
 from kubekit.toolchain import Toolchain
 from webhook.configuration import CONFIGURATION_NAME as WEBHOOK_CONFIGURATION
 from webhook.configuration import PATH as WEBHOOK_PATH
@@ -478,6 +481,71 @@ class Federation:
             COMPONENTS: [vars(p.record()) for p in self.components.values() if p.running()],
         }
         (self.state_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
+
+    def supervise(
+        self,
+        stop: threading.Event,
+        report: Callable[[str], None],
+        policy: RestartPolicy | None = None,
+        interval: float = 0.5,
+    ) -> None:
+        """Until ``stop`` is set, starts again every process of the federation that
+        exits, after the policy's delay, and reports it; raises ProcessError once one
+        keeps exiting."""
+        policy = policy or RestartPolicy()
+        for name in self._supervised():
+            policy.started(name, time.monotonic())
+        due: dict[str, float] = {}
+        while not stop.wait(interval):
+            for name, (process, start) in self._supervised().items():
+                now = time.monotonic()
+                if name in due:
+                    if now >= due[name]:
+                        del due[name]
+                        self._start_again(name, start, report)
+                        policy.started(name, time.monotonic())
+                    continue
+                code = process.exit_code()
+                if code is None:
+                    continue
+                delay = policy.exited(name, now)
+                if delay is None:
+                    raise ProcessError(
+                        f"{name} keeps exiting (last code {code}); last lines of "
+                        f"{process.log_path}:\n{process.log_tail()}"
+                    )
+                report(
+                    f"{name} exited with code {code}; starting it again in {delay:.0f} s "
+                    f"(log: {process.log_path})"
+                )
+                due[name] = now + delay
+
+    def _start_again(
+        self, name: str, start: Callable[[], None], report: Callable[[str], None]
+    ) -> None:
+        try:
+            start()
+        except (ClusterError, ProcessError) as error:
+            # Seen as one more exit on the next round.
+            report(f"{name} did not start again: {error}")
+            return
+        self._write_state()
+        report(f"{name} started again")
+
+    def _supervised(self) -> dict[str, tuple[ManagedProcess, Callable[[], None]]]:
+        """Every process of the federation by a name unique in it, with what starts it
+        again: a component as it was, a cluster's process through its cluster (an
+        apiserver takes kwok with it)."""
+        supervised: dict[str, tuple[ManagedProcess, Callable[[], None]]] = {
+            name: (process, process.start) for name, process in self.components.items()
+        }
+        for cluster in self.clusters.values():
+            for name, process in cluster.processes.items():
+                supervised[f"{cluster.name}/{name}"] = (
+                    process,
+                    functools.partial(cluster.restart, name),
+                )
+        return supervised
 
     def stop(self) -> None:
         for component in self.components.values():

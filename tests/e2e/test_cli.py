@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -85,7 +86,9 @@ def test_up_detach_kubeconfig_down(state_dir: Path, toolchain: Toolchain) -> Non
     assert not any(p.alive() for p in processes)
 
 
-def test_foreground_up_stops_everything_on_ctrl_c(state_dir: Path) -> None:
+def test_foreground_up_restarts_what_exits_and_stops_everything_on_ctrl_c(
+    state_dir: Path,
+) -> None:
     up = subprocess.Popen(
         [
             *KUBESTRATA,
@@ -116,9 +119,22 @@ def test_foreground_up_stops_everything_on_ctrl_c(state_dir: Path) -> None:
         assert len(processes) == 11
         assert not {"multischeduler", "descheduler", "metrics-server"} & {p.name for p in processes}
         assert "extenders" not in (state_dir / "upper" / "scheduler" / "config.yaml").read_text()
+
+        # A crash: the supervisor says so and starts it again.
+        (webhook,) = [p for p in processes if p.name == "webhook"]
+        os.kill(webhook.pid, signal.SIGKILL)
+        said = []
+        for line in up.stdout:
+            said.append(line.strip())
+            if line.strip() == "webhook started again":
+                break
+        assert said[0].startswith("webhook exited with code -9; starting it again in 0 s"), said
+        (again,) = [p for p in running_processes(state_dir) if p.name == "webhook"]
+        assert again.pid != webhook.pid and again.alive()
+
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
-        assert not any(p.alive() for p in processes)
+        assert not any(p.alive() for p in [*processes, again])
     finally:
         if up.poll() is None:
             up.kill()
