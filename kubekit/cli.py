@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
 import shutil
 import signal
@@ -110,6 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
     kubeconfig = commands.add_parser("kubeconfig", help="print the path of a cluster's kubeconfig")
     _add_state_dir(kubeconfig)
     kubeconfig.add_argument("--cluster", default=UPPER, help="cluster name (default: upper)")
+
+    status_command = commands.add_parser(
+        "status", help="the virtual nodes of the federation, or of any upper cluster"
+    )
+    _add_state_dir(status_command)
+    status_command.add_argument(
+        "--kubeconfig", help="an upper cluster's kubeconfig (default: the local federation's)"
+    )
+    status_command.add_argument("-o", "--output", choices=["table", "json"], default="table")
     return parser
 
 
@@ -180,6 +190,19 @@ def _kubeconfig(args: argparse.Namespace) -> int:
     return 0
 
 
+def _status(args: argparse.Namespace) -> int:
+    # The API client is loaded for this command only, as the components are for theirs.
+    from kubekit import status
+
+    kubeconfig = args.kubeconfig or str(kubeconfig_path(args.state_dir))
+    try:
+        rows = asyncio.run(status.collect(kubeconfig))
+    except status.READ_ERRORS as error:
+        raise ClusterError(f"cannot read the virtual nodes with {kubeconfig}: {error}") from error
+    print(status.as_json(rows) if args.output == "json" else status.table(rows))
+    return 0
+
+
 # Each component is a package of its own with `main(argv) -> exit code`, imported only
 # when called so `kubestrata up` does not load every component.
 COMPONENTS = {
@@ -193,6 +216,7 @@ _HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "up": _up,
     "down": _down,
     "kubeconfig": _kubeconfig,
+    "status": _status,
 }
 
 

@@ -195,6 +195,20 @@ class ClusterState:
             preferred=preferred,
         )
 
+    def largest_free_slot(self) -> tuple[str, dict[str, int]] | None:
+        """The schedulable Ready node with the most cpu left (then memory, then the first
+        name) and what it has left in milli-units, pods in flight counted: the biggest pod
+        the cluster could still take, whatever its total says. None without such a node."""
+        usable = [
+            headroom
+            for name, headroom in self._headroom.items()
+            if self._nodes[name].barriers.ready and not self._nodes[name].barriers.unschedulable
+        ]
+        if not usable:
+            return None
+        best = min(usable, key=lambda h: (-h.cpu, -h.memory, h.name))
+        return best.name, {resource: max(0, value) for resource, value in best.free.items()}
+
     def has_node(self, name: str) -> bool:
         return name in self._nodes
 

@@ -7,6 +7,8 @@ PREFIX = "kubestrata.io"
 # The namespace of every component and ServiceAccount the manifests deploy, in the upper
 # cluster and (for the virtual node's lower identity) in each lower cluster.
 SYSTEM_NAMESPACE = "kubestrata-system"
+# Where every Node's heartbeat Lease is, a virtual node's as a kubelet's.
+NODE_LEASE_NAMESPACE = "kube-node-lease"
 
 # On virtual Nodes: which lower cluster a Node stands for. Also what the webhook keeps on
 # pods and the schedulers select on.
@@ -73,6 +75,9 @@ ESTIMATOR_STARTED_ANNOTATION = f"{PREFIX}/estimator-started"
 # readiness. The upper scheduler retries a pod the extender failed only on a cluster event;
 # a lower node labelled or uncordoned changes no capacity above, but changes this.
 LOWER_NODES_ANNOTATION = f"{PREFIX}/lower-nodes"
+# On virtual Nodes: the roomiest lower node and what it has left, as JSON quantities
+# ({"node": ..., "cpu": ..., "memory": ...}); what fragmentation leaves of the total.
+LARGEST_FREE_SLOT_ANNOTATION = f"{PREFIX}/largest-free-slot"
 
 # On upper pods: "never" keeps the descheduler's hands off the pod.
 DESCHEDULER_ANNOTATION = f"{PREFIX}/descheduler"

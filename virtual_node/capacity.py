@@ -52,6 +52,15 @@ def free_capacity(nodes: Iterable[JSON], usages: Iterable[PodUsage]) -> Resource
     return {name: max(Fraction(0), value) for name, value in free.items()}
 
 
+def free_slot(node: str, free_milli: Mapping[str, int]) -> dict[str, str]:
+    """What a lower node has left (milli-units, as the fit rules count), as quantities,
+    with the node's name."""
+    return {
+        **as_resource_list({name: Fraction(value, 1000) for name, value in free_milli.items()}),
+        "node": node,
+    }
+
+
 def as_resource_list(resources: Mapping[str, Fraction]) -> dict[str, str]:
     return {
         name: format_quantity(value if name != "pods" else Fraction(int(value)), name)

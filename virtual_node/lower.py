@@ -11,7 +11,13 @@ from kubekit import keys
 from kubekit.client import NAMESPACES, PODS, SERVICEACCOUNTS, ApiError, KubeClient, is_not_found
 from kubekit.informer import FunctionHandler, Informer, object_key
 from kubekit.workqueue import WorkQueue
-from virtual_node.capacity import PodUsage, as_resource_list, free_capacity, pod_usage
+from virtual_node.capacity import (
+    PodUsage,
+    as_resource_list,
+    free_capacity,
+    free_slot,
+    pod_usage,
+)
 from virtual_node.naming import NamespaceMapping, NamingError
 from virtual_node.node import NodeReport, nodes_digest, shared_labels
 from virtual_node.podcontroller import (
@@ -63,6 +69,7 @@ class LowerCluster:
         cluster_id: str,
         dependencies: PodDependencies | None = None,
         held_node: Callable[[str], str | None] | None = None,
+        largest_free_slot: Callable[[], tuple[str, Mapping[str, int]] | None] | None = None,
     ) -> None:
         self.client = client
         self.pods = pods
@@ -74,6 +81,8 @@ class LowerCluster:
         self.dependencies = dependencies
         # Upper pod UID -> the lower node the fit estimator holds room on for it.
         self.held_node = held_node
+        # The fit estimator's view of the roomiest lower node, in-flight pods counted.
+        self.largest_free_slot = largest_free_slot
         self.version = ""
         self.changed = asyncio.Event()
         self._namespaces: set[str] = set()
@@ -101,11 +110,18 @@ class LowerCluster:
             self._mirrored.pop(key, None)
         else:
             self._mirrored[key] = upper_key
+            self._slot_changed()
 
     def _pod_deleted(self, pod: JSON) -> None:
         key = object_key(pod)
         self._set_usage(key, None)
-        self._mirrored.pop(key, None)
+        if self._mirrored.pop(key, None) is not None:
+            self._slot_changed()
+
+    def _slot_changed(self) -> None:
+        # Our own pods change no capacity above, but the room left on each lower node.
+        if self.largest_free_slot is not None:
+            self.changed.set()
 
     def _set_usage(self, key: str, usage: PodUsage | None) -> None:
         if self._usage.get(key) == usage:
@@ -151,12 +167,14 @@ class LowerCluster:
     def report(self, reachable: bool) -> NodeReport:
         nodes = list(self.nodes.items())
         free = free_capacity(nodes, self._usage.values())
+        slot = self.largest_free_slot() if self.largest_free_slot is not None else None
         return NodeReport(
             ready=reachable,
             allocatable=as_resource_list(free),
             labels=shared_labels(nodes),
             kubelet_version=self.version,
             nodes_digest=nodes_digest(nodes),
+            largest_free_slot=free_slot(*slot) if slot is not None else {},
         )
 
     # -- PodBackend ------------------------------------------------------------------------

@@ -324,6 +324,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             config.cluster_id,
             reflector,
             estimator.held_node if config.estimator_port else None,
+            estimator.state.largest_free_slot if config.estimator_port else None,
         )
         backend.watch_mirrored_pods(queue)
         events = EventReflector(

@@ -14,7 +14,6 @@ from virtual_node.capacity import node_is_usable
 
 JSON = dict[str, Any]
 
-LEASE_NAMESPACE = "kube-node-lease"
 LEASE_DURATION_SECONDS = 40
 
 
@@ -47,6 +46,8 @@ class NodeReport:
     kubelet_version: str = ""
     message: str = ""
     nodes_digest: str = ""
+    # The roomiest lower node's name and what it has left; empty without an estimator.
+    largest_free_slot: Mapping[str, str] = field(default_factory=dict)
 
 
 _NOT_SHARED = {keys.HOSTNAME_LABEL, "kubernetes.io/hostname", "type"}
@@ -84,6 +85,19 @@ def nodes_digest(lower_nodes: Iterable[Mapping[str, Any]]) -> str:
         for node in lower_nodes
     )
     return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:16]
+
+
+def report_annotations(report: NodeReport) -> dict[str, str]:
+    """The Node annotations that follow the lower cluster: what its nodes offer the
+    filters, and its largest free slot."""
+    annotations = {}
+    if report.nodes_digest:
+        annotations[keys.LOWER_NODES_ANNOTATION] = report.nodes_digest
+    if report.largest_free_slot:
+        annotations[keys.LARGEST_FREE_SLOT_ANNOTATION] = json.dumps(
+            dict(report.largest_free_slot), sort_keys=True, separators=(",", ":")
+        )
+    return annotations
 
 
 def node_labels(identity: NodeIdentity, report: NodeReport) -> dict[str, str]:
@@ -241,7 +255,7 @@ def lease(identity: NodeIdentity, node_uid: str) -> JSON:
         "kind": "Lease",
         "metadata": {
             "name": identity.name,
-            "namespace": LEASE_NAMESPACE,
+            "namespace": keys.NODE_LEASE_NAMESPACE,
             "ownerReferences": [
                 {"apiVersion": "v1", "kind": "Node", "name": identity.name, "uid": node_uid}
             ],

@@ -15,13 +15,13 @@ from kubekit import keys
 from kubekit.client import LEASES, NODES, ApiError, KubeClient, is_not_found
 from kubekit.timestamps import now_micro
 from virtual_node.node import (
-    LEASE_NAMESPACE,
     NodeIdentity,
     NodeReport,
     lease,
     node_status,
     registration,
     registration_patch,
+    report_annotations,
     status_changed,
 )
 
@@ -55,7 +55,7 @@ class NodeController:
         self._last_status: dict[str, object] = {}
         self._reachability_changed = asyncio.Event()
         self._last_sent = 0.0
-        self._nodes_digest = ""
+        self._annotations: dict[str, str] = {}  # as last sent
 
     async def run(self) -> None:
         self.reachable = await self.provider.ping()
@@ -111,12 +111,14 @@ class NodeController:
                         "renewTime": now_micro(),
                     }
                 },
-                LEASE_NAMESPACE,
+                keys.NODE_LEASE_NAMESPACE,
             )
         except ApiError as error:
             if not is_not_found(error):
                 raise
-            await self.upper.create(LEASES, lease(self.identity, self._node_uid), LEASE_NAMESPACE)
+            await self.upper.create(
+                LEASES, lease(self.identity, self._node_uid), keys.NODE_LEASE_NAMESPACE
+            )
 
     async def _status_loop(self) -> None:
         while True:
@@ -142,15 +144,16 @@ class NodeController:
             except (TimeoutError, ApiError, OSError) as error:
                 log.warning("status of %s not updated: %s", self.identity.name, error)
 
-    async def _send_nodes_digest(self, digest: str) -> None:
-        if not digest or digest == self._nodes_digest:
+    async def _send_annotations(self, report: NodeReport) -> None:
+        changed = {
+            key: value
+            for key, value in report_annotations(report).items()
+            if self._annotations.get(key) != value
+        }
+        if not changed:
             return
-        await self.upper.patch(
-            NODES,
-            self.identity.name,
-            {"metadata": {"annotations": {keys.LOWER_NODES_ANNOTATION: digest}}},
-        )
-        self._nodes_digest = digest
+        await self.upper.patch(NODES, self.identity.name, {"metadata": {"annotations": changed}})
+        self._annotations.update(changed)
 
     async def update_status(self, force: bool) -> None:
         """Sends the status when it changed, or when ``force`` (the periodic heartbeat),
@@ -159,7 +162,7 @@ class NodeController:
         if not self.reachable and self._last_status:
             return
         report = self.provider.report(self.reachable)
-        await self._send_nodes_digest(report.nodes_digest)
+        await self._send_annotations(report)
         status = node_status(self.identity, report, self._last_status)
         if not force and not status_changed(self._last_status, status):
             return

@@ -18,7 +18,12 @@ CONFIGURATION_NAME = "kubestrata-webhook"
 WEBHOOK_NAME = "stash.kubestrata.io"
 PATH = "/mutate"
 # Never federated, whatever their labels say: the cluster's own and ours.
-PROTECTED_NAMESPACES = ("kube-system", "kube-node-lease", "kube-public", keys.SYSTEM_NAMESPACE)
+PROTECTED_NAMESPACES = (
+    "kube-system",
+    keys.NODE_LEASE_NAMESPACE,
+    "kube-public",
+    keys.SYSTEM_NAMESPACE,
+)
 TIMEOUT_SECONDS = 5
 
 

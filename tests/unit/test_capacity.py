@@ -2,8 +2,10 @@ from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
 
+from kubekit import keys
 from kubekit.client import PODS, Resource
-from kubekit.informer import Informer
+from kubekit.clusterstate import ClusterState
+from kubekit.informer import FunctionHandler, Informer
 from virtual_node.capacity import (
     PodUsage,
     as_resource_list,
@@ -156,3 +158,56 @@ def test_lower_cluster_capacity_follows_each_foreign_pod_through_its_life() -> N
     assert cpu() == "4"
     event("DELETED", pod("a", container("x", cpu="4")))
     assert cpu() == "8"
+
+
+def test_the_report_names_the_roomiest_lower_node_with_our_own_pods_counted() -> None:
+    owner = Ownership(origin="upper-uid", node_name="vk-lower-1")
+    pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
+    nodes = Informer(client=None, resource=Resource("", "v1", "nodes"))  # type: ignore[arg-type]
+    state = ClusterState()
+    nodes.add_handler(FunctionHandler(add=state.set_node))
+    pods.add_handler(FunctionHandler(add=state.set_pod))
+    lower = LowerCluster(
+        None,  # type: ignore[arg-type]
+        pods,
+        nodes,
+        owner,
+        NamespaceMapping(),
+        "127.0.0.1",
+        "lower-1",
+        largest_free_slot=state.largest_free_slot,
+    )
+    nodes.apply({"type": "ADDED", "object": node("a", cpu="8", memory="16Gi", pods="110")})
+    nodes.apply({"type": "ADDED", "object": node("b", cpu="4", memory="32Gi", pods="110")})
+    assert lower.report(True).largest_free_slot == {
+        "node": "a",
+        "cpu": "8",
+        "memory": "16Gi",
+        "pods": "110",
+    }
+    lower.changed.clear()
+    ours = pod("a", container("y", cpu="6", memory="1Gi"))
+    ours["metadata"].update(
+        name="ours",
+        namespace="ns",
+        labels=owner.labels(),
+        annotations={keys.UPPER_NAMESPACE_ANNOTATION: "ns"},
+    )
+    pods.apply({"type": "ADDED", "object": ours})
+    assert lower.changed.is_set(), "our pods change no capacity above, but the room below"
+    assert lower.report(True).allocatable["cpu"] == "12"
+    assert lower.report(True).largest_free_slot == {
+        "node": "b",
+        "cpu": "4",
+        "memory": "32Gi",
+        "pods": "110",
+    }
+
+
+def test_without_an_estimator_no_slot_is_reported() -> None:
+    pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
+    nodes = Informer(client=None, resource=Resource("", "v1", "nodes"))  # type: ignore[arg-type]
+    owner = Ownership(origin="upper-uid", node_name="vk-lower-1")
+    lower = LowerCluster(None, pods, nodes, owner, NamespaceMapping(), "127.0.0.1", "l")  # type: ignore[arg-type]
+    nodes.apply({"type": "ADDED", "object": node("a", cpu="8")})
+    assert lower.report(True).largest_free_slot == {}

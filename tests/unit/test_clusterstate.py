@@ -777,3 +777,25 @@ def test_a_search_with_too_many_sets_gives_up_without_a_plan() -> None:
     assert cluster.freeing(needs("4"), movable(*pods), most=39) == [], "all of them could not"
     (plan,) = cluster.freeing(needs("100m"), movable(*pods), most=40)
     assert plan.evicted == ("ns/s00",)
+
+
+def test_the_largest_free_slot_is_the_usable_node_with_most_cpu_left() -> None:
+    cluster = state(
+        node("a", cpu="8", memory="16Gi"),
+        node("b", cpu="8", memory="32Gi"),
+        node("cordoned", cpu="64", unschedulable=True),
+        node("down", cpu="64", ready=False),
+        pod("big", on="a", containers=[container(cpu="6", memory="1Gi")]),
+        pod("over", on="b", containers=[container(cpu="1", memory="40Gi")]),
+    )
+    # b: 7 cpu left but memory overcommitted, which reads as none left.
+    assert cluster.largest_free_slot() == (
+        "b",
+        {"cpu": 7000, "memory": 0, "pods": 109_000},
+    )
+    # What is in flight counts: an assumed pod takes its room before it lands.
+    cluster.assume("flight", needs("6"), node_name="b")
+    slot = cluster.largest_free_slot()
+    assert slot is not None and slot[0] == "a" and slot[1]["cpu"] == 2000
+    assert ClusterState().largest_free_slot() is None
+    assert state(node("x", unschedulable=True)).largest_free_slot() is None

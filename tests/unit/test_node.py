@@ -9,6 +9,7 @@ from virtual_node.node import (
     nodes_digest,
     registration,
     registration_patch,
+    report_annotations,
 )
 
 REPORT = NodeReport(ready=True, allocatable={"cpu": "8"})
@@ -66,3 +67,17 @@ def test_the_lower_nodes_digest_moves_with_what_node_filters_read_and_only_that(
     cordoned = {**a, "spec": {"unschedulable": True}}
     assert nodes_digest([cordoned, b]) != digest
     assert nodes_digest([a]) != digest
+
+
+def test_the_node_annotations_say_what_the_lower_nodes_offer_and_the_largest_slot() -> None:
+    assert report_annotations(REPORT) == {}
+    report = NodeReport(
+        ready=True,
+        allocatable={"cpu": "8"},
+        nodes_digest="abc",
+        largest_free_slot={"node": "n1", "memory": "1Gi", "cpu": "2"},
+    )
+    assert report_annotations(report) == {
+        keys.LOWER_NODES_ANNOTATION: "abc",
+        keys.LARGEST_FREE_SLOT_ANNOTATION: '{"cpu":"2","memory":"1Gi","node":"n1"}',
+    }

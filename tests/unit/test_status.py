@@ -1,0 +1,102 @@
+import datetime
+import json
+from typing import Any
+
+from kubekit import keys
+from kubekit.status import VirtualNodeStatus, as_json, statuses, table
+
+NOW = datetime.datetime(2026, 11, 25, 3, 0, 0, tzinfo=datetime.UTC)
+
+
+def virtual_node(
+    name: str, cluster: str, ready: str = "True", slot: str | None = None, **free: str
+) -> dict[str, Any]:
+    annotations = {} if slot is None else {keys.LARGEST_FREE_SLOT_ANNOTATION: slot}
+    return {
+        "metadata": {
+            "name": name,
+            "labels": {keys.CLUSTER_ID_LABEL: cluster},
+            "annotations": annotations,
+        },
+        "status": {
+            "allocatable": free,
+            "conditions": [{"type": "MemoryPressure", "status": "False"}]
+            + ([{"type": "Ready", "status": ready}] if ready else []),
+        },
+    }
+
+
+def lease(renewed: str) -> dict[str, Any]:
+    return {"spec": {"holderIdentity": "x", "renewTime": renewed}}
+
+
+def test_one_row_per_virtual_node_from_its_node_lease_and_pods() -> None:
+    rows = statuses(
+        [
+            virtual_node(
+                "vk-lower-2",
+                "lower-2",
+                slot='{"cpu":"7","memory":"30Gi","node":"lower-2-node-1","nvidia.com/gpu":"2"}',
+                cpu="40",
+                memory="120Gi",
+                **{"nvidia.com/gpu": "3", "amd.com/gpu": "1"},
+            ),
+            virtual_node("vk-lower-1", "lower-1", ready="", cpu="0", memory="0"),
+        ],
+        {"vk-lower-2": lease("2026-11-25T02:59:55.500000Z")},
+        {"vk-lower-2": 12},
+        NOW,
+    )
+    assert rows == [
+        VirtualNodeStatus(
+            node="vk-lower-1",
+            cluster="lower-1",
+            ready="Unknown",
+            lease_age_seconds=None,
+            free={"cpu": "0", "memory": "0"},
+            largest_free_slot={},
+            pods=0,
+        ),
+        VirtualNodeStatus(
+            node="vk-lower-2",
+            cluster="lower-2",
+            ready="True",
+            lease_age_seconds=4.5,
+            free={"cpu": "40", "memory": "120Gi", "nvidia.com/gpu": "3", "amd.com/gpu": "1"},
+            largest_free_slot={
+                "cpu": "7",
+                "memory": "30Gi",
+                "node": "lower-2-node-1",
+                "nvidia.com/gpu": "2",
+            },
+            pods=12,
+        ),
+    ]
+    slot = "7 cpu, 30Gi, 2 gpu on lower-2-node-1"
+    left = "NODE         CLUSTER   READY     LEASE   CPU   MEMORY   GPU   "
+    assert table(rows).splitlines() == [
+        f"{left}{'LARGEST SLOT':<36}   PODS",
+        f"vk-lower-1   lower-1   Unknown   -       0     0        -     {'-':<36}   0",
+        f"vk-lower-2   lower-2   True      4s      40    120Gi    4     {slot}   12",
+    ]
+    document = json.loads(as_json(rows))
+    assert document["virtualNodes"][1]["lease_age_seconds"] == 4.5
+    assert document["virtualNodes"][1]["largest_free_slot"]["node"] == "lower-2-node-1"
+
+
+def test_a_slot_annotation_that_is_not_json_reads_as_none() -> None:
+    (row,) = statuses([virtual_node("vk-a", "a", slot="{broken")], {}, {}, NOW)
+    assert row.largest_free_slot == {}
+    (row,) = statuses([virtual_node("vk-a", "a", slot='["a list"]')], {}, {}, NOW)
+    assert row.largest_free_slot == {}
+
+
+def test_long_lease_ages_read_in_minutes_and_hours() -> None:
+    nodes = [virtual_node(f"vk-{n}", n) for n in "abc"]
+    leases = {
+        "vk-a": lease("2026-11-25T02:58:30Z"),
+        "vk-b": lease("2026-11-25T00:00:00Z"),
+        "vk-c": lease("2026-11-25T03:00:01Z"),  # a clock ahead of ours
+    }
+    ages = [line.split()[3] for line in table(statuses(nodes, leases, {}, NOW)).splitlines()[1:]]
+    assert ages == ["90s", "3h", "0s"]
