@@ -119,19 +119,34 @@ def test_free_capacity_never_goes_negative() -> None:
     assert free == {"cpu": 0, "pods": 0}
 
 
-def test_lower_cluster_capacity_follows_each_foreign_pod_through_its_life() -> None:
-    owner = Ownership(origin="upper-uid", node_name="vk-lower-1")
+OWNER = Ownership(origin="upper-uid", node_name="vk-lower-1")
+
+
+def lower_cluster(
+    state: ClusterState | None = None,
+) -> tuple[LowerCluster, Informer, Informer]:
+    """A LowerCluster over informers fed by hand (and, given one, an estimator's state):
+    the lower cluster, its pod informer and its node informer."""
     pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
     nodes = Informer(client=None, resource=Resource("", "v1", "nodes"))  # type: ignore[arg-type]
+    if state is not None:
+        nodes.add_handler(FunctionHandler(add=state.set_node))
+        pods.add_handler(FunctionHandler(add=state.set_pod))
     lower = LowerCluster(
         None,  # type: ignore[arg-type]
         pods,
         nodes,
-        owner,
+        OWNER,
         NamespaceMapping(),
         "127.0.0.1",
         "lower-1",
+        largest_free_slot=state.largest_free_slot if state is not None else None,
     )
+    return lower, pods, nodes
+
+
+def test_lower_cluster_capacity_follows_each_foreign_pod_through_its_life() -> None:
+    lower, pods, nodes = lower_cluster()
     nodes.apply({"type": "ADDED", "object": node("a", cpu="8", pods="110")})
 
     def cpu() -> str:
@@ -145,7 +160,7 @@ def test_lower_cluster_capacity_follows_each_foreign_pod_through_its_life() -> N
     event("ADDED", foreign)
     assert cpu() == "5"
     mirrored = pod("a", container("y", cpu="2"))
-    mirrored["metadata"].update(name="ours", labels=owner.labels())
+    mirrored["metadata"].update(name="ours", labels=OWNER.labels())
     event("ADDED", mirrored)
     assert cpu() == "5"
     lower.changed.clear()
@@ -161,22 +176,7 @@ def test_lower_cluster_capacity_follows_each_foreign_pod_through_its_life() -> N
 
 
 def test_the_report_names_the_roomiest_lower_node_with_our_own_pods_counted() -> None:
-    owner = Ownership(origin="upper-uid", node_name="vk-lower-1")
-    pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
-    nodes = Informer(client=None, resource=Resource("", "v1", "nodes"))  # type: ignore[arg-type]
-    state = ClusterState()
-    nodes.add_handler(FunctionHandler(add=state.set_node))
-    pods.add_handler(FunctionHandler(add=state.set_pod))
-    lower = LowerCluster(
-        None,  # type: ignore[arg-type]
-        pods,
-        nodes,
-        owner,
-        NamespaceMapping(),
-        "127.0.0.1",
-        "lower-1",
-        largest_free_slot=state.largest_free_slot,
-    )
+    lower, pods, nodes = lower_cluster(ClusterState())
     nodes.apply({"type": "ADDED", "object": node("a", cpu="8", memory="16Gi", pods="110")})
     nodes.apply({"type": "ADDED", "object": node("b", cpu="4", memory="32Gi", pods="110")})
     assert lower.report(True).largest_free_slot == {
@@ -190,7 +190,7 @@ def test_the_report_names_the_roomiest_lower_node_with_our_own_pods_counted() ->
     ours["metadata"].update(
         name="ours",
         namespace="ns",
-        labels=owner.labels(),
+        labels=OWNER.labels(),
         annotations={keys.UPPER_NAMESPACE_ANNOTATION: "ns"},
     )
     pods.apply({"type": "ADDED", "object": ours})
@@ -205,9 +205,6 @@ def test_the_report_names_the_roomiest_lower_node_with_our_own_pods_counted() ->
 
 
 def test_without_an_estimator_no_slot_is_reported() -> None:
-    pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
-    nodes = Informer(client=None, resource=Resource("", "v1", "nodes"))  # type: ignore[arg-type]
-    owner = Ownership(origin="upper-uid", node_name="vk-lower-1")
-    lower = LowerCluster(None, pods, nodes, owner, NamespaceMapping(), "127.0.0.1", "l")  # type: ignore[arg-type]
+    lower, _, nodes = lower_cluster()
     nodes.apply({"type": "ADDED", "object": node("a", cpu="8")})
     assert lower.report(True).largest_free_slot == {}
