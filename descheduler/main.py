@@ -12,7 +12,7 @@ from pathlib import Path
 
 from descheduler.controller import Descheduler
 from descheduler.policy import Policy, PolicyError, parse_policy
-from kubekit import keys
+from kubekit import keys, logs
 from kubekit.client import NODES, PODDISRUPTIONBUDGETS, PODS, ClientSettings, KubeClient
 from kubekit.component import run_component
 from kubekit.informer import Informer
@@ -54,13 +54,9 @@ def parse_args(argv: Sequence[str]) -> Config:
     parser.add_argument("--dry-run", action="store_true", help="print every move and make none")
     parser.add_argument("--once", action="store_true", help="one cycle, then exit")
     add_estimator_client_arguments(parser)
-    parser.add_argument(
-        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
-    )
+    logs.add_arguments(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    logs.configure(args.log_level, args.log_format)
     check_kubeconfig(parser, args.kubeconfig)
     policy = Policy()
     if args.policy is not None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from kubekit import keys, pki
+from kubekit import keys, logs, pki
 from kubekit.client import NODES, PODS, ClientSettings, KubeClient
 from kubekit.component import run_component
 from kubekit.informer import Informer
@@ -90,13 +90,9 @@ def parse_args(argv: Sequence[str]) -> Config:
         help="best-fit prefers the cluster left with the least stranded room on the node the "
         "pod takes; least-allocated the emptiest (default %(default)s)",
     )
-    parser.add_argument(
-        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
-    )
+    logs.add_arguments(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    logs.configure(args.log_level, args.log_format)
     check_serving_arguments(parser, args)
     estimators = estimator_client(parser, args)
     check_kubeconfig(parser, args.kubeconfig)

@@ -16,7 +16,7 @@ import grpc
 import yaml
 from aiohttp import web
 
-from kubekit import keys, pki
+from kubekit import keys, logs, pki
 from kubekit.client import (
     EVENTS,
     NAMESPACES,
@@ -83,6 +83,7 @@ class VirtualNodeConfig:
     namespace_strategy: Strategy = "same"
     namespace_prefix: str = ""
     log_level: str = "INFO"
+    log_format: str = "text"
     # Of several replicas, only the one holding the Lease mirrors.
     leader_elect: bool = True
     leader_elect_namespace: str = keys.SYSTEM_NAMESPACE
@@ -106,6 +107,11 @@ class VirtualNodeConfig:
         if not 0 <= self.health_port < 65536:
             raise ValueError(f"health port {self.health_port} is not a TCP port (0: none)")
         NamespaceMapping(self.namespace_strategy, self.namespace_prefix)  # validates
+        if self.log_level not in logs.LEVELS or self.log_format not in logs.FORMATS:
+            raise ValueError(
+                f"log level {self.log_level!r} or format {self.log_format!r} unknown: levels "
+                f"{', '.join(logs.LEVELS)}; formats {', '.join(logs.FORMATS)}"
+            )
         self.election()  # validates
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("tls_cert_file and tls_key_file go together")
@@ -183,7 +189,7 @@ def parse_args(argv: Sequence[str]) -> VirtualNodeConfig:
     parser.add_argument("--event-burst", type=int)
     parser.add_argument("--namespace-strategy", choices=["same", "prefix"])
     parser.add_argument("--namespace-prefix")
-    parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    logs.add_arguments(parser, defaults=False)
     parser.add_argument(
         "--leader-elect",
         action=argparse.BooleanOptionalAction,
@@ -414,8 +420,6 @@ async def _sweep_orphans(
 
 def main(argv: Sequence[str]) -> int:
     config = parse_args(argv)
-    logging.basicConfig(
-        level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logs.configure(config.log_level, config.log_format)
     shrink_tls_read_buffers()
     return run_component(run(config), log)

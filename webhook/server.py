@@ -12,7 +12,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from kubekit import pki, stash
+from kubekit import logs, pki, stash
 from kubekit.client import ApiError, ClientSettings, KubeClient, Resource
 from kubekit.component import run_component
 from kubekit.serving import add_serving_arguments, check_serving_arguments, serving
@@ -146,13 +146,9 @@ def parse_args(argv: Sequence[str]) -> WebhookConfig:
     parser.add_argument(
         "--ca-file", type=Path, help="the CA to publish (default: the generated one)"
     )
-    parser.add_argument(
-        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
-    )
+    logs.add_arguments(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    logs.configure(args.log_level, args.log_format)
     check_serving_arguments(parser, args)
     listening = serving(args, "webhook")
     ca_file = args.ca_file or listening.generated_ca

@@ -89,6 +89,10 @@ def test_the_standby_takes_over_from_a_killed_leader_and_a_stopped_one_hands_ove
     assert lease_holder(federation) == name
     assert kubelet_port(federation) == first_port
     assert "caches synced" not in standby.log_path.read_text()
+    # Logged as key=value fields, one line per event.
+    (waiting,) = [line for line in standby.log_path.read_text().splitlines() if "to lead" in line]
+    assert waiting.startswith("ts=")
+    assert " level=info logger=kubekit.leader msg=" in waiting
     before = lower_uids(federation)
     assert before == upper_uids(federation) and len(before) == 4
 
