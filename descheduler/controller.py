@@ -36,6 +36,7 @@ from descheduler.rescue import (
     stuck_pods,
     within_limits,
 )
+from kubekit import metrics
 from kubekit.client import PODS, ApiError, KubeClient
 from kubekit.estimatorapi.estimator_pb2 import (
     DefragmentRequest,
@@ -214,9 +215,9 @@ class Descheduler:
         else:
             await self._copy(move)
 
-    async def _evict(self, pod: Mapping[str, Any]) -> bool:
+    async def _evict(self, pod: Mapping[str, Any], reason: str) -> bool:
         """Evicts a pod through the Eviction API; False when it was gone or replaced
-        meanwhile. Raises EvictionBlocked on a 429."""
+        meanwhile. Raises EvictionBlocked on a 429. ``reason`` labels the metric."""
         metadata = pod["metadata"]
         body = {
             "apiVersion": "policy/v1",
@@ -228,17 +229,19 @@ class Descheduler:
         try:
             await self.client.request("POST", path, body=body)
         except ApiError as error:
+            metrics.EVICTIONS.labels(reason, error.reason or str(error.status)).inc()
             if error.status in (404, 409):
                 return False
             if error.status == 429:
                 raise EvictionBlocked(error.message) from error
             raise
+        metrics.EVICTIONS.labels(reason, "Evicted").inc()
         return True
 
     async def _evict_stuck(self, move: Move) -> None:
         stuck = move.stuck
         try:
-            if not await self._evict(stuck.pod):
+            if not await self._evict(stuck.pod, "stuck"):
                 return  # nothing left to move
         except EvictionBlocked as blocked:
             self._blocked[stuck.uid] = self.clock() + BLOCKED_RETRY_SECONDS
@@ -394,7 +397,7 @@ class Descheduler:
         )
         for pod in plan.evicted:
             try:
-                await self._evict(pod)
+                await self._evict(pod, "defragment")
             except EvictionBlocked as blocked:
                 await self._event(
                     waiting.pod,

@@ -15,6 +15,7 @@ from descheduler.policy import Policy, PolicyError, parse_policy
 from kubekit import keys, logs
 from kubekit.client import NODES, PODDISRUPTIONBUDGETS, PODS, ClientSettings, KubeClient
 from kubekit.component import run_component
+from kubekit.health import Health
 from kubekit.informer import Informer
 from kubekit.serving import check_kubeconfig
 from multischeduler.estimators import (
@@ -33,6 +34,8 @@ class Config:
     dry_run: bool
     once: bool
     estimators: EstimatorClient
+    health_address: str = "0.0.0.0"
+    health_port: int = 10258  # 0: none
 
 
 def parse_args(argv: Sequence[str]) -> Config:
@@ -53,11 +56,23 @@ def parse_args(argv: Sequence[str]) -> Config:
     )
     parser.add_argument("--dry-run", action="store_true", help="print every move and make none")
     parser.add_argument("--once", action="store_true", help="one cycle, then exit")
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        default=10258,
+        help="plain HTTP /healthz, /readyz (once the caches are synced) and /metrics, "
+        "unauthenticated (default %(default)s; 0: none)",
+    )
+    parser.add_argument(
+        "--health-address", default="0.0.0.0", help="where to serve them (default %(default)s)"
+    )
     add_estimator_client_arguments(parser)
     logs.add_arguments(parser)
     args = parser.parse_args(argv)
     logs.configure(args.log_level, args.log_format)
     check_kubeconfig(parser, args.kubeconfig)
+    if not 0 <= args.health_port < 65536:
+        parser.error(f"--health-port {args.health_port} is not a TCP port (0: none)")
     policy = Policy()
     if args.policy is not None:
         try:
@@ -72,10 +87,26 @@ def parse_args(argv: Sequence[str]) -> Config:
         dry_run=args.dry_run,
         once=args.once,
         estimators=estimator_client(parser, args),
+        health_address=args.health_address,
+        health_port=args.health_port,
     )
 
 
 async def run(config: Config) -> None:
+    health = Health()
+    health_runner = (
+        await health.serve(config.health_address, config.health_port)
+        if config.health_port
+        else None
+    )
+    try:
+        await deschedule(config, health)
+    finally:
+        if health_runner is not None:
+            await health_runner.cleanup()
+
+
+async def deschedule(config: Config, health: Health) -> None:
     async with await KubeClient.connect(ClientSettings(config.kubeconfig)) as client:
         pool = config.estimators.pool()
         nodes = Informer(
@@ -90,8 +121,9 @@ async def run(config: Config) -> None:
         ]
         descheduler = Descheduler(client, pods, nodes, budgets, pool, config.policy, config.dry_run)
         try:
+            await descheduler.wait_synced()
+            health.mark_ready()
             if config.once:
-                await descheduler.wait_synced()
                 await descheduler.cycle()
                 return
             log.info(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio.sslproto
 import json
 import ssl
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ import orjson
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
 
+from kubekit import metrics
 from kubekit.ratelimit import TokenBucket
 
 JSON = dict[str, Any]
@@ -173,17 +175,26 @@ class KubeClient:
         if rest.server_hostname:
             options["server_hostname"] = rest.server_hostname
         session: aiohttp.ClientSession = rest.pool_manager
-        response = await session.request(
-            method,
-            self._url(path),
-            params=params,
-            data=body if body is None or isinstance(body, str | bytes) else orjson.dumps(body),
-            headers=headers,
-            timeout=timeout
-            if isinstance(timeout, aiohttp.ClientTimeout)
-            else aiohttp.ClientTimeout(total=timeout),
-            **options,
-        )
+        verb = "WATCH" if (query or {}).get("watch") else method
+        resource = metrics.api_resource(path)
+        sent = time.perf_counter()
+        try:
+            response = await session.request(
+                method,
+                self._url(path),
+                params=params,
+                data=body if body is None or isinstance(body, str | bytes) else orjson.dumps(body),
+                headers=headers,
+                timeout=timeout
+                if isinstance(timeout, aiohttp.ClientTimeout)
+                else aiohttp.ClientTimeout(total=timeout),
+                **options,
+            )
+        except Exception:
+            metrics.API_REQUESTS.labels(verb, resource, "<error>").inc()
+            raise
+        metrics.API_REQUEST_DURATION.labels(verb, resource).observe(time.perf_counter() - sent)
+        metrics.API_REQUESTS.labels(verb, resource, str(response.status)).inc()
         if response.status >= 300:
             text = await response.text()
             response.release()

@@ -431,6 +431,8 @@ class Federation:
             f"--kubeconfig={identity.kubeconfig}",
             f"--estimator-ca-file={self.upper.ca.cert_path}",
             f"--estimator-token-file={identity.token_file}",
+            f"--health-address={LOOPBACK}",
+            f"--health-port={free_port()}",
             *([f"--policy={policy}"] if policy is not None else []),
         ]
 

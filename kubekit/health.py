@@ -1,9 +1,11 @@
-"""/healthz and /readyz for probes: plain HTTP, no authentication, on a port of their own
-(the kubelet's healthz port is the model), so the APIs stay authenticated."""
+"""/healthz and /readyz for probes and /metrics for Prometheus: plain HTTP, no
+authentication, on a port of their own (the kubelet's healthz port is the model), so the
+APIs stay authenticated."""
 
 from __future__ import annotations
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 
 class Health:
@@ -31,6 +33,7 @@ class Health:
         app = web.Application()
         app.router.add_get("/healthz", healthz)
         app.router.add_get("/readyz", readyz)
+        app.router.add_get("/metrics", serve_metrics)
         return app
 
     async def serve(self, host: str, port: int) -> web.AppRunner:
@@ -38,3 +41,10 @@ class Health:
         await runner.setup()
         await web.TCPSite(runner, host, port).start()
         return runner
+
+
+async def serve_metrics(_request: web.Request) -> web.Response:
+    """Every metric of the process in Prometheus' text format."""
+    return web.Response(
+        body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    )

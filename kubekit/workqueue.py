@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Generic, TypeVar
 
+from kubekit import metrics
+from kubekit.client import ApiError
 from kubekit.ratelimit import ItemBackoff, TokenBucket
 
 Key = TypeVar("Key", bound=Hashable)
@@ -43,6 +46,10 @@ class WorkQueue(Generic[Key]):
         # Workers blocked in get(); add() wakes one without scheduling a task.
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._shutting_down = False
+        self._depth = metrics.WORKQUEUE_DEPTH.labels(name)
+        self._adds = metrics.WORKQUEUE_ADDS.labels(name)
+        self._retries = metrics.WORKQUEUE_RETRIES.labels(name)
+        self._work_duration = metrics.WORKQUEUE_WORK_DURATION.labels(name)
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -51,9 +58,11 @@ class WorkQueue(Generic[Key]):
         if self._shutting_down or key in self._dirty:
             return
         self._dirty.add(key)
+        self._adds.inc()
         if key in self._processing:
             return  # done() queues it again
         self._queue.append(key)
+        self._depth.set(len(self._queue))
         self._notify()
 
     def _notify(self) -> None:
@@ -83,6 +92,7 @@ class WorkQueue(Generic[Key]):
         self.add(key)
 
     def add_rate_limited(self, key: Key) -> None:
+        self._retries.inc()
         self.add_after(key, max(self._backoff.next_delay(key), self._overall.reserve()))
 
     def retries(self, key: Key) -> int:
@@ -105,6 +115,7 @@ class WorkQueue(Generic[Key]):
                     self._notify()
                 raise
         key = self._queue.popleft()
+        self._depth.set(len(self._queue))
         self._processing.add(key)
         self._dirty.discard(key)
         return key
@@ -113,6 +124,7 @@ class WorkQueue(Generic[Key]):
         self._processing.discard(key)
         if key in self._dirty:
             self._queue.append(key)
+            self._depth.set(len(self._queue))
             self._notify()
 
     def shut_down(self) -> None:
@@ -141,11 +153,13 @@ class WorkQueue(Generic[Key]):
                     key = await self.get()
                 except ShutDown:
                     return
+                started = time.perf_counter()
                 try:
                     await reconcile(key)
                 except asyncio.CancelledError:
                     raise
-                except Exception:
+                except Exception as error:
+                    metrics.RECONCILE_ERRORS.labels(self.name, _reason(error)).inc()
                     retries = self.retries(key)
                     if max_retries is not None and retries >= max_retries:
                         log.exception(
@@ -164,6 +178,14 @@ class WorkQueue(Generic[Key]):
                 else:
                     self.forget(key)
                 finally:
+                    self._work_duration.observe(time.perf_counter() - started)
                     self.done(key)
 
         await asyncio.gather(*(worker() for _ in range(workers)))
+
+
+def _reason(error: Exception) -> str:
+    """An API refusal's reason (Conflict, NotFound, ...), else the error's type."""
+    if isinstance(error, ApiError) and error.reason:
+        return error.reason
+    return type(error).__name__

@@ -8,16 +8,16 @@ Go field name (`Pod`, `NodeNames`, `FailedAndUnresolvableNodes`, `Host`, ...).
 
 from __future__ import annotations
 
-import bisect
 import enum
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
 
-from kubekit import keys
+from kubekit import keys, metrics
 from kubekit.client import JSON
 from kubekit.estimatorapi.estimator_pb2 import PodEstimate
 
@@ -317,81 +317,44 @@ class Decisions:
 
 # -- metrics -----------------------------------------------------------------------------
 
-# Fine below 5 ms: a decision is judged against 5 ms, and its quantiles are read off these.
-FILTER_BUCKETS = (
-    0.0005,
-    0.001,
-    0.002,
-    0.003,
-    0.004,
-    0.005,
-    0.0075,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-)
-
-
-@dataclass
-class Histogram:
-    buckets: tuple[float, ...] = FILTER_BUCKETS
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-    count: int = 0
-
-    def __post_init__(self) -> None:
-        self.counts = [0] * len(self.buckets)
-
-    def observe(self, value: float) -> None:
-        index = bisect.bisect_left(self.buckets, value)
-        if index < len(self.counts):
-            self.counts[index] += 1
-        self.total += value
-        self.count += 1
-
-    def lines(self, name: str) -> Iterable[str]:
-        cumulative = 0
-        for bound, count in zip(self.buckets, self.counts, strict=True):
-            cumulative += count
-            yield f'{name}_bucket{{le="{bound:g}"}} {cumulative}'
-        yield f'{name}_bucket{{le="+Inf"}} {self.count}'
-        yield f"{name}_sum {self.total:.6f}"
-        yield f"{name}_count {self.count}"
+# Finer around 5 ms than the common buckets: a decision is judged against 5 ms, and its
+# quantiles are read off these.
+FILTER_BUCKETS = tuple(sorted({*metrics.LATENCY_BUCKETS, 0.002, 0.003, 0.004, 0.0075}))
 
 
 VERBS = ("filter", "prioritize", "bind")
 
 
-@dataclass
 class Metrics:
-    filter_seconds: Histogram = field(default_factory=Histogram)
-    decisions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(VERBS, 0))
-    estimator_errors: int = 0
-    bind_errors: int = 0
+    """One extender's metrics, in a registry of its own (a process or a test may hold
+    several extenders); served with the process-wide ones (kubekit.metrics)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.filter_seconds = Histogram(
+            "kubestrata_extender_filter_seconds",
+            "Time to answer one filter request.",
+            buckets=FILTER_BUCKETS,
+            registry=self.registry,
+        )
+        self.decisions = Counter(
+            "kubestrata_extender_decisions",
+            "Requests answered, by verb.",
+            ["verb"],
+            registry=self.registry,
+        )
+        for verb in VERBS:
+            self.decisions.labels(verb)
+        self.estimator_errors = Counter(
+            "kubestrata_extender_estimator_errors",
+            "Estimator calls that failed or missed the deadline.",
+            registry=self.registry,
+        )
+        self.bind_errors = Counter(
+            "kubestrata_extender_bind_errors",
+            "Bindings the apiserver refused.",
+            registry=self.registry,
+        )
 
     def prometheus_text(self) -> str:
-        lines = [
-            "# HELP kubestrata_extender_filter_seconds Time to answer one filter request.",
-            "# TYPE kubestrata_extender_filter_seconds histogram",
-            *self.filter_seconds.lines("kubestrata_extender_filter_seconds"),
-            "# HELP kubestrata_extender_decisions_total Requests answered, by verb.",
-            "# TYPE kubestrata_extender_decisions_total counter",
-            *(
-                f'kubestrata_extender_decisions_total{{verb="{verb}"}} {count}'
-                for verb, count in self.decisions.items()
-            ),
-            "# HELP kubestrata_extender_estimator_errors_total Estimator calls that failed "
-            "or missed the deadline.",
-            "# TYPE kubestrata_extender_estimator_errors_total counter",
-            f"kubestrata_extender_estimator_errors_total {self.estimator_errors}",
-            "# HELP kubestrata_extender_bind_errors_total Bindings the apiserver refused.",
-            "# TYPE kubestrata_extender_bind_errors_total counter",
-            f"kubestrata_extender_bind_errors_total {self.bind_errors}",
-        ]
-        return "\n".join(lines) + "\n"
+        return (generate_latest(self.registry) + generate_latest(REGISTRY)).decode()

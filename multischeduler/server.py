@@ -58,7 +58,7 @@ class Extender:
         answers = await self.pool.estimate(names, query, self.estimator_timeout)
         for name, answer in answers.items():
             if isinstance(answer, EstimatorFailure):
-                self.metrics.estimator_errors += 1
+                self.metrics.estimator_errors.inc()
                 log.warning("%s: pod %s: %s", name, pod_key, answer.message)
         return answers
 
@@ -74,7 +74,7 @@ class Extender:
             self.decisions.remember(args.uid, answers, self.clock(), released=surplus, pod=pod)
         result = filter_result(args.node_names, answers, self.on_error)
         self.metrics.filter_seconds.observe(self.clock() - began)
-        self.metrics.decisions["filter"] += 1
+        self.metrics.decisions.labels("filter").inc()
         return result
 
     async def prioritize(self, args: ExtenderArgs) -> list[JSON]:
@@ -87,11 +87,11 @@ class Extender:
                 missing, orjson.dumps(args.pod), args.pod_key, reserve=False
             )
             known |= {n: a for n, a in answers.items() if isinstance(a, PodEstimate)}
-        self.metrics.decisions["prioritize"] += 1
+        self.metrics.decisions.labels("prioritize").inc()
         return scores(args.node_names, known, self.score)
 
     async def bind(self, args: BindingArgs) -> JSON:
-        self.metrics.decisions["bind"] += 1
+        self.metrics.decisions.labels("bind").inc()
         pod = self.decisions.pod(args.pod_uid)
         reserved = self.decisions.take_reserved(args.pod_uid, self.clock())
         if pod and self.pool.is_virtual(args.node) and args.node not in reserved:
@@ -108,7 +108,7 @@ class Extender:
         except Exception as error:
             # Whatever went wrong, the scheduler retries the pod from filter, which reserves
             # again: every room held now would only be in the way.
-            self.metrics.bind_errors += 1
+            self.metrics.bind_errors.inc()
             log.warning(
                 "binding %s/%s to %s: %s", args.pod_namespace, args.pod_name, args.node, error
             )
@@ -162,7 +162,9 @@ def make_app(extender: Extender) -> web.Application:
 
     async def metrics(_request: web.Request) -> web.Response:
         return web.Response(
-            text=extender.metrics.prometheus_text(), content_type="text/plain", charset="utf-8"
+            text=extender.metrics.prometheus_text(),
+            content_type="text/plain",
+            charset="utf-8",
         )
 
     app = web.Application(client_max_size=MAX_BODY)

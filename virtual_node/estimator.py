@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 import orjson
 
-from kubekit import keys
+from kubekit import keys, metrics
 from kubekit.clusterstate import ClusterState, Estimate
 from kubekit.estimatorapi import estimator_pb2, estimator_pb2_grpc
 from kubekit.informer import FunctionHandler, Informer, object_key
@@ -316,6 +316,7 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
                 _AUTH_CODES.get(error.status, grpc.StatusCode.UNAVAILABLE), error.message
             )
 
+    @metrics.timed(metrics.ESTIMATOR_REQUEST_DURATION, "Estimate")
     async def Estimate(
         self,
         request: estimator_pb2.EstimateRequest,
@@ -333,6 +334,7 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
             estimates.append(to_message(answer, query.with_node_names))
         return estimator_pb2.EstimateResponse(cluster_id=self.cluster_id, estimates=estimates)
 
+    @metrics.timed(metrics.ESTIMATOR_REQUEST_DURATION, "Release")
     async def Release(
         self,
         request: estimator_pb2.ReleaseRequest,
@@ -343,6 +345,7 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
             released=self.estimator.release(list(request.pod_uids))
         )
 
+    @metrics.timed(metrics.ESTIMATOR_REQUEST_DURATION, "Defragment")
     async def Defragment(
         self,
         request: estimator_pb2.DefragmentRequest,
@@ -367,6 +370,7 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
             ],
         )
 
+    @metrics.timed(metrics.ESTIMATOR_REQUEST_DURATION, "FitInTurn")
     async def FitInTurn(
         self,
         request: estimator_pb2.FitInTurnRequest,
@@ -381,6 +385,7 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
             cluster_id=self.cluster_id, nodes=[node or "" for node in nodes]
         )
 
+    @metrics.timed(metrics.ESTIMATOR_REQUEST_DURATION, "Hold")
     async def Hold(
         self,
         request: estimator_pb2.HoldRequest,

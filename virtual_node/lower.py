@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from kubekit import keys
+from kubekit import keys, metrics
 from kubekit.client import NAMESPACES, PODS, SERVICEACCOUNTS, ApiError, KubeClient, is_not_found
 from kubekit.informer import FunctionHandler, Informer, object_key
 from kubekit.workqueue import WorkQueue
@@ -93,6 +93,7 @@ class LowerCluster:
         # lower key -> upper key of each pod of ours below, kept by the same handler, so
         # the orphan sweep decodes no pod (it decoded 10,000 on the event loop a minute).
         self._mirrored: dict[str, str] = {}
+        metrics.MIRRORED_PODS.set_function(lambda: len(self._mirrored))
         pods.add_handler(
             FunctionHandler(
                 add=self._pod_changed,

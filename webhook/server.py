@@ -15,6 +15,7 @@ from aiohttp import web
 from kubekit import logs, pki, stash
 from kubekit.client import ApiError, ClientSettings, KubeClient, Resource
 from kubekit.component import run_component
+from kubekit.health import serve_metrics
 from kubekit.serving import add_serving_arguments, check_serving_arguments, serving
 from webhook.admission import BadReview, parse_review, review_response
 from webhook.configuration import CONFIGURATION_NAME, PATH, url_configuration
@@ -59,6 +60,7 @@ def make_app(keep: Collection[str]) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY)
     app.router.add_post(PATH, mutate)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", serve_metrics)
     return app
 
 
