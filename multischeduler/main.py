@@ -12,7 +12,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from kubekit import keys, logs, pki
+from kubekit import keys, logs
+from kubekit.certreload import start_https_site
 from kubekit.client import NODES, PODS, ClientSettings, KubeClient
 from kubekit.component import run_component
 from kubekit.informer import Informer
@@ -131,17 +132,14 @@ async def run(config: Config) -> None:
             score=config.score,
         )
         runner = web.AppRunner(make_app(extender), access_log=None)
+        reloading: asyncio.Task[None] | None = None
         try:
             # Before the cache is filled every virtual node would look ordinary and pass.
             await nodes.wait_synced()
             await runner.setup()
-            site = web.TCPSite(
-                runner,
-                config.host,
-                config.port,
-                ssl_context=pki.server_ssl_context(config.cert_file, config.key_file),
+            reloading = await start_https_site(
+                runner, config.host, config.port, config.cert_file, config.key_file
             )
-            await site.start()
             log.info(
                 "serving the scheduler extender on https://%s:%d with %d virtual nodes",
                 config.host,
@@ -151,6 +149,8 @@ async def run(config: Config) -> None:
             # Until a signal cancels the task, which the finally below cleans up after.
             await asyncio.Future()
         finally:
+            if reloading is not None:
+                reloading.cancel()
             await runner.cleanup()
             watching.cancel()
             await asyncio.gather(watching, return_exceptions=True)

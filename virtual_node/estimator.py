@@ -20,7 +20,8 @@ from typing import Any
 import grpc
 import orjson
 
-from kubekit import keys, metrics
+from kubekit import keys, metrics, pki
+from kubekit.certreload import CertificateFiles
 from kubekit.clusterstate import ClusterState, Estimate
 from kubekit.estimatorapi import estimator_pb2, estimator_pb2_grpc
 from kubekit.informer import FunctionHandler, Informer, object_key
@@ -399,14 +400,29 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
         return estimator_pb2.HoldResponse()
 
 
+def _certificate_configuration(pair: pki.KeyPair) -> Any:
+    return grpc.ssl_server_certificate_configuration(
+        [(pair.key_path.read_bytes(), pair.cert_path.read_bytes())]
+    )
+
+
+def reloading_credentials(pair: pki.KeyPair) -> grpc.ServerCredentials:
+    """TLS credentials that take the pair's files again once they are renewed (a new
+    kubelet-serving certificate): gRPC asks before each handshake."""
+    files = CertificateFiles(pair.cert_path, pair.key_path)
+
+    def fetch() -> Any:
+        return _certificate_configuration(pair) if files.renewed() else None
+
+    return grpc.dynamic_ssl_server_credentials(_certificate_configuration(pair), fetch)
+
+
 async def serve(
-    service: EstimatorService, address: str, port: int, cert_pem: bytes, key_pem: bytes
+    service: EstimatorService, address: str, port: int, pair: pki.KeyPair
 ) -> grpc.aio.Server:
     server = grpc.aio.server()
     estimator_pb2_grpc.add_EstimatorServicer_to_server(service, server)
-    bound = server.add_secure_port(
-        f"{address}:{port}", grpc.ssl_server_credentials([(key_pem, cert_pem)])
-    )
+    bound = server.add_secure_port(f"{address}:{port}", reloading_credentials(pair))
     if bound == 0:
         raise OSError(f"the estimator cannot listen on {address}:{port}")
     await server.start()

@@ -17,6 +17,7 @@ import yaml
 from aiohttp import web
 
 from kubekit import keys, logs, pki
+from kubekit.certreload import start_https_site
 from kubekit.client import (
     EVENTS,
     NAMESPACES,
@@ -37,7 +38,7 @@ from virtual_node.estimator import EstimatorService, FitEstimator
 from virtual_node.estimator import serve as serve_estimator
 from virtual_node.events import EventReflector
 from virtual_node.kubeletapi.auth import Authorizer
-from virtual_node.kubeletapi.certificates import serving_certificate
+from virtual_node.kubeletapi.certificates import keep_renewed, serving_certificate
 from virtual_node.kubeletapi.server import KubeletServer
 from virtual_node.kubeletstreams import LowerKubelet
 from virtual_node.lower import LowerCluster
@@ -238,13 +239,20 @@ def parse_args(argv: Sequence[str]) -> VirtualNodeConfig:
 
 async def serve_kubelet_api(
     config: VirtualNodeConfig, provider: LowerKubelet, authorizer: Authorizer, pair: pki.KeyPair
-) -> web.AppRunner:
+) -> tuple[web.AppRunner, asyncio.Task[None]]:
+    """The kubelet API's server, and the task that reloads its certificate files."""
     server = KubeletServer(provider, authorizer)
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
-    context = pki.server_ssl_context(pair.cert_path, pair.key_path, Path(config.client_ca_file))
-    await web.TCPSite(runner, config.address, config.kubelet_port, ssl_context=context).start()
-    return runner
+    reloading = await start_https_site(
+        runner,
+        config.address,
+        config.kubelet_port,
+        pair.cert_path,
+        pair.key_path,
+        Path(config.client_ca_file),
+    )
+    return runner, reloading
 
 
 async def run(config: VirtualNodeConfig) -> None:
@@ -291,6 +299,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
     # with many pods their list would be a third of the work of a restart.
     lower_event_informers = InformerFactory(lower)
     runner: web.AppRunner | None = None
+    reloading: asyncio.Task[None] | None = None
     estimator_server: grpc.aio.Server | None = None
     try:
         origin = (await upper.get(NAMESPACES, "kube-system"))["metadata"]["uid"]
@@ -352,10 +361,12 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             if config.tls_cert_file
             else None
         )
-        pair = await serving_certificate(upper, config.name, [config.address], directory, files)
+        pair, renewable = await serving_certificate(
+            upper, config.name, [config.address], directory, files
+        )
         # One authorizer, so the kubelet API and the estimator share its caches.
         authorizer = Authorizer(upper, config.name)
-        runner = await serve_kubelet_api(config, kubelet, authorizer, pair)
+        runner, reloading = await serve_kubelet_api(config, kubelet, authorizer, pair)
         if config.estimator_port:
             estimator.watch(backend.nodes, backend.pods, upper_pods)
 
@@ -378,8 +389,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
                 EstimatorService(estimator, authorizer, config.cluster_id),
                 config.address,
                 config.estimator_port,
-                pair.cert_path.read_bytes(),
-                pair.key_path.read_bytes(),
+                pair,
             )
         lower_event_informers.start()
         await asyncio.gather(
@@ -388,10 +398,13 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             reflector.run(config.workers),
             events.run(max(1, config.workers // 4)),
             _sweep_orphans(backend, upper_pods.keys, queue, reflector),
+            *([keep_renewed(upper, config.name, [config.address], pair)] if renewable else []),
         )
     finally:
         if estimator_server is not None:
             await estimator_server.stop(grace=1)
+        if reloading is not None:
+            reloading.cancel()
         if runner is not None:
             await runner.cleanup()
         await upper_informers.stop()

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from kubekit import logs, pki, stash
+from kubekit import logs, stash
+from kubekit.certreload import start_https_site
 from kubekit.client import ApiError, ClientSettings, KubeClient, Resource
 from kubekit.component import run_component
 from kubekit.health import serve_metrics
@@ -174,20 +175,19 @@ def parse_args(argv: Sequence[str]) -> WebhookConfig:
 async def run(config: WebhookConfig) -> None:
     runner = web.AppRunner(make_app(config.keep_keys), access_log=None)
     await runner.setup()
+    reloading: asyncio.Task[None] | None = None
     try:
-        site = web.TCPSite(
-            runner,
-            config.host,
-            config.port,
-            ssl_context=pki.server_ssl_context(config.cert_file, config.key_file),
+        reloading = await start_https_site(
+            runner, config.host, config.port, config.cert_file, config.key_file
         )
-        await site.start()
         log.info("serving admission reviews on https://%s:%d%s", config.host, config.port, PATH)
         if config.register_url or config.inject_ca_bundle:
             await publish_ca_bundle(config)
         # Until a signal cancels the task, which the finally below cleans up after.
         await asyncio.Future()
     finally:
+        if reloading is not None:
+            reloading.cancel()
         await runner.cleanup()
 
 

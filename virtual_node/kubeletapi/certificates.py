@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import datetime
 import ipaddress
 import logging
 import secrets
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,9 @@ CSRS = Resource("certificates.k8s.io", "v1", "certificatesigningrequests", names
 SIGNER = "kubernetes.io/kubelet-serving"
 USAGES = ("digital signature", "server auth")
 ISSUE_TIMEOUT = 30.0
+# Renewed at this share of its life, as the kubelet's certificate manager does (70-90 %).
+RENEW_AT = 0.8
+RENEW_RETRY_SECONDS = 60.0
 
 
 def signing_request(node_name: str, names: Collection[str]) -> tuple[bytes, bytes]:
@@ -139,15 +143,53 @@ async def serving_certificate(
     names: Collection[str],
     directory: Path,
     files: tuple[Path, Path] | None,
-) -> pki.KeyPair:
+) -> tuple[pki.KeyPair, bool]:
+    """The pair to serve with, and whether it came from a CSR (and so is ours to renew:
+    given files are renewed by whoever gives them, and reloaded all the same)."""
     if files is not None:
-        return pki.KeyPair(*files)
+        return pki.KeyPair(*files), False
     try:
-        return await request_certificate(upper, node_name, names, directory)
-    except (ApiError, OSError, TimeoutError, ValueError) as error:
+        return await request_certificate(upper, node_name, names, directory), True
+    except _REQUEST_ERRORS as error:
         log.warning(
             "no kubelet-serving certificate from the upper cluster (%s); serving a "
             "self-signed one, which apiservers that verify kubelets will refuse",
             error,
         )
-        return pki.serving_pair(directory, node_name, tuple(names))
+        return pki.serving_pair(directory, node_name, tuple(names)), False
+
+
+_REQUEST_ERRORS = (ApiError, OSError, TimeoutError, ValueError)
+
+
+def renewal_delay(cert_pem: bytes, now: datetime.datetime, share: float = RENEW_AT) -> float:
+    """Seconds from ``now`` until the certificate has lived ``share`` of its life."""
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    begins, ends = cert.not_valid_before_utc, cert.not_valid_after_utc
+    return max(0.0, (begins + (ends - begins) * share - now).total_seconds())
+
+
+async def keep_renewed(
+    upper: KubeClient,
+    node_name: str,
+    names: Collection[str],
+    pair: pki.KeyPair,
+    clock: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.UTC),
+) -> None:
+    """Asks for a new kubelet-serving certificate whenever the one in ``pair``'s files has
+    lived 80 % of its life, writing it over them (the kubelet API's TLS context reloads
+    them); a failed request is tried again a minute later, while the old one still holds."""
+    while True:
+        delay = renewal_delay(pair.cert_path.read_bytes(), clock())
+        await asyncio.sleep(delay)
+        try:
+            await request_certificate(upper, node_name, names, pair.cert_path.parent)
+        except _REQUEST_ERRORS as error:
+            log.warning(
+                "kubelet-serving certificate not renewed (%s); trying again in %.0f s",
+                error,
+                RENEW_RETRY_SECONDS,
+            )
+            await asyncio.sleep(RENEW_RETRY_SECONDS)
+            continue
+        log.info("kubelet-serving certificate of %s renewed", node_name)

@@ -1,0 +1,71 @@
+"""The kubelet-serving certificate is asked for again at 80 % of its life."""
+
+import asyncio
+import datetime
+import shutil
+from collections.abc import Collection
+from pathlib import Path
+
+import pytest
+
+from kubekit import pki
+from kubekit.client import ApiError, KubeClient
+from virtual_node.kubeletapi import certificates
+from virtual_node.kubeletapi.certificates import keep_renewed, renewal_delay
+
+
+def lifetime(pair: pki.KeyPair) -> tuple[datetime.datetime, datetime.timedelta]:
+    cert, _ = pair.load()
+    return cert.not_valid_before_utc, cert.not_valid_after_utc - cert.not_valid_before_utc
+
+
+def test_renewal_is_due_at_80_percent_of_the_life(tmp_path: Path) -> None:
+    ca = pki.create_ca(tmp_path, "test")
+    pair = pki.issue(ca, tmp_path / "serving", "vk-1", server_names=("127.0.0.1",))
+    begins, life = lifetime(pair)
+    pem = pair.cert_path.read_bytes()
+    assert renewal_delay(pem, begins + life / 2) == pytest.approx((life * 0.3).total_seconds())
+    assert renewal_delay(pem, begins + life * 0.9) == 0
+
+
+async def test_a_due_certificate_is_renewed_and_a_failed_request_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ca = pki.create_ca(tmp_path, "test")
+    live = pki.issue(ca, tmp_path / "kubelet-serving", "vk-1", server_names=("127.0.0.1",))
+    fresh = pki.issue(ca, tmp_path / "fresh", "vk-1", server_names=("127.0.0.1",))
+    begins, life = lifetime(live)
+    requests: list[Path] = []
+    renewed = asyncio.Event()
+
+    async def request(
+        _upper: KubeClient, node_name: str, names: Collection[str], directory: Path
+    ) -> pki.KeyPair:
+        requests.append(directory)
+        if len(requests) == 1:
+            raise ApiError(503, {"reason": "ServiceUnavailable"})
+        shutil.copy(fresh.cert_path, live.cert_path)
+        shutil.copy(fresh.key_path, live.key_path)
+        renewed.set()
+        return live
+
+    monkeypatch.setattr(certificates, "request_certificate", request)
+    monkeypatch.setattr(certificates, "RENEW_RETRY_SECONDS", 0.01)
+    # At 85 % of the first certificate's life; then the fresh one is far from due.
+    times = iter([begins + life * 0.85, begins + life * 0.85])
+    renewing = asyncio.create_task(
+        keep_renewed(
+            None,  # type: ignore[arg-type]
+            "vk-1",
+            ["127.0.0.1"],
+            live,
+            clock=lambda: next(times, datetime.datetime.now(datetime.UTC)),
+        )
+    )
+    try:
+        await asyncio.wait_for(renewed.wait(), 5)
+        await asyncio.sleep(0.05)
+        assert requests == [tmp_path, tmp_path], "one failure, one renewal, then nothing due"
+        assert live.load()[0].serial_number == fresh.load()[0].serial_number
+    finally:
+        renewing.cancel()

@@ -1,0 +1,88 @@
+import asyncio
+import shutil
+import ssl
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from cryptography import x509
+
+from kubekit import pki
+from kubekit.certreload import ReloadingContext
+
+
+async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while line := await reader.readline():
+        writer.write(line)
+        await writer.drain()
+    writer.close()
+
+
+@asynccontextmanager
+async def serving(context: ssl.SSLContext) -> AsyncIterator[int]:
+    server = await asyncio.start_server(echo, "127.0.0.1", 0, ssl=context)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def connect(port: int, ca: Path) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, int]:
+    """A TLS connection trusting ``ca``, and the serial of the certificate it was shown."""
+    client = ssl.create_default_context(cafile=str(ca))
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client)
+    ssl_object = writer.get_extra_info("ssl_object")
+    serial = x509.load_der_x509_certificate(ssl_object.getpeercert(binary_form=True)).serial_number
+    return reader, writer, serial
+
+
+def serial(pair: pki.KeyPair) -> int:
+    return pair.load()[0].serial_number
+
+
+async def test_new_connections_get_the_renewed_pair_and_open_ones_carry_on(
+    tmp_path: Path,
+) -> None:
+    ca = pki.create_ca(tmp_path, "test")
+    first = pki.issue(ca, tmp_path / "first", "127.0.0.1", server_names=("127.0.0.1",))
+    second = pki.issue(ca, tmp_path / "second", "127.0.0.1", server_names=("127.0.0.1",))
+    live = pki.KeyPair(tmp_path / "tls.crt", tmp_path / "tls.key")
+    shutil.copy(first.cert_path, live.cert_path)
+    shutil.copy(first.key_path, live.key_path)
+    reloading = ReloadingContext(live.cert_path, live.key_path)
+    assert not reloading.reload_if_changed(), "nothing changed yet"
+    async with serving(reloading.context) as port:
+        reader, writer, shown = await connect(port, ca.cert_path)
+        assert shown == serial(first)
+
+        # The renewal lands as a certificate whose key is not there yet: kept as it was.
+        shutil.copy(second.cert_path, live.cert_path)
+        assert not reloading.reload_if_changed()
+        assert (await connect(port, ca.cert_path))[2] == serial(first)
+        shutil.copy(second.key_path, live.key_path)
+        assert reloading.reload_if_changed()
+        assert (await connect(port, ca.cert_path))[2] == serial(second)
+
+        writer.write(b"still there?\n")
+        assert await reader.readline() == b"still there?\n"
+        writer.close()
+
+
+async def test_watch_reloads_on_its_own(tmp_path: Path) -> None:
+    ca = pki.create_ca(tmp_path, "test")
+    first = pki.issue(ca, tmp_path / "first", "127.0.0.1", server_names=("127.0.0.1",))
+    second = pki.issue(ca, tmp_path / "second", "127.0.0.1", server_names=("127.0.0.1",))
+    reloading = ReloadingContext(first.cert_path, first.key_path)
+    watching = asyncio.create_task(reloading.watch(interval=0.05))
+    try:
+        async with serving(reloading.context) as port:
+            first.cert_path.write_bytes(second.cert_path.read_bytes())
+            first.key_path.write_bytes(second.key_path.read_bytes())
+            for _ in range(100):
+                if (await connect(port, ca.cert_path))[2] == serial(second):
+                    break
+                await asyncio.sleep(0.05)
+            assert (await connect(port, ca.cert_path))[2] == serial(second)
+    finally:
+        watching.cancel()
