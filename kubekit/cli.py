@@ -208,6 +208,7 @@ def _status(args: argparse.Namespace) -> int:
 COMPONENTS = {
     "virtual-node": "virtual_node",
     "webhook": "webhook",
+    "webhook-cert": "webhook.certjob",
     "descheduler": "descheduler",
     "multischeduler": "multischeduler",
 }

@@ -319,10 +319,10 @@ class Federation:
         """The arguments of `kubestrata virtual-node` for ``lower``; ``replica`` names one
         more replica beside the first, with ports and a Lease identity of its own."""
         name = virtual_node_name(lower.name)
-        upper_identity = self._identity(
+        upper_identity = self.identity(
             self.upper, name, VIRTUAL_NODE_ACCOUNT, MANIFESTS / "virtual-node" / "rbac"
         )
-        lower_identity = self._identity(
+        lower_identity = self.identity(
             lower, name, VIRTUAL_NODE_ACCOUNT, MANIFESTS / "virtual-node-lower"
         )
         replica_name = f"{name}-{replica}" if replica else name
@@ -348,7 +348,7 @@ class Federation:
         port = free_port()
         url = f"https://127.0.0.1:{port}{WEBHOOK_PATH}"
         self.upper.kubectl("apply", "-f", "-", input=json.dumps(url_configuration(url)))
-        identity = self._identity(
+        identity = self.identity(
             self.upper, WEBHOOK, WEBHOOK_ACCOUNT, MANIFESTS / WEBHOOK / "rbac.yaml"
         )
         self.start_component(
@@ -386,7 +386,7 @@ class Federation:
         directory = self.state_dir / MULTISCHEDULER
         serving = pki.serving_pair(directory, MULTISCHEDULER, (LOOPBACK,))
         ca_file = pki.ca_path(serving)
-        identity = self._identity(
+        identity = self.identity(
             self.upper,
             MULTISCHEDULER,
             MULTISCHEDULER_ACCOUNT,
@@ -423,7 +423,7 @@ class Federation:
     def descheduler_args(self, policy: Path | None = None) -> list[str]:
         """The arguments of `kubestrata descheduler` for this federation, calling the
         estimators with the identity its manifests give it."""
-        identity = self._identity(
+        identity = self.identity(
             self.upper, DESCHEDULER, DESCHEDULER_ACCOUNT, MANIFESTS / DESCHEDULER / "rbac.yaml"
         )
         return [
@@ -436,7 +436,7 @@ class Federation:
             *([f"--policy={policy}"] if policy is not None else []),
         ]
 
-    def _identity(
+    def identity(
         self, cluster: KubectlClient, component: str, account: str, rbac: Path
     ) -> Identity:
         """Applies the component's RBAC from the manifests to ``cluster``; the component

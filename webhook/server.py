@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from kubekit.component import run_component
 from kubekit.health import serve_metrics
 from kubekit.serving import add_serving_arguments, check_serving_arguments, serving
 from webhook.admission import BadReview, parse_review, review_response
+from webhook.certificate import ca_bundle_patch
 from webhook.configuration import CONFIGURATION_NAME, PATH, url_configuration
 
 log = logging.getLogger("webhook")
@@ -99,24 +99,19 @@ async def publish_ca_bundle(config: WebhookConfig) -> None:
                 await client.replace(MUTATING_WEBHOOK_CONFIGURATIONS, desired)
             log.info("registered %s for %s", CONFIGURATION_NAME, config.register_url)
         if config.inject_ca_bundle is not None:
-            name = config.inject_ca_bundle
-            current = await client.get(MUTATING_WEBHOOK_CONFIGURATIONS, name)
-            encoded = base64.b64encode(ca_bundle).decode()
-            patch = [
-                {
-                    "op": "replace" if "caBundle" in w["clientConfig"] else "add",
-                    "path": f"/webhooks/{i}/clientConfig/caBundle",
-                    "value": encoded,
-                }
-                for i, w in enumerate(current.get("webhooks") or [])
-            ]
-            await client.patch(
-                MUTATING_WEBHOOK_CONFIGURATIONS,
-                name,
-                patch,
-                patch_type="application/json-patch+json",
-            )
-            log.info("put our CA bundle into %s", name)
+            await inject_ca_bundle(client, config.inject_ca_bundle, ca_bundle)
+
+
+async def inject_ca_bundle(client: KubeClient, name: str, ca_bundle: bytes) -> None:
+    """Puts ``ca_bundle`` into every webhook of the existing configuration ``name``,
+    unless they all have it already."""
+    patch = ca_bundle_patch(await client.get(MUTATING_WEBHOOK_CONFIGURATIONS, name), ca_bundle)
+    if not patch:
+        return
+    await client.patch(
+        MUTATING_WEBHOOK_CONFIGURATIONS, name, patch, patch_type="application/json-patch+json"
+    )
+    log.info("put our CA bundle into %s", name)
 
 
 def parse_args(argv: Sequence[str]) -> WebhookConfig:

@@ -35,14 +35,16 @@ def test_every_component_has_a_role() -> None:
     names = {d["metadata"]["name"] for _, d in roles()}
     assert names == {
         "kubestrata-webhook",
+        "kubestrata-webhook-cert",
         "kubestrata-multischeduler",
         "kubestrata-descheduler",
         "kubestrata-virtual-node",
         "kubestrata-virtual-node-leader",
     }
     # The virtual node's: in the upper cluster, for its heartbeat Lease, for its leader
-    # Lease, and in each lower cluster.
-    assert len(roles()) == 7
+    # Lease, and in each lower cluster; the webhook certificate job's: for its Secrets and
+    # for the configuration's CA bundle.
+    assert len(roles()) == 9
 
 
 @pytest.mark.parametrize("path, role", roles(), ids=lambda v: str(v)[-40:])
