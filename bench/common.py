@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
+from harness.localcluster import KubectlClient
 from kubekit.client import NAMESPACES, PODS, ApiError, ClientSettings, KubeClient, is_not_found
-from kubekit.localcluster import KubectlClient
 
 
 async def delete_namespaces(cluster: KubectlClient, names: Iterable[str]) -> None:

@@ -11,8 +11,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from kubekit.federation import Federation, FederationSpec
-from kubekit.toolchain import Toolchain
+from harness.federation import Federation, FederationSpec
+from harness.toolchain import Toolchain
 
 
 def rss_kib(pid: int) -> int:

@@ -45,11 +45,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from harness.federation import Federation, FederationSpec, virtual_node_name
+from harness.localcluster import LocalCluster
+from harness.process import ManagedProcess
+from harness.toolchain import Toolchain
 from kubekit import keys
-from kubekit.federation import Federation, FederationSpec, virtual_node_name
-from kubekit.localcluster import LocalCluster
-from kubekit.process import ManagedProcess
-from kubekit.toolchain import Toolchain
 
 NAMESPACE = "bench"
 POD = "api"

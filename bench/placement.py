@@ -64,12 +64,12 @@ from typing import Any
 
 from common import delete_namespaces, wait_no_pods
 
+from harness.federation import UPPER, Federation
+from harness.localcluster import ClusterSpec, KubectlClient, LocalCluster, NodeSpec
+from harness.toolchain import Toolchain
 from kubekit import keys
 from kubekit.client import NAMESPACES, PODS, ApiError, ClientSettings, KubeClient
-from kubekit.federation import UPPER, Federation
 from kubekit.informer import FunctionHandler, Informer
-from kubekit.localcluster import ClusterSpec, KubectlClient, LocalCluster, NodeSpec
-from kubekit.toolchain import Toolchain
 
 TRACE_DIR = Path("/work/shared/data/alibaba-openb-2023")
 NODE_FILE = "openb_node_list_all_node.csv"

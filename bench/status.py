@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from harness.federation import Federation, FederationSpec, kubeconfig_path
+from harness.toolchain import Toolchain
 from kubekit import keys, status
-from kubekit.federation import Federation, FederationSpec, kubeconfig_path
-from kubekit.toolchain import Toolchain
 
 TARGET_SECONDS = 1.0
 

@@ -46,12 +46,12 @@ from typing import Any
 
 from common import delete_namespaces, wait_no_pods
 
+from harness.federation import Federation, virtual_node_name
+from harness.localcluster import ClusterSpec, LocalCluster, NodeSpec
+from harness.toolchain import Toolchain
 from kubekit import keys
 from kubekit.client import NAMESPACES, PODS, ClientSettings, KubeClient
-from kubekit.federation import Federation, virtual_node_name
 from kubekit.informer import FunctionHandler, Informer
-from kubekit.localcluster import ClusterSpec, LocalCluster, NodeSpec
-from kubekit.toolchain import Toolchain
 from virtual_node.main import DEFAULT_WORKERS
 
 

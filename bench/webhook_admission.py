@@ -29,8 +29,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from harness.localcluster import free_port
 from kubekit import keys, pki
-from kubekit.localcluster import free_port
 
 
 def review(index: int) -> dict[str, Any]:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kubekit.federation import Federation, FederationSpec
-from kubekit.toolchain import Toolchain, ToolchainError
+from harness.federation import Federation, FederationSpec
+from harness.toolchain import Toolchain, ToolchainError
 
 # Small nodes keep capacity arithmetic in tests readable.
 TEST_FEDERATION = FederationSpec(

@@ -7,9 +7,9 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from harness.federation import Federation
+from harness.localcluster import LocalCluster
 from kubekit import keys
-from kubekit.federation import Federation
-from kubekit.localcluster import LocalCluster
 
 T = TypeVar("T")
 

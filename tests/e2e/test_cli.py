@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kubekit.federation import running_processes
-from kubekit.localcluster import ClusterError, ClusterSpec, LocalCluster, Ports
-from kubekit.toolchain import Toolchain
+from harness.federation import running_processes
+from harness.localcluster import ClusterError, ClusterSpec, LocalCluster, Ports
+from harness.toolchain import Toolchain
 
 KUBESTRATA = [sys.executable, "-m", "kubekit.cli"]
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from kubekit.federation import Federation
-from kubekit.localcluster import LocalCluster, NodeSpec
+from harness.federation import Federation
+from harness.localcluster import LocalCluster, NodeSpec
 
 from .helpers import apply, federated_namespace, get_json, pods_by_name, wait_for
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
+from harness.federation import Federation
+from harness.localcluster import LocalCluster, NodeSpec
 from kubekit import keys
-from kubekit.federation import Federation
-from kubekit.localcluster import LocalCluster, NodeSpec
 
 from .helpers import (
     apply,

@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
+from harness.federation import Federation, virtual_node_name
+from harness.localcluster import LocalCluster
 from kubekit import keys, pki
-from kubekit.federation import Federation, virtual_node_name
-from kubekit.localcluster import LocalCluster
 
 from .helpers import apply, cluster_pod, get_json, namespace, wait_for
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import time
 
+from harness.federation import Federation, virtual_node_name
 from kubekit import keys
-from kubekit.federation import Federation, virtual_node_name
 from virtual_node.main import VirtualNodeConfig
 
 from .helpers import (

@@ -13,8 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kubekit import keys
-from kubekit.federation import (
+from harness.federation import (
     DESCHEDULER_ACCOUNT,
     MULTISCHEDULER,
     MULTISCHEDULER_ACCOUNT,
@@ -24,7 +23,8 @@ from kubekit.federation import (
     Federation,
     virtual_node_name,
 )
-from kubekit.localcluster import KubectlClient
+from harness.localcluster import KubectlClient
+from kubekit import keys
 
 MANIFESTS = Path(__file__).parents[2] / "manifests"
 # Stand-ins for cert-manager's CRDs (not installed here): the kinds at their real group and

@@ -6,8 +6,8 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.federation import Federation, virtual_node_name
 from kubekit import keys
-from kubekit.federation import Federation, virtual_node_name
 
 from .helpers import apply, federated_deployment, namespace, rollout, wait_for
 

@@ -22,10 +22,10 @@ from typing import Any
 import grpc
 import pytest
 
+from harness.federation import Federation, virtual_node_name
+from harness.localcluster import LocalCluster, NodeSpec
 from kubekit import keys
 from kubekit.estimatorapi import estimator_pb2, estimator_pb2_grpc
-from kubekit.federation import Federation, virtual_node_name
-from kubekit.localcluster import LocalCluster, NodeSpec
 
 from .helpers import apply, bound_pod, federated_namespace, get_json, pods_by_name, wait_for
 

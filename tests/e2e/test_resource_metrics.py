@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from kubekit.federation import Federation
-from kubekit.localcluster import USAGE_CPU_ANNOTATION, USAGE_MEMORY_ANNOTATION
+from harness.federation import Federation
+from harness.localcluster import USAGE_CPU_ANNOTATION, USAGE_MEMORY_ANNOTATION
 from kubekit.quantity import parse_quantity
 
 from .helpers import apply, cluster_pod, get_json, get_raw, namespace, wait_for

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import uuid
 
-from kubekit.federation import Federation
+from harness.federation import Federation
 
 
 def test_kubectl_get_nodes_shows_the_simulated_nodes(federation: Federation) -> None:

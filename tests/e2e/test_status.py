@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from harness.federation import Federation
 from kubekit import keys
-from kubekit.federation import Federation
 from kubekit.quantity import parse_quantity
 
 from .conftest import TEST_FEDERATION

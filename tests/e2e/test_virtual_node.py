@@ -10,9 +10,9 @@ import threading
 from functools import partial
 from typing import Any
 
+from harness.federation import Federation, virtual_node_name
+from harness.localcluster import LocalCluster
 from kubekit import keys
-from kubekit.federation import Federation, virtual_node_name
-from kubekit.localcluster import LocalCluster
 from kubekit.quantity import parse_quantity
 
 from .helpers import (

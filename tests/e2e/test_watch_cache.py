@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from harness.localcluster import ClusterSpec, LocalCluster
+from harness.toolchain import Toolchain
 from kubekit.client import CONFIGMAPS, JSON, ClientSettings, KubeClient
 from kubekit.informer import Informer, object_key
-from kubekit.localcluster import ClusterSpec, LocalCluster
-from kubekit.toolchain import Toolchain
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from harness.federation import Federation
 from kubekit import keys, stash
-from kubekit.federation import Federation
 
 from .helpers import apply, federated_namespace, get_json, pods_by_name, rollout, wait_for
 

@@ -20,10 +20,10 @@ from typing import Any
 
 from cryptography import x509
 
+from harness.federation import MANIFESTS, Federation
+from harness.localcluster import free_port
+from harness.process import ManagedProcess
 from kubekit import keys
-from kubekit.federation import MANIFESTS, Federation
-from kubekit.localcluster import free_port
-from kubekit.process import ManagedProcess
 from webhook.configuration import PATH, url_configuration
 
 from .helpers import get_json, wait_for

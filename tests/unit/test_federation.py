@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kubekit.cli import build_parser
-from kubekit.federation import (
+from harness.cli import build_parser
+from harness.federation import (
     MAX_LOWER,
     STATE_FILE,
     Federation,
@@ -15,15 +15,15 @@ from kubekit.federation import (
     FederationSpec,
     kubeconfig_path,
 )
-from kubekit.localcluster import (
+from harness.localcluster import (
     RESOURCE_METRICS_PATH_ANNOTATION,
     ClusterError,
     LocalCluster,
     NodeSpec,
     pod_cidr,
 )
-from kubekit.process import ManagedProcess
-from kubekit.toolchain import Toolchain
+from harness.process import ManagedProcess
+from harness.toolchain import Toolchain
 
 FAKE_TOOLCHAIN = Toolchain(
     Path("/nonexistent/kube"), Path("/nonexistent/kwok"), Path("/nonexistent"), "v0"
@@ -190,7 +190,7 @@ def test_k3s_lowers_are_containers_and_need_the_foreground() -> None:
 
 
 def test_k3s_without_docker_says_what_is_missing(tmp_path: Path) -> None:
-    from kubekit.k3s import K3sCluster
+    from harness.k3s import K3sCluster
 
     cluster = K3sCluster(FederationSpec(lower=1, k3s=True).clusters()[1], tmp_path, FAKE_TOOLCHAIN)
     try:

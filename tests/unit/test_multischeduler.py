@@ -11,9 +11,9 @@ import orjson
 import pytest
 import yaml
 
+from harness.federation import scheduler_extender
 from kubekit import keys, pki
 from kubekit.estimatorapi.estimator_pb2 import PodEstimate
-from kubekit.federation import scheduler_extender
 from multischeduler.estimators import TokenFile
 from multischeduler.extender import (
     Answer,

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kubekit.process import ManagedProcess, ProcessError, ProcessRecord, start_time_ticks
+from harness.process import ManagedProcess, ProcessError, ProcessRecord, start_time_ticks
 
 
 def test_process_that_dies_at_start_explains_itself_with_its_log(tmp_path: Path) -> None:

@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from kubekit.federation import Federation, FederationSpec
-from kubekit.process import ManagedProcess, ProcessError
-from kubekit.supervisor import RestartPolicy
-from kubekit.toolchain import Toolchain
+from harness.federation import Federation, FederationSpec
+from harness.process import ManagedProcess, ProcessError
+from harness.supervisor import RestartPolicy
+from harness.toolchain import Toolchain
 
 FAKE_TOOLCHAIN = Toolchain(
     Path("/nonexistent/kube"), Path("/nonexistent/kwok"), Path("/nonexistent"), "v0"

@@ -17,9 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from kubekit import keys, pki
-from kubekit.k3s import K3sCluster
-from kubekit.localcluster import (
+from harness.k3s import K3sCluster
+from harness.localcluster import (
     LOOPBACK,
     POD_CIDRS,
     ClusterError,
@@ -30,9 +29,10 @@ from kubekit.localcluster import (
     free_port,
     pod_cidr,
 )
-from kubekit.process import ManagedProcess, ProcessError, ProcessRecord
-from kubekit.supervisor import RestartPolicy
-from kubekit.toolchain import Toolchain
+from harness.process import ManagedProcess, ProcessError, ProcessRecord
+from harness.supervisor import RestartPolicy
+from harness.toolchain import Toolchain
+from kubekit import keys, pki
 from webhook.configuration import CONFIGURATION_NAME as WEBHOOK_CONFIGURATION
 from webhook.configuration import PATH as WEBHOOK_PATH
 from webhook.configuration import url_configuration

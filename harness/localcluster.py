@@ -25,9 +25,9 @@ from typing import Any, Literal
 
 import yaml
 
+from harness.process import ManagedProcess, ProcessError, ProcessRecord
+from harness.toolchain import Toolchain
 from kubekit import keys, pki
-from kubekit.process import ManagedProcess, ProcessError, ProcessRecord
-from kubekit.toolchain import Toolchain
 
 Role = Literal["upper", "lower"]
 
@@ -109,7 +109,7 @@ class ClusterSpec:
     name: str
     role: Role
     nodes: tuple[NodeSpec, ...] = ()
-    # "k3s": a K3s container through testcontainers (kubekit.k3s), lower clusters only.
+    # "k3s": a K3s container through testcontainers (harness.k3s), lower clusters only.
     runtime: Literal["local", "k3s"] = "local"
     # A metrics-server serving metrics.k8s.io, scraping the cluster's nodes (kwok's
     # simulated usage below, the virtual nodes' kubelet API above).

@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kubekit.localcluster import ClusterError, ClusterSpec, KubectlClient
-from kubekit.process import ProcessRecord
-from kubekit.toolchain import Toolchain
+from harness.localcluster import ClusterError, ClusterSpec, KubectlClient
+from harness.process import ProcessRecord
+from harness.toolchain import Toolchain
 
 K3S_IMAGE = "rancher/k3s:v1.35.4-k3s1"
 
