@@ -12,11 +12,12 @@ from pathlib import Path
 
 from descheduler.controller import Descheduler
 from descheduler.policy import Policy, PolicyError, parse_policy
-from kubekit import keys, logs
+from kubekit import keys, leader, logs
 from kubekit.client import NODES, PODDISRUPTIONBUDGETS, PODS, ClientSettings, KubeClient
 from kubekit.component import run_component
 from kubekit.health import Health
 from kubekit.informer import Informer
+from kubekit.leader import ElectionSettings
 from kubekit.serving import check_kubeconfig
 from multischeduler.estimators import (
     EstimatorClient,
@@ -36,6 +37,7 @@ class Config:
     estimators: EstimatorClient
     health_address: str = "0.0.0.0"
     health_port: int = 10258  # 0: none
+    election: ElectionSettings | None = None  # None: no leader election
 
 
 def parse_args(argv: Sequence[str]) -> Config:
@@ -68,11 +70,16 @@ def parse_args(argv: Sequence[str]) -> Config:
     )
     add_estimator_client_arguments(parser)
     logs.add_arguments(parser)
+    leader.add_arguments(parser, "moves pods")
     args = parser.parse_args(argv)
     logs.configure(args.log_level, args.log_format)
     check_kubeconfig(parser, args.kubeconfig)
     if not 0 <= args.health_port < 65536:
         parser.error(f"--health-port {args.health_port} is not a TCP port (0: none)")
+    try:
+        election = leader.election_settings(args, keys.DESCHEDULER_LEASE)
+    except ValueError as error:
+        parser.error(str(error))
     policy = Policy()
     if args.policy is not None:
         try:
@@ -89,6 +96,7 @@ def parse_args(argv: Sequence[str]) -> Config:
         estimators=estimator_client(parser, args),
         health_address=args.health_address,
         health_port=args.health_port,
+        election=election,
     )
 
 
@@ -100,13 +108,16 @@ async def run(config: Config) -> None:
         else None
     )
     try:
-        await deschedule(config, health)
+        await leader.run_leading(
+            config.kubeconfig, config.election, health, lambda: deschedule(config, health)
+        )
     finally:
         if health_runner is not None:
             await health_runner.cleanup()
 
 
 async def deschedule(config: Config, health: Health) -> None:
+    health.mark_not_ready("starting")
     async with await KubeClient.connect(ClientSettings(config.kubeconfig)) as client:
         pool = config.estimators.pool()
         nodes = Informer(

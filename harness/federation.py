@@ -433,6 +433,8 @@ class Federation:
             f"--estimator-token-file={identity.token_file}",
             f"--health-address={LOOPBACK}",
             f"--health-port={free_port()}",
+            # As the virtual nodes': a restarted descheduler holds its Lease at once.
+            f"--leader-elect-identity={DESCHEDULER}",
             *([f"--policy={policy}"] if policy is not None else []),
         ]
 

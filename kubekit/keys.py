@@ -25,6 +25,10 @@ def default_node_name(cluster_id: str) -> str:
     return f"vk-{cluster_id}"
 
 
+# The Lease (in SYSTEM_NAMESPACE) whose holder is the one descheduler replica that moves.
+DESCHEDULER_LEASE = "kubestrata-descheduler"
+
+
 def virtual_node_lease_name(node_name: str) -> str:
     """The Lease (in SYSTEM_NAMESPACE) whose holder is the one replica of a virtual node
     that mirrors; not the Node's heartbeat Lease in kube-node-lease."""

@@ -9,6 +9,7 @@ writes local time marked as UTC into the Lease; this one is small and does none 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import socket
@@ -20,11 +21,20 @@ from typing import Any
 
 import aiohttp
 
-from kubekit.client import LEASES, ApiError, KubeClient, is_conflict, is_not_found
+from kubekit import keys
+from kubekit.client import LEASES, ApiError, ClientSettings, KubeClient, is_conflict, is_not_found
+from kubekit.health import Health
 from kubekit.timestamps import now_micro
 
 JSON = dict[str, Any]
 log = logging.getLogger("kubekit.leader")
+
+
+# client-go's are 15, 10 and 2 s; a shorter lease makes a standby take over within 15 s
+# of its leader's crash.
+LEASE_DURATION = 10.0
+RENEW_DEADLINE = 7.0
+RETRY_PERIOD = 2.0
 
 
 class LeadershipLost(Exception):
@@ -45,9 +55,9 @@ class ElectionSettings:
     identity: str
     # A follower takes over lease_duration after it last saw the Lease change; a leader
     # that could not renew for renew_deadline has stopped before that.
-    lease_duration: float = 10.0
-    renew_deadline: float = 7.0
-    retry_period: float = 2.0
+    lease_duration: float = LEASE_DURATION
+    renew_deadline: float = RENEW_DEADLINE
+    retry_period: float = RETRY_PERIOD
 
     def __post_init__(self) -> None:
         if not self.identity:
@@ -227,3 +237,81 @@ class LeaderElector:
 
     def _key(self) -> str:
         return f"{self.settings.namespace}/{self.settings.name}"
+
+
+def add_arguments(parser: argparse.ArgumentParser, work: str, *, defaults: bool = True) -> None:
+    """The --leader-elect flags of a component whose replicas must not all ``work``;
+    without ``defaults`` they are None when not given (a configuration file may set them)."""
+
+    def default(value: object) -> object:
+        return value if defaults else None
+
+    parser.add_argument(
+        "--leader-elect",
+        action=argparse.BooleanOptionalAction,
+        default=default(True),
+        help=f"of the replicas, only the holder of a Lease in the upper cluster {work}; the "
+        "others stand by (default: on)",
+    )
+    parser.add_argument(
+        "--leader-elect-namespace",
+        default=default(keys.SYSTEM_NAMESPACE),
+        help=f"the Lease's namespace (default {keys.SYSTEM_NAMESPACE})",
+    )
+    parser.add_argument(
+        "--leader-elect-identity",
+        default=default(""),
+        help="this replica's name in the Lease (default: host_uuid)",
+    )
+    parser.add_argument(
+        "--leader-elect-lease-duration",
+        type=float,
+        default=default(LEASE_DURATION),
+        help="seconds a standby waits on a Lease nobody renews before it takes over "
+        f"(default {LEASE_DURATION:g})",
+    )
+    parser.add_argument(
+        "--leader-elect-renew-deadline",
+        type=float,
+        default=default(RENEW_DEADLINE),
+        help=f"seconds a leader works on without renewing its Lease (default {RENEW_DEADLINE:g})",
+    )
+    parser.add_argument(
+        "--leader-elect-retry-period",
+        type=float,
+        default=default(RETRY_PERIOD),
+        help=f"seconds between attempts to take or renew the Lease (default {RETRY_PERIOD:g})",
+    )
+
+
+def election_settings(options: Any, name: str) -> ElectionSettings | None:
+    """The settings of the --leader-elect flags (on parsed arguments or a configuration
+    with the same ``leader_elect*`` attributes) for the Lease ``name``; None when off.
+    Raises ValueError on timings that cannot work."""
+    if not options.leader_elect:
+        return None
+    return ElectionSettings(
+        options.leader_elect_namespace,
+        name,
+        options.leader_elect_identity or default_identity(),
+        options.leader_elect_lease_duration,
+        options.leader_elect_renew_deadline,
+        options.leader_elect_retry_period,
+    )
+
+
+async def run_leading(
+    kubeconfig: str | None,
+    settings: ElectionSettings | None,
+    health: Health,
+    work: Callable[[], Awaitable[None]],
+) -> None:
+    """``work`` while this replica holds the Lease of ``settings`` (None: at once, no
+    election). A standby is ready: it is doing its job, and a rollout of several replicas
+    completes; ``work`` says when it is ready itself."""
+    if settings is None:
+        await work()
+        return
+    async with await KubeClient.connect(ClientSettings(kubeconfig)) as client:
+        health.mark_ready()
+        await LeaderElector(client, settings).run(work)

@@ -16,7 +16,7 @@ import grpc
 import yaml
 from aiohttp import web
 
-from kubekit import keys, logs, pki
+from kubekit import keys, leader, logs, pki
 from kubekit.certreload import start_https_site
 from kubekit.client import (
     EVENTS,
@@ -31,7 +31,7 @@ from kubekit.clusterstate import ClusterState
 from kubekit.component import run_component
 from kubekit.health import Health
 from kubekit.informer import InformerFactory
-from kubekit.leader import ElectionSettings, LeaderElector, default_identity
+from kubekit.leader import ElectionSettings
 from kubekit.timestamps import now_micro
 from kubekit.workqueue import WorkQueue
 from virtual_node.estimator import EstimatorService, FitEstimator
@@ -89,9 +89,9 @@ class VirtualNodeConfig:
     leader_elect: bool = True
     leader_elect_namespace: str = keys.SYSTEM_NAMESPACE
     leader_elect_identity: str = ""  # "": the host name and a random part
-    leader_elect_lease_duration: float = 10.0
-    leader_elect_renew_deadline: float = 7.0
-    leader_elect_retry_period: float = 2.0
+    leader_elect_lease_duration: float = leader.LEASE_DURATION
+    leader_elect_renew_deadline: float = leader.RENEW_DEADLINE
+    leader_elect_retry_period: float = leader.RETRY_PERIOD
 
     def __post_init__(self) -> None:
         if not _CLUSTER_ID.match(self.cluster_id):
@@ -126,15 +126,8 @@ class VirtualNodeConfig:
     def name(self) -> str:
         return self.node_name or keys.default_node_name(self.cluster_id)
 
-    def election(self) -> ElectionSettings:
-        return ElectionSettings(
-            self.leader_elect_namespace,
-            keys.virtual_node_lease_name(self.name),
-            self.leader_elect_identity or default_identity(),
-            self.leader_elect_lease_duration,
-            self.leader_elect_renew_deadline,
-            self.leader_elect_retry_period,
-        )
+    def election(self) -> ElectionSettings | None:
+        return leader.election_settings(self, keys.virtual_node_lease_name(self.name))
 
 
 def parse_args(argv: Sequence[str]) -> VirtualNodeConfig:
@@ -191,33 +184,7 @@ def parse_args(argv: Sequence[str]) -> VirtualNodeConfig:
     parser.add_argument("--namespace-strategy", choices=["same", "prefix"])
     parser.add_argument("--namespace-prefix")
     logs.add_arguments(parser, defaults=False)
-    parser.add_argument(
-        "--leader-elect",
-        action=argparse.BooleanOptionalAction,
-        help="of the replicas for one lower cluster, only the holder of a Lease in the upper "
-        "cluster mirrors; the others stand by (default: on)",
-    )
-    parser.add_argument(
-        "--leader-elect-namespace", help=f"the Lease's namespace (default {keys.SYSTEM_NAMESPACE})"
-    )
-    parser.add_argument(
-        "--leader-elect-identity", help="this replica's name in the Lease (default: host_uuid)"
-    )
-    parser.add_argument(
-        "--leader-elect-lease-duration",
-        type=float,
-        help="seconds a standby waits on a Lease nobody renews before it takes over (default 10)",
-    )
-    parser.add_argument(
-        "--leader-elect-renew-deadline",
-        type=float,
-        help="seconds a leader keeps mirroring without renewing its Lease (default 7)",
-    )
-    parser.add_argument(
-        "--leader-elect-retry-period",
-        type=float,
-        help="seconds between attempts to take or renew the Lease (default 2)",
-    )
+    leader.add_arguments(parser, "mirrors this lower cluster", defaults=False)
     args = parser.parse_args(argv)
     values: dict[str, Any] = {}
     if args.config:
@@ -261,15 +228,12 @@ async def run(config: VirtualNodeConfig) -> None:
         await health.serve(config.address, config.health_port) if config.health_port else None
     )
     try:
-        if not config.leader_elect:
-            await mirror(config, health)
-            return
-        async with await KubeClient.connect(
-            ClientSettings(config.upper_kubeconfig or None)
-        ) as upper:
-            # A standby is doing its job: ready, so a rollout of two replicas completes.
-            health.mark_ready()
-            await LeaderElector(upper, config.election()).run(lambda: mirror(config, health))
+        await leader.run_leading(
+            config.upper_kubeconfig or None,
+            config.election(),
+            health,
+            lambda: mirror(config, health),
+        )
     finally:
         if health_runner is not None:
             await health_runner.cleanup()

@@ -136,3 +136,36 @@ def test_the_standby_takes_over_from_a_killed_leader_and_a_stopped_one_hands_ove
     federation.components.pop(standby_identity)
     upper.kubectl("delete", "namespace", "leader", "--timeout=120s")
     wait_for(lambda: not lower_uids(federation), "the pods to go below")
+
+
+def test_of_two_deschedulers_one_moves_and_the_other_takes_over_when_it_stops(
+    federation: Federation,
+) -> None:
+    lease = ("lease", "-n", keys.SYSTEM_NAMESPACE, keys.DESCHEDULER_LEASE)
+    first = federation.start_component("descheduler", federation.descheduler_args())
+    second = federation.start_component(
+        "descheduler-standby",
+        [*federation.descheduler_args(), "--leader-elect-identity=descheduler-standby"],
+    )
+    try:
+        wait_for(
+            lambda: (
+                get_json(federation.upper, *lease)["spec"].get("holderIdentity") == "descheduler"
+            ),
+            "the first descheduler to lead",
+        )
+        wait_for(lambda: "held by descheduler" in second.log_path.read_text(), "the standby")
+        assert "descheduling" not in second.log_path.read_text(), "the standby moves nothing"
+        first.stop()
+        wait_for(
+            lambda: (
+                get_json(federation.upper, *lease)["spec"].get("holderIdentity")
+                == "descheduler-standby"
+            ),
+            "the standby to lead once the first released the Lease",
+            timeout=VirtualNodeConfig.leader_elect_lease_duration,
+        )
+        wait_for(lambda: "descheduling" in second.log_path.read_text(), "the standby to work")
+    finally:
+        for name in ("descheduler", "descheduler-standby"):
+            federation.components.pop(name).stop()

@@ -85,8 +85,16 @@ def test_the_descheduler_serves_health_and_metrics(federation: Federation) -> No
                 return False
 
         wait_for(ready, "the descheduler to be ready")
-        samples = scrape(federation, "descheduler")
-        assert value(samples, "rest_client_requests_total", verb="GET", resource="pods", code="200")
+        wait_for(
+            lambda: value(
+                scrape(federation, "descheduler"),
+                "rest_client_requests_total",
+                verb="GET",
+                resource="pods",
+                code="200",
+            ),
+            "the descheduler's list of pods in its metrics",
+        )
     finally:
         process.stop()
         federation.components.pop("descheduler")

@@ -720,11 +720,13 @@ def test_the_deployment_runs_the_policy_of_its_config_map(
     assert command == "descheduler"
     config = parse_args([a.replace("/etc/kubestrata/policy.yaml", str(policy_file)) for a in args])
     assert config.policy == Policy(), "the ConfigMap spells out the defaults"
-    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["replicas"] == 2, "one moves, one stands by"
+    assert config.election is not None
+    assert config.election.name == "kubestrata-descheduler"
 
 
 def test_rbac_grants_exactly_what_the_descheduler_uses() -> None:
-    account, role, binding = documents("rbac.yaml")
+    account, role, binding, lease_role, lease_binding = documents("rbac.yaml")
     assert account["metadata"]["name"] == "kubestrata-descheduler"
     watch = {"get", "list", "watch"}
     assert core_grants(role) == {("nodes", v) for v in watch} | {("pods", v) for v in watch} | {
@@ -740,6 +742,16 @@ def test_rbac_grants_exactly_what_the_descheduler_uses() -> None:
     ]
     assert "*" not in str(role["rules"])
     assert binding["subjects"][0]["name"] == account["metadata"]["name"]
+    # Its leader Lease, in its own namespace only.
+    assert lease_role["metadata"]["namespace"] == "kubestrata-system"
+    assert lease_role["rules"] == [
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "verbs": ["get", "create", "update"],
+        }
+    ]
+    assert lease_binding["subjects"][0]["name"] == account["metadata"]["name"]
 
 
 def test_a_bad_policy_file_stops_the_command_with_its_reason(
