@@ -37,7 +37,7 @@ from descheduler.rescue import (
     within_limits,
 )
 from kubekit import metrics
-from kubekit.client import PODS, ApiError, KubeClient
+from kubekit.client import API_ERRORS, PODS, ApiError, KubeClient
 from kubekit.estimatorapi.estimator_pb2 import (
     DefragmentRequest,
     DefragmentResponse,
@@ -121,7 +121,7 @@ class Descheduler:
         while True:
             try:
                 await self.cycle()
-            except (ApiError, OSError) as error:
+            except API_ERRORS as error:
                 log.warning("cycle cut short: %s", error)
             await asyncio.sleep(self.policy.interval)
 

@@ -31,11 +31,20 @@ JSON = dict[str, Any]
 class ApiError(Exception):
     """A non-2xx answer of the apiserver, with its Status body when it sent one."""
 
-    def __init__(self, status: int, body: JSON | str, method: str = "", path: str = "") -> None:
+    def __init__(
+        self,
+        status: int,
+        body: JSON | str,
+        method: str = "",
+        path: str = "",
+        retry_after: float | None = None,
+    ) -> None:
         self.status = status
         self.body = body
         self.method = method
         self.path = path
+        # Seconds the apiserver asked us to wait (Retry-After of a 429 or a 5xx).
+        self.retry_after = retry_after
         super().__init__(f"{method} {path}: {status} {self.reason}: {self.message}")
 
     @property
@@ -45,6 +54,37 @@ class ApiError(Exception):
     @property
     def message(self) -> str:
         return str(self.body.get("message", "")) if isinstance(self.body, dict) else self.body
+
+
+# A call that failed on the way to an apiserver, not by its answer: a refused or reset
+# connection, a server that hung up (aiohttp's ServerDisconnectedError is no OSError), a
+# TLS stream cut short, a timeout. Always worth another try.
+CONNECTION_ERRORS: tuple[type[Exception], ...] = (
+    OSError,
+    aiohttp.ClientError,
+    TimeoutError,
+    ssl.SSLError,
+)
+# Every way a call to an apiserver fails: a loop that must outlive the apiserver's
+# outages catches these, and only these.
+API_ERRORS: tuple[type[Exception], ...] = (ApiError, *CONNECTION_ERRORS)
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether the same call may succeed later as it is: a connection error, too many
+    requests (429), a server error (5xx), or a watch's resourceVersion gone (410: list
+    again). Other refusals (400, 403, 404, 409, 422) want a different call."""
+    if isinstance(error, ApiError):
+        return error.status in (410, 429) or error.status >= 500
+    return isinstance(error, CONNECTION_ERRORS)
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Retry-After in seconds (the apiserver sends seconds, never a date)."""
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
 
 
 def is_not_found(error: BaseException) -> bool:
@@ -202,7 +242,13 @@ class KubeClient:
                 payload: JSON | str = json.loads(text)
             except ValueError:
                 payload = text
-            raise ApiError(response.status, payload, method, path)
+            raise ApiError(
+                response.status,
+                payload,
+                method,
+                path,
+                _retry_after(response.headers.get("Retry-After")),
+            )
         return response
 
     def _url(self, path: str) -> str:

@@ -22,10 +22,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import aiohttp
 import orjson
 
-from kubekit.client import JSON, ApiError, KubeClient, Resource
+from kubekit.client import CONNECTION_ERRORS, JSON, ApiError, KubeClient, Resource
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +155,8 @@ class Backoff:
         self._attempts = 0
 
 
-_TRANSIENT = (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError)
+# A body that does not decode (ValueError) is a stream cut short, as the others.
+_TRANSIENT: tuple[type[Exception], ...] = (*CONNECTION_ERRORS, ValueError)
 
 
 class Informer:
@@ -251,6 +251,8 @@ class Informer:
 
     async def _pause(self, error: BaseException) -> None:
         delay = self.backoff.next_delay()
+        if isinstance(error, ApiError) and error.retry_after is not None:
+            delay = max(delay, error.retry_after)
         log.warning("%r: %s; retrying in %.1f s", self, error or type(error).__name__, delay)
         await asyncio.sleep(delay)
 

@@ -19,10 +19,17 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-
 from kubekit import keys
-from kubekit.client import LEASES, ApiError, ClientSettings, KubeClient, is_conflict, is_not_found
+from kubekit.client import (
+    API_ERRORS,
+    CONNECTION_ERRORS,
+    LEASES,
+    ApiError,
+    ClientSettings,
+    KubeClient,
+    is_conflict,
+    is_not_found,
+)
 from kubekit.health import Health
 from kubekit.timestamps import now_micro
 
@@ -168,7 +175,7 @@ class LeaderElector:
             if not is_conflict(error):
                 log.warning("lease %s: %s", self._key(), error.message)
             return False
-        except (OSError, aiohttp.ClientError, TimeoutError) as error:
+        except CONNECTION_ERRORS as error:
             log.warning("lease %s: %s", self._key(), error or type(error).__name__)
             return False
         self._report_holder(settings.identity)
@@ -225,7 +232,7 @@ class LeaderElector:
                 self.settings.retry_period,
             )
             log.info("lease %s: released by %s", self._key(), self.settings.identity)
-        except (ApiError, OSError, aiohttp.ClientError, TimeoutError) as error:
+        except API_ERRORS as error:
             # The followers take over when the Lease expires instead.
             log.warning("lease %s: not released: %s", self._key(), error or type(error).__name__)
 

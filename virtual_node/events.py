@@ -7,10 +7,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-import aiohttp
-
 from kubekit import keys
-from kubekit.client import EVENTS, ApiError, KubeClient, is_not_found
+from kubekit.client import API_ERRORS, EVENTS, ApiError, KubeClient, is_not_found
 from kubekit.informer import FunctionHandler, Informer, object_key
 from kubekit.workqueue import WorkQueue
 from virtual_node.translate import Ownership
@@ -144,7 +142,7 @@ class EventReflector:
             ):
                 for copy in page["items"]:
                     self._copied[lower_event_uid(copy["metadata"]["name"])] = fingerprint(copy)
-        except (ApiError, aiohttp.ClientError, OSError) as error:  # OSError: timeouts too
+        except API_ERRORS as error:
             log.warning("copied events not listed, each is sent once more: %s", error)
 
     async def reconcile(self, key: str) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 
 from kubekit import keys
-from kubekit.client import PODS, ApiError, KubeClient
+from kubekit.client import CONNECTION_ERRORS, PODS, ApiError, KubeClient
 from kubekit.informer import Informer
 from virtual_node.kubeletapi import channels, metrics
 from virtual_node.kubeletapi.provider import (
@@ -198,7 +198,7 @@ class LowerKubelet:
             response = await self.lower.stream(path, {"container": container, **options.query()})
         except ApiError as error:
             raise _lower_failure(error) from error
-        except (aiohttp.ClientError, OSError) as error:
+        except CONNECTION_ERRORS as error:
             raise _unavailable(error) from error
         try:
             async for chunk in response.content.iter_any():
@@ -235,7 +235,7 @@ class LowerKubelet:
             return await self.lower.websocket(path, query, protocols)
         except ApiError as error:
             raise _lower_failure(error) from error
-        except (aiohttp.ClientError, OSError) as error:
+        except CONNECTION_ERRORS as error:
             raise _unavailable(error) from error
 
     async def _metrics(self, plural: str) -> list[JSON]:
@@ -249,7 +249,7 @@ class LowerKubelet:
                     "metrics.k8s.io API (install metrics-server there)",
                 ) from error
             raise _lower_failure(error) from error
-        except (aiohttp.ClientError, OSError) as error:
+        except CONNECTION_ERRORS as error:
             raise _unavailable(error) from error
         items: list[JSON] = listed.get("items") or []
         return items

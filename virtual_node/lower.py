@@ -8,7 +8,15 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from kubekit import keys, metrics
-from kubekit.client import NAMESPACES, PODS, SERVICEACCOUNTS, ApiError, KubeClient, is_not_found
+from kubekit.client import (
+    API_ERRORS,
+    NAMESPACES,
+    PODS,
+    SERVICEACCOUNTS,
+    ApiError,
+    KubeClient,
+    is_not_found,
+)
 from kubekit.informer import FunctionHandler, Informer, object_key
 from kubekit.workqueue import WorkQueue
 from virtual_node.capacity import (
@@ -159,7 +167,7 @@ class LowerCluster:
     async def ping(self) -> bool:
         try:
             version = await self.client.request("GET", "/version", timeout=5)
-        except (TimeoutError, ApiError, OSError) as error:
+        except API_ERRORS as error:
             log.debug("lower cluster %s: %s", self.cluster_id, error)
             return False
         self.version = str(version.get("gitVersion", ""))

@@ -12,7 +12,7 @@ import time
 from typing import Protocol
 
 from kubekit import keys
-from kubekit.client import LEASES, NODES, ApiError, KubeClient, is_not_found
+from kubekit.client import API_ERRORS, LEASES, NODES, ApiError, KubeClient, is_not_found
 from kubekit.timestamps import now_micro
 from virtual_node.node import (
     NodeIdentity,
@@ -96,7 +96,7 @@ class NodeController:
                 # controller marks the Node NotReady and evicts by its normal path.
                 if reachable:
                     await self.renew_lease()
-            except (TimeoutError, ApiError, OSError) as error:
+            except API_ERRORS as error:
                 log.warning("lease of %s not renewed: %s", self.identity.name, error)
             await asyncio.sleep(LEASE_INTERVAL_SECONDS)
 
@@ -141,7 +141,7 @@ class NodeController:
             self._reachability_changed.clear()
             try:
                 await self.update_status(force=force)
-            except (TimeoutError, ApiError, OSError) as error:
+            except API_ERRORS as error:
                 log.warning("status of %s not updated: %s", self.identity.name, error)
 
     async def _send_annotations(self, report: NodeReport) -> None:

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kubekit.client import ApiError, KubeClient
+from kubekit.client import API_ERRORS, KubeClient
 
 TOKEN_TTL = 120.0
 ALLOW_TTL = 300.0
@@ -166,7 +166,7 @@ class Authorizer:
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
             return await self.upper.request("POST", path, body=body)
-        except (ApiError, OSError) as error:
+        except API_ERRORS as error:
             raise AuthError(
                 503, f"cannot check access with the upper apiserver: {error}"
             ) from error
