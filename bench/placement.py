@@ -64,8 +64,9 @@ from typing import Any
 
 from common import delete_namespaces, wait_no_pods
 
-from harness.federation import UPPER, Federation
+from harness.federation import Federation
 from harness.localcluster import ClusterSpec, KubectlClient, LocalCluster, NodeSpec
+from harness.state import UPPER
 from harness.toolchain import Toolchain
 from kubekit import keys
 from kubekit.client import NAMESPACES, PODS, ApiError, ClientSettings, KubeClient

@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from harness.federation import Federation, FederationSpec, kubeconfig_path
+from harness.federation import Federation, FederationSpec
+from harness.state import kubeconfig_path
 from harness.toolchain import Toolchain
 from kubekit import keys, status
 

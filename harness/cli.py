@@ -12,16 +12,8 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from harness.federation import (
-    UPPER,
-    Federation,
-    FederationSpec,
-    default_state_dir,
-    kubeconfig_path,
-    stop_state_dir,
-)
-from harness.localcluster import ClusterError
 from harness.process import ProcessError
+from harness.state import UPPER, ClusterError, default_state_dir, kubeconfig_path
 from harness.toolchain import Toolchain, ToolchainError
 from kubekit.cli import COMPONENTS
 
@@ -125,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _up(args: argparse.Namespace) -> int:
+    # The control planes' machinery is loaded by the commands that run them only, so the
+    # ones that read (kubeconfig, status) start fast.
+    from harness.federation import Federation, FederationSpec
+
     spec = FederationSpec(
         lower=args.lower,
         nodes_per_lower=args.nodes,
@@ -177,6 +173,8 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
+    from harness.federation import stop_state_dir
+
     if not args.state_dir.exists():
         print(f"nothing to stop: {args.state_dir} does not exist")
         return 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import shutil
 import ssl
 import sys
@@ -30,6 +29,12 @@ from harness.localcluster import (
     pod_cidr,
 )
 from harness.process import ManagedProcess, ProcessError, ProcessRecord
+from harness.state import (
+    COMPONENTS,
+    STATE_FILE,
+    UPPER,
+    read_state,
+)
 from harness.supervisor import RestartPolicy
 from harness.toolchain import Toolchain
 from kubekit import keys, pki
@@ -37,7 +42,6 @@ from webhook.configuration import CONFIGURATION_NAME as WEBHOOK_CONFIGURATION
 from webhook.configuration import PATH as WEBHOOK_PATH
 from webhook.configuration import url_configuration
 
-STATE_FILE = "federation.json"
 MULTISCHEDULER = "multischeduler"
 MULTISCHEDULER_ACCOUNT = "kubestrata-multischeduler"
 DESCHEDULER = "descheduler"
@@ -46,8 +50,6 @@ WEBHOOK = "webhook"
 WEBHOOK_ACCOUNT = "kubestrata-webhook"
 VIRTUAL_NODE_ACCOUNT = "kubestrata-virtual-node"
 MANIFESTS = Path(__file__).resolve().parent.parent / "manifests"
-UPPER = "upper"
-COMPONENTS = "components"
 # Two apiservers starting at once already fill two cores.
 _PARALLEL_STARTS = 2
 # Lower cluster N takes the pod CIDR pod_cidr(N); 0 is left out, as the upper's.
@@ -139,11 +141,6 @@ def _serves(url: str, context: ssl.SSLContext) -> bool:
         return False
 
 
-def default_state_dir() -> Path:
-    base = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"))
-    return base / "kubestrata" / "federation"
-
-
 def virtual_node_name(cluster: str) -> str:
     """The component name of the virtual node of a lower cluster."""
     return f"virtual-node-{cluster}"
@@ -151,22 +148,6 @@ def virtual_node_name(cluster: str) -> str:
 
 class FederationRunning(ClusterError):
     """The state directory belongs to a federation whose processes still run."""
-
-
-def read_state(state_dir: Path) -> dict[str, dict[str, object]]:
-    """The clusters of a state file; the kubestrata components started beside them
-    appear as the pseudo-cluster COMPONENTS."""
-    path = state_dir / STATE_FILE
-    try:
-        payload = json.loads(path.read_text())
-        state: dict[str, dict[str, object]] = payload["clusters"]
-        if payload.get("components"):
-            state = {**state, COMPONENTS: {"processes": payload["components"]}}
-    except FileNotFoundError:
-        raise ClusterError(f"no federation in {state_dir} (no {STATE_FILE})") from None
-    except (ValueError, KeyError) as error:
-        raise ClusterError(f"{path} is not a kubestrata state file: {error}") from error
-    return state
 
 
 def _records(cluster_state: dict[str, object]) -> list[ProcessRecord]:
@@ -179,14 +160,6 @@ def running_processes(state_dir: Path) -> list[ProcessRecord]:
     if not (state_dir / STATE_FILE).exists():
         return []
     return [r for c in read_state(state_dir).values() for r in _records(c) if r.alive()]
-
-
-def kubeconfig_path(state_dir: Path, cluster: str = UPPER) -> Path:
-    state = read_state(state_dir)
-    state.pop(COMPONENTS, None)
-    if cluster not in state:
-        raise ClusterError(f"no cluster {cluster!r} in {state_dir}; clusters: {', '.join(state)}")
-    return Path(str(state[cluster]["kubeconfig"]))
 
 
 def stop_state_dir(state_dir: Path) -> int:

@@ -26,6 +26,7 @@ from typing import Any, Literal
 import yaml
 
 from harness.process import ManagedProcess, ProcessError, ProcessRecord
+from harness.state import ClusterError as ClusterError
 from harness.toolchain import Toolchain
 from kubekit import keys, pki
 
@@ -39,10 +40,6 @@ POD_CIDR = "10.240.0.0/12"
 _POD_CIDR_PREFIX = 16
 POD_CIDRS = 2 ** (_POD_CIDR_PREFIX - ipaddress.ip_network(POD_CIDR).prefixlen)
 READY_TIMEOUT_SECONDS = 120.0
-
-
-class ClusterError(RuntimeError):
-    """A local cluster could not be started or did not become ready."""
 
 
 RESOURCE_METRICS_PATH_ANNOTATION = "metrics.k8s.io/resource-metrics-path"

@@ -9,11 +9,9 @@ import yaml
 from harness.cli import build_parser
 from harness.federation import (
     MAX_LOWER,
-    STATE_FILE,
     Federation,
     FederationRunning,
     FederationSpec,
-    kubeconfig_path,
 )
 from harness.localcluster import (
     RESOURCE_METRICS_PATH_ANNOTATION,
@@ -23,6 +21,7 @@ from harness.localcluster import (
     pod_cidr,
 )
 from harness.process import ManagedProcess
+from harness.state import STATE_FILE, kubeconfig_path
 from harness.toolchain import Toolchain
 
 FAKE_TOOLCHAIN = Toolchain(
