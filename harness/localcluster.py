@@ -113,6 +113,9 @@ class ClusterSpec:
     metrics_server: bool = False
     # Where kwok takes this cluster's pod IPs from.
     pod_cidr: str = POD_CIDR
+    # How long the certificates its controller-manager signs for CSRs live ("": its
+    # default, a year); short, it shows renewals within a test.
+    signing_duration: str = ""
 
 
 _handed_out: set[int] = set()
@@ -430,6 +433,11 @@ class LocalCluster(KubectlClient):
                 f"--cluster-signing-key-file={self.ca.key_path}",
                 "--use-service-account-credentials=true",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
+                *(
+                    [f"--cluster-signing-duration={self.spec.signing_duration}"]
+                    if self.spec.signing_duration
+                    else []
+                ),
             ],
             (self.ports.controller_manager,),
         )
