@@ -14,13 +14,22 @@ from typing import Any
 from kubernetes_asyncio.config import ConfigException
 
 from kubekit import keys
-from kubekit.client import LEASES, NODES, PODS, ApiError, ClientSettings, KubeClient, is_not_found
+from kubekit.client import (
+    API_ERRORS,
+    LEASES,
+    NODES,
+    PODS,
+    ApiError,
+    ClientSettings,
+    KubeClient,
+    is_not_found,
+)
 from kubekit.quantity import format_quantity, parse_quantity
 
 JSON = dict[str, Any]
 # What reading an upper cluster fails with: no or a broken kubeconfig, no apiserver, a
 # refusal.
-READ_ERRORS = (ConfigException, OSError, ApiError)
+READ_ERRORS: tuple[type[Exception], ...] = (ConfigException, *API_ERRORS)
 # Pods bound to a virtual node that still count there (the phases a kubelet still runs).
 _ACTIVE_PODS = "status.phase!=Succeeded,status.phase!=Failed"
 

@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.x509.oid import NameOID
 
 from kubekit import pki
-from kubekit.client import ApiError, KubeClient, Resource
+from kubekit.client import API_ERRORS, KubeClient, Resource
 
 log = logging.getLogger("virtual_node.kubeletapi")
 
@@ -159,7 +159,8 @@ async def serving_certificate(
         return pki.serving_pair(directory, node_name, tuple(names)), False
 
 
-_REQUEST_ERRORS = (ApiError, OSError, TimeoutError, ValueError)
+# The API's failures, and a CSR we refuse to approve.
+_REQUEST_ERRORS: tuple[type[Exception], ...] = (*API_ERRORS, ValueError)
 
 
 def renewal_delay(cert_pem: bytes, now: datetime.datetime, share: float = RENEW_AT) -> float:
