@@ -120,7 +120,7 @@ def main() -> None:
 
     nodes = [lower_node(node) for node in read_nodes(TRACE_DIR / NODE_FILE, 1)[: args.nodes]]
     trace_pods = read_pods(TRACE_DIR / POD_FILE, 1)
-    owner = Ownership(origin="bench", node_name="vk-bench")
+    owner = Ownership(origin="bench", node_name="vk-bench", cluster_id="bench")
     estimator = FitEstimator(ClusterState(), NamespaceMapping(), owner)
     for node in nodes:
         estimator.state.set_node(node)

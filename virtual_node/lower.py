@@ -74,7 +74,6 @@ class LowerCluster:
         owner: Ownership,
         mapping: NamespaceMapping,
         host_ip: str,
-        cluster_id: str,
         dependencies: PodDependencies | None = None,
         held_node: Callable[[str], str | None] | None = None,
         largest_free_slot: Callable[[], tuple[str, Mapping[str, int]] | None] | None = None,
@@ -85,7 +84,6 @@ class LowerCluster:
         self.owner = owner
         self.mapping = mapping
         self.host_ip = host_ip
-        self.cluster_id = cluster_id
         self.dependencies = dependencies
         # Upper pod UID -> the lower node the fit estimator holds room on for it.
         self.held_node = held_node
@@ -168,7 +166,7 @@ class LowerCluster:
         try:
             version = await self.client.request("GET", "/version", timeout=5)
         except API_ERRORS as error:
-            log.debug("lower cluster %s: %s", self.cluster_id, error)
+            log.debug("lower cluster %s: %s", self.owner.cluster_id, error)
             return False
         self.version = str(version.get("gitVersion", ""))
         return True
@@ -204,14 +202,14 @@ class LowerCluster:
                 lower = await self._get_live(namespace, name)
                 if lower is None:
                     return Vanished(
-                        f"pod {namespace}/{name} is gone from lower cluster {self.cluster_id}"
+                        f"pod {namespace}/{name} is gone from lower cluster {self.owner.cluster_id}"
                     )
             else:
                 return await self._create(upper, desired)
         if not self.owner.owns(lower):
             return Rejected(
                 "NameConflict",
-                f"pod {namespace}/{name} already exists in lower cluster {self.cluster_id} "
+                f"pod {namespace}/{name} already exists in lower cluster {self.owner.cluster_id} "
                 "and was not created by this virtual node; it is left alone",
             )
         upper_uid = upper["metadata"]["uid"]
@@ -265,7 +263,7 @@ class LowerCluster:
         except ApiError as error:
             if error.status == 409:
                 raise  # exists after all: the next round sees it in the cache
-            message = f"lower cluster {self.cluster_id} refused the pod: {error.message}"
+            message = f"lower cluster {self.owner.cluster_id} refused the pod: {error.message}"
             if error.status in _PERMANENT:
                 return Rejected("LowerClusterRejected", message)
             if error.status == 403:

@@ -267,7 +267,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
     estimator_server: grpc.aio.Server | None = None
     try:
         origin = (await upper.get(NAMESPACES, "kube-system"))["metadata"]["uid"]
-        owner = Ownership(origin=origin, node_name=config.name)
+        owner = Ownership(origin=origin, node_name=config.name, cluster_id=config.cluster_id)
         identity = NodeIdentity(
             config.name,
             config.cluster_id,
@@ -300,7 +300,6 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             owner,
             mapping,
             config.address,
-            config.cluster_id,
             reflector,
             estimator.held_node if config.estimator_port else None,
             estimator.state.largest_free_slot if config.estimator_port else None,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubekit import keys
+from kubekit.fit import NODE_OPERATORS, requirement
 from kubekit.jsonvalue import json_copy
 from kubekit.stash import StashError, restore_scheduling
 from virtual_node.naming import NamespaceMapping
@@ -41,6 +42,7 @@ class Ownership:
 
     origin: str  # UID of the upper cluster's kube-system namespace
     node_name: str
+    cluster_id: str  # the lower cluster's, which only its virtual node is labelled with
 
     def labels(self) -> dict[str, str]:
         return {
@@ -98,7 +100,7 @@ def desired_lower_pod(
                 else:
                     container.pop("volumeMounts", None)
 
-    spec = _without_virtual_node_terms(spec)
+    spec = _without_virtual_node_terms(spec, {keys.CLUSTER_ID_LABEL: owner.cluster_id})
 
     upper_labels = metadata.get("labels") or {}
     annotations[keys.UPPER_KEYS_ANNOTATION] = json.dumps(
@@ -144,50 +146,105 @@ def pinned_to(lower: JSON, node_name: str) -> JSON:
     return lower
 
 
-def _without_virtual_node_terms(spec: JSON) -> JSON:
+def _without_virtual_node_terms(spec: JSON, cluster_labels: Mapping[str, str]) -> JSON:
     """Drops what only the upper scheduler could satisfy: the toleration of the virtual
-    node's taint and selectors on keys that only virtual nodes carry."""
-    upper_only_keys = {keys.CLUSTER_ID_LABEL}
+    node's taint, and every term about keys that only virtual nodes carry (their values
+    on this virtual node are ``cluster_labels``), since no lower node has those keys: a
+    spread constraint or a required pod affinity on one would never let the pod schedule
+    below. A node term on them is decided here, against this virtual node; a node
+    selector or required node affinity it fails is a TranslationError, as a kubelet
+    refuses a pod whose node selector its node does not match."""
     tolerations = [
         t for t in spec.get("tolerations") or [] if t.get("key") != keys.PROVIDER_TAINT_KEY
     ]
-    if tolerations:
-        spec["tolerations"] = tolerations
-    else:
-        spec.pop("tolerations", None)
-    selector = {
-        k: v for k, v in (spec.get("nodeSelector") or {}).items() if k not in upper_only_keys
-    }
-    if selector:
-        spec["nodeSelector"] = selector
-    else:
-        spec.pop("nodeSelector", None)
-    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
-        "requiredDuringSchedulingIgnoredDuringExecution"
+    _set_or_drop(spec, "tolerations", tolerations)
+    selector = spec.get("nodeSelector") or {}
+    mismatched = [k for k in selector if k in cluster_labels and cluster_labels[k] != selector[k]]
+    if mismatched:
+        raise TranslationError(
+            f"nodeSelector {', '.join(f'{k}={selector[k]}' for k in mismatched)} does not"
+            f" match this virtual node"
+        )
+    _set_or_drop(
+        spec, "nodeSelector", {k: v for k, v in selector.items() if k not in cluster_labels}
     )
+    spread = [
+        c
+        for c in spec.get("topologySpreadConstraints") or []
+        if c.get("topologyKey") not in cluster_labels
+    ]
+    _set_or_drop(spec, "topologySpreadConstraints", spread)
+    affinity = spec.get("affinity") or {}
+    node_affinity = affinity.get("nodeAffinity") or {}
+    required = node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution")
     if required:
-        terms = []
-        for term in required.get("nodeSelectorTerms") or []:
-            expressions = [
-                e for e in term.get("matchExpressions") or [] if e.get("key") not in upper_only_keys
-            ]
-            kept = (
-                {**term, "matchExpressions": expressions}
-                if expressions
-                else {k: v for k, v in term.items() if k != "matchExpressions"}
-            )
-            if kept:
-                terms.append(kept)
-        node_affinity = spec["affinity"]["nodeAffinity"]
-        if terms:
-            required["nodeSelectorTerms"] = terms
-        else:
-            node_affinity.pop("requiredDuringSchedulingIgnoredDuringExecution")
-            if not node_affinity:
-                spec["affinity"].pop("nodeAffinity")
-                if not spec["affinity"]:
-                    spec.pop("affinity")
+        terms = [
+            _lower_node_term(t, cluster_labels) for t in required.get("nodeSelectorTerms") or []
+        ]
+        kept = [t for t in terms if t is not None]
+        if not kept:
+            raise TranslationError("no required node affinity term matches this virtual node")
+        # Terms are ORed: one that only spoke of this cluster now lets every node through.
+        required = None if any(not t for t in kept) else {**required, "nodeSelectorTerms": kept}
+        _set_or_drop(node_affinity, "requiredDuringSchedulingIgnoredDuringExecution", required)
+    preferred = []
+    for entry in node_affinity.get("preferredDuringSchedulingIgnoredDuringExecution") or []:
+        term = _lower_node_term(entry.get("preference") or {}, cluster_labels)
+        if term:
+            preferred.append({**entry, "preference": term})
+    _set_or_drop(node_affinity, "preferredDuringSchedulingIgnoredDuringExecution", preferred)
+    _set_or_drop(affinity, "nodeAffinity", node_affinity)
+    for kind in ("podAffinity", "podAntiAffinity"):
+        pod_affinity = affinity.get(kind) or {}
+        _set_or_drop(
+            pod_affinity,
+            "requiredDuringSchedulingIgnoredDuringExecution",
+            [
+                t
+                for t in pod_affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or []
+                if t.get("topologyKey") not in cluster_labels
+            ],
+        )
+        _set_or_drop(
+            pod_affinity,
+            "preferredDuringSchedulingIgnoredDuringExecution",
+            [
+                t
+                for t in pod_affinity.get("preferredDuringSchedulingIgnoredDuringExecution") or []
+                if (t.get("podAffinityTerm") or {}).get("topologyKey") not in cluster_labels
+            ],
+        )
+        _set_or_drop(affinity, kind, pod_affinity)
+    _set_or_drop(spec, "affinity", affinity)
     return spec
+
+
+def _lower_node_term(term: Mapping[str, Any], cluster_labels: Mapping[str, str]) -> JSON | None:
+    """A node selector term without its expressions on virtual-node-only keys, or None
+    when one of those does not hold for this virtual node (the term selects none of its
+    lower nodes). An expression the apiserver's parser would refuse is left for the lower
+    apiserver to refuse."""
+    kept = []
+    for expression in term.get("matchExpressions") or []:
+        key = expression.get("key")
+        if key not in cluster_labels:
+            kept.append(expression)
+            continue
+        parsed = requirement(expression, NODE_OPERATORS)
+        if parsed is None or not parsed.accepts(cluster_labels[key]):
+            return None
+    lowered = {k: v for k, v in term.items() if k != "matchExpressions"}
+    if kept:
+        lowered["matchExpressions"] = kept
+    return lowered
+
+
+def _set_or_drop(parent: JSON, field: str, value: Any) -> None:
+    """The field set to value, or absent when value is empty (as the API defaults it)."""
+    if value:
+        parent[field] = value
+    else:
+        parent.pop(field, None)
 
 
 def _upper_keys(lower: Mapping[str, Any]) -> dict[str, list[str]]:

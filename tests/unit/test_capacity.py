@@ -119,7 +119,7 @@ def test_free_capacity_never_goes_negative() -> None:
     assert free == {"cpu": 0, "pods": 0}
 
 
-OWNER = Ownership(origin="upper-uid", node_name="vk-lower-1")
+OWNER = Ownership(origin="upper-uid", node_name="vk-lower-1", cluster_id="lower-1")
 
 
 def lower_cluster(
@@ -139,7 +139,6 @@ def lower_cluster(
         OWNER,
         NamespaceMapping(),
         "127.0.0.1",
-        "lower-1",
         largest_free_slot=state.largest_free_slot if state is not None else None,
     )
     return lower, pods, nodes

@@ -25,7 +25,7 @@ from virtual_node.kubeletapi.auth import Authorizer, User
 from virtual_node.naming import NamespaceMapping
 from virtual_node.translate import Ownership, desired_lower_pod
 
-OWNER = Ownership(origin="upper-uid", node_name="vk-lower-1")
+OWNER = Ownership(origin="upper-uid", node_name="vk-lower-1", cluster_id="lower-1")
 
 
 def node(name: str, cpu: str) -> dict[str, Any]:

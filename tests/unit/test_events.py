@@ -2,7 +2,7 @@ from kubekit import keys
 from virtual_node.events import fingerprint, lower_event_uid, recurrence, upper_event
 from virtual_node.translate import Ownership
 
-OWNER = Ownership(origin="upper-cluster-uid", node_name="vk-lower-1")
+OWNER = Ownership(origin="upper-cluster-uid", node_name="vk-lower-1", cluster_id="lower-1")
 
 LOWER_POD = {
     "metadata": {

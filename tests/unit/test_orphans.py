@@ -10,7 +10,7 @@ from virtual_node.lower import LowerCluster
 from virtual_node.naming import NamespaceMapping
 from virtual_node.translate import Ownership
 
-OWNER = Ownership(origin="upper-cluster-uid", node_name="vk-lower-1")
+OWNER = Ownership(origin="upper-cluster-uid", node_name="vk-lower-1", cluster_id="lower-1")
 
 
 def lower_pod(name: str, upper_namespace: str | None) -> dict[str, Any]:
@@ -31,7 +31,6 @@ def test_orphans_are_our_lower_pods_without_an_upper_pod() -> None:
         OWNER,
         NamespaceMapping("prefix", "east"),
         "127.0.0.1",
-        "lower-1",
     )
     for pod in (lower_pod("kept", "shop"), lower_pod("left", "shop"), lower_pod("theirs", None)):
         pods.apply({"type": "ADDED", "object": pod})

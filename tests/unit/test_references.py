@@ -12,7 +12,7 @@ from virtual_node.references import (
 )
 from virtual_node.translate import Ownership
 
-OWNER = Ownership(origin="o", node_name="vk-a")
+OWNER = Ownership(origin="o", node_name="vk-a", cluster_id="a")
 MAPPING = NamespaceMapping("same")
 
 

@@ -3,6 +3,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kubekit import keys
 from kubekit.stash import stash_scheduling
@@ -18,7 +20,7 @@ from virtual_node.translate import (
     uses_unmodelled_filters,
 )
 
-OWNER = Ownership(origin="upper-uid-0", node_name="vk-lower-1")
+OWNER = Ownership(origin="upper-uid-0", node_name="vk-lower-1", cluster_id="lower-1")
 
 
 def upper_pod(**spec: Any) -> dict[str, Any]:
@@ -365,3 +367,178 @@ def test_an_ephemeral_container_already_below_is_never_changed() -> None:
     lower = {"spec": {"ephemeralContainers": [debugger("d1")]}}
     assert ephemeral_containers_patch(upper, lower) is None
     assert ephemeral_containers_patch({"spec": {}}, lower) is None
+
+
+CLUSTER = keys.CLUSTER_ID_LABEL
+ZONE = "topology.kubernetes.io/zone"
+
+
+def node_term(*expressions: tuple[str, str, list[str]]) -> dict[str, Any]:
+    return {
+        "matchExpressions": [
+            {"key": key, "operator": operator, "values": values}
+            for key, operator, values in expressions
+        ]
+    }
+
+
+def required_terms(*terms: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": list(terms)}
+        }
+    }
+
+
+def lower_affinity(affinity: dict[str, Any]) -> Any:
+    return desired_lower_pod(upper_pod(affinity=affinity), NamespaceMapping(), OWNER)["spec"].get(
+        "affinity"
+    )
+
+
+def test_a_node_term_on_this_cluster_lets_every_lower_node_through() -> None:
+    """Terms are ORed: a term that held only of the cluster holds of every node below."""
+    affinity = required_terms(
+        node_term((CLUSTER, "In", ["lower-1"])), node_term(("disk", "In", ["ssd"]))
+    )
+    assert lower_affinity(affinity) is None
+
+
+def test_a_node_term_on_another_cluster_is_dropped_and_the_others_kept() -> None:
+    affinity = required_terms(
+        node_term((CLUSTER, "In", ["lower-2"])),
+        node_term((CLUSTER, "NotIn", ["lower-2"]), ("disk", "In", ["ssd"])),
+    )
+    assert lower_affinity(affinity) == required_terms(node_term(("disk", "In", ["ssd"])))
+
+
+def test_node_terms_no_lower_node_can_match_fail_the_pod() -> None:
+    affinity = required_terms(node_term((CLUSTER, "In", ["lower-2"])))
+    with pytest.raises(TranslationError, match="node affinity"):
+        lower_affinity(affinity)
+    with pytest.raises(TranslationError, match="nodeSelector"):
+        desired_lower_pod(upper_pod(nodeSelector={CLUSTER: "lower-2"}), NamespaceMapping(), OWNER)
+
+
+def test_preferred_node_terms_on_the_cluster_are_decided_here() -> None:
+    affinity = {
+        "nodeAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 5, "preference": node_term((CLUSTER, "In", ["lower-1"]))},
+                {"weight": 3, "preference": node_term((CLUSTER, "In", ["lower-2"]))},
+                {
+                    "weight": 1,
+                    "preference": node_term((CLUSTER, "Exists", []), ("disk", "In", ["ssd"])),
+                },
+            ]
+        }
+    }
+    assert lower_affinity(affinity) == {
+        "nodeAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 1, "preference": node_term(("disk", "In", ["ssd"]))}
+            ]
+        }
+    }
+
+
+def test_pod_affinity_and_spread_across_clusters_stay_above() -> None:
+    """The upper scheduler placed the pod by them; below no node has the key, and a
+    required term or a DoNotSchedule constraint on it would never let the pod schedule."""
+    across_clusters = {"topologyKey": CLUSTER, "labelSelector": {"matchLabels": {"app": "web"}}}
+    across_zones = {"topologyKey": ZONE, "labelSelector": {"matchLabels": {"app": "web"}}}
+    spread = {"maxSkew": 1, "whenUnsatisfiable": "DoNotSchedule"}
+    pod = upper_pod(
+        affinity={
+            "podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [across_clusters]},
+            "podAntiAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": [across_clusters, across_zones],
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {"weight": 1, "podAffinityTerm": across_clusters}
+                ],
+            },
+        },
+        topologySpreadConstraints=[
+            {**spread, "topologyKey": CLUSTER},
+            {**spread, "topologyKey": ZONE},
+        ],
+    )
+    spec = desired_lower_pod(pod, NamespaceMapping(), OWNER)["spec"]
+    assert spec["affinity"] == {
+        "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [across_zones]}
+    }
+    assert spec["topologySpreadConstraints"] == [{**spread, "topologyKey": ZONE}]
+
+
+_keys = st.sampled_from([CLUSTER, ZONE, "disk"])
+_values = st.lists(st.sampled_from(["lower-1", "lower-2", "ssd"]), min_size=1, max_size=2)
+_expressions = st.lists(
+    st.one_of(
+        st.tuples(_keys, st.sampled_from(["In", "NotIn"]), _values),
+        st.tuples(_keys, st.sampled_from(["Exists", "DoesNotExist"]), st.just([])),
+    ),
+    min_size=1,
+    max_size=3,
+)
+_node_terms = _expressions.map(lambda expressions: node_term(*expressions))
+_pod_terms = _keys.map(
+    lambda key: {"topologyKey": key, "labelSelector": {"matchLabels": {"app": "web"}}}
+)
+_pod_affinities = st.fixed_dictionaries(
+    {},
+    optional={
+        "requiredDuringSchedulingIgnoredDuringExecution": st.lists(_pod_terms, max_size=2),
+        "preferredDuringSchedulingIgnoredDuringExecution": st.lists(
+            _pod_terms.map(lambda term: {"weight": 1, "podAffinityTerm": term}), max_size=2
+        ),
+    },
+)
+_scheduling = st.fixed_dictionaries(
+    {},
+    optional={
+        "nodeSelector": st.dictionaries(_keys, st.sampled_from(["lower-1", "lower-2", "ssd"])),
+        "affinity": st.fixed_dictionaries(
+            {},
+            optional={
+                "nodeAffinity": st.fixed_dictionaries(
+                    {},
+                    optional={
+                        "requiredDuringSchedulingIgnoredDuringExecution": st.lists(
+                            _node_terms, min_size=1, max_size=3
+                        ).map(lambda terms: {"nodeSelectorTerms": terms}),
+                        "preferredDuringSchedulingIgnoredDuringExecution": st.lists(
+                            _node_terms.map(lambda term: {"weight": 1, "preference": term}),
+                            max_size=2,
+                        ),
+                    },
+                ),
+                "podAffinity": _pod_affinities,
+                "podAntiAffinity": _pod_affinities,
+            },
+        ),
+        "topologySpreadConstraints": st.lists(
+            _keys.map(
+                lambda key: {"maxSkew": 1, "topologyKey": key, "whenUnsatisfiable": "DoNotSchedule"}
+            ),
+            max_size=3,
+        ),
+    },
+)
+
+
+@given(scheduling=_scheduling)
+def test_no_cluster_id_key_ever_reaches_a_lower_pod(scheduling: dict[str, Any]) -> None:
+    """Through the webhook's stash and back, as a federated pod goes."""
+    pod = upper_pod(**scheduling)
+    pod["spec"], pod["metadata"]["annotations"] = stash_scheduling(
+        pod["spec"], pod["metadata"]["annotations"]
+    )
+    try:
+        lower = desired_lower_pod(pod, NamespaceMapping(), OWNER)
+    except TranslationError:
+        return  # a pod no lower node may take fails, as a kubelet refuses it
+    assert CLUSTER not in json.dumps(lower["spec"])
+    zone_spread = [
+        c for c in scheduling.get("topologySpreadConstraints", []) if c["topologyKey"] != CLUSTER
+    ]
+    assert lower["spec"].get("topologySpreadConstraints", []) == zone_spread
