@@ -2,21 +2,34 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 
-from kubekit.fit import JSON, Resources, add, node_is_ready
+from kubekit.fit import JSON, NO_EXECUTE, NO_SCHEDULE, Resources, add, node_is_ready
 
 # What a pod takes is the fit rules' business now; still importable from here.
 from kubekit.fit import pod_holds_resources as pod_holds_resources
 from kubekit.fit import pod_requests as pod_requests
 from kubekit.quantity import format_quantity, parse_quantity
 
+_REPELLING = frozenset({NO_SCHEDULE, NO_EXECUTE})
+
 
 def node_is_usable(node: JSON) -> bool:
     """Schedulable and Ready: a node the lower scheduler would place pods on."""
     return not (node.get("spec") or {}).get("unschedulable") and node_is_ready(node)
+
+
+def node_counts(node: JSON, counted_taint_keys: Collection[str] = ()) -> bool:
+    """Usable and free of NoSchedule and NoExecute taints except those keyed in
+    ``counted_taint_keys``: a tainted node (control plane, dedicated, GPU) takes only
+    pods that tolerate it, which the upper scheduler cannot tell apart, so its room is
+    offered only when the operator says federated pods tolerate the taint."""
+    return node_is_usable(node) and all(
+        taint.get("effect") not in _REPELLING or taint.get("key") in counted_taint_keys
+        for taint in (node.get("spec") or {}).get("taints") or []
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,10 +49,14 @@ def pod_usage(pod: JSON, is_mirrored: Callable[[JSON], bool]) -> PodUsage | None
     return PodUsage(pod["spec"]["nodeName"], pod_requests(pod))
 
 
-def free_capacity(nodes: Iterable[JSON], usages: Iterable[PodUsage]) -> Resources:
-    """Allocatable of usable lower nodes minus what the pods on them take, never below
-    zero."""
-    usable = {node["metadata"]["name"]: node for node in nodes if node_is_usable(node)}
+def free_capacity(
+    nodes: Iterable[JSON], usages: Iterable[PodUsage], counted_taint_keys: Collection[str] = ()
+) -> Resources:
+    """Allocatable of the lower nodes that count minus what the pods on them take, never
+    below zero."""
+    usable = {
+        node["metadata"]["name"]: node for node in nodes if node_counts(node, counted_taint_keys)
+    }
     free: Resources = {}
     for node in usable.values():
         allocatable = (node.get("status") or {}).get("allocatable") or {}

@@ -77,6 +77,7 @@ class LowerCluster:
         dependencies: PodDependencies | None = None,
         held_node: Callable[[str], str | None] | None = None,
         largest_free_slot: Callable[[], tuple[str, Mapping[str, int]] | None] | None = None,
+        counted_taint_keys: frozenset[str] = frozenset(),
     ) -> None:
         self.client = client
         self.pods = pods
@@ -89,6 +90,8 @@ class LowerCluster:
         self.held_node = held_node
         # The fit estimator's view of the roomiest lower node, in-flight pods counted.
         self.largest_free_slot = largest_free_slot
+        # Lower nodes tainted (NoSchedule, NoExecute) only with these still count above.
+        self.counted_taint_keys = counted_taint_keys
         self.version = ""
         self.changed = asyncio.Event()
         self._namespaces: set[str] = set()
@@ -173,12 +176,12 @@ class LowerCluster:
 
     def report(self, reachable: bool) -> NodeReport:
         nodes = list(self.nodes.items())
-        free = free_capacity(nodes, self._usage.values())
+        free = free_capacity(nodes, self._usage.values(), self.counted_taint_keys)
         slot = self.largest_free_slot() if self.largest_free_slot is not None else None
         return NodeReport(
             ready=reachable,
             allocatable=as_resource_list(free),
-            labels=shared_labels(nodes),
+            labels=shared_labels(nodes, self.counted_taint_keys),
             kubelet_version=self.version,
             nodes_digest=nodes_digest(nodes),
             largest_free_slot=free_slot(*slot) if slot is not None else {},

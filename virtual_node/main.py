@@ -83,6 +83,8 @@ class VirtualNodeConfig:
     cert_dir: str = ""
     namespace_strategy: Strategy = "same"
     namespace_prefix: str = ""
+    # Lower nodes tainted NoSchedule/NoExecute only with these keys count in the capacity.
+    counted_taint_keys: tuple[str, ...] = ()
     log_level: str = "INFO"
     log_format: str = "text"
     # Of several replicas, only the one holding the Lease mirrors.
@@ -108,6 +110,11 @@ class VirtualNodeConfig:
         if not 0 <= self.health_port < 65536:
             raise ValueError(f"health port {self.health_port} is not a TCP port (0: none)")
         NamespaceMapping(self.namespace_strategy, self.namespace_prefix)  # validates
+        for name in ("counted_taint_keys",):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
+                raise ValueError(f"{name} must be a list of non-empty strings, not {value!r}")
+            object.__setattr__(self, name, tuple(value))  # a YAML list is a list
         if self.log_level not in logs.LEVELS or self.log_format not in logs.FORMATS:
             raise ValueError(
                 f"log level {self.log_level!r} or format {self.log_format!r} unknown: levels "
@@ -183,6 +190,15 @@ def parse_args(argv: Sequence[str]) -> VirtualNodeConfig:
     parser.add_argument("--event-burst", type=int)
     parser.add_argument("--namespace-strategy", choices=["same", "prefix"])
     parser.add_argument("--namespace-prefix")
+    parser.add_argument(
+        "--count-tainted-nodes",
+        dest="counted_taint_keys",
+        metavar="TAINT_KEY",
+        action="append",
+        help="lower nodes tainted NoSchedule or NoExecute count in the Node's capacity only "
+        "when every such taint has one of these keys (repeatable; federated pods must "
+        "tolerate them). Default: tainted lower nodes do not count",
+    )
     logs.add_arguments(parser, defaults=False)
     leader.add_arguments(parser, "mirrors this lower cluster", defaults=False)
     args = parser.parse_args(argv)
@@ -303,6 +319,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             reflector,
             estimator.held_node if config.estimator_port else None,
             estimator.state.largest_free_slot if config.estimator_port else None,
+            frozenset(config.counted_taint_keys),
         )
         backend.watch_mirrored_pods(queue)
         events = EventReflector(

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kubekit import keys
 from kubekit.timestamps import now_micro, now_rfc3339
-from virtual_node.capacity import node_is_usable
+from virtual_node.capacity import node_counts, node_is_usable
 
 JSON = dict[str, Any]
 
@@ -53,12 +53,14 @@ class NodeReport:
 _NOT_SHARED = {keys.HOSTNAME_LABEL, "kubernetes.io/hostname", "type"}
 
 
-def shared_labels(lower_nodes: Iterable[Mapping[str, Any]]) -> dict[str, str]:
-    """Labels with one value on every usable lower node (region, zone, ...): they hold
-    for the whole cluster, so the virtual node carries them too."""
+def shared_labels(
+    lower_nodes: Iterable[Mapping[str, Any]], counted_taint_keys: Collection[str] = ()
+) -> dict[str, str]:
+    """Labels with one value on every lower node that counts in the capacity (region,
+    zone, ...): they hold for the whole cluster, so the virtual node carries them too."""
     shared: dict[str, str] | None = None
     for node in lower_nodes:
-        if not node_is_usable(node):
+        if not node_counts(node, counted_taint_keys):
             continue
         labels = {
             k: v for k, v in (node["metadata"].get("labels") or {}).items() if k not in _NOT_SHARED

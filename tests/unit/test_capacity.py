@@ -1,6 +1,9 @@
 from collections.abc import Mapping
 from fractions import Fraction
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from kubekit import keys
 from kubekit.client import PODS, Resource
@@ -14,6 +17,7 @@ from virtual_node.capacity import (
     pod_usage,
 )
 from virtual_node.lower import LowerCluster
+from virtual_node.main import VirtualNodeConfig, parse_args
 from virtual_node.naming import NamespaceMapping
 from virtual_node.translate import Ownership
 
@@ -24,11 +28,15 @@ def node(
     ready: bool = True,
     unschedulable: bool = False,
     extended: Mapping[str, str] | None = None,
+    taints: tuple[tuple[str, str], ...] = (),
     **allocatable: str,
 ) -> dict[str, Any]:
     return {
         "metadata": {"name": name},
-        "spec": {"unschedulable": unschedulable},
+        "spec": {
+            "unschedulable": unschedulable,
+            "taints": [{"key": key, "effect": effect} for key, effect in taints],
+        },
         "status": {
             "allocatable": {**allocatable, **(extended or {})},
             "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
@@ -113,6 +121,29 @@ def test_free_capacity_counts_usable_nodes_and_foreign_pods_only() -> None:
     }
 
 
+def test_tainted_nodes_count_only_when_their_taint_keys_are_listed() -> None:
+    nodes = [
+        node("plain", cpu="1", pods="10", taints=(("cheap", "PreferNoSchedule"),)),
+        node(
+            "control-plane",
+            cpu="10",
+            taints=(("node-role.kubernetes.io/control-plane", "NoSchedule"),),
+        ),
+        node("gpu", cpu="100", taints=(("nvidia.com/gpu", "NoSchedule"),)),
+        node(
+            "draining",
+            cpu="1000",
+            taints=(("nvidia.com/gpu", "NoSchedule"), ("drain", "NoExecute")),
+        ),
+    ]
+    assert free_capacity(nodes, []) == {"cpu": 1, "pods": 10}
+    assert free_capacity(nodes, [], {"nvidia.com/gpu"}) == {"cpu": 101, "pods": 10}
+    lower, _pods, informer = lower_cluster(counted_taint_keys=frozenset({"nvidia.com/gpu"}))
+    for lower_node in nodes:
+        informer.apply({"type": "ADDED", "object": lower_node})
+    assert lower.report(True).allocatable == {"cpu": "101", "pods": "10"}
+
+
 def test_free_capacity_never_goes_negative() -> None:
     usage = PodUsage("a", {"cpu": Fraction(4), "pods": Fraction(1)})
     free = free_capacity([node("a", cpu="1", pods="1")], [usage, usage])
@@ -123,7 +154,7 @@ OWNER = Ownership(origin="upper-uid", node_name="vk-lower-1", cluster_id="lower-
 
 
 def lower_cluster(
-    state: ClusterState | None = None,
+    state: ClusterState | None = None, counted_taint_keys: frozenset[str] = frozenset()
 ) -> tuple[LowerCluster, Informer, Informer]:
     """A LowerCluster over informers fed by hand (and, given one, an estimator's state):
     the lower cluster, its pod informer and its node informer."""
@@ -140,6 +171,7 @@ def lower_cluster(
         NamespaceMapping(),
         "127.0.0.1",
         largest_free_slot=state.largest_free_slot if state is not None else None,
+        counted_taint_keys=counted_taint_keys,
     )
     return lower, pods, nodes
 
@@ -207,3 +239,14 @@ def test_without_an_estimator_no_slot_is_reported() -> None:
     lower, _, nodes = lower_cluster()
     nodes.apply({"type": "ADDED", "object": node("a", cpu="8")})
     assert lower.report(True).largest_free_slot == {}
+
+
+def test_the_virtual_node_takes_lists_from_repeated_flags_or_its_file(tmp_path: Path) -> None:
+    base = ["--lower-kubeconfig=l", "--cluster-id=c", "--client-ca-file=ca"]
+    flags = [*base, "--count-tainted-nodes=nvidia.com/gpu", "--count-tainted-nodes=dedicated"]
+    assert parse_args(flags).counted_taint_keys == ("nvidia.com/gpu", "dedicated")
+    config = tmp_path / "vn.yaml"
+    config.write_text("counted_taint_keys: [nvidia.com/gpu]\n")
+    assert parse_args([*base, f"--config={config}"]).counted_taint_keys == ("nvidia.com/gpu",)
+    with pytest.raises(ValueError, match="counted_taint_keys must be a list"):
+        VirtualNodeConfig("l", "c", client_ca_file="ca", counted_taint_keys="nvidia.com/gpu")  # type: ignore[arg-type]
