@@ -58,6 +58,21 @@ _SMP = "application/strategic-merge-patch+json"
 _PERMANENT = frozenset({400, 422})
 
 
+def namespace_is_gone(error: ApiError) -> bool:
+    """A create refused because its namespace does not exist (404 about the namespace)
+    or is being deleted (403 with the cause NamespaceTerminating)."""
+    details = error.body.get("details") if isinstance(error.body, dict) else None
+    if not isinstance(details, dict):
+        return False
+    if error.status == 404:
+        return details.get("kind") == "namespaces"
+    causes = details.get("causes")
+    return isinstance(causes, list) and any(
+        isinstance(cause, dict) and cause.get("reason") == "NamespaceTerminating"
+        for cause in causes
+    )
+
+
 class PodDependencies(Protocol):
     async def ensure_for_pod(self, pod: Mapping[str, Any]) -> None: ...
 
@@ -266,6 +281,9 @@ class LowerCluster:
         except ApiError as error:
             if error.status == 409:
                 raise  # exists after all: the next round sees it in the cache
+            if namespace_is_gone(error):
+                # Deleted below since we made it: made again on the retry.
+                self._forget_namespace(namespace)
             message = f"lower cluster {self.owner.cluster_id} refused the pod: {error.message}"
             if error.status in _PERMANENT:
                 return Rejected("LowerClusterRejected", message)
@@ -308,9 +326,15 @@ class LowerCluster:
         try:
             await self.client.create(SERVICEACCOUNTS, body, namespace)
         except ApiError as error:
+            if namespace_is_gone(error):
+                self._forget_namespace(namespace)
             if error.status != 409:
                 raise
         self._service_accounts.add((namespace, name))
+
+    def _forget_namespace(self, namespace: str) -> None:
+        self._namespaces.discard(namespace)
+        self._service_accounts = {k for k in self._service_accounts if k[0] != namespace}
 
     async def _get_live(self, namespace: str, name: str) -> JSON | None:
         try:

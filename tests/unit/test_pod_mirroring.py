@@ -1,0 +1,300 @@
+"""The pod controller over the lower-cluster backend, both sides' caches fed through their
+informers and both apiservers answered by a fake client: each SyncResult path, deletion,
+an unreachable lower cluster, conflicts and a namespace deleted below."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kubekit import keys
+from kubekit.client import NODES, PODS, ApiError
+from kubekit.informer import Informer
+from kubekit.workqueue import WorkQueue
+from tests.unit.fakeapi import FakeClient, not_found, status_error
+from virtual_node.lower import LowerCluster
+from virtual_node.naming import NamespaceMapping
+from virtual_node.podcontroller import PodController, RetryLater
+from virtual_node.translate import Ownership
+
+OWNER = Ownership(origin="upper-uid", node_name="vk-lower-1", cluster_id="lower-1")
+HOST_IP = "10.0.0.9"
+LOWER_POD_PATH = "/api/v1/namespaces/shop/pods"
+UPPER_STATUS_PATH = "/api/v1/namespaces/shop/pods/web/status"
+
+
+@dataclass
+class Mirroring:
+    upper: FakeClient
+    lower: FakeClient
+    upper_pods: Informer
+    lower_pods: Informer
+    controller: PodController
+
+    def above(self, pod: dict[str, Any], event: str = "ADDED") -> None:
+        self.upper_pods.apply({"type": event, "object": pod})
+
+    def below(self, pod: dict[str, Any], event: str = "ADDED") -> None:
+        self.lower_pods.apply({"type": event, "object": pod})
+
+    def upper_statuses(self) -> list[dict[str, Any]]:
+        return [r.body["status"] for r in self.upper.requests if r.path == UPPER_STATUS_PATH]
+
+    def upper_event_reasons(self) -> list[str]:
+        return [r.body["reason"] for r in self.upper.requests if r.path.endswith("/events")]
+
+
+@pytest.fixture
+def mirroring() -> Mirroring:
+    upper, lower = FakeClient(), FakeClient()
+    upper_pods = Informer(client=upper, resource=PODS)
+    lower_pods = Informer(client=lower, resource=PODS)
+    backend = LowerCluster(
+        lower,
+        lower_pods,
+        Informer(client=lower, resource=NODES),
+        OWNER,
+        NamespaceMapping(),
+        HOST_IP,
+    )
+    controller = PodController(upper, upper_pods, backend, "vk-lower-1", WorkQueue("pods"))
+    return Mirroring(upper, lower, upper_pods, lower_pods, controller)
+
+
+def upper_pod(*, controlled: bool = False, **spec: Any) -> dict[str, Any]:
+    metadata: dict[str, Any] = {
+        "name": "web",
+        "namespace": "shop",
+        "uid": "upper-pod-uid",
+        "resourceVersion": "7",
+        "labels": {"app": "web"},
+    }
+    if controlled:
+        metadata["ownerReferences"] = [
+            {"kind": "ReplicaSet", "name": "web-1", "uid": "rs", "controller": True}
+        ]
+    return {
+        "metadata": metadata,
+        "spec": {
+            "nodeName": "vk-lower-1",
+            "containers": [{"name": "app", "image": "nginx"}],
+            **spec,
+        },
+        "status": {"phase": "Pending"},
+    }
+
+
+def lower_pod(*, ours: bool = True, **status: Any) -> dict[str, Any]:
+    metadata: dict[str, Any] = {
+        "name": "web",
+        "namespace": "shop",
+        "uid": "lower-pod-uid",
+        "resourceVersion": "3",
+        "labels": {"app": "web", **(OWNER.labels() if ours else {})},
+        "annotations": {
+            keys.UPPER_UID_ANNOTATION: "upper-pod-uid",
+            keys.UPPER_NAMESPACE_ANNOTATION: "shop",
+            keys.UPPER_KEYS_ANNOTATION: '{"labels":["app"],"annotations":[]}',
+        },
+    }
+    return {
+        "metadata": metadata,
+        "spec": {"nodeName": "lower-node-1", "containers": [{"name": "app", "image": "nginx"}]},
+        "status": status,
+    }
+
+
+async def test_a_new_pod_is_created_below_after_its_namespace_and_service_account(
+    mirroring: Mirroring,
+) -> None:
+    mirroring.above(upper_pod())
+    mirroring.lower.answer("POST", LOWER_POD_PATH, lower_pod(phase="Pending"))
+    await mirroring.controller.reconcile("shop/web")
+    assert mirroring.lower.writes() == [
+        ("POST", "/api/v1/namespaces"),
+        ("POST", "/api/v1/namespaces/shop/serviceaccounts"),
+        ("POST", LOWER_POD_PATH),
+    ]
+    (created,) = [r.body for r in mirroring.lower.requests if r.path == LOWER_POD_PATH]
+    assert created["metadata"]["labels"] == {"app": "web", **OWNER.labels()}
+    assert "nodeName" not in created["spec"]
+    assert mirroring.upper.writes() == [], "nothing to report before a lower node takes it"
+
+
+async def test_the_lower_status_comes_up_with_the_virtual_node_as_host(
+    mirroring: Mirroring,
+) -> None:
+    mirroring.above(upper_pod())
+    mirroring.below(lower_pod(phase="Running", hostIP="192.168.0.5", podIP="10.241.0.7"))
+    await mirroring.controller.reconcile("shop/web")
+    assert mirroring.lower.writes() == []
+    (status,) = mirroring.upper_statuses()
+    assert status["phase"] == "Running" and status["podIP"] == "10.241.0.7"
+    assert status["hostIP"] == HOST_IP and status["hostIPs"] == [{"ip": HOST_IP}]
+
+
+async def test_a_status_conflict_waits_for_the_next_watch_event(mirroring: Mirroring) -> None:
+    mirroring.above(upper_pod())
+    mirroring.below(lower_pod(phase="Running"))
+    mirroring.upper.answer("PUT", UPPER_STATUS_PATH, status_error(409, "Conflict", "changed"))
+    await mirroring.controller.reconcile("shop/web")  # no error: the newer pod comes back
+    assert len(mirroring.upper_statuses()) == 1
+
+
+@pytest.mark.parametrize(
+    ("refusal", "reason"),
+    [
+        (
+            status_error(422, "Invalid", "spec.containers[0].image: Required value"),
+            "LowerClusterRejected",
+        ),
+        (status_error(400, "BadRequest", "cannot decode"), "LowerClusterRejected"),
+    ],
+)
+async def test_a_pod_the_lower_apiserver_calls_invalid_fails_above(
+    mirroring: Mirroring, refusal: ApiError, reason: str
+) -> None:
+    mirroring.above(upper_pod())
+    mirroring.lower.answer("POST", LOWER_POD_PATH, refusal)
+    await mirroring.controller.reconcile("shop/web")
+    (status,) = mirroring.upper_statuses()
+    assert (status["phase"], status["reason"]) == ("Failed", reason)
+    assert refusal.message in status["message"]
+    assert mirroring.upper_event_reasons() == [reason]
+
+
+async def test_a_pod_no_node_of_this_cluster_may_take_fails_without_a_lower_write(
+    mirroring: Mirroring,
+) -> None:
+    mirroring.above(upper_pod(nodeSelector={keys.CLUSTER_ID_LABEL: "lower-2"}))
+    await mirroring.controller.reconcile("shop/web")
+    (status,) = mirroring.upper_statuses()
+    assert (status["phase"], status["reason"]) == ("Failed", "TranslationFailed")
+    assert mirroring.lower.writes() == []
+
+
+async def test_a_name_taken_below_by_someone_else_fails_the_pod_and_spares_theirs(
+    mirroring: Mirroring,
+) -> None:
+    mirroring.above(upper_pod())
+    mirroring.below(lower_pod(ours=False, phase="Running"))
+    await mirroring.controller.reconcile("shop/web")
+    assert mirroring.upper_statuses()[0]["reason"] == "NameConflict"
+    assert mirroring.lower.writes() == []
+
+
+async def test_an_admission_refusal_is_an_event_and_a_retry(mirroring: Mirroring) -> None:
+    mirroring.above(upper_pod())
+    mirroring.lower.answer(
+        "POST", LOWER_POD_PATH, status_error(403, "Forbidden", 'exceeded quota: "compute"')
+    )
+    with pytest.raises(RetryLater, match="exceeded quota"):
+        await mirroring.controller.reconcile("shop/web")
+    assert mirroring.upper_event_reasons() == ["LowerClusterRefused"]
+    assert mirroring.upper_statuses() == [], "a refusal for now fails nothing"
+
+
+@pytest.mark.parametrize("controlled", [True, False])
+async def test_a_lower_pod_deleted_behind_our_back(mirroring: Mirroring, controlled: bool) -> None:
+    """A controlled pod goes so its owner replaces it; a bare one is marked Failed."""
+    pod = upper_pod(controlled=controlled)
+    pod["status"] = {"phase": "Running", "hostIP": HOST_IP}
+    mirroring.above(pod)
+    await mirroring.controller.reconcile("shop/web")
+    assert ("GET", f"{LOWER_POD_PATH}/web") in [
+        (r.method, r.path) for r in mirroring.lower.requests
+    ]
+    assert mirroring.upper_event_reasons() == ["LowerPodDeleted"]
+    if controlled:
+        assert mirroring.upper.writes("DELETE") == [("DELETE", "/api/v1/namespaces/shop/pods/web")]
+        assert mirroring.upper_statuses() == []
+    else:
+        assert mirroring.upper.writes("DELETE") == []
+        assert mirroring.upper_statuses()[0]["reason"] == "LowerPodDeleted"
+
+
+async def test_a_finished_pod_is_never_run_again(mirroring: Mirroring) -> None:
+    pod = upper_pod()
+    pod["status"] = {"phase": "Succeeded", "hostIP": HOST_IP}
+    mirroring.above(pod)
+    await mirroring.controller.reconcile("shop/web")
+    assert mirroring.lower.requests == [] and mirroring.upper.requests == []
+
+
+async def test_a_deletion_above_goes_below_first_with_its_grace(mirroring: Mirroring) -> None:
+    pod = upper_pod()
+    pod["metadata"] |= {
+        "deletionTimestamp": "2026-11-25T08:00:00Z",
+        "deletionGracePeriodSeconds": 17,
+    }
+    mirroring.above(pod)
+    mirroring.below(lower_pod(phase="Running"))
+    await mirroring.controller.reconcile("shop/web")
+    (delete,) = [r for r in mirroring.lower.requests if r.method == "DELETE"]
+    assert delete.path == f"{LOWER_POD_PATH}/web"
+    assert delete.body["gracePeriodSeconds"] == 17
+    assert delete.body["preconditions"] == {"uid": "lower-pod-uid"}
+    assert mirroring.upper.writes() == [], "the upper pod stays until the lower one is gone"
+    mirroring.below(lower_pod(phase="Running"), "DELETED")
+    mirroring.lower.answer("GET", f"{LOWER_POD_PATH}/web", not_found("pods", "web"))
+    await mirroring.controller.reconcile("shop/web")
+    (upper_delete,) = [r for r in mirroring.upper.requests if r.method == "DELETE"]
+    assert upper_delete.body["gracePeriodSeconds"] == 0
+    assert upper_delete.body["preconditions"] == {"uid": "upper-pod-uid"}
+
+
+async def test_an_unreachable_lower_cluster_is_retried_and_changes_nothing_above(
+    mirroring: Mirroring,
+) -> None:
+    mirroring.above(upper_pod())
+    mirroring.lower.answer(
+        "POST", "/api/v1/namespaces", aiohttp.ServerDisconnectedError("lower apiserver gone")
+    )
+    with pytest.raises(aiohttp.ServerDisconnectedError):
+        await mirroring.controller.reconcile("shop/web")  # the work queue retries it
+    assert mirroring.upper.requests == []
+    await mirroring.controller.reconcile("shop/web")
+    assert mirroring.lower.writes()[-1] == ("POST", LOWER_POD_PATH)
+
+
+@pytest.mark.parametrize(
+    "gone",
+    [
+        not_found("namespaces", "shop"),
+        status_error(
+            403,
+            "Forbidden",
+            "unable to create new content in namespace shop because it is being terminated",
+            causes=[{"reason": "NamespaceTerminating", "field": "metadata.namespace"}],
+        ),
+    ],
+)
+async def test_a_namespace_deleted_below_is_made_again(
+    mirroring: Mirroring, gone: ApiError
+) -> None:
+    mirroring.above(upper_pod())
+    mirroring.lower.answer("POST", LOWER_POD_PATH, gone)
+    with pytest.raises((ApiError, RetryLater)):
+        await mirroring.controller.reconcile("shop/web")
+    mirroring.lower.requests.clear()
+    await mirroring.controller.reconcile("shop/web")
+    assert mirroring.lower.writes() == [
+        ("POST", "/api/v1/namespaces"),
+        ("POST", "/api/v1/namespaces/shop/serviceaccounts"),
+        ("POST", LOWER_POD_PATH),
+    ]
+
+
+async def test_a_namespace_known_below_is_not_created_again(mirroring: Mirroring) -> None:
+    mirroring.above(upper_pod())
+    await mirroring.controller.reconcile("shop/web")
+    mirroring.lower.requests.clear()
+    mirroring.above(upper_pod(), "DELETED")
+    other = upper_pod()
+    other["metadata"] |= {"name": "api", "uid": "other-uid"}
+    mirroring.above(other)
+    await mirroring.controller.reconcile("shop/api")
+    assert mirroring.lower.writes() == [("POST", LOWER_POD_PATH)]
