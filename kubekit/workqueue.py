@@ -45,6 +45,8 @@ class WorkQueue(Generic[Key]):
         self._overall = overall_limit or TokenBucket(qps=10, burst=100)
         # Workers blocked in get(); add() wakes one without scheduling a task.
         self._waiters: deque[asyncio.Future[None]] = deque()
+        # Callers of process_now waiting for a worker to be done with their key.
+        self._idle: dict[Key, list[asyncio.Future[None]]] = {}
         self._shutting_down = False
         self._depth = metrics.WORKQUEUE_DEPTH.labels(name)
         self._adds = metrics.WORKQUEUE_ADDS.labels(name)
@@ -126,6 +128,27 @@ class WorkQueue(Generic[Key]):
             self._queue.append(key)
             self._depth.set(len(self._queue))
             self._notify()
+        for waiter in self._idle.pop(key, ()):
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def process_now(self, key: Key, reconcile: Callable[[Key], Awaitable[None]]) -> None:
+        """Reconciles ``key`` at once on the caller's task, under the queue's contract: never
+        beside a worker busy with the same key (it waits for that one), and a pending add
+        of the key is served by this run. An error is the caller's; no retry is queued."""
+        while key in self._processing:
+            waiter = asyncio.get_running_loop().create_future()
+            self._idle.setdefault(key, []).append(waiter)
+            await waiter
+        if key in self._dirty:
+            self._dirty.discard(key)
+            self._queue.remove(key)
+            self._depth.set(len(self._queue))
+        self._processing.add(key)
+        try:
+            await reconcile(key)
+        finally:
+            self.done(key)
 
     def shut_down(self) -> None:
         self._shutting_down = True

@@ -37,6 +37,7 @@ from virtual_node.podcontroller import (
     Vanished,
     Waiting,
 )
+from virtual_node.references import DEFAULT_SERVICE_ACCOUNT
 from virtual_node.translate import (
     Ownership,
     TranslationError,
@@ -110,7 +111,7 @@ class LowerCluster:
         self.version = ""
         self.changed = asyncio.Event()
         self._namespaces: set[str] = set()
-        self._service_accounts: set[tuple[str, str]] = set()
+        self._default_accounts: set[str] = set()  # namespaces where `default` exists
         # What each foreign lower pod takes, kept by the pod handler: a report sums this
         # table (never running totals that could drift) instead of decoding every pod.
         self._usage: dict[str, PodUsage] = {}
@@ -267,9 +268,9 @@ class LowerCluster:
     async def _create(self, upper: Mapping[str, Any], desired: JSON) -> SyncResult:
         namespace = desired["metadata"]["namespace"]
         await self._ensure_namespace(namespace)
-        await self._ensure_service_account(
-            namespace, desired["spec"].get("serviceAccountName") or "default"
-        )
+        account = desired["spec"].get("serviceAccountName") or DEFAULT_SERVICE_ACCOUNT
+        if account == DEFAULT_SERVICE_ACCOUNT:
+            await self._ensure_default_service_account(namespace)
         if self.dependencies is not None:
             await self.dependencies.ensure_for_pod(upper)
         if self.held_node is not None and not uses_unmodelled_filters(desired["spec"]):
@@ -313,15 +314,16 @@ class LowerCluster:
                 raise
         self._namespaces.add(namespace)
 
-    async def _ensure_service_account(self, namespace: str, name: str) -> None:
-        """The pod's service account must exist below before the pod: admission refuses
-        the pod otherwise, and in a new namespace even `default` may not be there yet."""
-        if (namespace, name) in self._service_accounts:
+    async def _ensure_default_service_account(self, namespace: str) -> None:
+        """The lower controllers make `default` in every namespace, but admission refuses
+        a pod in a namespace just made until they have. Made here as they make it, so not
+        ours: never updated or removed (other service accounts are reflected)."""
+        if namespace in self._default_accounts:
             return
         body = {
             "apiVersion": "v1",
             "kind": "ServiceAccount",
-            "metadata": {"name": name, "namespace": namespace, "labels": self.owner.labels()},
+            "metadata": {"name": DEFAULT_SERVICE_ACCOUNT, "namespace": namespace},
         }
         try:
             await self.client.create(SERVICEACCOUNTS, body, namespace)
@@ -330,11 +332,11 @@ class LowerCluster:
                 self._forget_namespace(namespace)
             if error.status != 409:
                 raise
-        self._service_accounts.add((namespace, name))
+        self._default_accounts.add(namespace)
 
     def _forget_namespace(self, namespace: str) -> None:
         self._namespaces.discard(namespace)
-        self._service_accounts = {k for k in self._service_accounts if k[0] != namespace}
+        self._default_accounts.discard(namespace)
 
     async def _get_live(self, namespace: str, name: str) -> JSON | None:
         try:

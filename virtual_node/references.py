@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 from kubekit import keys
@@ -10,7 +10,19 @@ from virtual_node.naming import NamespaceMapping
 from virtual_node.translate import Ownership, is_service_account_token_volume
 
 JSON = dict[str, Any]
-Kind = Literal["configmaps", "secrets", "persistentvolumeclaims", "services", "endpointslices"]
+Kind = Literal[
+    "configmaps",
+    "secrets",
+    "persistentvolumeclaims",
+    "serviceaccounts",
+    "priorityclasses",
+    "services",
+    "endpointslices",
+]
+# Made by every cluster's apiserver or controllers, never copied: the service account
+# `default` of each namespace and the PriorityClasses the names `system-` are reserved for.
+DEFAULT_SERVICE_ACCOUNT = "default"
+_RESERVED_PRIORITY_CLASS_PREFIX = "system-"
 
 # Secrets whose content the lower cluster makes for itself.
 _NOT_REFLECTED_SECRET_TYPES = frozenset({"kubernetes.io/service-account-token"})
@@ -22,9 +34,16 @@ def _containers(spec: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
 
 
 def referenced_objects(spec: Mapping[str, Any]) -> set[tuple[Kind, str]]:
-    """ConfigMaps, Secrets and PersistentVolumeClaims a pod spec refers to: volumes,
-    projected volumes, env, envFrom and imagePullSecrets."""
+    """ConfigMaps, Secrets and PersistentVolumeClaims a pod spec refers to (volumes,
+    projected volumes, env, envFrom and imagePullSecrets), its ServiceAccount and its
+    PriorityClass (cluster-wide), but for those every cluster makes itself."""
     refs: set[tuple[Kind, str]] = set()
+    account = spec.get("serviceAccountName") or DEFAULT_SERVICE_ACCOUNT
+    if account != DEFAULT_SERVICE_ACCOUNT:
+        refs.add(("serviceaccounts", account))
+    priority_class = spec.get("priorityClassName") or ""
+    if priority_class and not priority_class.startswith(_RESERVED_PRIORITY_CLASS_PREFIX):
+        refs.add(("priorityclasses", priority_class))
     for volume in spec.get("volumes") or []:
         if is_service_account_token_volume(volume):
             continue  # not mirrored: the lower cluster mounts its own token and CA
@@ -57,18 +76,14 @@ def referenced_objects(spec: Mapping[str, Any]) -> set[tuple[Kind, str]]:
     return {(kind, name) for kind, name in refs if name}
 
 
-def selecting_services(pod: Mapping[str, Any], services: Iterable[Mapping[str, Any]]) -> set[str]:
-    """Names of the Services (of the pod's namespace) whose selector picks the pod."""
-    labels = pod["metadata"].get("labels") or {}
-    names = set()
-    for service in services:
-        spec = service.get("spec") or {}
-        selector = spec.get("selector") or {}
-        if spec.get("type") == "ExternalName" or not selector:
-            continue
-        if all(labels.get(k) == v for k, v in selector.items()):
-            names.add(service["metadata"]["name"])
-    return names
+def selects(service: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+    """Whether a Service's selector picks a pod with these labels (a Service without a
+    selector, or of type ExternalName, picks none)."""
+    spec = service.get("spec") or {}
+    selector = spec.get("selector") or {}
+    if spec.get("type") == "ExternalName" or not selector:
+        return False
+    return all(labels.get(k) == v for k, v in selector.items())
 
 
 def service_of_slice(endpoint_slice: Mapping[str, Any]) -> str:
@@ -171,10 +186,65 @@ def desired_copy(upper: Mapping[str, Any], mapping: NamespaceMapping, owner: Own
     return copy
 
 
+def desired_service_account(
+    upper: Mapping[str, Any], mapping: NamespaceMapping, owner: Ownership
+) -> JSON:
+    """The lower copy of a ServiceAccount: whether its token is mounted, and its pull
+    secrets (the lower admission adds them to pods that name none); its token Secrets
+    are the lower cluster's own."""
+    copy: JSON = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _copy_metadata(upper, mapping, owner),
+    }
+    for field in ("automountServiceAccountToken", "imagePullSecrets"):
+        if field in upper:
+            copy[field] = upper[field]
+    return copy
+
+
+def desired_priority_class(
+    upper: Mapping[str, Any], _mapping: NamespaceMapping, owner: Ownership
+) -> JSON:
+    """The lower copy of a PriorityClass, never the lower cluster's default: only pods
+    that name it get its priority."""
+    metadata = upper["metadata"]
+    copy: JSON = {
+        "apiVersion": "scheduling.k8s.io/v1",
+        "kind": "PriorityClass",
+        "metadata": {
+            "name": metadata["name"],
+            "labels": {**(metadata.get("labels") or {}), **owner.labels()},
+            "annotations": {
+                **(metadata.get("annotations") or {}),
+                keys.UPPER_UID_ANNOTATION: metadata["uid"],
+            },
+        },
+        "value": upper.get("value", 0),
+    }
+    for field in ("preemptionPolicy", "description"):
+        if field in upper:
+            copy[field] = upper[field]
+    return copy
+
+
 def copy_differs(lower: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
     # A claim's spec is fixed once created (only a storage request may grow): what
     # differs there is not brought over.
-    fields = ("data", "binaryData", "type", "immutable", "addressType", "endpoints", "ports")
+    fields = (
+        "data",
+        "binaryData",
+        "type",
+        "immutable",
+        "addressType",
+        "endpoints",
+        "ports",
+        "automountServiceAccountToken",
+        "imagePullSecrets",
+        "value",
+        "preemptionPolicy",
+        "description",
+    )
     if any(lower.get(f) != desired.get(f) for f in fields):
         return True
     if desired.get("kind") == "Service":

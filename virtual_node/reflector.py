@@ -1,5 +1,6 @@
-"""Keeps lower copies of the ConfigMaps, Secrets and PersistentVolumeClaims that
-mirrored pods refer to, and of the Services that select them with their EndpointSlices.
+"""Keeps lower copies of the ConfigMaps, Secrets, PersistentVolumeClaims,
+ServiceAccounts and PriorityClasses that mirrored pods refer to, and of the Services that
+select them with their EndpointSlices.
 
 Level-triggered: for each (kind, upper namespace, name) the desired state is "a copy
 equal to the upper object" while a pod on this node refers to it (a Service: selects
@@ -19,7 +20,9 @@ from kubekit.client import (
     CONFIGMAPS,
     ENDPOINTSLICES,
     PERSISTENTVOLUMECLAIMS,
+    PRIORITYCLASSES,
     SECRETS,
+    SERVICEACCOUNTS,
     SERVICES,
     ApiError,
     KubeClient,
@@ -34,21 +37,25 @@ from virtual_node.references import (
     copy_differs,
     desired_copy,
     desired_endpoint_slice,
+    desired_priority_class,
     desired_service,
+    desired_service_account,
     referenced_objects,
     reflectable,
-    selecting_services,
+    selects,
     service_of_slice,
 )
 from virtual_node.translate import Ownership
 
 log = logging.getLogger(__name__)
 
-Key = tuple[Kind, str, str]  # kind, upper namespace, name
+Key = tuple[Kind, str, str]  # kind, upper namespace ("" for cluster-wide kinds), name
 RESOURCES: dict[Kind, Resource] = {
     "configmaps": CONFIGMAPS,
     "secrets": SECRETS,
     "persistentvolumeclaims": PERSISTENTVOLUMECLAIMS,
+    "serviceaccounts": SERVICEACCOUNTS,
+    "priorityclasses": PRIORITYCLASSES,
     "services": SERVICES,
     "endpointslices": ENDPOINTSLICES,
 }
@@ -56,9 +63,15 @@ DESIRED: dict[Kind, Callable[[Mapping[str, Any], NamespaceMapping, Ownership], J
     "configmaps": desired_copy,
     "secrets": desired_copy,
     "persistentvolumeclaims": desired_copy,
+    "serviceaccounts": desired_service_account,
+    "priorityclasses": desired_priority_class,
     "services": desired_service,
     "endpointslices": desired_endpoint_slice,
 }
+
+
+def reflected_key(kind: Kind, namespace: str, name: str) -> Key:
+    return (kind, namespace if RESOURCES[kind].namespaced else "", name)
 
 
 class Reflector:
@@ -82,6 +95,9 @@ class Reflector:
         # Which upper pods refer to each object: the desired state, kept by the pod handler.
         self._users: dict[Key, set[str]] = {}
         self._refs_of_pod: dict[str, set[Key]] = {}
+        # The labels of each pod that still needs its references, by namespace: a Service
+        # change is matched against these, not against every pod decoded again.
+        self._pod_labels: dict[str, dict[str, Mapping[str, str]]] = {}
         upper_pods.add_handler(
             FunctionHandler(
                 add=self._pod_changed,
@@ -101,18 +117,41 @@ class Reflector:
     def _pod_changed(self, pod: Mapping[str, Any]) -> None:
         key = object_key(pod)
         namespace = pod["metadata"]["namespace"]
-        refs = {(kind, namespace, name) for kind, name in referenced_objects(pod.get("spec") or {})}
-        services = self.upper_objects["services"].items(namespace)
-        refs |= {("services", namespace, name) for name in selecting_services(pod, services)}
         if pod["metadata"].get("deletionTimestamp") or (pod.get("status") or {}).get("phase") in {
             "Succeeded",
             "Failed",
         }:
-            refs = set()  # a pod on its way out needs nothing more
+            self._pod_gone(pod)  # a pod on its way out needs nothing more
+            return
+        labels = pod["metadata"].get("labels") or {}
+        self._pod_labels.setdefault(namespace, {})[key] = labels
+        refs = {
+            reflected_key(kind, namespace, name)
+            for kind, name in referenced_objects(pod.get("spec") or {})
+        }
+        refs |= {
+            ("services", namespace, service["metadata"]["name"])
+            for service in self.upper_objects["services"].items(namespace)
+            if selects(service, labels)
+        }
         self._set_refs(key, refs)
 
     def _pod_gone(self, pod: Mapping[str, Any]) -> None:
-        self._set_refs(object_key(pod), set())
+        key, namespace = object_key(pod), pod["metadata"]["namespace"]
+        in_namespace = self._pod_labels.get(namespace, {})
+        in_namespace.pop(key, None)
+        if not in_namespace:
+            self._pod_labels.pop(namespace, None)
+        self._set_refs(key, set())
+
+    def _service_changed(self, namespace: str, name: str) -> None:
+        """A new, changed or deleted selector changes which pods need the Service."""
+        ref: Key = ("services", namespace, name)
+        service = self.upper_objects["services"].get(f"{namespace}/{name}")
+        for pod_key, labels in self._pod_labels.get(namespace, {}).items():
+            refs = self._refs_of_pod.get(pod_key, set())
+            if (service is not None and selects(service, labels)) != (ref in refs):
+                self._set_refs(pod_key, refs ^ {ref})
 
     def _set_refs(self, pod_key: str, refs: set[Key]) -> None:
         before = self._refs_of_pod.get(pod_key, set())
@@ -142,12 +181,10 @@ class Reflector:
                 self.queue.add(("endpointslices", namespace, endpoint_slice["metadata"]["name"]))
 
     def _upper_changed(self, kind: Kind, obj: Mapping[str, Any]) -> None:
-        namespace = obj["metadata"]["namespace"]
-        key: Key = (kind, namespace, obj["metadata"]["name"])
+        metadata = obj["metadata"]
+        key = reflected_key(kind, metadata.get("namespace") or "", metadata["name"])
         if kind == "services":
-            # A new or changed selector changes which pods need this Service.
-            for pod in self.upper_pods.items(namespace):
-                self._pod_changed(pod)
+            self._service_changed(key[1], key[2])
         if self._wanted(key):
             self.queue.add(key)
 
@@ -159,29 +196,34 @@ class Reflector:
         return upper is not None and ("services", namespace, service_of_slice(upper)) in self._users
 
     def _lower_changed(self, kind: Kind, obj: Mapping[str, Any]) -> None:
+        key = self._key_of_copy(kind, obj)
+        if key is not None:
+            self.queue.add(key)
+
+    @staticmethod
+    def _key_of_copy(kind: Kind, obj: Mapping[str, Any]) -> Key | None:
         metadata = obj["metadata"]
+        if not RESOURCES[kind].namespaced:
+            return (kind, "", metadata["name"])
         namespace = (metadata.get("annotations") or {}).get(keys.UPPER_NAMESPACE_ANNOTATION)
-        if namespace:
-            self.queue.add((kind, namespace, metadata["name"]))
+        return (kind, namespace, metadata["name"]) if namespace else None
 
     def orphan_keys(self) -> list[Key]:
         """Keys of lower copies that no pod needs any more (for the periodic sweep)."""
         found: list[Key] = []
         for kind, informer in self.lower_copies.items():
             for obj in informer.items():
-                namespace = (obj["metadata"].get("annotations") or {}).get(
-                    keys.UPPER_NAMESPACE_ANNOTATION
-                )
-                key: Key = (kind, namespace or "", obj["metadata"]["name"])
+                key = self._key_of_copy(kind, obj) or (kind, "", obj["metadata"]["name"])
                 if not self._wanted(key):
                     found.append(key)
         return found
 
     async def ensure_for_pod(self, pod: Mapping[str, Any]) -> None:
-        """Brings the copies a pod needs up to date now, before the pod is created below."""
+        """Brings the copies a pod needs up to date now, before the pod is created below:
+        through the queue, so no worker reconciles the same key meanwhile."""
         namespace = pod["metadata"]["namespace"]
         for kind, name in sorted(referenced_objects(pod.get("spec") or {})):
-            await self.reconcile((kind, namespace, name))
+            await self.queue.process_now(reflected_key(kind, namespace, name), self.reconcile)
 
     async def run(self, workers: int) -> None:
         await self.queue.run_workers(workers, self.reconcile)
@@ -190,11 +232,13 @@ class Reflector:
         kind, namespace, name = key
         resource = RESOURCES[kind]
         try:
-            lower_namespace = self.mapping.lower(namespace)
+            lower_namespace = self.mapping.lower(namespace) if resource.namespaced else ""
         except NamingError:
             return
-        upper = self.upper_objects[kind].get(f"{namespace}/{name}")
-        lower = self.lower_copies[kind].get(f"{lower_namespace}/{name}")
+        upper = self.upper_objects[kind].get(f"{namespace}/{name}" if namespace else name)
+        lower = self.lower_copies[kind].get(
+            f"{lower_namespace}/{name}" if lower_namespace else name
+        )
         if self._wanted(key) and upper is not None and reflectable(upper):
             desired = DESIRED[kind](upper, self.mapping, self.owner)
             if lower is None:

@@ -538,6 +538,70 @@ def test_config_maps_and_secrets_follow_their_pods_down_and_away(federation: Fed
     upper.kubectl("delete", "namespace", "config", "--wait=false")
 
 
+def test_a_pods_service_account_and_priority_class_follow_it_down_and_away(
+    federation: Federation,
+) -> None:
+    upper, lower = federation.upper, federation.clusters["lower-2"]
+    account = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": {"name": "builder", "namespace": "ranked"},
+        "automountServiceAccountToken": False,
+    }
+    priority_class = {
+        "apiVersion": "scheduling.k8s.io/v1",
+        "kind": "PriorityClass",
+        "metadata": {"name": "kubestrata-e2e-high"},
+        "value": 1000,
+        "globalDefault": False,
+    }
+    apply(upper, namespace("ranked"), account, priority_class)
+    pod = bound_pod(
+        "ranked",
+        "ranked",
+        "vk-lower-2",
+        serviceAccountName="builder",
+        priorityClassName="kubestrata-e2e-high",
+    )
+    apply(upper, pod)
+    wait_for(
+        lambda: (
+            get_json(upper, "pod", "-n", "ranked", "ranked")["status"].get("phase") == "Running"
+        ),
+        "the pod with its own service account and priority class to run below",
+    )
+    below = get_json(lower, "pod", "-n", "ranked", "ranked")
+    assert (below["spec"]["priority"], below["spec"]["serviceAccountName"]) == (1000, "builder")
+    copied_account = get_json(lower, "serviceaccount", "-n", "ranked", "builder")
+    assert copied_account["automountServiceAccountToken"] is False
+    copied_class = get_json(lower, "priorityclass", "kubestrata-e2e-high")
+    assert copied_class["metadata"]["labels"][keys.MANAGED_BY_LABEL] == keys.MANAGED_BY_VALUE
+    assert (copied_class["value"], copied_class.get("globalDefault", False)) == (1000, False)
+
+    upper.kubectl(
+        "patch", "serviceaccount", "builder", "-n", "ranked",
+        "-p", '{"imagePullSecrets":[{"name":"registry"}]}',
+    )  # fmt: skip
+    wait_for(
+        lambda: (
+            get_json(lower, "serviceaccount", "-n", "ranked", "builder").get("imagePullSecrets")
+            == [{"name": "registry"}]
+        ),
+        "the service account's change to reach its copy",
+    )
+
+    upper.kubectl("delete", "pod", "ranked", "-n", "ranked")
+
+    def copies_gone() -> bool:
+        accounts = lower.kubectl("get", "serviceaccounts", "-n", "ranked", "-o", "name").stdout
+        classes = lower.kubectl("get", "priorityclasses", "-o", "name").stdout
+        return "builder" not in accounts and "kubestrata-e2e-high" not in classes
+
+    wait_for(copies_gone, "the copies no pod needs any more to be removed")
+    upper.kubectl("delete", "namespace", "ranked", "--wait=false")
+    upper.kubectl("delete", "priorityclass", "kubestrata-e2e-high")
+
+
 # Last: after its lower apiserver restarts, kwok's simulated nodes miss heartbeats and the
 # lower controller-manager marks new pods there NotReady, which the virtual node reports.
 def reflected_endpoints(lower: LocalCluster) -> list[str] | None:

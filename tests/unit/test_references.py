@@ -7,7 +7,7 @@ from virtual_node.references import (
     desired_service,
     referenced_objects,
     reflectable,
-    selecting_services,
+    selects,
     service_of_slice,
 )
 from virtual_node.translate import Ownership
@@ -135,15 +135,13 @@ def service(name: str, selector: dict[str, str] | None, **spec: object) -> dict[
 
 
 def test_services_select_pods_by_their_whole_selector() -> None:
-    pod = {"metadata": {"name": "p", "namespace": "shop", "labels": {"app": "web", "tier": "1"}}}
-    services = [
-        service("web", {"app": "web"}),
-        service("web-tier-2", {"app": "web", "tier": "2"}),
-        service("manual", None),
-        service("empty", {}),
-        service("alias", {"app": "web"}, type="ExternalName", externalName="example.com"),
-    ]
-    assert selecting_services(pod, services) == {"web"}
+    labels = {"app": "web", "tier": "1"}
+    assert selects(service("web", {"app": "web"}), labels)
+    assert not selects(service("web-tier-2", {"app": "web", "tier": "2"}), labels)
+    assert not selects(service("manual", None), labels)
+    assert not selects(service("empty", {}), labels)
+    alias = service("alias", {"app": "web"}, type="ExternalName", externalName="example.com")
+    assert not selects(alias, labels)
 
 
 def test_lower_service_gets_its_own_addresses_and_no_selector() -> None:

@@ -145,3 +145,43 @@ async def test_one_key_is_never_reconciled_concurrently() -> None:
     await asyncio.wait_for(workers, 1)
     assert peak == 1
     assert 1 < calls < 50, "adds during processing coalesce"
+
+
+async def test_process_now_waits_for_the_worker_that_has_the_key() -> None:
+    queue: WorkQueue[str] = WorkQueue()
+    running: list[str] = []
+    release = asyncio.Event()
+
+    async def reconcile(key: str) -> None:
+        running.append(f"start {key}")
+        assert running.count(f"start {key}") - running.count(f"end {key}") == 1, "two at once"
+        await release.wait()
+        running.append(f"end {key}")
+
+    queue.add("a")
+    key = await queue.get()
+    worker = asyncio.create_task(reconcile(key))
+    await asyncio.sleep(0)
+    now = asyncio.create_task(queue.process_now("a", reconcile))
+    await asyncio.sleep(0.01)
+    assert running == ["start a"], "process_now waits while a worker has the key"
+    release.set()
+    await worker
+    queue.done(key)
+    await now
+    assert running == ["start a", "end a", "start a", "end a"]
+    assert len(queue) == 0
+
+
+async def test_process_now_serves_a_pending_add_and_leaves_errors_to_the_caller() -> None:
+    queue: WorkQueue[str] = WorkQueue()
+    queue.add("a")
+    queue.add("b")
+
+    async def fail(key: str) -> None:
+        raise RuntimeError(key)
+
+    with pytest.raises(RuntimeError, match="a"):
+        await queue.process_now("a", fail)
+    assert len(queue) == 1 and await queue.get() == "b"
+    assert queue.retries("a") == 0

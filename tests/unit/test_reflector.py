@@ -1,0 +1,181 @@
+"""The reflector over informers fed by hand and a fake lower apiserver: ServiceAccounts and
+PriorityClasses are copied before the pod, kept equal and removed when unused; a Service's
+selector decides which pods need it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kubekit.client import PODS
+from kubekit.informer import Informer
+from kubekit.workqueue import WorkQueue
+from tests.unit.fakeapi import FakeClient
+from virtual_node.naming import NamespaceMapping
+from virtual_node.references import Kind
+from virtual_node.reflector import RESOURCES, Key, Reflector
+from virtual_node.translate import Ownership
+
+OWNER = Ownership(origin="upper-uid", node_name="vk-lower-1", cluster_id="lower-1")
+ACCOUNTS = "/api/v1/namespaces/shop/serviceaccounts"
+PRIORITY_CLASSES = "/apis/scheduling.k8s.io/v1/priorityclasses"
+
+
+@dataclass
+class Reflecting:
+    reflector: Reflector
+    lower: FakeClient
+    upper_pods: Informer
+    upper: dict[Kind, Informer]
+    copies: dict[Kind, Informer]
+    queue: WorkQueue[Key]
+
+    def above(self, kind: Kind | None, obj: dict[str, Any], event: str = "ADDED") -> None:
+        informer = self.upper_pods if kind is None else self.upper[kind]
+        informer.apply({"type": event, "object": obj})
+
+    def below(self, kind: Kind, obj: dict[str, Any]) -> None:
+        self.copies[kind].apply({"type": "ADDED", "object": obj})
+
+    async def drain(self) -> None:
+        """Reconciles every queued key once, as a worker would."""
+        while len(self.queue):
+            key = await self.queue.get()
+            try:
+                await self.reflector.reconcile(key)
+            finally:
+                self.queue.done(key)
+
+    def created(self, path: str) -> list[dict[str, Any]]:
+        return [r.body for r in self.lower.requests if r.method == "POST" and r.path == path]
+
+
+def reflecting() -> Reflecting:
+    lower = FakeClient()
+    upper = {kind: Informer(client=None, resource=r) for kind, r in RESOURCES.items()}  # type: ignore[arg-type]
+    copies = {kind: Informer(client=None, resource=r) for kind, r in RESOURCES.items()}  # type: ignore[arg-type]
+    upper_pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
+    queue: WorkQueue[Key] = WorkQueue("reflected")
+    reflector = Reflector(upper_pods, upper, lower, copies, NamespaceMapping(), OWNER, queue)
+    return Reflecting(reflector, lower, upper_pods, upper, copies, queue)
+
+
+def pod(name: str = "web", labels: dict[str, str] | None = None, **spec: Any) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": "shop",
+            "uid": f"uid-{name}",
+            "labels": labels or {},
+        },
+        "spec": {"containers": [{"name": "app", "image": "nginx"}], **spec},
+        "status": {"phase": "Pending"},
+    }
+
+
+def account(**fields: Any) -> dict[str, Any]:
+    metadata = {"name": "builder", "namespace": "shop", "uid": "sa-uid", "resourceVersion": "4"}
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": metadata, **fields}
+
+
+def priority_class(**fields: Any) -> dict[str, Any]:
+    metadata = {"name": "high", "uid": "pc-uid", "resourceVersion": "2"}
+    return {"kind": "PriorityClass", "metadata": metadata, "value": 1000, **fields}
+
+
+async def test_a_pods_service_account_and_priority_class_are_copied_before_it() -> None:
+    r = reflecting()
+    r.above("serviceaccounts", account(automountServiceAccountToken=False))
+    r.above("priorityclasses", priority_class(globalDefault=True, preemptionPolicy="Never"))
+    web = pod(serviceAccountName="builder", priorityClassName="high")
+    r.above(None, web)
+    await r.reflector.ensure_for_pod(web)
+    (copied_account,) = r.created(ACCOUNTS)
+    assert copied_account["automountServiceAccountToken"] is False
+    assert copied_account["metadata"]["labels"] == OWNER.labels()
+    (copied_class,) = r.created(PRIORITY_CLASSES)
+    assert (copied_class["value"], copied_class["preemptionPolicy"]) == (1000, "Never")
+    assert "globalDefault" not in copied_class, "a tenant's class never becomes the lower default"
+    assert copied_class["metadata"]["labels"] == OWNER.labels()
+
+
+async def test_what_every_cluster_makes_itself_is_not_copied() -> None:
+    r = reflecting()
+    web = pod(serviceAccountName="default", priorityClassName="system-cluster-critical")
+    r.above(None, web)
+    await r.reflector.ensure_for_pod(web)
+    await r.drain()
+    assert r.lower.writes() == []
+
+
+async def test_a_copy_follows_its_upper_object_and_goes_with_its_last_pod() -> None:
+    r = reflecting()
+    r.above("serviceaccounts", account())
+    r.above(None, pod(serviceAccountName="builder"))
+    await r.drain()
+    (copy,) = r.created(ACCOUNTS)
+    lower_metadata = {**copy["metadata"], "uid": "lower-sa", "resourceVersion": "9"}
+    r.below("serviceaccounts", {**copy, "metadata": lower_metadata})
+    r.lower.requests.clear()
+
+    r.above("serviceaccounts", account(imagePullSecrets=[{"name": "registry"}]), "MODIFIED")
+    await r.drain()
+    (replace,) = [q for q in r.lower.requests if q.method == "PUT"]
+    assert replace.path == f"{ACCOUNTS}/builder"
+    assert replace.body["imagePullSecrets"] == [{"name": "registry"}]
+    assert replace.body["metadata"]["resourceVersion"] == "9"
+
+    r.lower.requests.clear()
+    r.above(None, pod(serviceAccountName="builder"), "DELETED")
+    await r.drain()
+    assert r.lower.writes() == [("DELETE", f"{ACCOUNTS}/builder")]
+
+
+async def test_a_priority_class_copy_is_cluster_wide_and_swept_when_unused() -> None:
+    r = reflecting()
+    r.above("priorityclasses", priority_class())
+    r.above(None, pod(priorityClassName="high"))
+    await r.drain()
+    (copy,) = r.created(PRIORITY_CLASSES)
+    r.below("priorityclasses", {**copy, "metadata": {**copy["metadata"], "uid": "lower-pc"}})
+    assert r.reflector.orphan_keys() == []
+    r.above(None, pod(priorityClassName="high"), "DELETED")
+    assert r.reflector.orphan_keys() == [("priorityclasses", "", "high")]
+
+
+async def test_a_services_selector_decides_which_pods_need_it() -> None:
+    r = reflecting()
+    r.above(None, pod("web-1", {"app": "web"}))
+    r.above(None, pod("api-1", {"app": "api"}))
+    service = {
+        "metadata": {"name": "front", "namespace": "shop", "uid": "svc-uid"},
+        "spec": {"selector": {"app": "web"}, "ports": [{"port": 80}]},
+    }
+    r.above("services", service)
+    await r.drain()
+    assert [body["metadata"]["name"] for body in r.created("/api/v1/namespaces/shop/services")] == [
+        "front"
+    ]
+    copy = r.created("/api/v1/namespaces/shop/services")[0]
+    r.below("services", {**copy, "metadata": {**copy["metadata"], "uid": "lower-svc"}})
+    r.lower.requests.clear()
+
+    r.above("services", {**service, "spec": {"selector": {"app": "none"}}}, "MODIFIED")
+    await r.drain()
+    assert r.lower.writes() == [("DELETE", "/api/v1/namespaces/shop/services/front")]
+
+    r.above("services", {**service, "spec": {"selector": {"app": "api"}}}, "MODIFIED")
+    assert ("services", "shop", "front") not in r.reflector.orphan_keys()
+    r.above(None, pod("api-1", {"app": "api"}), "DELETED")
+    assert ("services", "shop", "front") in r.reflector.orphan_keys()
+
+
+async def test_a_pod_that_finished_needs_nothing_more() -> None:
+    r = reflecting()
+    r.above("serviceaccounts", account())
+    r.above(None, pod(serviceAccountName="builder"))
+    done = pod(serviceAccountName="builder")
+    done["status"]["phase"] = "Succeeded"
+    r.above(None, done, "MODIFIED")
+    await r.drain()
+    assert r.created(ACCOUNTS) == []
