@@ -43,6 +43,7 @@ from virtual_node.translate import (
     TranslationError,
     desired_lower_pod,
     ephemeral_containers_patch,
+    host_access,
     lower_pod_patch,
     pinned_to,
     upper_status,
@@ -94,6 +95,7 @@ class LowerCluster:
         held_node: Callable[[str], str | None] | None = None,
         largest_free_slot: Callable[[], tuple[str, Mapping[str, int]] | None] | None = None,
         counted_taint_keys: frozenset[str] = frozenset(),
+        host_access_namespaces: frozenset[str] = frozenset(),
     ) -> None:
         self.client = client
         self.pods = pods
@@ -108,6 +110,9 @@ class LowerCluster:
         self.largest_free_slot = largest_free_slot
         # Lower nodes tainted (NoSchedule, NoExecute) only with these still count above.
         self.counted_taint_keys = counted_taint_keys
+        # Upper namespaces whose pods may use the lower nodes' host (privileged, host
+        # namespaces, hostPath, host ports); others' such pods are not created below.
+        self.host_access_namespaces = host_access_namespaces
         self.version = ""
         self.changed = asyncio.Event()
         self._namespaces: set[str] = set()
@@ -224,7 +229,8 @@ class LowerCluster:
                         f"pod {namespace}/{name} is gone from lower cluster {self.owner.cluster_id}"
                     )
             else:
-                return await self._create(upper, desired)
+                refused = self._refused_host_access(upper, desired)
+                return refused or await self._create(upper, desired)
         if not self.owner.owns(lower):
             return Rejected(
                 "NameConflict",
@@ -237,13 +243,35 @@ class LowerCluster:
             await self.client.delete_exact(PODS, lower, grace_period_seconds=0)
             return Waiting()
         if not lower["metadata"].get("deletionTimestamp"):
+            debug = ephemeral_containers_patch(upper, lower)
+            if debug is not None and self._refused_host_access(upper, debug) is not None:
+                log.warning(
+                    "ephemeral containers of %s/%s use the host: not added below",
+                    namespace,
+                    name,
+                )
+                debug = None
             for patch, subresource in (
                 (lower_pod_patch(lower, desired), ""),
-                (ephemeral_containers_patch(upper, lower), "ephemeralcontainers"),
+                (debug, "ephemeralcontainers"),
             ):
                 if patch is not None:
                     lower = await self._patch(lower, patch, subresource)
         return Mirrored(upper_status(lower, upper, self.host_ip))
+
+    def _refused_host_access(self, upper: Mapping[str, Any], desired: JSON) -> Rejected | None:
+        """A lower cluster runs other tenants' pods too: a pod that would reach into its
+        nodes is not created there unless its namespace is allowed to."""
+        namespace = upper["metadata"]["namespace"]
+        asked = host_access(desired["spec"])
+        if not asked or namespace in self.host_access_namespaces:
+            return None
+        return Rejected(
+            "HostAccessRefused",
+            f"lower cluster {self.owner.cluster_id} runs no pod that uses its nodes' host "
+            f"({'; '.join(asked)}) unless the virtual node allows namespace {namespace} "
+            "(--allow-host-access)",
+        )
 
     async def _patch(self, lower: JSON, patch: JSON, subresource: str) -> JSON:
         """The lower pod patched, or as it was when the lower apiserver refuses the change

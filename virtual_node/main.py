@@ -85,6 +85,8 @@ class VirtualNodeConfig:
     namespace_prefix: str = ""
     # Lower nodes tainted NoSchedule/NoExecute only with these keys count in the capacity.
     counted_taint_keys: tuple[str, ...] = ()
+    # Upper namespaces whose pods may be privileged or use the lower nodes' host.
+    host_access_namespaces: tuple[str, ...] = ()
     log_level: str = "INFO"
     log_format: str = "text"
     # Of several replicas, only the one holding the Lease mirrors.
@@ -110,7 +112,7 @@ class VirtualNodeConfig:
         if not 0 <= self.health_port < 65536:
             raise ValueError(f"health port {self.health_port} is not a TCP port (0: none)")
         NamespaceMapping(self.namespace_strategy, self.namespace_prefix)  # validates
-        for name in ("counted_taint_keys",):
+        for name in ("counted_taint_keys", "host_access_namespaces"):
             value = getattr(self, name)
             if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
                 raise ValueError(f"{name} must be a list of non-empty strings, not {value!r}")
@@ -190,6 +192,15 @@ def parse_args(argv: Sequence[str]) -> VirtualNodeConfig:
     parser.add_argument("--event-burst", type=int)
     parser.add_argument("--namespace-strategy", choices=["same", "prefix"])
     parser.add_argument("--namespace-prefix")
+    parser.add_argument(
+        "--allow-host-access",
+        dest="host_access_namespaces",
+        metavar="NAMESPACE",
+        action="append",
+        help="upper namespace whose pods may be privileged or use the lower nodes' host "
+        "network, PID or IPC namespace, hostPath volumes or host ports (repeatable). "
+        "Default: none; such pods fail with reason HostAccessRefused",
+    )
     parser.add_argument(
         "--count-tainted-nodes",
         dest="counted_taint_keys",
@@ -320,6 +331,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             estimator.held_node if config.estimator_port else None,
             estimator.state.largest_free_slot if config.estimator_port else None,
             frozenset(config.counted_taint_keys),
+            frozenset(config.host_access_namespaces),
         )
         backend.watch_mirrored_pods(queue)
         events = EventReflector(

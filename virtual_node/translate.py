@@ -123,6 +123,28 @@ def desired_lower_pod(
     }
 
 
+def host_access(spec: Mapping[str, Any]) -> list[str]:
+    """What of the lower node's host a pod spec asks for: privileged containers, the
+    host's network, PID or IPC namespace, hostPath volumes, host ports (empty: none)."""
+    found = [f"spec.{field}" for field in ("hostNetwork", "hostPID", "hostIPC") if spec.get(field)]
+    found += [
+        f"hostPath volume {volume.get('name')!r}"
+        for volume in spec.get("volumes") or []
+        if "hostPath" in volume
+    ]
+    for kind in ("initContainers", "containers", "ephemeralContainers"):
+        for container in spec.get(kind) or []:
+            name = container.get("name")
+            if ((container.get("securityContext") or {}).get("privileged")) is True:
+                found.append(f"privileged container {name!r}")
+            found += [
+                f"host port {port['hostPort']} of container {name!r}"
+                for port in container.get("ports") or []
+                if port.get("hostPort")
+            ]
+    return found
+
+
 def uses_unmodelled_filters(spec: Mapping[str, Any]) -> bool:
     """Volumes bound to zones and claimed devices are not in the fit estimator's model."""
     return bool(spec.get("resourceClaims")) or any(

@@ -602,6 +602,28 @@ def test_a_pods_service_account_and_priority_class_follow_it_down_and_away(
     upper.kubectl("delete", "priorityclass", "kubestrata-e2e-high")
 
 
+def test_a_pod_using_the_lower_nodes_host_fails_above_and_is_not_created_below(
+    federation: Federation,
+) -> None:
+    upper, lower = federation.upper, federation.clusters["lower-1"]
+    apply(upper, namespace("hostile"))
+    apply(upper, bound_pod("sniffer", "hostile", "vk-lower-1", hostNetwork=True))
+
+    def failed_reason() -> str | None:
+        status = get_json(upper, "pod", "-n", "hostile", "sniffer")["status"]
+        return status.get("reason") if status.get("phase") == "Failed" else None
+
+    wait_for(lambda: failed_reason() == "HostAccessRefused", "the pod to fail with the reason")
+    events = get_json(
+        upper, "events", "-n", "hostile", "--field-selector", "involvedObject.name=sniffer"
+    )["items"]
+    assert any(
+        e["reason"] == "HostAccessRefused" and "spec.hostNetwork" in e["message"] for e in events
+    )
+    assert lower.kubectl("get", "pod", "-n", "hostile", "sniffer", check=False).returncode != 0
+    upper.kubectl("delete", "namespace", "hostile", "--wait=false")
+
+
 # Last: after its lower apiserver restarts, kwok's simulated nodes miss heartbeats and the
 # lower controller-manager marks new pods there NotReady, which the virtual node reports.
 def reflected_endpoints(lower: LocalCluster) -> list[str] | None:

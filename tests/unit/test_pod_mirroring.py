@@ -49,6 +49,10 @@ class Mirroring:
 
 @pytest.fixture
 def mirroring() -> Mirroring:
+    return mirroring_with()
+
+
+def mirroring_with(host_access_namespaces: frozenset[str] = frozenset()) -> Mirroring:
     upper, lower = FakeClient(), FakeClient()
     upper_pods = Informer(client=upper, resource=PODS)
     lower_pods = Informer(client=lower, resource=PODS)
@@ -59,6 +63,7 @@ def mirroring() -> Mirroring:
         OWNER,
         NamespaceMapping(),
         HOST_IP,
+        host_access_namespaces=host_access_namespaces,
     )
     controller = PodController(upper, upper_pods, backend, "vk-lower-1", WorkQueue("pods"))
     return Mirroring(upper, lower, upper_pods, lower_pods, controller)
@@ -298,3 +303,30 @@ async def test_a_namespace_known_below_is_not_created_again(mirroring: Mirroring
     mirroring.above(other)
     await mirroring.controller.reconcile("shop/api")
     assert mirroring.lower.writes() == [("POST", LOWER_POD_PATH)]
+
+
+async def test_a_pod_using_the_host_is_not_created_below_unless_its_namespace_may() -> None:
+    refusing = mirroring_with()
+    refusing.above(upper_pod(hostNetwork=True))
+    await refusing.controller.reconcile("shop/web")
+    (status,) = refusing.upper_statuses()
+    assert (status["phase"], status["reason"]) == ("Failed", "HostAccessRefused")
+    assert "spec.hostNetwork" in status["message"] and "--allow-host-access" in status["message"]
+    assert refusing.upper_event_reasons() == ["HostAccessRefused"]
+    assert refusing.lower.writes() == []
+
+    allowing = mirroring_with(frozenset({"shop"}))
+    allowing.above(upper_pod(hostNetwork=True))
+    await allowing.controller.reconcile("shop/web")
+    assert allowing.lower.writes()[-1] == ("POST", LOWER_POD_PATH)
+
+
+async def test_a_privileged_debug_container_is_not_added_below(mirroring: Mirroring) -> None:
+    pod = upper_pod()
+    pod["spec"]["ephemeralContainers"] = [
+        {"name": "debugger", "image": "busybox", "securityContext": {"privileged": True}}
+    ]
+    mirroring.above(pod)
+    mirroring.below(lower_pod(phase="Running"))
+    await mirroring.controller.reconcile("shop/web")
+    assert mirroring.lower.writes() == []

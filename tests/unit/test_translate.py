@@ -14,6 +14,7 @@ from virtual_node.translate import (
     TranslationError,
     desired_lower_pod,
     ephemeral_containers_patch,
+    host_access,
     lower_pod_patch,
     pinned_to,
     upper_status,
@@ -542,3 +543,25 @@ def test_no_cluster_id_key_ever_reaches_a_lower_pod(scheduling: dict[str, Any]) 
         c for c in scheduling.get("topologySpreadConstraints", []) if c["topologyKey"] != CLUSTER
     ]
     assert lower["spec"].get("topologySpreadConstraints", []) == zone_spread
+
+
+def test_host_access_names_everything_that_reaches_into_the_node() -> None:
+    spec = {
+        "hostNetwork": True,
+        "hostPID": True,
+        "hostIPC": False,
+        "volumes": [{"name": "root", "hostPath": {"path": "/"}}, {"name": "tmp", "emptyDir": {}}],
+        "initContainers": [{"name": "setup", "securityContext": {"privileged": True}}],
+        "containers": [
+            {"name": "app", "ports": [{"containerPort": 80, "hostPort": 8080}]},
+            {"name": "plain", "ports": [{"containerPort": 81}], "securityContext": {}},
+        ],
+    }
+    assert host_access(spec) == [
+        "spec.hostNetwork",
+        "spec.hostPID",
+        "hostPath volume 'root'",
+        "privileged container 'setup'",
+        "host port 8080 of container 'app'",
+    ]
+    assert host_access(upper_pod()["spec"]) == []
