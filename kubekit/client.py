@@ -313,6 +313,14 @@ class KubeClient:
             response.release()
         return result
 
+    async def get_text(self, path: str, *, timeout: float = 60.0) -> str:
+        """The body of an endpoint that answers in plain text (/readyz, /livez)."""
+        response = await self._open("GET", path, timeout=timeout)
+        try:
+            return await response.text()
+        finally:
+            response.release()
+
     async def get(self, resource: Resource, name: str, namespace: str | None = None) -> JSON:
         return await self.request("GET", resource.path(namespace, name))
 

@@ -187,7 +187,10 @@ class LowerCluster:
     # -- NodeProvider ----------------------------------------------------------------------
 
     async def ping(self) -> bool:
+        """Whether the lower apiserver is ready: /version alone answers with its etcd
+        down, when it can neither create nor report a pod."""
         try:
+            await self.client.get_text("/readyz", timeout=5)
             version = await self.client.request("GET", "/version", timeout=5)
         except API_ERRORS as error:
             log.debug("lower cluster %s: %s", self.owner.cluster_id, error)

@@ -52,6 +52,15 @@ class FakeClient(KubeClient):
             if r.method != "GET" and (method is None or r.method == method)
         ]
 
+    async def get_text(self, path: str, *, timeout: float = 60.0) -> str:
+        self.requests.append(Request("GET", path, None))
+        scripted = self.answers.get(("GET", path))
+        if scripted:
+            answer = scripted.pop(0)
+            if isinstance(answer, BaseException):
+                raise answer
+        return "ok"
+
     async def request(
         self,
         method: str,

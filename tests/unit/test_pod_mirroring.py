@@ -330,3 +330,13 @@ async def test_a_privileged_debug_container_is_not_added_below(mirroring: Mirror
     mirroring.below(lower_pod(phase="Running"))
     await mirroring.controller.reconcile("shop/web")
     assert mirroring.lower.writes() == []
+
+
+async def test_a_lower_apiserver_without_its_etcd_is_unreachable(mirroring: Mirroring) -> None:
+    """/version answers with etcd down; /readyz does not."""
+    backend = mirroring.controller.backend
+    assert isinstance(backend, LowerCluster)
+    mirroring.lower.answer("GET", "/version", {"gitVersion": "v1.35.4"}, {"gitVersion": "v1.35.4"})
+    assert await backend.ping() is True and backend.version == "v1.35.4"
+    mirroring.lower.answer("GET", "/readyz", ApiError(500, "[-]etcd failed: reason withheld"))
+    assert await backend.ping() is False
