@@ -23,6 +23,7 @@ from kubekit import keys
 from kubekit.estimatorapi.estimator_pb2 import PodEstimate
 from kubekit.informer import object_key
 from kubekit.jsonvalue import json_copy
+from kubekit.timestamps import parse_time
 
 JSON = dict[str, Any]
 
@@ -81,10 +82,6 @@ class Stuck(PodCase):
         if self.why is Why.CLUSTER_DOWN:
             return f"{self.node} NotReady for {self.seconds:.0f} s"
         return f"unschedulable in {self.node} for {self.seconds:.0f} s: {self.detail}"
-
-
-def parse_time(text: str) -> datetime:
-    return datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 
 def condition(conditions: Iterable[Mapping[str, Any]], kind: str) -> Mapping[str, Any] | None:

@@ -25,6 +25,7 @@ from kubekit.client import (
     is_not_found,
 )
 from kubekit.quantity import format_quantity, parse_quantity
+from kubekit.timestamps import parse_time
 
 JSON = dict[str, Any]
 # What reading an upper cluster fails with: no or a broken kubeconfig, no apiserver, a
@@ -54,15 +55,11 @@ def _ready(node: Mapping[str, Any]) -> str:
     return "Unknown"
 
 
-def _parse_time(value: str) -> datetime.datetime:
-    return datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
-
-
 def _lease_age(lease: Mapping[str, Any] | None, now: datetime.datetime) -> float | None:
     renewed = ((lease or {}).get("spec") or {}).get("renewTime")
     if not renewed:
         return None
-    return max(0.0, (now - _parse_time(renewed)).total_seconds())
+    return max(0.0, (now - parse_time(renewed)).total_seconds())
 
 
 def _slot(node: Mapping[str, Any]) -> dict[str, str]:

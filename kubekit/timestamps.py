@@ -1,5 +1,5 @@
-"""The API's two time formats, for now: RFC 3339 in seconds (conditions, events) and in
-microseconds (Lease renewTime, MicroTime)."""
+"""The API's two time formats: RFC 3339 in seconds (conditions, events) and in
+microseconds (Lease renewTime, MicroTime); written now, and read."""
 
 from __future__ import annotations
 
@@ -12,3 +12,8 @@ def now_rfc3339() -> str:
 
 def now_micro() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_time(text: str) -> datetime.datetime:
+    """Either format, as an aware datetime."""
+    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))

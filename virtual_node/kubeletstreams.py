@@ -15,6 +15,7 @@ import aiohttp
 from kubekit import keys
 from kubekit.client import CONNECTION_ERRORS, PODS, ApiError, KubeClient
 from kubekit.informer import Informer
+from kubekit.timestamps import parse_time
 from virtual_node.kubeletapi import channels, metrics
 from virtual_node.kubeletapi.provider import (
     JSON,
@@ -30,6 +31,16 @@ METRICS_GROUP = "/apis/metrics.k8s.io/v1beta1"
 # Container runtimes that wrap Go's os/exec error (kwok among them) report a non-zero
 # exit as a plain failure ending in this; it is still the command's exit code.
 _GO_EXIT_STATUS = re.compile(r"exit status (\d{1,3})$")
+
+
+def container_starts(pod: Mapping[str, Any]) -> tuple[tuple[str, float], ...]:
+    """When each running container of a pod started, from its status (epoch seconds)."""
+    starts = []
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        started = ((status.get("state") or {}).get("running") or {}).get("startedAt")
+        if started:
+            starts.append((str(status.get("name", "")), parse_time(started).timestamp()))
+    return tuple(starts)
 
 
 def _unavailable(error: Exception) -> ProviderError:
@@ -272,6 +283,9 @@ class LowerKubelet:
             metadata = pod["metadata"]
             lower_key = f"{self.mapping.lower(metadata['namespace'])}/{metadata['name']}"
             mirrored[lower_key] = metrics.UpperPod(
-                metadata["namespace"], metadata["name"], metadata.get("uid", "")
+                metadata["namespace"],
+                metadata["name"],
+                metadata.get("uid", ""),
+                container_starts(pod),
             )
         return mirrored

@@ -35,7 +35,7 @@ from virtual_node.kubeletapi.server import (
     running_pods,
     status_response,
 )
-from virtual_node.kubeletstreams import exec_status
+from virtual_node.kubeletstreams import container_starts, exec_status
 
 # --- containerLogs query ---------------------------------------------------------------------
 
@@ -316,7 +316,7 @@ LOWER_METRICS: list[dict[str, Any]] = [
         "containers": [{"name": "main", "usage": {"cpu": "1", "memory": "1Gi"}}],
     },
 ]
-P = UpperPod("default", "p", "uid-p")
+P = UpperPod("default", "p", "uid-p", (("app", 1764000000.5),))
 Q = UpperPod("team", "q", "uid-q")
 MIRRORED = {"lower-default/p": P, "lower-team/q": Q}
 
@@ -398,6 +398,7 @@ def test_prometheus_text_families_have_help_and_type() -> None:
     for family, kind in (
         ("container_cpu_usage_seconds_total", "counter"),
         ("container_memory_working_set_bytes", "gauge"),
+        ("container_start_time_seconds", "gauge"),
         ("node_cpu_usage_seconds_total", "counter"),
         ("node_memory_working_set_bytes", "gauge"),
         ("pod_cpu_usage_seconds_total", "counter"),
@@ -418,6 +419,10 @@ def test_prometheus_text_families_have_help_and_type() -> None:
     assert samples['pod_memory_working_set_bytes{namespace="default",pod="p"}'] == 64 * 2**20 + 1024
     assert samples['pod_memory_working_set_bytes{namespace="team",pod="q"}'] == 2**30
     assert samples["resource_scrape_error"] == 0
+    start = 'container_start_time_seconds{container="app",namespace="default",pod="p"}'
+    assert samples[start] == 1764000000.5
+    # Only the containers whose start is known: no made-up zero for the others.
+    assert [k for k in samples if k.startswith("container_start_time_seconds")] == [start]
     # Families in name order, as the kubelet's registry writes them.
     families = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
     assert families == sorted(families)
@@ -656,3 +661,16 @@ def test_other_failures_pass_through_unchanged(message: str) -> None:
 @pytest.mark.parametrize("payload", [b"not json", b"[1, 2]", b'{"status": "Pending"}', b"\xff"])
 def test_unreadable_error_channel_passes_through_unchanged(payload: bytes) -> None:
     assert exec_status(payload, COMMAND) is payload
+
+
+def test_container_starts_are_read_from_the_running_states() -> None:
+    pod = {
+        "status": {
+            "containerStatuses": [
+                {"name": "app", "state": {"running": {"startedAt": "2025-11-24T16:00:00Z"}}},
+                {"name": "waiting", "state": {"waiting": {"reason": "ContainerCreating"}}},
+            ]
+        }
+    }
+    assert container_starts(pod) == (("app", 1764000000.0),)
+    assert container_starts({"status": {}}) == ()

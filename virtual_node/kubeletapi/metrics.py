@@ -18,11 +18,13 @@ JSON = dict[str, Any]
 
 
 class UpperPod(NamedTuple):
-    """The upper pod a lower pod's metrics are reported as."""
+    """The upper pod a lower pod's metrics are reported as, with when each of its running
+    containers started (seconds since the epoch, as its status says)."""
 
     namespace: str
     name: str
     uid: str
+    container_starts: tuple[tuple[str, float], ...] = ()
 
 
 def _cores(usage: Mapping[str, Any]) -> Fraction:
@@ -132,11 +134,12 @@ def prometheus_text(
     now = time.time() if now is None else now
     stamp = int(now * 1000)
     node_cores, node_memory = Fraction(0), 0
-    container_cpu, container_memory, pod_cpu, pod_memory = [], [], [], []
+    container_cpu, container_memory, container_start, pod_cpu, pod_memory = [], [], [], [], []
     keys = []
     for upper, item in mirrored_pod_metrics(pod_metrics, mirrored):
         pod_labels = f'namespace="{_label(upper.namespace)}",pod="{_label(upper.name)}"'
         pod_cores, pod_bytes = Fraction(0), 0
+        starts = dict(upper.container_starts)
         for container in item.get("containers") or []:
             usage = container.get("usage") or {}
             cores, memory = _cores(usage), _bytes(usage)
@@ -152,6 +155,11 @@ def prometheus_text(
             container_memory.append(
                 f"container_memory_working_set_bytes{{{labels}}} {memory} {stamp}"
             )
+            started = starts.get(container.get("name", ""))
+            if started is not None:
+                container_start.append(
+                    f"container_start_time_seconds{{{labels}}} {started!r} {stamp}"
+                )
         key = f"{upper.namespace}/{upper.name}"
         keys.append(key)
         pod_total = counters.advance(key, float(pod_cores), now)
@@ -174,6 +182,12 @@ def prometheus_text(
             "gauge",
             "Current working set of the container in bytes",
             container_memory,
+        ),
+        *_family(
+            "container_start_time_seconds",
+            "gauge",
+            "Start time of the container since unix epoch in seconds",
+            container_start,
         ),
         *_family(
             "node_cpu_usage_seconds_total",
