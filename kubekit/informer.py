@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import orjson
 
 from kubekit.client import CONNECTION_ERRORS, JSON, ApiError, KubeClient, Resource
+from kubekit.ratelimit import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -128,31 +129,6 @@ class _Cached:
     def decode(self) -> JSON:
         decoded: JSON = orjson.loads(self.compact)
         return decoded
-
-
-class Backoff:
-    """Exponential backoff with jitter, reset after success."""
-
-    def __init__(
-        self,
-        initial: float = 0.5,
-        cap: float = 30.0,
-        jitter: float = 1.0,
-        rng: random.Random | None = None,
-    ) -> None:
-        self.initial = initial
-        self.cap = cap
-        self.jitter = jitter
-        self._rng = rng or random.Random()
-        self._attempts = 0
-
-    def next_delay(self) -> float:
-        base = min(self.cap, self.initial * 2.0**self._attempts)
-        self._attempts += 1
-        return base * (1 + self.jitter * self._rng.random())
-
-    def reset(self) -> None:
-        self._attempts = 0
 
 
 # A body that does not decode (ValueError) is a stream cut short, as the others.

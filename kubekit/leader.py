@@ -29,8 +29,10 @@ from kubekit.client import (
     KubeClient,
     is_conflict,
     is_not_found,
+    is_transient,
 )
 from kubekit.health import Health
+from kubekit.ratelimit import Backoff
 from kubekit.timestamps import now_micro
 
 JSON = dict[str, Any]
@@ -307,6 +309,31 @@ def election_settings(options: Any, name: str) -> ElectionSettings | None:
     )
 
 
+async def keep_working(run: Callable[[], Awaitable[None]], backoff: Backoff) -> None:
+    """``run`` until it returns: run again when it lost its Lease (after a leader that
+    could not renew it, its apiserver down say, stopped working it stands again), and
+    after a backoff when it failed on a transient API error. Other errors end it."""
+    while True:
+        started = time.monotonic()
+        try:
+            await run()
+            return
+        except LeadershipLost as lost:
+            log.warning("%s: stopped leading; standing again", lost)
+        except API_ERRORS as error:
+            if not is_transient(error):
+                raise
+            if time.monotonic() - started > backoff.cap:
+                backoff.reset()  # it had been working: not a failure in a row
+            delay = backoff.next_delay()
+            log.warning(
+                "stopped working on an API error, starting again in %.1f s: %s",
+                delay,
+                error or type(error).__name__,
+            )
+            await asyncio.sleep(delay)
+
+
 async def run_leading(
     kubeconfig: str | None,
     settings: ElectionSettings | None,
@@ -314,11 +341,14 @@ async def run_leading(
     work: Callable[[], Awaitable[None]],
 ) -> None:
     """``work`` while this replica holds the Lease of ``settings`` (None: at once, no
-    election). A standby is ready: it is doing its job, and a rollout of several replicas
-    completes; ``work`` says when it is ready itself."""
+    election), kept working through what an apiserver does to it (``keep_working``). A
+    standby is ready: it is doing its job, and a rollout of several replicas completes;
+    ``work`` says when it is ready itself."""
+    backoff = Backoff(initial=1.0, cap=30.0)
     if settings is None:
-        await work()
+        await keep_working(work, backoff)
         return
     async with await KubeClient.connect(ClientSettings(kubeconfig)) as client:
         health.mark_ready()
-        await LeaderElector(client, settings).run(work)
+        elector = LeaderElector(client, settings)
+        await keep_working(lambda: elector.run(work), backoff)

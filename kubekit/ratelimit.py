@@ -1,9 +1,11 @@
-"""Rate limiting: a token bucket for API clients and per-item exponential backoff for
-work-queue retries (the client-go defaults)."""
+"""Rate limiting: a token bucket for API clients, per-item exponential backoff for
+work-queue retries (the client-go defaults), and a jittered backoff for one loop that
+retries (a watch, a component's work)."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Callable, Hashable
 
@@ -55,3 +57,28 @@ class ItemBackoff:
 
     def forget(self, item: Hashable) -> None:
         self._failures.pop(item, None)
+
+
+class Backoff:
+    """Exponential backoff with jitter, reset after success."""
+
+    def __init__(
+        self,
+        initial: float = 0.5,
+        cap: float = 30.0,
+        jitter: float = 1.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.initial = initial
+        self.cap = cap
+        self.jitter = jitter
+        self._rng = rng or random.Random()
+        self._attempts = 0
+
+    def next_delay(self) -> float:
+        base = min(self.cap, self.initial * 2.0**self._attempts)
+        self._attempts += 1
+        return base * (1 + self.jitter * self._rng.random())
+
+    def reset(self) -> None:
+        self._attempts = 0

@@ -4,13 +4,13 @@ import pytest
 
 from kubekit.client import JSON, LineSplitter, Resource
 from kubekit.informer import (
-    Backoff,
     FunctionHandler,
     Informer,
     diff_snapshot,
     namespace_index,
     object_key,
 )
+from kubekit.ratelimit import Backoff
 
 
 def obj(name: str, rv: str, namespace: str | None = "ns", **extra: Any) -> JSON:

@@ -11,8 +11,10 @@ from kubekit.leader import (
     LeadershipLost,
     LeaseObserver,
     claim,
+    keep_working,
     released,
 )
+from kubekit.ratelimit import Backoff
 
 NOW = "2026-11-25T03:00:00.000000Z"
 LATER = "2026-11-25T03:00:02.000000Z"
@@ -238,3 +240,54 @@ async def test_work_that_ends_ends_the_leadership_with_its_result() -> None:
     with pytest.raises(RuntimeError, match="the work failed"):
         await leader.run(failing)
     assert store.holder() is None
+
+
+async def test_a_leader_cut_off_its_apiserver_stops_working_and_leads_again_on_its_return() -> None:
+    """The process never exits: the work is cancelled while the Lease cannot be renewed,
+    and started again once this candidate holds it again."""
+    store = LeaseStore()
+    leader = LeaderElector(store, settings("a", **FAST))  # type: ignore[arg-type]
+    runs: list[str] = []
+    working, stopped = asyncio.Event(), asyncio.Event()
+
+    async def work() -> None:
+        runs.append("started")
+        working.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            runs.append("stopped")
+            stopped.set()
+
+    kept = asyncio.create_task(keep_working(lambda: leader.run(work), Backoff(initial=0.01)))
+    await asyncio.wait_for(working.wait(), 1)
+    working.clear()
+    store.down = True
+    await asyncio.wait_for(stopped.wait(), 2)
+    store.down = False
+    await asyncio.wait_for(working.wait(), 2)
+    assert runs == ["started", "stopped", "started"] and store.holder() == "a"
+    assert not kept.done()
+    kept.cancel()
+
+
+async def test_work_failing_on_a_transient_api_error_starts_again_and_other_errors_end_it() -> None:
+    answers: list[BaseException | None] = [
+        ApiError(503, {"reason": "ServiceUnavailable"}),
+        ConnectionResetError("reset"),
+        None,
+    ]
+
+    async def work() -> None:
+        answer = answers.pop(0)
+        if answer is not None:
+            raise answer
+
+    await asyncio.wait_for(keep_working(work, Backoff(initial=0.01)), 2)
+    assert answers == []
+
+    async def forbidden() -> None:
+        raise ApiError(403, {"reason": "Forbidden", "message": "no"})
+
+    with pytest.raises(ApiError, match="Forbidden"):
+        await keep_working(forbidden, Backoff(initial=0.01))
