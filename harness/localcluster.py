@@ -646,7 +646,7 @@ class LocalCluster(KubectlClient):
                 "spec": {"execs": [{"local": {"workDir": str(self.exec_dir)}}]},
             },
         ]
-        documents.append(_KWOK_EPHEMERAL_CONTAINERS_RUNNING)
+        documents += [_KWOK_EPHEMERAL_CONTAINERS_RUNNING, _KWOK_PODS_READY_AGAIN]
         if self.spec.metrics_server:
             documents += _kwok_resource_metrics()
         parts = [yaml.safe_dump(d) for d in documents]
@@ -775,6 +775,46 @@ _KWOK_EPHEMERAL_CONTAINERS_RUNNING: dict[str, Any] = {
                 "  state:\n"
                 "    running:\n"
                 "      startedAt: {{ $now | Quote }}\n"
+                "{{ end }}\n"
+            )
+        },
+    },
+}
+
+
+# kwok makes a pod Ready once, when it starts it; a kubelet reports it again with its
+# next status. When kwok was down (its apiserver restarted) the controller-manager marks
+# the pods of its silent nodes not ready, and without this stage they would stay so.
+_KWOK_PODS_READY_AGAIN: dict[str, Any] = {
+    "apiVersion": "kwok.x-k8s.io/v1alpha1",
+    "kind": "Stage",
+    "metadata": {"name": "pod-ready-again"},
+    "spec": {
+        "resourceRef": {"apiGroup": "v1", "kind": "Pod"},
+        "selector": {
+            "matchExpressions": [
+                {"key": ".metadata.deletionTimestamp", "operator": "DoesNotExist"},
+                {"key": ".status.phase", "operator": "In", "values": ["Running"]},
+                {
+                    "key": '.status.conditions.[] | select( .type == "Ready" ) | .status',
+                    "operator": "NotIn",
+                    "values": ["True"],
+                },
+            ]
+        },
+        "next": {
+            "statusTemplate": (
+                "{{ $now := Now }}\n"
+                "conditions:\n"
+                "{{ range .status.conditions }}\n"
+                "- type: {{ .type | Quote }}\n"
+                '{{ if or (eq .type "Ready") (eq .type "ContainersReady") }}\n'
+                '  status: "True"\n'
+                "  lastTransitionTime: {{ $now | Quote }}\n"
+                "{{ else }}\n"
+                "  status: {{ .status | Quote }}\n"
+                "  lastTransitionTime: {{ .lastTransitionTime | Quote }}\n"
+                "{{ end }}\n"
                 "{{ end }}\n"
             )
         },

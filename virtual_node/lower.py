@@ -114,6 +114,10 @@ class LowerCluster:
         # namespaces, hostPath, host ports); others' such pods are not created below.
         self.host_access_namespaces = host_access_namespaces
         self.version = ""
+        # As the last ping found it: a lower cluster that cannot be reached is not
+        # mirrored (its pods' last statuses are no news; the node controller above marks
+        # them not ready) until it answers again and every upper pod is resynced.
+        self.reachable = True
         self.changed = asyncio.Event()
         self._namespaces: set[str] = set()
         self._default_accounts: set[str] = set()  # namespaces where `default` exists
@@ -194,8 +198,10 @@ class LowerCluster:
             version = await self.client.request("GET", "/version", timeout=5)
         except API_ERRORS as error:
             log.debug("lower cluster %s: %s", self.owner.cluster_id, error)
+            self.reachable = False
             return False
         self.version = str(version.get("gitVersion", ""))
+        self.reachable = True
         return True
 
     def report(self, reachable: bool) -> NodeReport:
@@ -214,6 +220,8 @@ class LowerCluster:
     # -- PodBackend ------------------------------------------------------------------------
 
     async def sync(self, upper: Mapping[str, Any]) -> SyncResult:
+        if not self.reachable:
+            return Waiting()
         try:
             desired = desired_lower_pod(upper, self.mapping, self.owner)
         except (TranslationError, NamingError) as error:

@@ -343,7 +343,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             WorkQueue("events"),
         )
         pods = PodController(upper, upper_pods, backend, config.name, queue)
-        nodes = NodeController(upper, identity, backend)
+        nodes = NodeController(upper, identity, backend, on_reachable=pods.resync)
         kubelet = LowerKubelet(config.name, upper_pods, backend.pods, lower, mapping)
         directory = Path(
             config.cert_dir or Path(tempfile.gettempdir()) / f"kubestrata-{config.name}"

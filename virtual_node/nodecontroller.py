@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from kubekit import keys
@@ -46,7 +47,13 @@ class NodeProvider(Protocol):
 
 
 class NodeController:
-    def __init__(self, upper: KubeClient, identity: NodeIdentity, provider: NodeProvider) -> None:
+    def __init__(
+        self,
+        upper: KubeClient,
+        identity: NodeIdentity,
+        provider: NodeProvider,
+        on_reachable: Callable[[], None] | None = None,
+    ) -> None:
         self.upper = upper
         self.identity = identity
         self.provider = provider
@@ -56,6 +63,9 @@ class NodeController:
         self._reachability_changed = asyncio.Event()
         self._last_sent = 0.0
         self._annotations: dict[str, str] = {}  # as last sent
+        # Called once the Node is Ready again after its lower cluster was unreachable.
+        self.on_reachable = on_reachable
+        self._reachable_unannounced = False
 
     async def run(self) -> None:
         self.reachable = await self.provider.ping()
@@ -91,6 +101,7 @@ class NodeController:
                         "reachable again" if reachable else "unreachable",
                     )
                     self.reachable = reachable
+                    self._reachable_unannounced = reachable
                     self._reachability_changed.set()
                 # An unreachable lower cluster lets the lease lapse, so the upper node
                 # controller marks the Node NotReady and evicts by its normal path.
@@ -143,6 +154,11 @@ class NodeController:
                 await self.update_status(force=force)
             except API_ERRORS as error:
                 log.warning("status of %s not updated: %s", self.identity.name, error)
+                continue
+            if self._reachable_unannounced and self.reachable:
+                self._reachable_unannounced = False
+                if self.on_reachable is not None:
+                    self.on_reachable()
 
     async def _send_annotations(self, report: NodeReport) -> None:
         changed = {

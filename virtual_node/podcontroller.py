@@ -112,6 +112,14 @@ class PodController:
     async def run(self, workers: int) -> None:
         await self.queue.run_workers(workers, self.reconcile)
 
+    def resync(self) -> None:
+        """Every upper pod reconciled again, as a kubelet's status manager does: after
+        the lower cluster was unreachable, their statuses above are the node
+        controller's (not ready), and no change of the pods themselves would wake them."""
+        keys = self.pods.keys()
+        for key in keys:
+            self.queue.add(key)
+
     async def reconcile(self, key: str) -> None:
         upper = self.pods.get(key)
         if upper is None:

@@ -119,6 +119,21 @@ def namespace(name: str) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
 
 
+def wait_for_default_account(cluster: LocalCluster, namespace_name: str) -> None:
+    """A bare pod created in a namespace made a moment ago is refused until the
+    controller-manager has made its `default` ServiceAccount."""
+    wait_for(
+        lambda: (
+            cluster.kubectl(
+                "get", "serviceaccount", "default", "-n", namespace_name, check=False
+            ).returncode
+            == 0
+        ),
+        f"the default ServiceAccount of {namespace_name}",
+        interval=0.2,
+    )
+
+
 def federated_namespace(name: str) -> dict[str, Any]:
     """A namespace whose pods the webhook federates (their scheduling fields stashed)."""
     return {

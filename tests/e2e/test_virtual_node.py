@@ -25,6 +25,7 @@ from .helpers import (
     pods_by_name,
     rollout,
     wait_for,
+    wait_for_default_account,
 )
 
 
@@ -607,6 +608,7 @@ def test_a_pod_using_the_lower_nodes_host_fails_above_and_is_not_created_below(
 ) -> None:
     upper, lower = federation.upper, federation.clusters["lower-1"]
     apply(upper, namespace("hostile"))
+    wait_for_default_account(upper, "hostile")
     apply(upper, bound_pod("sniffer", "hostile", "vk-lower-1", hostNetwork=True))
 
     def failed_reason() -> str | None:

@@ -103,10 +103,15 @@ def test_kwok_simulates_usage_and_serves_resource_metrics_only_when_asked(
         config = LocalCluster(spec, tmp_path, FAKE_TOOLCHAIN).kwok_config()
         return {d["kind"]: d for d in yaml.safe_load_all(config)}
 
+    def stages() -> list[str]:
+        spec = FederationSpec(lower=1).clusters()[1]
+        config = LocalCluster(spec, tmp_path, FAKE_TOOLCHAIN).kwok_config()
+        return [d["metadata"]["name"] for d in yaml.safe_load_all(config) if d["kind"] == "Stage"]
+
     plain = kinds(False)
     assert "Metric" not in plain and "ClusterResourceUsage" not in plain
-    # Always: kwok runs no ephemeral container by itself.
-    assert plain["Stage"]["metadata"] == {"name": "pod-ephemeral-containers-running"}
+    # Always: kwok runs no ephemeral container by itself, nor makes a pod Ready twice.
+    assert stages() == ["pod-ephemeral-containers-running", "pod-ready-again"]
     served = kinds(True)
     metric = served["Metric"]["spec"]
     assert isinstance(metric, dict)

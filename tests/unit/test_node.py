@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
+
 from kubekit import keys
+from tests.unit.fakeapi import FakeClient
+from virtual_node import nodecontroller
 from virtual_node.node import (
     NodeIdentity,
     NodeReport,
@@ -81,3 +87,46 @@ def test_the_node_annotations_say_what_the_lower_nodes_offer_and_the_largest_slo
         keys.LOWER_NODES_ANNOTATION: "abc",
         keys.LARGEST_FREE_SLOT_ANNOTATION: '{"cpu":"2","memory":"1Gi","node":"n1"}',
     }
+
+
+class FlakyLowerCluster:
+    """A NodeProvider whose lower cluster answers as ``answers`` say, one ping each."""
+
+    def __init__(self, *answers: bool) -> None:
+        self.changed = asyncio.Event()
+        self.answers = list(answers)
+
+    async def ping(self) -> bool:
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+    def report(self, reachable: bool) -> NodeReport:
+        return NodeReport(ready=reachable, allocatable={"cpu": "8"})
+
+
+async def test_the_pods_are_resynced_once_the_node_is_ready_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After an outage the upper node controller has marked every pod not ready; the
+    virtual node reports them again, after the Node's Ready status went up."""
+    monkeypatch.setattr(nodecontroller, "LEASE_INTERVAL_SECONDS", 0.01)
+    monkeypatch.setattr(nodecontroller, "STATUS_COALESCE_SECONDS", 0.01)
+    upper = FakeClient()
+    resynced = asyncio.Event()
+    status_writes_before: list[int] = []
+
+    def resync() -> None:
+        status_writes_before.append(len(upper.writes("PATCH")))
+        resynced.set()
+
+    lower = FlakyLowerCluster(True, False, False, True)
+    controller = nodecontroller.NodeController(upper, identity(), lower, on_reachable=resync)
+    running = asyncio.create_task(controller.run())
+    try:
+        await asyncio.wait_for(resynced.wait(), 2)
+    finally:
+        running.cancel()
+    assert status_writes_before and status_writes_before[0] >= 1
+    assert lower.answers == [True], "resynced once it answered again, not before"
+    statuses = [r.body for r in upper.requests if r.path == "/api/v1/nodes/vk-lower-1/status"]
+    ready = statuses[-1]["status"]["conditions"]
+    assert any(c["type"] == "Ready" and c["status"] == "True" for c in ready)

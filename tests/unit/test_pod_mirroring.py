@@ -340,3 +340,28 @@ async def test_a_lower_apiserver_without_its_etcd_is_unreachable(mirroring: Mirr
     assert await backend.ping() is True and backend.version == "v1.35.4"
     mirroring.lower.answer("GET", "/readyz", ApiError(500, "[-]etcd failed: reason withheld"))
     assert await backend.ping() is False
+
+
+async def test_an_unreachable_lower_cluster_is_not_mirrored_until_a_resync(
+    mirroring: Mirroring,
+) -> None:
+    """The node controller above marks the pods not ready; stale lower statuses must not
+    undo that, and once the lower cluster is back every pod is reconciled again."""
+    backend = mirroring.controller.backend
+    assert isinstance(backend, LowerCluster)
+    not_ready = upper_pod()
+    not_ready["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "status": "False"}]}
+    mirroring.above(not_ready)
+    mirroring.below(lower_pod(phase="Running", conditions=[{"type": "Ready", "status": "True"}]))
+    mirroring.lower.answer("GET", "/readyz", ConnectionRefusedError("lower apiserver down"))
+    assert await backend.ping() is False
+    await mirroring.controller.reconcile("shop/web")
+    assert mirroring.upper.requests == [] and mirroring.lower.requests[1:] == []
+
+    mirroring.lower.answer("GET", "/version", {"gitVersion": "v1.35.4"})
+    assert await backend.ping() is True
+    mirroring.controller.resync()
+    assert len(mirroring.controller.queue) == 1
+    await mirroring.controller.reconcile(await mirroring.controller.queue.get())
+    (status,) = mirroring.upper_statuses()
+    assert status["conditions"] == [{"type": "Ready", "status": "True"}]

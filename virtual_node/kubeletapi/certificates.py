@@ -128,9 +128,35 @@ async def _issued_certificate(upper: KubeClient, name: str) -> bytes:
     raise TimeoutError(f"{name} approved but not signed within {ISSUE_TIMEOUT:.0f} s")
 
 
+def _issued_pair(directory: Path) -> pki.KeyPair:
+    return pki.KeyPair(directory / "kubelet-serving.crt", directory / "kubelet-serving.key")
+
+
+def kept_certificate(
+    directory: Path, node_name: str, names: Collection[str], now: datetime.datetime
+) -> pki.KeyPair | None:
+    """A certificate an earlier CSR of this node got, still in ``directory``, for the same
+    names and not yet due for renewal: a virtual node that starts again (a restart, or
+    leading again after its apiserver was away) serves it, as a kubelet keeps its
+    certificate, rather than waiting on a new CSR that a signer just back may not sign."""
+    pair = _issued_pair(directory)
+    try:
+        cert_pem = pair.cert_path.read_bytes()
+        cert = x509.load_pem_x509_certificate(cert_pem)
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (OSError, ValueError, x509.ExtensionNotFound):
+        return None
+    if not pair.key_path.exists():
+        return None
+    common = [a.value for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    if common != [f"system:node:{node_name}"] or {str(n.value) for n in san} != set(names):
+        return None
+    return pair if renewal_delay(cert_pem, now) > 0 else None
+
+
 def _write_pair(directory: Path, key_pem: bytes, cert_pem: bytes) -> pki.KeyPair:
     directory.mkdir(parents=True, exist_ok=True)
-    pair = pki.KeyPair(directory / "kubelet-serving.crt", directory / "kubelet-serving.key")
+    pair = _issued_pair(directory)
     pair.key_path.write_bytes(key_pem)
     pair.key_path.chmod(0o600)
     pair.cert_path.write_bytes(cert_pem)
@@ -148,6 +174,9 @@ async def serving_certificate(
     given files are renewed by whoever gives them, and reloaded all the same)."""
     if files is not None:
         return pki.KeyPair(*files), False
+    kept = kept_certificate(directory, node_name, names, datetime.datetime.now(datetime.UTC))
+    if kept is not None:
+        return kept, True
     try:
         return await request_certificate(upper, node_name, names, directory), True
     except _REQUEST_ERRORS as error:
