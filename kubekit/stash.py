@@ -53,7 +53,7 @@ def encode(originals: Mapping[str, Any]) -> str:
 def decode(text: str) -> JSON:
     try:
         payload = json.loads(text)
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:  # deep nesting exhausts json's recursion
         raise StashError(f"not JSON: {error}") from error
     version = payload.get("version") if isinstance(payload, dict) else None
     if version != VERSION:

@@ -13,22 +13,24 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import orjson
+from google.protobuf.message import DecodeError
 
 from kubekit import keys, metrics, pki
 from kubekit.certreload import CertificateFiles
 from kubekit.clusterstate import ClusterState, Estimate
 from kubekit.estimatorapi import estimator_pb2, estimator_pb2_grpc
+from kubekit.fit import PodFacts
 from kubekit.informer import FunctionHandler, Informer, object_key
 from virtual_node.capacity import pod_holds_resources
 from virtual_node.kubeletapi.auth import AuthError, Authorizer
-from virtual_node.naming import NamespaceMapping, NamingError
-from virtual_node.translate import Ownership, TranslationError, desired_lower_pod
+from virtual_node.naming import NamespaceMapping
+from virtual_node.translate import Ownership, desired_lower_pod
 
 log = logging.getLogger(__name__)
 
@@ -168,10 +170,17 @@ class FitEstimator:
         return self.state.assumed_node(uid) if uid in self._in_flight else None
 
     def _lower_form(self, upper: Mapping[str, Any]) -> JSON:
+        """The lower pod the upper one becomes, checked to be one the fit can judge (the
+        apiserver validated what it sends; a caller may send anything), so that no room
+        is taken or given back for a pod that then cannot be judged."""
         try:
-            return desired_lower_pod(upper, self.mapping, self.owner)
-        except (TranslationError, NamingError, KeyError, TypeError) as error:
+            lower = desired_lower_pod(upper, self.mapping, self.owner)
+            PodFacts.of(lower)
+        # TranslationError and NamingError are ValueErrors; the others, parts of the pod
+        # that are not what they should be.
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise QueryError(str(error)) from error
+        return lower
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -417,10 +426,41 @@ def reloading_credentials(pair: pki.KeyPair) -> grpc.ServerCredentials:
     return grpc.dynamic_ssl_server_credentials(_certificate_configuration(pair), fetch)
 
 
+class ParsedByTheService(grpc.aio.ServerInterceptor):
+    """Requests are parsed in the call rather than by gRPC, whose failure to parse one
+    ends the call UNKNOWN and logs a traceback, for any caller, before the service has
+    checked who it is; here it ends INVALID_ARGUMENT, quietly."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+        # The aio server's behaviours are coroutine functions, which grpc's types miss.
+        behavior = cast(Callable[[Any, Any], Awaitable[Any]], handler.unary_unary)
+
+        async def parsed(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            try:
+                message = parse(request)
+            except DecodeError as error:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {error}")
+            return await behavior(message, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            parsed, response_serializer=handler.response_serializer
+        )
+
+
 async def serve(
     service: EstimatorService, address: str, port: int, pair: pki.KeyPair
 ) -> grpc.aio.Server:
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=(ParsedByTheService(),))
     estimator_pb2_grpc.add_EstimatorServicer_to_server(service, server)
     bound = server.add_secure_port(f"{address}:{port}", reloading_credentials(pair))
     if bound == 0:

@@ -3,7 +3,9 @@
 The webhook answers with a JSONPatch that stashes the scheduling fields (kubekit.stash)
 or allows the object unchanged; it refuses only a pod that arrives with a stash
 annotation the virtual node could not read. A body it cannot read is a ``BadReview``,
-which the server turns into a 400 naming what is wrong.
+which the server turns into a 400 naming what is wrong: not only what is not JSON or not
+a review, but a pod whose scheduling fields do not have the types the apiserver's own
+decoding would have given them (only a client that is not an apiserver sends those).
 """
 
 from __future__ import annotations
@@ -11,13 +13,19 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from kubekit import keys, stash
 
 JSON = dict[str, Any]
 
 API_VERSION = "admission.k8s.io/v1"
+# The stash copies the spec through orjson, which writes no deeper than 255 levels; a
+# pod's spec is a dozen deep.
+MAX_SPEC_DEPTH = 64
 
 
 class BadReview(ValueError):
@@ -33,8 +41,10 @@ def _object(value: Any, what: str) -> JSON:
 def parse_review(body: bytes) -> JSON:
     """The ``request`` of an AdmissionReview v1, checked as far as the webhook relies on it."""
     try:
-        review = json.loads(body)
-    except ValueError as error:
+        # orjson, as the stash copies with: it refuses NaN, Infinity and lone surrogates,
+        # which are not JSON, and nesting beyond its depth limit.
+        review = orjson.loads(body)
+    except orjson.JSONDecodeError as error:
         raise BadReview(f"body is not JSON: {error}") from error
     review = _object(review, "the AdmissionReview")
     if review.get("apiVersion") != API_VERSION or review.get("kind") != "AdmissionReview":
@@ -48,7 +58,10 @@ def parse_review(body: bytes) -> JSON:
         raise BadReview("request.uid must be a non-empty string")
     if request.get("operation") == "CREATE" and _is_pod(request):
         pod = _object(request.get("object"), "request.object")
-        _object(pod.get("spec"), "request.object.spec")
+        spec = _object(pod.get("spec"), "request.object.spec")
+        _check_shape(spec, _SCHEDULING, "request.object.spec")
+        if not _depth_at_most(spec, MAX_SPEC_DEPTH):
+            raise BadReview(f"request.object.spec is nested deeper than {MAX_SPEC_DEPTH}")
         metadata = _object(pod.get("metadata", {}), "request.object.metadata")
         annotations = metadata.get("annotations")
         if annotations is not None and not (
@@ -56,6 +69,72 @@ def parse_review(body: bytes) -> JSON:
         ):
             raise BadReview("request.object.metadata.annotations must map strings to strings")
     return request
+
+
+@dataclass(frozen=True)
+class _Required:
+    shape: Any
+
+
+# The parts of the scheduling fields the stash reads, typed as the apiserver decodes them
+# into a v1.Pod: {field: shape} an object, [shape] an array, a type a scalar. Absent or
+# null is fine everywhere but where _Required and in arrays.
+_SELECTOR_TERM = {"matchExpressions": [{"key": str}]}
+_POD_AFFINITY = {
+    "requiredDuringSchedulingIgnoredDuringExecution": [{"topologyKey": str}],
+    "preferredDuringSchedulingIgnoredDuringExecution": [{"podAffinityTerm": {"topologyKey": str}}],
+}
+_SCHEDULING = {
+    "nodeSelector": {},
+    "affinity": {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [_SELECTOR_TERM]
+            },
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": _Required(int), "preference": _SELECTOR_TERM}
+            ],
+        },
+        "podAffinity": _POD_AFFINITY,
+        "podAntiAffinity": _POD_AFFINITY,
+    },
+    "tolerations": [{"key": str}],
+    "topologySpreadConstraints": [{"topologyKey": str}],
+}
+
+
+def _check_shape(value: Any, shape: Any, where: str) -> None:
+    if isinstance(shape, _Required):
+        if value is None:
+            raise BadReview(f"{where} is required")
+        shape = shape.shape
+    if value is None:
+        return
+    if isinstance(shape, dict):
+        _object(value, where)
+        for key, inner in shape.items():
+            _check_shape(value.get(key), inner, f"{where}.{key}")
+    elif isinstance(shape, list):
+        if not isinstance(value, list):
+            raise BadReview(f"{where} must be a JSON array, not {type(value).__name__}")
+        for index, item in enumerate(value):
+            _check_shape(item, _Required(shape[0]), f"{where}[{index}]")
+    elif not isinstance(value, shape) or isinstance(value, bool) is not (shape is bool):
+        raise BadReview(f"{where} must be a {shape.__name__}, not {type(value).__name__}")
+
+
+def _depth_at_most(value: Any, limit: int) -> bool:
+    level = [value]
+    for _ in range(limit):
+        level = [
+            child
+            for item in level
+            if isinstance(item, dict | list)
+            for child in (item.values() if isinstance(item, dict) else item)
+        ]
+        if not level:
+            return True
+    return False
 
 
 def _is_pod(request: Mapping[str, Any]) -> bool:

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from aiohttp import WSMsgType, web
@@ -224,6 +224,10 @@ class KubeletServer:
             return status_response(400, str(error))
         except ProviderError as error:
             return status_response(error.status, error.message)
+        except ConnectionError:
+            # The client left before the answer: nobody to tell, nothing to log as an
+            # error (aiohttp drops the connection when this goes unsent).
+            return web.Response()
         return response
 
     async def _healthz(self, _request: web.Request) -> web.Response:
@@ -262,8 +266,8 @@ class KubeletServer:
         # failure still becomes a proper status.
         first = await anext(chunks, b"")
         response = web.StreamResponse(headers={"Content-Type": "text/plain"})
-        await response.prepare(request)
         try:
+            await response.prepare(request)
             if first:
                 await response.write(first)
             async for chunk in chunks:
@@ -272,8 +276,9 @@ class KubeletServer:
             pass  # the client left, or the lower stream broke after the headers went out
         finally:
             await chunks.aclose()
-        with contextlib.suppress(ConnectionError):
-            await response.write_eof()
+        if response.prepared:
+            with contextlib.suppress(ConnectionError):
+                await response.write_eof()
         return response
 
     async def _exec(self, request: web.Request) -> web.StreamResponse:
@@ -286,7 +291,8 @@ class KubeletServer:
             if protocol is None:
                 return _no_common_protocol(request, EXEC_SPDY_PROTOCOLS)
             process = await self.provider.exec(pod, container, options, attach=attach)
-            session = await upgrade(request, protocol)
+            async with _closed_on_failure(process.close):
+                session = await upgrade(request, protocol)
             await _serve_exec_spdy(session, process, options)
             return web.Response()  # never sent: the connection is already closed
         if request.headers.get("Upgrade", "").lower() == "websocket":
@@ -294,7 +300,8 @@ class KubeletServer:
             if _negotiated(socket, request) is None:
                 raise BadParameter("Sec-WebSocket-Protocol: no supported channel protocol")
             process = await self.provider.exec(pod, container, options, attach=attach)
-            await socket.prepare(request)
+            async with _closed_on_failure(process.close):
+                await socket.prepare(request)
             await _serve_exec_websocket(socket, process, options)
             return socket
         raise BadParameter("Upgrade: exec and attach need SPDY/3.1 or WebSocket")
@@ -316,14 +323,10 @@ class KubeletServer:
             if _negotiated(socket, request) is None:
                 raise BadParameter("Sec-WebSocket-Protocol: no supported port-forward protocol")
             connections: list[PortConnection] = []
-            try:
+            async with _closed_on_failure(lambda: _close_all(connections)):
                 for port in ports:
                     connections.append(await self.provider.port_forward(pod, port))
-            except ProviderError:
-                for connection in connections:
-                    await connection.close()
-                raise
-            await socket.prepare(request)
+                await socket.prepare(request)
             await _serve_port_forward_websocket(socket, connections, ports)
             return socket
         raise BadParameter("Upgrade: port-forward needs SPDY/3.1 or WebSocket")
@@ -333,6 +336,22 @@ class KubeletServer:
 
     async def _resource_metrics(self, _request: web.Request) -> web.Response:
         return web.Response(text=await self.provider.resource_metrics(), content_type="text/plain")
+
+
+@contextlib.asynccontextmanager
+async def _closed_on_failure(close: Callable[[], Awaitable[None]]) -> AsyncIterator[None]:
+    """Closes what was opened in the lower cluster when it cannot be handed over: a port
+    that did not open, or a client that left while it was being opened."""
+    try:
+        yield
+    except BaseException:
+        await close()
+        raise
+
+
+async def _close_all(connections: list[PortConnection]) -> None:
+    for connection in connections:
+        await connection.close()
 
 
 def _negotiated(socket: web.WebSocketResponse, request: web.Request) -> str | None:
@@ -363,8 +382,20 @@ async def _collect_streams(session: SpdySession, wanted: set[str]) -> dict[str, 
             stream = await session.accept()
             if stream is None:
                 break
-            found[stream.header("streamtype")] = stream
+            kind = stream.header("streamtype")
+            # The last of a type wins, as upstream; the others would be read by nobody.
+            outcast = found.get(kind) if kind in wanted else stream
+            if outcast is not None:
+                outcast.reset()
+            if kind in wanted:
+                found[kind] = stream
     return found
+
+
+async def _refuse_streams(session: SpdySession) -> None:
+    """Resets the streams opened once an exec has all it asked for."""
+    while (stream := await session.accept()) is not None:
+        stream.reset()
 
 
 async def _pump_stdin(read: Any, process: RemoteProcess) -> None:
@@ -399,6 +430,10 @@ async def _serve_exec_spdy(
         except TimeoutError:
             log.info("exec: streams %s not created in time", sorted(wanted))
             return
+        for kind, opened in streams.items():
+            if kind not in ("stdin", "resize"):
+                opened.ignore_input()
+        inputs.append(asyncio.create_task(_refuse_streams(session)))
         if "stdin" in streams:
             inputs.append(asyncio.create_task(_pump_stdin(streams["stdin"].read, process)))
         if "resize" in streams:
@@ -468,6 +503,7 @@ async def _forward_port(
     provider: KubeletProvider, pod: Mapping[str, Any], pair: dict[str, SpdyStream]
 ) -> None:
     data, error = pair["data"], pair["error"]
+    error.ignore_input()
     try:
         port = int(data.header("port"))
         if not 0 < port < 65536:
@@ -539,20 +575,32 @@ async def _serve_exec_websocket(
             elif decoded.channel == channels.RESIZE and options.tty:
                 await process.resize(decoded.payload)
 
-    # Upstream announces each writable channel with an empty message.
-    for channel in (channels.STDOUT, channels.STDERR, channels.ERROR):
-        await client.send(channel, b"")
-    reader = asyncio.create_task(read_input())
-    try:
+    async def write_output() -> None:
+        # Upstream announces each writable channel with an empty message.
+        for channel in (channels.STDOUT, channels.STDERR, channels.ERROR):
+            await client.send(channel, b"")
         async for channel, data in process.output():
             await client.send(channel, data)
         await client.send(channels.ERROR, process.status())
-    except ConnectionError:
-        pass
+
+    reader = asyncio.create_task(read_input())
+    writer = asyncio.create_task(write_output())
+    try:
+        # The reader ends when the client leaves: the process must not outlive it.
+        await asyncio.wait((reader, writer), return_when=asyncio.FIRST_COMPLETED)
     finally:
         reader.cancel()
-        await process.close()
-        await socket.close()
+        writer.cancel()
+        try:
+            await asyncio.wait((reader, writer))
+        finally:
+            await process.close()
+            await socket.close()
+    for task in (reader, writer):
+        error = None if task.cancelled() else task.exception()
+        # The client leaving, or the lower stream breaking after the 101, ends the session.
+        if error is not None and not isinstance(error, ConnectionError | ProviderError):
+            raise error
 
 
 async def _serve_port_forward_websocket(
@@ -562,20 +610,23 @@ async def _serve_port_forward_websocket(
     client = _ChannelSocket(socket, layout.channel_count)
 
     async def from_pod(index: int, connection: PortConnection) -> None:
-        while chunk := await connection.receive():
-            await client.send(layout.data_channel(index), chunk)
-        if message := connection.error():
-            await client.send(layout.error_channel(index), message.encode())
+        with contextlib.suppress(ConnectionError):  # the client left: so does the reader
+            while chunk := await connection.receive():
+                await client.send(layout.data_channel(index), chunk)
+            if message := connection.error():
+                await client.send(layout.error_channel(index), message.encode())
 
-    for channel, payload in layout.announcements():
-        await client.send(channel, payload)
-    readers = [asyncio.create_task(from_pod(i, c)) for i, c in enumerate(connections)]
+    readers: list[asyncio.Task[None]] = []
     try:
+        for channel, payload in layout.announcements():
+            await client.send(channel, payload)
+        readers = [asyncio.create_task(from_pod(i, c)) for i, c in enumerate(connections)]
         async for decoded in client.received():
             if isinstance(decoded, channels.ChannelData) and decoded.channel % 2 == 0:
                 await connections[decoded.channel // 2].send(decoded.payload)
+    except ConnectionError:
+        pass  # the client left
     finally:
         for reader in readers:
             reader.cancel()
-        for connection in connections:
-            await connection.close()
+        await _close_all(connections)

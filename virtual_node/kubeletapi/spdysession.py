@@ -51,6 +51,7 @@ class SpdyStream:
         self._chunks: asyncio.Queue[bytes | None] = asyncio.Queue()
         self.remote_closed = opened.fin
         self.local_closed = False
+        self.ignoring_input = False
         if opened.fin:
             self._chunks.put_nowait(b"")
 
@@ -78,10 +79,21 @@ class SpdyStream:
 
     def reset(self) -> None:
         self.local_closed = True
+        self.ignore_input()
+        self.session._streams.pop(self.id, None)
         self.session.send(lambda c: c.reset(self.id))
 
+    def ignore_input(self) -> None:
+        """Drops what the peer sent and will send here: a stream nobody reads would
+        otherwise hold its data against the session's read budget for good, and once
+        that is spent, the session reads nothing more, not even the peer's goodbye."""
+        self.ignoring_input = True
+        while not self._chunks.empty():
+            if chunk := self._chunks.get_nowait():
+                self.session._consumed(len(chunk))
+
     def _push(self, data: bytes, fin: bool) -> None:
-        if data:
+        if data and not self.ignoring_input:
             self._chunks.put_nowait(data)
         if fin and not self.remote_closed:
             self.remote_closed = True
@@ -106,7 +118,11 @@ class SpdySession:
         self._streams: dict[int, SpdyStream] = {}
         self._opened: asyncio.Queue[SpdyStream | None] = asyncio.Queue()
         self._buffered = 0
-        self._paused = False
+        # Why the socket is not read: "input" received and not consumed, "output"
+        # answers (pings, replies, resets) the peer does not read.
+        self._stalled: set[str] = set()
+        self._resuming: asyncio.Task[None] | None = None
+        self._protocol = protocol
         self.closed = asyncio.Event()
         protocol.keep_alive(False)
         protocol.set_parser(_RawFeed(self))  # type: ignore[arg-type]  # duck-typed by aiohttp
@@ -163,22 +179,30 @@ class SpdySession:
         for event in events:
             self._dispatch(event)
         self._flush()
+        # Every frame may draw an answer: a peer that sends and never reads would
+        # otherwise fill the write buffer without bound.
+        if self._protocol.writing_paused and "output" not in self._stalled:
+            self._stall("output")
+            self._resuming = asyncio.create_task(self._resume_when_drained())
 
     def _dispatch(self, event: spdy.Event) -> None:
         match event:
             case spdy.StreamOpened(unidirectional=False):
                 # Every stream is accepted; the handler decides what it is for.
-                self._connection.reply(event.stream_id, {})
+                try:
+                    self._connection.reply(event.stream_id, {})
+                except spdy.LocalProtocolError:
+                    return  # reset by a later frame of the same read: nothing to hand over
                 stream = SpdyStream(self, event)
                 self._streams[event.stream_id] = stream
                 self._opened.put_nowait(stream)
             case spdy.DataReceived(stream_id=stream_id, data=data, fin=fin):
                 if (receiver := self._streams.get(stream_id)) is not None:
-                    self._buffered += len(data)
+                    if not receiver.ignoring_input:
+                        self._buffered += len(data)
                     receiver._push(data, fin)
-                    if self._buffered > _PAUSE_ABOVE and not self._paused:
-                        self._paused = True
-                        self._transport.pause_reading()
+                    if self._buffered > _PAUSE_ABOVE:
+                        self._stall("input")
             case spdy.StreamReset(stream_id=stream_id):
                 if (reset := self._streams.pop(stream_id, None)) is not None:
                     reset._end()
@@ -189,9 +213,23 @@ class SpdySession:
 
     def _consumed(self, size: int) -> None:
         self._buffered -= size
-        if self._paused and self._buffered < _RESUME_BELOW:
-            self._paused = False
-            self._transport.resume_reading()
+        if self._buffered < _RESUME_BELOW:
+            self._unstall("input")
+
+    async def _resume_when_drained(self) -> None:
+        await self.drain()
+        self._unstall("output")
+
+    def _stall(self, reason: str) -> None:
+        if not self._stalled:
+            self._transport.pause_reading()
+        self._stalled.add(reason)
+
+    def _unstall(self, reason: str) -> None:
+        if reason in self._stalled:
+            self._stalled.discard(reason)
+            if not self._stalled:
+                self._transport.resume_reading()
 
     def _lost(self) -> None:
         if self.closed.is_set():
