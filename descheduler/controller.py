@@ -138,9 +138,20 @@ class Descheduler:
             for s in stuck_pods(self.pods.items(), virtual_nodes, now, self.policy)
             if self._blocked.get(s.uid, 0.0) <= moment
         ]
-        decisions = list(
-            await asyncio.gather(
-                *(self._destination(s, receivers(virtual_nodes, now, s.node)) for s in stuck)
+        # A bare pod whose copy an earlier try made (cut short before the original went)
+        # only has its original left to delete: asking the estimators again would find
+        # the room taken, by that very copy.
+        copied = {s.uid: copy for s in stuck if (copy := self._copy_made(s)) is not None}
+        decisions: list[Move | Stay] = [
+            Move(s, str(copied[s.uid]["spec"].get("nodeName", "")))
+            for s in stuck
+            if s.uid in copied
+        ]
+        decisions += await asyncio.gather(
+            *(
+                self._destination(s, receivers(virtual_nodes, now, s.node))
+                for s in stuck
+                if s.uid not in copied
             )
         )
         moves = [d for d in decisions if isinstance(d, Move)]
@@ -167,6 +178,12 @@ class Descheduler:
         self._blocked = {uid: t for uid, t in self._blocked.items() if t > moment}
         self._holding = {uid: t for uid, t in self._holding.items() if t > moment}
         return [*decisions, *plans]
+
+    def _copy_made(self, stuck: Stuck) -> JSON | None:
+        if stuck.owned:
+            return None
+        made = self.pods.get(f"{stuck.namespace}/{copy_name(stuck.pod)}")
+        return made if made is not None and is_copy_of(made, stuck.pod) else None
 
     async def _destination(self, stuck: Stuck, names: list[str]) -> Move | Stay:
         if not names:
@@ -266,11 +283,11 @@ class Descheduler:
         copy = pod_copy(stuck.pod, move.to)
         name, namespace = copy["metadata"]["name"], stuck.namespace
         try:
-            made = await self.client.create(PODS, copy, namespace)
+            made = self._copy_made(stuck) or await self.client.create(PODS, copy, namespace)
         except ApiError as error:
             if error.status != 409:
                 raise
-            # A copy made by an earlier try (cut short before the original went).
+            # A copy made by an earlier try, not yet in the cache.
             made = await self.client.get(PODS, name, namespace)
             if not is_copy_of(made, stuck.pod):
                 await self._event(

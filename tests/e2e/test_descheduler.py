@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from harness.federation import Federation
+from harness.federation import DESCHEDULER, MANIFESTS, Federation
 from harness.localcluster import LocalCluster, NodeSpec
 from kubekit import keys
 
@@ -156,6 +156,47 @@ def running_copy(federation: Federation, uid: str) -> dict[str, Any] | None:
     if len(copies) == 1 and copies[0]["status"].get("phase") == "Running":
         return copies[0]
     return None
+
+
+def test_a_descheduler_killed_mid_move_leaves_the_original_or_the_copy_never_neither(
+    descheduling: Federation,
+) -> None:
+    """Killed between creating the copy and deleting the original (held there by taking
+    its right to delete pods away), then started again: it finds its copy, deletes only
+    the original, and exactly one copy runs."""
+    upper = descheduling.upper
+    descheduler = descheduling.components[DESCHEDULER]
+    upper.kubectl(
+        "patch", "clusterrole", "kubestrata-descheduler", "--type=json", "-p",
+        '[{"op": "replace", "path": "/rules/1/verbs", '
+        '"value": ["get", "list", "watch", "create"]}]',
+    )  # fmt: skip
+    try:
+        apply(upper, stuck_pod("torn", "3"))
+        uid = get_json(upper, "pod", "-n", NAMESPACE, "torn")["metadata"]["uid"]
+        (copy,) = wait_for(partial(copies_of, descheduling, uid), "the copy made", timeout=120)
+        wait_for(
+            lambda: "forbidden" in descheduler.log_path.read_text().lower(),
+            "the original's delete refused",
+        )
+        descheduler.kill()
+    finally:
+        upper.kubectl("apply", "-f", str(MANIFESTS / "descheduler" / "rbac.yaml"))
+    assert get_json(upper, "pod", "-n", NAMESPACE, "torn")["metadata"]["uid"] == uid
+    descheduler.start()
+
+    kept = wait_for(partial(running_copy, descheduling, uid), "the copy Running", timeout=120)
+    assert kept is not None and kept["metadata"]["uid"] == copy["metadata"]["uid"]
+    wait_for(
+        lambda: upper.kubectl("get", "pod", "-n", NAMESPACE, "torn", check=False).returncode != 0,
+        "the original deleted once the descheduler is back",
+    )
+    assert set(pods_by_name(upper, NAMESPACE, "app=torn")) == {copy["metadata"]["name"]}
+    upper.kubectl("delete", "pod", "-n", NAMESPACE, copy["metadata"]["name"])
+    wait_for(
+        lambda: not pods_by_name(descheduling.clusters["lower-2"], NAMESPACE, "app=torn"),
+        "the copy gone below, its room free for the next tests",
+    )
 
 
 def test_a_bare_pod_stuck_below_is_re_created_in_a_cluster_that_fits_it(

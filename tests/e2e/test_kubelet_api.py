@@ -191,6 +191,26 @@ def test_cp_of_a_multi_megabyte_file_into_the_pod(
     )
 
 
+def wait_for_attached_output(
+    federation: Federation, attached: subprocess.Popen[str], marker: str
+) -> None:
+    """Writes ``marker`` to the output kwok serves to attached clients, again each second
+    (a client attaches a moment after it starts), until ``attached`` prints it."""
+    assert attached.stdout is not None
+    output = attached.stdout
+
+    def seen() -> bool:
+        lower(federation).append_pod_log(marker)
+        ready, _, _ = select.select([output], [], [], 1)
+        return bool(ready) and marker in output.readline()
+
+    try:
+        wait_for(seen, f"{marker} in the attached output", timeout=60, interval=0)
+    finally:
+        attached.kill()
+        attached.wait()
+
+
 def test_attach_streams_the_container_output(federation: Federation, pod: str) -> None:
     attach = federation.upper.kubectl_process(
         "attach",
@@ -201,21 +221,7 @@ def test_attach_streams_the_container_output(federation: Federation, pod: str) -
         stderr=subprocess.DEVNULL,
         text=True,
     )
-    try:
-        time.sleep(2)
-        lower(federation).append_pod_log("seen-by-attach")
-        assert attach.stdout is not None
-
-        output = attach.stdout
-
-        def seen() -> bool:
-            ready, _, _ = select.select([output], [], [], 1)
-            return bool(ready) and "seen-by-attach" in output.readline()
-
-        wait_for(seen, "the attached output", timeout=30, interval=0)
-    finally:
-        attach.kill()
-        attach.wait()
+    wait_for_attached_output(federation, attach, "seen-by-attach")
 
 
 class UppercaseServer:
@@ -436,6 +442,29 @@ def test_kubectl_debug_adds_the_ephemeral_container_below(federation: Federation
 
     # Reported by the lower cluster (kwok, through the local federation's Stage).
     assert wait_for(running_above, "the ephemeral container running above") == ["debugger"]
+
+
+def test_kubectl_debug_interactive_attaches_to_its_ephemeral_container(
+    federation: Federation, pod: str
+) -> None:
+    """`kubectl debug -i` adds the container, waits for it to run and attaches to it,
+    through the virtual node's kubelet API, as on any node."""
+    debug = federation.upper.kubectl_process(
+        "debug",
+        "-i",
+        "-n",
+        NS,
+        POD,
+        "--image=registry.k8s.io/pause:3.10",
+        "--container=debug-attached",
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    wait_for_attached_output(federation, debug, "seen-by-debug")
+    lower_pod = get_json(lower(federation), "pod", "-n", NS, POD)
+    assert "debug-attached" in [c["name"] for c in lower_pod["spec"]["ephemeralContainers"]]
 
 
 def test_probes_need_no_credentials_while_the_kubelet_api_does(federation: Federation) -> None:

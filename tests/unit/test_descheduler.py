@@ -446,6 +446,22 @@ async def test_a_copy_made_before_a_crash_is_found_and_only_the_original_deleted
     assert world.client.calls == [("create", f"apps/{copy_name(solo)}"), ("delete", "apps/solo")]
 
 
+async def test_a_copy_the_cache_holds_finishes_the_move_though_its_room_is_taken() -> None:
+    """Restarted after a crash between the two steps: the copy now takes the room the
+    estimators would find for the original, so the move is finished without asking them."""
+    world = World({"vk-lower-2": NO_ROOM, "vk-lower-3": NO_ROOM})
+    solo = pod("solo", owned=False)
+    made = pod_copy(solo, "vk-lower-2")
+    made["metadata"]["uid"] = "uid-copy"
+    world.add(solo)
+    world.add(made)
+    (decision,) = [d for d in await world.descheduler.cycle() if isinstance(d, Move)]
+    assert (decision.stuck.key, decision.to) == ("apps/solo", "vk-lower-2")
+    assert world.client.calls == [("delete", "apps/solo")]
+    assert world.pool.asked == []
+    assert world.reasons() == ["Rescheduled", "Rescheduled"]
+
+
 async def test_a_name_taken_by_another_pod_stops_the_copy() -> None:
     world = World(ROOM_IN_2)
     solo = pod("solo", owned=False)
