@@ -1,13 +1,24 @@
 """Helpers the benchmarks share: deleting a run's namespaces and waiting until their pods
-are gone, in the upper cluster and below it."""
+are gone, in the upper cluster and below it; figures over rounds and their verdicts."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+import math
+import statistics
+from collections.abc import Callable, Iterable, Sequence
 
-from harness.localcluster import KubectlClient
+from harness.localcluster import ClusterSpec, KubectlClient, NodeSpec
 from kubekit.client import NAMESPACES, PODS, ApiError, ClientSettings, KubeClient, is_not_found
+
+
+def upper_and_one_lower(nodes: int, pods_per_node: int) -> list[ClusterSpec]:
+    """A federation of one upper and one lower cluster, `lower-1`, of large kwok nodes."""
+    lower_nodes = tuple(
+        NodeSpec(f"lower-1-node-{i}", cpu="64", memory="256Gi", pods=pods_per_node)
+        for i in range(nodes)
+    )
+    return [ClusterSpec("upper", "upper"), ClusterSpec("lower-1", "lower", lower_nodes)]
 
 
 async def delete_namespaces(cluster: KubectlClient, names: Iterable[str]) -> None:
@@ -36,3 +47,37 @@ async def wait_no_pods(cluster: KubectlClient, names: Iterable[str]) -> None:
                 # Another cluster's pods: no event here to wait on, polling is the point.
                 while (await client.list(PODS, name, limit=1))["items"]:  # noqa: ASYNC110
                     await asyncio.sleep(1)
+
+
+def spread(values: Sequence[float], fmt: str) -> str:
+    """Median and min-max."""
+    if not values:
+        return "n/a"
+    median = statistics.median(values)
+    if len(values) == 1:
+        return format(median, fmt)
+    return f"{median:{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
+def judge(
+    title: str,
+    values: Sequence[float | None],
+    met: Callable[[float], bool],
+    fmt: str,
+    *,
+    every_round: bool = False,
+) -> bool:
+    """Prints a target's `met` / `MISSED` line, judged on the median of the rounds (or on
+    every round: a pod lost once is lost), with how many rounds met it; returns the verdict."""
+    measured = [v for v in values if v is not None and not math.isnan(v)]
+    if not measured:
+        print(f"MISSED  {title}: not measured")
+        return False
+    rounds_met = sum(1 for v in measured if met(v))
+    verdict = rounds_met == len(measured) if every_round else met(statistics.median(measured))
+    rounds = f"{len(measured)} round{'s' if len(measured) > 1 else ''}"
+    print(
+        f"{'met   ' if verdict else 'MISSED'}  {title}: {spread(measured, fmt)} "
+        f"(met in {rounds_met} of {rounds})"
+    )
+    return verdict

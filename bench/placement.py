@@ -51,7 +51,6 @@ import csv
 import math
 import re
 import ssl
-import statistics
 import tempfile
 import time
 import urllib.request
@@ -62,7 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import delete_namespaces, wait_no_pods
+from common import delete_namespaces, judge, spread, wait_no_pods
 
 from harness.federation import Federation
 from harness.localcluster import ClusterSpec, KubectlClient, LocalCluster, NodeSpec
@@ -657,16 +656,6 @@ def round_ratios(results: Mapping[str, WayResult]) -> dict[str, float]:
     }
 
 
-def spread(values: Sequence[float], fmt: str) -> str:
-    """Median and min-max."""
-    if not values:
-        return "n/a"
-    median = statistics.median(values)
-    if len(values) == 1:
-        return format(median, fmt)
-    return f"{median:{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
-
-
 def print_summary(rounds: Sequence[Mapping[str, WayResult]]) -> None:
     n = len(rounds)
     print(f"over {n} round{'s' if n > 1 else ''}: median (min-max)")
@@ -689,28 +678,14 @@ def print_summary(rounds: Sequence[Mapping[str, WayResult]]) -> None:
 
     ratios = [round_ratios(r) for r in rounds]
 
-    def target(
-        title: str, values: Sequence[float | None], met: Callable[[float], bool], fmt: str
-    ) -> None:
-        measured = [v for v in values if v is not None and not math.isnan(v)]
-        if not measured:
-            print(f"MISSED  {title}: not measured")
-            return
-        verdict = "met   " if met(statistics.median(measured)) else "MISSED"
-        rounds_met = sum(1 for v in measured if met(v))
-        print(
-            f"{verdict}  {title}: {spread(measured, fmt)} "
-            f"(met in {rounds_met} of {len(measured)} round{'s' if len(measured) > 1 else ''})"
-        )
-
     print("targets (judged on the median):")
-    target(
+    judge(
         "Running with multischeduler >= 0.98 x flat",
         [r["Running multischeduler / flat"] for r in ratios],
         lambda v: v >= 0.98,
         ".3f",
     )
-    target(
+    judge(
         "0 stranded with multischeduler",
         [float(r[MULTI].stranded) for r in rounds],
         lambda v: v == 0,
@@ -720,20 +695,20 @@ def print_summary(rounds: Sequence[Mapping[str, WayResult]]) -> None:
     # interpolated p99.
     within = [e.within_target for e in extenders if e is not None]
     if within and all(w is not None for w in within):
-        target(
+        judge(
             "extender p99 <= 5 ms (share of filter decisions within 5 ms >= 0.99)",
             within,
             lambda v: v >= 0.99,
             ".3f",
         )
     else:
-        target(
+        judge(
             "extender p99 <= 5 ms (ms)",
             p99s,
             lambda v: v <= EXTENDER_P99_TARGET * 1000,
             ".2f",
         )
-    target(
+    judge(
         "multischeduler throughput >= 0.8 x blind throughput",
         [r["throughput multischeduler / blind"] for r in ratios],
         lambda v: v >= 0.8,

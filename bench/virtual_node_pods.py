@@ -44,10 +44,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import delete_namespaces, wait_no_pods
+from common import delete_namespaces, upper_and_one_lower, wait_no_pods
 
 from harness.federation import Federation, virtual_node_name
-from harness.localcluster import ClusterSpec, LocalCluster, NodeSpec
+from harness.localcluster import LocalCluster
 from harness.toolchain import Toolchain
 from kubekit import keys
 from kubekit.client import NAMESPACES, PODS, ClientSettings, KubeClient
@@ -310,17 +310,7 @@ def main() -> None:
     per_way = count + args.latency_pods
     nodes = max(2, -(-per_way // 500))
     node_pods = -(-per_way * 2 // nodes) + 10
-    specs = [
-        ClusterSpec("upper", "upper"),
-        ClusterSpec(
-            "lower-1",
-            "lower",
-            tuple(
-                NodeSpec(f"lower-1-node-{i}", cpu="64", memory="256Gi", pods=node_pods)
-                for i in range(nodes)
-            ),
-        ),
-    ]
+    specs = upper_and_one_lower(nodes, node_pods)
     with tempfile.TemporaryDirectory(prefix="kubestrata-bench-") as state:
         federation = Federation(Path(state), specs, Toolchain.locate())
         federation.start()
