@@ -39,7 +39,7 @@ from virtual_node.estimator import serve as serve_estimator
 from virtual_node.events import EventReflector
 from virtual_node.kubeletapi.auth import Authorizer
 from virtual_node.kubeletapi.certificates import keep_renewed, serving_certificate
-from virtual_node.kubeletapi.server import KubeletServer
+from virtual_node.kubeletapi.server import STREAMING_IDLE_TIMEOUT, KubeletServer
 from virtual_node.kubeletstreams import LowerKubelet
 from virtual_node.lower import LowerCluster
 from virtual_node.naming import NamespaceMapping, Strategy
@@ -87,6 +87,9 @@ class VirtualNodeConfig:
     counted_taint_keys: tuple[str, ...] = ()
     # Upper namespaces whose pods may be privileged or use the lower nodes' host.
     host_access_namespaces: tuple[str, ...] = ()
+    # Seconds an exec, attach or port-forward session may carry nothing before it is
+    # closed (0: never); the kubelet's --streaming-connection-idle-timeout.
+    streaming_connection_idle_timeout: float = STREAMING_IDLE_TIMEOUT
     log_level: str = "INFO"
     log_format: str = "text"
     # Of several replicas, only the one holding the Lease mirrors.
@@ -103,6 +106,8 @@ class VirtualNodeConfig:
                 f"cluster id {self.cluster_id!r} must be a DNS label of at most 53 characters "
                 "(lowercase letters, digits, '-')"
             )
+        if self.streaming_connection_idle_timeout < 0:
+            raise ValueError("the streaming connection idle timeout cannot be negative")
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, not {self.workers}")
         if not 0 < self.kubelet_port < 65536:
@@ -183,6 +188,13 @@ def parse_args(argv: Sequence[str]) -> VirtualNodeConfig:
         help="where an obtained or generated certificate is kept (default: a "
         "directory under the system temporary directory)",
     )
+    parser.add_argument(
+        "--streaming-connection-idle-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="close an exec, attach or port-forward session that carried nothing either "
+        "way this long (default 14400, the kubelet's 4h; 0: never)",
+    )
     parser.add_argument("--workers", type=int)
     parser.add_argument("--upper-qps", type=float)
     parser.add_argument("--upper-burst", type=int)
@@ -235,7 +247,7 @@ async def serve_kubelet_api(
     config: VirtualNodeConfig, provider: LowerKubelet, authorizer: Authorizer, pair: pki.KeyPair
 ) -> tuple[web.AppRunner, asyncio.Task[None]]:
     """The kubelet API's server, and the task that reloads its certificate files."""
-    server = KubeletServer(provider, authorizer)
+    server = KubeletServer(provider, authorizer, config.streaming_connection_idle_timeout)
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
     reloading = await start_https_site(

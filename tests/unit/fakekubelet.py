@@ -22,7 +22,7 @@ from virtual_node.kubeletapi.provider import (
     ProviderError,
     RemoteProcess,
 )
-from virtual_node.kubeletapi.server import KubeletServer
+from virtual_node.kubeletapi.server import STREAMING_IDLE_TIMEOUT, KubeletServer
 from virtual_node.kubeletapi.spdy import DataReceived, Event, SpdyConnection
 
 POD: JSON = {
@@ -186,11 +186,14 @@ class KubeletTestServer(TestServer):
 
 
 @contextlib.asynccontextmanager
-async def serving(provider: FakeProvider | None = None) -> AsyncIterator[Kubelet]:
+async def serving(
+    provider: FakeProvider | None = None, streaming_idle_timeout: float = STREAMING_IDLE_TIMEOUT
+) -> AsyncIterator[Kubelet]:
     """A kubelet API server on 127.0.0.1 and a client of it, for the time of the block."""
     provider = provider or FakeProvider()
     authorizer = FakeAuthorizer()
-    server = KubeletTestServer(KubeletServer(provider, authorizer).app(), host="127.0.0.1")
+    kubelet = KubeletServer(provider, authorizer, streaming_idle_timeout)
+    server = KubeletTestServer(kubelet.app(), host="127.0.0.1")
     async with TestClient(server) as client:
         yield Kubelet(client, provider, authorizer)
 

@@ -20,6 +20,7 @@ from tests.unit.fakekubelet import (
     SpdyPeer,
     control_frame,
     read_response,
+    serving,
     spdy_request,
     spdy_upgrade,
 )
@@ -407,3 +408,39 @@ async def test_spdy_peer_leaving_mid_frame_is_disconnected(kubelet: Kubelet) -> 
     assert peer.eof
     pods = await kubelet.client.get("/pods", headers=AUTH)
     assert pods.status == 200
+
+
+# --- streaming idle timeout ------------------------------------------------------------------
+
+
+async def test_an_idle_spdy_session_is_closed_and_its_lower_connection_with_it() -> None:
+    """A client that neither sends nor reads holds no connection for good."""
+    async with serving(streaming_idle_timeout=0.5) as kubelet:
+        async with spdy_upgrade(
+            kubelet.server, "/portForward/default/p", "portforward.k8s.io"
+        ) as peer:
+            peer.open(streamtype="error", port="8080", requestid="0")
+            peer.open(streamtype="data", port="8080", requestid="0")
+            await peer.until(lambda p: False)  # until the server hangs up
+        assert peer.eof and any(isinstance(e, GoAwayReceived) for e in peer.events)
+        [connection] = kubelet.provider.connections
+        await asyncio.wait_for(connection.closed.wait(), TIMEOUT)
+
+
+async def test_an_idle_websocket_exec_is_closed_but_a_busy_one_is_not() -> None:
+    async with serving(streaming_idle_timeout=0.5) as kubelet:
+        socket = await kubelet.client.ws_connect(
+            "/exec/default/p/app?command=cat&input=1&output=1",
+            protocols=(channels.V5_PROTOCOL,),
+            headers=AUTH,
+        )
+        for _ in range(6):  # three idle timeouts, never idle for one
+            await socket.send_bytes(bytes([channels.STDIN]) + b"x")
+            await asyncio.sleep(0.25)
+        assert not socket.closed
+        async with asyncio.timeout(TIMEOUT):
+            async for _message in socket:
+                pass  # what the server sent until it closed the idle socket
+        assert socket.closed
+        [(_container, _attach, process)] = kubelet.provider.processes
+        await asyncio.wait_for(process.closed.wait(), TIMEOUT)

@@ -184,10 +184,22 @@ def parse_ports(query: Any) -> tuple[int, ...]:
     return tuple(ports)
 
 
+# The kubelet's --streaming-connection-idle-timeout default.
+STREAMING_IDLE_TIMEOUT = 4 * 3600.0
+
+
 class KubeletServer:
-    def __init__(self, provider: KubeletProvider, authorizer: Authorizer) -> None:
+    def __init__(
+        self,
+        provider: KubeletProvider,
+        authorizer: Authorizer,
+        streaming_idle_timeout: float = STREAMING_IDLE_TIMEOUT,
+    ) -> None:
         self.provider = provider
         self.authorizer = authorizer
+        # An exec, attach or port-forward session that carries nothing either way this
+        # long is closed (0: never), as a kubelet closes it.
+        self.streaming_idle_timeout = streaming_idle_timeout
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._authenticate])
@@ -293,7 +305,8 @@ class KubeletServer:
             process = await self.provider.exec(pod, container, options, attach=attach)
             async with _closed_on_failure(process.close):
                 session = await upgrade(request, protocol)
-            await _serve_exec_spdy(session, process, options)
+            async with self._closed_when_idle(lambda: session.last_activity, session.close):
+                await _serve_exec_spdy(session, process, options)
             return web.Response()  # never sent: the connection is already closed
         if request.headers.get("Upgrade", "").lower() == "websocket":
             socket = web.WebSocketResponse(protocols=channels.EXEC_PROTOCOLS)
@@ -302,7 +315,9 @@ class KubeletServer:
             process = await self.provider.exec(pod, container, options, attach=attach)
             async with _closed_on_failure(process.close):
                 await socket.prepare(request)
-            await _serve_exec_websocket(socket, process, options)
+            client = _ChannelSocket(socket, 5)
+            async with self._closed_when_idle(lambda: client.last_activity, socket.close):
+                await _serve_exec_websocket(client, process, options)
             return socket
         raise BadParameter("Upgrade: exec and attach need SPDY/3.1 or WebSocket")
 
@@ -313,7 +328,8 @@ class KubeletServer:
             if choose_protocol(offered_protocols(request), protocols) is None:
                 return _no_common_protocol(request, protocols)
             session = await upgrade(request, PORT_FORWARD_SPDY_PROTOCOL)
-            await _serve_port_forward_spdy(session, self.provider, pod)
+            async with self._closed_when_idle(lambda: session.last_activity, session.close):
+                await _serve_port_forward_spdy(session, self.provider, pod)
             return web.Response()
         if request.headers.get("Upgrade", "").lower() == "websocket":
             ports = parse_ports(request.query)
@@ -327,9 +343,36 @@ class KubeletServer:
                 for port in ports:
                     connections.append(await self.provider.port_forward(pod, port))
                 await socket.prepare(request)
-            await _serve_port_forward_websocket(socket, connections, ports)
+            layout = channels.PortForwardChannels(ports)
+            client = _ChannelSocket(socket, layout.channel_count)
+            async with self._closed_when_idle(lambda: client.last_activity, socket.close):
+                await _serve_port_forward_websocket(client, layout, connections)
             return socket
         raise BadParameter("Upgrade: port-forward needs SPDY/3.1 or WebSocket")
+
+    @contextlib.asynccontextmanager
+    async def _closed_when_idle(
+        self, last_activity: Callable[[], float], close: Callable[[], Awaitable[Any]]
+    ) -> AsyncIterator[None]:
+        """Closes a streaming session once nothing has gone through it, either way, for
+        the idle timeout: a client that neither sends nor reads holds no connection for
+        good (its buffers are bounded already)."""
+        timeout = self.streaming_idle_timeout
+
+        async def watch() -> None:
+            loop = asyncio.get_running_loop()
+            # A deadline each frame moves later: sleeping to it is the wait.
+            while (left := last_activity() + timeout - loop.time()) > 0:  # noqa: ASYNC110
+                await asyncio.sleep(left)
+            log.info("closing a streaming session idle for %.0f s", timeout)
+            await close()
+
+        watcher = asyncio.create_task(watch()) if timeout > 0 else None
+        try:
+            yield
+        finally:
+            if watcher is not None:
+                watcher.cancel()
 
     async def _stats_summary(self, _request: web.Request) -> web.Response:
         return web.json_response(await self.provider.stats_summary())
@@ -542,8 +585,13 @@ class _ChannelSocket:
     def __init__(self, socket: web.WebSocketResponse, channel_count: int) -> None:
         self.socket = socket
         self.codec = channels.ChannelCodec(socket.ws_protocol or "", channel_count)
+        self.last_activity = asyncio.get_running_loop().time()
+
+    def _active(self) -> None:
+        self.last_activity = asyncio.get_running_loop().time()
 
     async def send(self, channel: int, payload: bytes) -> None:
+        self._active()
         message = self.codec.encode(channel, payload)
         if isinstance(message, str):
             await self.socket.send_str(message)
@@ -554,6 +602,7 @@ class _ChannelSocket:
         async for message in self.socket:
             if message.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
                 return
+            self._active()
             try:
                 yield self.codec.decode(message.data)
             except channels.ChannelProtocolError:
@@ -561,9 +610,8 @@ class _ChannelSocket:
 
 
 async def _serve_exec_websocket(
-    socket: web.WebSocketResponse, process: RemoteProcess, options: ExecOptions
+    client: _ChannelSocket, process: RemoteProcess, options: ExecOptions
 ) -> None:
-    client = _ChannelSocket(socket, 5)
 
     async def read_input() -> None:
         async for decoded in client.received():
@@ -595,7 +643,7 @@ async def _serve_exec_websocket(
             await asyncio.wait((reader, writer))
         finally:
             await process.close()
-            await socket.close()
+            await client.socket.close()
     for task in (reader, writer):
         error = None if task.cancelled() else task.exception()
         # The client leaving, or the lower stream breaking after the 101, ends the session.
@@ -604,10 +652,8 @@ async def _serve_exec_websocket(
 
 
 async def _serve_port_forward_websocket(
-    socket: web.WebSocketResponse, connections: list[PortConnection], ports: tuple[int, ...]
+    client: _ChannelSocket, layout: channels.PortForwardChannels, connections: list[PortConnection]
 ) -> None:
-    layout = channels.PortForwardChannels(ports)
-    client = _ChannelSocket(socket, layout.channel_count)
 
     async def from_pod(index: int, connection: PortConnection) -> None:
         with contextlib.suppress(ConnectionError):  # the client left: so does the reader

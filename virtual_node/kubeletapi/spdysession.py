@@ -124,6 +124,8 @@ class SpdySession:
         self._resuming: asyncio.Task[None] | None = None
         self._protocol = protocol
         self.closed = asyncio.Event()
+        # When a frame last went either way (for the streaming idle timeout).
+        self.last_activity = asyncio.get_running_loop().time()
         protocol.keep_alive(False)
         protocol.set_parser(_RawFeed(self))  # type: ignore[arg-type]  # duck-typed by aiohttp
 
@@ -139,6 +141,7 @@ class SpdySession:
         stream or connection is already gone."""
         if self.closed.is_set():
             return False
+        self.last_activity = asyncio.get_running_loop().time()
         try:
             action(self._connection)
         except spdy.LocalProtocolError:
@@ -168,6 +171,7 @@ class SpdySession:
             self._transport.write(data)
 
     def _received(self, data: bytes) -> None:
+        self.last_activity = asyncio.get_running_loop().time()
         try:
             events = self._connection.receive_data(data)
         except spdy.SpdyProtocolError as error:
