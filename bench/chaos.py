@@ -1,6 +1,6 @@
 """Faults during mirroring, and what the federation converges to: three scenarios a round.
 
-    .venv/bin/python bench/chaos.py [--rounds 3] [--pods 1000] [--seed N]
+    .venv/bin/python bench/chaos.py [--rounds 3] [--pods 1000] [--seed N] [--state-dir DIR]
 
 One federation (1 upper + 1 lower cluster of kwok nodes, one virtual node) for every
 round. The virtual node reaches its lower apiserver through a TCP relay of this script,
@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 import random
 import re
@@ -429,11 +430,22 @@ def main() -> None:
         "--kill-window", type=float, default=20.0, help="kills fall in the burst's first N s"
     )
     parser.add_argument("--seed", type=int, default=None, help="of the kill moments")
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="keep the federation's state and logs here (default: a directory removed after)",
+    )
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(2**32)
     rng = random.Random(seed)
     specs = upper_and_one_lower(2, 600)
-    with tempfile.TemporaryDirectory(prefix="kubestrata-chaos-") as state:
+    with contextlib.ExitStack() as stack:
+        state = (
+            str(args.state_dir)
+            if args.state_dir
+            else stack.enter_context(tempfile.TemporaryDirectory(prefix="kubestrata-chaos-"))
+        )
         federation = Federation(Path(state), specs, Toolchain.locate())
         federation.start()
         try:
