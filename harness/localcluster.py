@@ -743,83 +743,75 @@ class LocalCluster(KubectlClient):
             process.stop()
 
 
+def _running_pod_stage(
+    name: str, condition: Mapping[str, Any], status_template: str
+) -> dict[str, Any]:
+    """A kwok Stage for Running pods not being deleted that meet ``condition`` (one more
+    selector expression), whose status it updates with ``status_template``."""
+    return {
+        "apiVersion": "kwok.x-k8s.io/v1alpha1",
+        "kind": "Stage",
+        "metadata": {"name": name},
+        "spec": {
+            "resourceRef": {"apiGroup": "v1", "kind": "Pod"},
+            "selector": {
+                "matchExpressions": [
+                    {"key": ".metadata.deletionTimestamp", "operator": "DoesNotExist"},
+                    {"key": ".status.phase", "operator": "In", "values": ["Running"]},
+                    dict(condition),
+                ]
+            },
+            "next": {"statusTemplate": status_template},
+        },
+    }
+
+
 # kwok's stages run no ephemeral container (`kubectl debug`); this one reports each
 # running, as a kubelet would once it started it.
-_KWOK_EPHEMERAL_CONTAINERS_RUNNING: dict[str, Any] = {
-    "apiVersion": "kwok.x-k8s.io/v1alpha1",
-    "kind": "Stage",
-    "metadata": {"name": "pod-ephemeral-containers-running"},
-    "spec": {
-        "resourceRef": {"apiGroup": "v1", "kind": "Pod"},
-        "selector": {
-            "matchExpressions": [
-                {"key": ".metadata.deletionTimestamp", "operator": "DoesNotExist"},
-                {"key": ".status.phase", "operator": "In", "values": ["Running"]},
-                {
-                    "key": "(.spec.ephemeralContainers // [] | length)"
-                    " > (.status.ephemeralContainerStatuses // [] | length)",
-                    "operator": "In",
-                    "values": ["true"],
-                },
-            ]
-        },
-        "next": {
-            "statusTemplate": (
-                "{{ $now := Now }}\n"
-                "ephemeralContainerStatuses:\n"
-                "{{ range .spec.ephemeralContainers }}\n"
-                "- image: {{ .image | Quote }}\n"
-                "  name: {{ .name | Quote }}\n"
-                "  ready: false\n"
-                "  restartCount: 0\n"
-                "  state:\n"
-                "    running:\n"
-                "      startedAt: {{ $now | Quote }}\n"
-                "{{ end }}\n"
-            )
-        },
+_KWOK_EPHEMERAL_CONTAINERS_RUNNING = _running_pod_stage(
+    "pod-ephemeral-containers-running",
+    {
+        "key": "(.spec.ephemeralContainers // [] | length)"
+        " > (.status.ephemeralContainerStatuses // [] | length)",
+        "operator": "In",
+        "values": ["true"],
     },
-}
-
+    "{{ $now := Now }}\n"
+    "ephemeralContainerStatuses:\n"
+    "{{ range .spec.ephemeralContainers }}\n"
+    "- image: {{ .image | Quote }}\n"
+    "  name: {{ .name | Quote }}\n"
+    "  ready: false\n"
+    "  restartCount: 0\n"
+    "  state:\n"
+    "    running:\n"
+    "      startedAt: {{ $now | Quote }}\n"
+    "{{ end }}\n",
+)
 
 # kwok makes a pod Ready once, when it starts it; a kubelet reports it again with its
 # next status. When kwok was down (its apiserver restarted) the controller-manager marks
 # the pods of its silent nodes not ready, and without this stage they would stay so.
-_KWOK_PODS_READY_AGAIN: dict[str, Any] = {
-    "apiVersion": "kwok.x-k8s.io/v1alpha1",
-    "kind": "Stage",
-    "metadata": {"name": "pod-ready-again"},
-    "spec": {
-        "resourceRef": {"apiGroup": "v1", "kind": "Pod"},
-        "selector": {
-            "matchExpressions": [
-                {"key": ".metadata.deletionTimestamp", "operator": "DoesNotExist"},
-                {"key": ".status.phase", "operator": "In", "values": ["Running"]},
-                {
-                    "key": '.status.conditions.[] | select( .type == "Ready" ) | .status',
-                    "operator": "NotIn",
-                    "values": ["True"],
-                },
-            ]
-        },
-        "next": {
-            "statusTemplate": (
-                "{{ $now := Now }}\n"
-                "conditions:\n"
-                "{{ range .status.conditions }}\n"
-                "- type: {{ .type | Quote }}\n"
-                '{{ if or (eq .type "Ready") (eq .type "ContainersReady") }}\n'
-                '  status: "True"\n'
-                "  lastTransitionTime: {{ $now | Quote }}\n"
-                "{{ else }}\n"
-                "  status: {{ .status | Quote }}\n"
-                "  lastTransitionTime: {{ .lastTransitionTime | Quote }}\n"
-                "{{ end }}\n"
-                "{{ end }}\n"
-            )
-        },
+_KWOK_PODS_READY_AGAIN = _running_pod_stage(
+    "pod-ready-again",
+    {
+        "key": '.status.conditions.[] | select( .type == "Ready" ) | .status',
+        "operator": "NotIn",
+        "values": ["True"],
     },
-}
+    "{{ $now := Now }}\n"
+    "conditions:\n"
+    "{{ range .status.conditions }}\n"
+    "- type: {{ .type | Quote }}\n"
+    '{{ if or (eq .type "Ready") (eq .type "ContainersReady") }}\n'
+    '  status: "True"\n'
+    "  lastTransitionTime: {{ $now | Quote }}\n"
+    "{{ else }}\n"
+    "  status: {{ .status | Quote }}\n"
+    "  lastTransitionTime: {{ .lastTransitionTime | Quote }}\n"
+    "{{ end }}\n"
+    "{{ end }}\n",
+)
 
 
 def _kwok_resource_metrics() -> list[dict[str, Any]]:

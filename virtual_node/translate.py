@@ -243,9 +243,9 @@ def _without_virtual_node_terms(spec: JSON, cluster_labels: Mapping[str, str]) -
 
 def _lower_node_term(term: Mapping[str, Any], cluster_labels: Mapping[str, str]) -> JSON | None:
     """A node selector term without its expressions on virtual-node-only keys, or None
-    when one of those does not hold for this virtual node (the term selects none of its
-    lower nodes). An expression the apiserver's parser would refuse is left for the lower
-    apiserver to refuse."""
+    when one of those does not hold for this virtual node, or would not parse (the term
+    selects none of its lower nodes). Expressions on other keys are left as they are, for
+    the lower apiserver to judge."""
     kept = []
     for expression in term.get("matchExpressions") or []:
         key = expression.get("key")
