@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import orjson
@@ -36,8 +36,16 @@ from descheduler.rescue import (
     stuck_pods,
     within_limits,
 )
-from kubekit import metrics
-from kubekit.client import API_ERRORS, PODS, ApiError, KubeClient
+from kubekit import keys, metrics
+from kubekit.client import (
+    API_ERRORS,
+    CONFIGMAPS,
+    PODS,
+    ApiError,
+    KubeClient,
+    is_conflict,
+    is_not_found,
+)
 from kubekit.estimatorapi.estimator_pb2 import (
     DefragmentRequest,
     DefragmentResponse,
@@ -48,6 +56,7 @@ from kubekit.estimatorapi.estimator_pb2 import (
     PodQuery,
 )
 from kubekit.informer import Informer, object_key
+from kubekit.moves import controller_uid, parse_moves, record_move
 from kubekit.podevents import record_pod_event
 from multischeduler.estimators import EstimatorPool
 from multischeduler.extender import EstimatorFailure
@@ -59,6 +68,8 @@ ESTIMATOR_TIMEOUT = 2.0
 # After the Eviction API refused (a PodDisruptionBudget, 429), the pod is tried again
 # after this long.
 BLOCKED_RETRY_SECONDS = 30.0
+# Writes of the moves ConfigMap lost to a concurrent one, before the move waits a cycle.
+RECORD_ATTEMPTS = 5
 # A pod no cluster can take is said so again after this long, not every cycle.
 STAY_EVENT_SECONDS = 600.0
 
@@ -255,8 +266,52 @@ class Descheduler:
         metrics.EVICTIONS.labels(reason, "Evicted").inc()
         return True
 
+    async def _record_move(self, stuck: Stuck) -> None:
+        """Records in the moves ConfigMap that the pod's controller's new pods stay off
+        the virtual node it leaves (created on first use; a write that lost a race is
+        made again on what won, a few times)."""
+        owner = controller_uid(stuck.pod)
+        assert owner is not None, "only a controller's pod is evicted"
+        now = self.now()
+        until = now + timedelta(seconds=self.policy.return_after)
+        for attempt in range(1, RECORD_ATTEMPTS + 1):
+            try:
+                current = await self.client.get(
+                    CONFIGMAPS, keys.MOVES_CONFIGMAP, namespace=keys.SYSTEM_NAMESPACE
+                )
+            except ApiError as error:
+                if not is_not_found(error):
+                    raise
+                current = {"metadata": {}}
+            moves = parse_moves(current.get("data") or {})
+            body = {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {
+                    "name": keys.MOVES_CONFIGMAP,
+                    "namespace": keys.SYSTEM_NAMESPACE,
+                    **current["metadata"],
+                },
+                "data": record_move(moves, owner, stuck.node, until, now),
+            }
+            try:
+                if "resourceVersion" in current["metadata"]:
+                    await self.client.replace(CONFIGMAPS, body, namespace=keys.SYSTEM_NAMESPACE)
+                else:
+                    await self.client.create(CONFIGMAPS, body, namespace=keys.SYSTEM_NAMESPACE)
+                return
+            except ApiError as error:
+                if not is_conflict(error) or attempt == RECORD_ATTEMPTS:
+                    raise
+
     async def _evict_stuck(self, move: Move) -> None:
         stuck = move.stuck
+        try:
+            await self._record_move(stuck)
+        except API_ERRORS as error:
+            # Evicted unrecorded, its replacement could be bound to the same cluster.
+            log.warning("%s: move not recorded, not evicted this cycle: %s", stuck.key, error)
+            return
         try:
             if not await self._evict(stuck.pod, "stuck"):
                 return  # nothing left to move

@@ -27,6 +27,9 @@ class Policy:
     defrag_after: float = 60.0
     # How long the room a defragmentation frees is kept for the pod it was made for.
     hold_timeout: float = 120.0
+    # How long the new pods of a controller whose pod was moved out of a cluster are
+    # kept off that cluster's virtual node (by the webhook, kubekit.moves).
+    return_after: float = 600.0
     max_evictions_per_cycle: int = 10
     max_evictions_per_namespace: int = 5
     max_evictions_per_node: int = 5
@@ -39,6 +42,7 @@ _KEYS = {
     "interval": "interval",
     "defragAfter": "defrag_after",
     "holdTimeout": "hold_timeout",
+    "returnAfter": "return_after",
     "maxEvictionsPerCycle": "max_evictions_per_cycle",
     "maxEvictionsPerNamespace": "max_evictions_per_namespace",
     "maxEvictionsPerNode": "max_evictions_per_node",

@@ -23,6 +23,7 @@ from kubekit import keys
 from kubekit.estimatorapi.estimator_pb2 import PodEstimate
 from kubekit.informer import object_key
 from kubekit.jsonvalue import json_copy
+from kubekit.moves import controller_uid
 from kubekit.timestamps import parse_time
 
 JSON = dict[str, Any]
@@ -39,7 +40,7 @@ class Why(enum.StrEnum):
 
 def owned(pod: Mapping[str, Any]) -> bool:
     """Whether a controller replaces the pod when it goes."""
-    return any(ref.get("controller") for ref in pod["metadata"].get("ownerReferences") or [])
+    return controller_uid(pod) is not None
 
 
 def opted_out(pod: Mapping[str, Any]) -> bool:

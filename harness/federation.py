@@ -332,6 +332,7 @@ class Federation:
                 f"--cert-dir={self.state_dir / WEBHOOK}",
                 f"--kubeconfig={identity.kubeconfig}",
                 f"--inject-ca-bundle={WEBHOOK_CONFIGURATION}",
+                "--follow-moves",
             ],
         )
         deadline = time.monotonic() + timeout

@@ -86,5 +86,9 @@ LARGEST_FREE_SLOT_ANNOTATION = f"{PREFIX}/largest-free-slot"
 # On upper pods: "never" keeps the descheduler's hands off the pod.
 DESCHEDULER_ANNOTATION = f"{PREFIX}/descheduler"
 DESCHEDULER_NEVER = "never"
+# The ConfigMap (in SYSTEM_NAMESPACE) where the descheduler records, per controller UID,
+# the virtual nodes it moved that controller's pods off and until when the webhook keeps
+# the controller's new pods off them (kubekit.moves).
+MOVES_CONFIGMAP = "kubestrata-moves"
 # On a bare pod the descheduler re-created in another cluster: the UID of the original.
 COPY_OF_ANNOTATION = f"{PREFIX}/copy-of"

@@ -17,6 +17,7 @@ from typing import Any
 
 from kubekit import keys
 from kubekit.jsonvalue import json_copy
+from kubekit.moves import keep_off
 
 JSON = dict[str, Any]
 
@@ -150,11 +151,17 @@ def _project_spread(constraints: list[JSON], keep: Collection[str]) -> list[JSON
     return kept or None
 
 
-def upper_view(spec: Mapping[str, Any], keep: Collection[str] = DEFAULT_KEEP_KEYS) -> JSON:
-    """The scheduling fields as the upper scheduler should see them (None: absent)."""
+def upper_view(
+    spec: Mapping[str, Any],
+    keep: Collection[str] = DEFAULT_KEEP_KEYS,
+    kept_off: Collection[str] = (),
+) -> JSON:
+    """The scheduling fields as the upper scheduler should see them (None: absent);
+    ``kept_off`` names virtual nodes the pod must not be bound to (kubekit.moves)."""
+    affinity = _project_affinity(spec.get("affinity") or {}, keep)
     return {
         "nodeSelector": _project_node_selector(spec.get("nodeSelector") or {}, keep),
-        "affinity": _project_affinity(spec.get("affinity") or {}, keep),
+        "affinity": keep_off(affinity, kept_off) if kept_off else affinity,
         "tolerations": _project_tolerations(list(spec.get("tolerations") or [])),
         "topologySpreadConstraints": _project_spread(
             list(spec.get("topologySpreadConstraints") or []), keep
@@ -166,6 +173,7 @@ def stash_scheduling(
     spec: Mapping[str, Any],
     annotations: Mapping[str, str],
     keep: Collection[str] = DEFAULT_KEEP_KEYS,
+    kept_off: Collection[str] = (),
 ) -> tuple[JSON, dict[str, str]]:
     """The pod spec the upper scheduler should see and the annotations that carry the
     originals. A pod that already carries a stash is returned unchanged."""
@@ -173,7 +181,7 @@ def stash_scheduling(
         return json_copy(dict(spec)), dict(annotations)
     new_spec: JSON = json_copy(dict(spec))
     originals: JSON = {}
-    for field, value in upper_view(spec, keep).items():
+    for field, value in upper_view(spec, keep, kept_off).items():
         if spec.get(field) == value or (value is None and field not in spec):
             continue
         originals[field] = spec.get(field)  # only encoded, never changed

@@ -6,8 +6,12 @@ from __future__ import annotations
 import datetime
 
 
+def rfc3339(moment: datetime.datetime) -> str:
+    return moment.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def now_rfc3339() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return rfc3339(datetime.datetime.now(datetime.UTC))
 
 
 def now_micro() -> str:

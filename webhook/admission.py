@@ -1,7 +1,8 @@
 """AdmissionReview v1 in, AdmissionReview v1 out (pure functions).
 
-The webhook answers with a JSONPatch that stashes the scheduling fields (kubekit.stash)
-or allows the object unchanged; it refuses only a pod that arrives with a stash
+The webhook answers with a JSONPatch that stashes the scheduling fields (kubekit.stash),
+keeping a controller's new pod off the virtual nodes the descheduler moved its pods off
+(kubekit.moves), or allows the object unchanged; it refuses only a pod that arrives with a stash
 annotation the virtual node could not read. A body it cannot read is a ``BadReview``,
 which the server turns into a 400 naming what is wrong: not only what is not JSON or not
 a review, but a pod whose scheduling fields do not have the types the apiserver's own
@@ -14,11 +15,13 @@ import base64
 import json
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
 
 from kubekit import keys, stash
+from kubekit.moves import Moves, kept_off
 
 JSON = dict[str, Any]
 
@@ -151,11 +154,14 @@ def _pointer(*segments: str) -> str:
     return "".join("/" + s.replace("~", "~0").replace("/", "~1") for s in segments)
 
 
-def stash_patch(pod: Mapping[str, Any], keep: Collection[str]) -> list[JSON]:
-    """The JSONPatch that turns ``pod`` into its upper view with the stash annotation."""
+def stash_patch(
+    pod: Mapping[str, Any], keep: Collection[str], kept_off: Collection[str] = ()
+) -> list[JSON]:
+    """The JSONPatch that turns ``pod`` into its upper view with the stash annotation,
+    kept off the virtual nodes ``kept_off``."""
     spec = pod["spec"]
     annotations = (pod.get("metadata") or {}).get("annotations")
-    new_spec, new_annotations = stash.stash_scheduling(spec, annotations or {}, keep)
+    new_spec, new_annotations = stash.stash_scheduling(spec, annotations or {}, keep, kept_off)
     patch: list[JSON] = []
     for field in stash.FIELDS:
         path = _pointer("spec", field)
@@ -181,9 +187,16 @@ def stash_patch(pod: Mapping[str, Any], keep: Collection[str]) -> list[JSON]:
     return patch
 
 
-def review_response(request: Mapping[str, Any], keep: Collection[str]) -> JSON:
-    """The AdmissionReview answering ``request`` (as returned by ``parse_review``). dryRun
-    requests get the same answer: the webhook has no side effects to hold back."""
+def review_response(
+    request: Mapping[str, Any],
+    keep: Collection[str],
+    moves: Moves | None = None,
+    now: datetime | None = None,
+) -> JSON:
+    """The AdmissionReview answering ``request`` (as returned by ``parse_review``); a new
+    pod of a controller the descheduler moved pods of is kept off the virtual nodes they
+    left (``moves`` as of ``now``). dryRun requests get the same answer: the webhook has
+    no side effects to hold back."""
     response: JSON = {"uid": request["uid"], "allowed": True}
     if request.get("operation") == "CREATE" and _is_pod(request):
         existing = ((request["object"].get("metadata") or {}).get("annotations") or {}).get(
@@ -200,7 +213,9 @@ def review_response(request: Mapping[str, Any], keep: Collection[str]) -> JSON:
                     "message": f"annotation {keys.STASH_ANNOTATION}: {error}",
                 }
                 return _review(response)
-        patch = stash_patch(request["object"], keep)
+        pod = request["object"]
+        avoided = kept_off(moves, pod, now or datetime.now(UTC)) if moves else []
+        patch = stash_patch(pod, keep, avoided)
         if patch:
             response["patchType"] = "JSONPatch"
             response["patch"] = base64.b64encode(

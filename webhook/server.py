@@ -8,20 +8,25 @@ import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
-from kubekit import logs, stash
+from kubekit import keys, logs, stash
 from kubekit.certreload import start_https_site
-from kubekit.client import ApiError, ClientSettings, KubeClient, Resource
+from kubekit.client import CONFIGMAPS, ApiError, ClientSettings, KubeClient, Resource
 from kubekit.component import run_component
 from kubekit.health import serve_metrics
+from kubekit.informer import Informer
+from kubekit.moves import Moves, parse_moves
 from kubekit.serving import add_serving_arguments, check_serving_arguments, serving
 from webhook.admission import BadReview, parse_review, review_response
 from webhook.certificate import ca_bundle_patch
 from webhook.configuration import CONFIGURATION_NAME, PATH, url_configuration
 
 log = logging.getLogger("webhook")
+
+JSON = dict[str, Any]
 
 MUTATING_WEBHOOK_CONFIGURATIONS = Resource(
     "admissionregistration.k8s.io", "v1", "mutatingwebhookconfigurations", namespaced=False
@@ -41,9 +46,36 @@ class WebhookConfig:
     register_url: str | None
     inject_ca_bundle: str | None
     ca_file: Path | None
+    follow_moves: bool = False
 
 
-def make_app(keep: Collection[str]) -> web.Application:
+class MovesFollower:
+    """The descheduler's records of moves (kubekit.moves), kept by a watch of their one
+    ConfigMap and parsed once per change, not per admission."""
+
+    def __init__(self) -> None:
+        self.moves: Moves = {}
+
+    def on_add(self, obj: JSON) -> None:
+        self.moves = parse_moves(obj.get("data") or {})
+
+    on_update = on_add
+
+    def on_delete(self, _obj: JSON) -> None:
+        self.moves = {}
+
+    def informer(self, client: KubeClient) -> Informer:
+        informer = Informer(
+            client,
+            CONFIGMAPS,
+            namespace=keys.SYSTEM_NAMESPACE,
+            field_selector=f"metadata.name={keys.MOVES_CONFIGMAP}",
+        )
+        informer.add_handler(self)
+        return informer
+
+
+def make_app(keep: Collection[str], follower: MovesFollower | None = None) -> web.Application:
     async def mutate(request: web.Request) -> web.Response:
         if request.content_type != "application/json":
             return _bad_request(
@@ -53,7 +85,8 @@ def make_app(keep: Collection[str]) -> web.Application:
             review = parse_review(await request.read())
         except BadReview as error:
             return _bad_request(str(error))
-        return web.json_response(review_response(review, keep))
+        moves = follower.moves if follower is not None else None
+        return web.json_response(review_response(review, keep, moves))
 
     async def healthz(_request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -129,7 +162,14 @@ def parse_args(argv: Sequence[str]) -> WebhookConfig:
         f"(repeatable; always kept: {', '.join(sorted(stash.DEFAULT_KEEP_KEYS))})",
     )
     parser.add_argument(
-        "--kubeconfig", help="for --register-url/--inject-ca-bundle (default: in-cluster)"
+        "--kubeconfig",
+        help="for --register-url/--inject-ca-bundle/--follow-moves (default: in-cluster)",
+    )
+    parser.add_argument(
+        "--follow-moves",
+        action="store_true",
+        help=f"keep the new pods of a controller off the virtual nodes the descheduler moved "
+        f"its pods off (watches ConfigMap {keys.SYSTEM_NAMESPACE}/{keys.MOVES_CONFIGMAP})",
     )
     parser.add_argument(
         "--register-url",
@@ -164,14 +204,23 @@ def parse_args(argv: Sequence[str]) -> WebhookConfig:
         register_url=args.register_url,
         inject_ca_bundle=args.inject_ca_bundle,
         ca_file=ca_file,
+        follow_moves=args.follow_moves,
     )
 
 
 async def run(config: WebhookConfig) -> None:
-    runner = web.AppRunner(make_app(config.keep_keys), access_log=None)
+    follower = MovesFollower() if config.follow_moves else None
+    runner = web.AppRunner(make_app(config.keep_keys, follower), access_log=None)
     await runner.setup()
     reloading: asyncio.Task[None] | None = None
+    following: asyncio.Task[None] | None = None
+    client: KubeClient | None = None
     try:
+        if follower is not None:
+            # Admissions are answered before the first list: a webhook that waited for
+            # the apiserver would fail every pod creation (failurePolicy Fail) meanwhile.
+            client = await KubeClient.connect(ClientSettings(config.kubeconfig))
+            following = asyncio.create_task(follower.informer(client).run())
         reloading = await start_https_site(
             runner, config.host, config.port, config.cert_file, config.key_file
         )
@@ -181,9 +230,12 @@ async def run(config: WebhookConfig) -> None:
         # Until a signal cancels the task, which the finally below cleans up after.
         await asyncio.Future()
     finally:
-        if reloading is not None:
-            reloading.cancel()
+        for task in (reloading, following):
+            if task is not None:
+                task.cancel()
         await runner.cleanup()
+        if client is not None:
+            await client.close()
 
 
 def main(argv: Sequence[str]) -> int:

@@ -233,6 +233,102 @@ def test_a_pod_no_cluster_can_run_is_left_where_it_is_with_an_event(
     assert not copies_of(descheduling, pod["metadata"]["uid"])
 
 
+def stuck_deployment(name: str, cpu: str, prefer: str) -> dict[str, Any]:
+    """One replica whose pods prefer the cluster ``prefer`` (a cluster-id term the upper
+    scheduler sees) and need a move node below."""
+    spec = stuck_pod(name, cpu)["spec"]
+    del spec["nodeName"]
+    spec["affinity"] = {
+        "nodeAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "weight": 100,
+                    "preference": {
+                        "matchExpressions": [
+                            {"key": keys.CLUSTER_ID_LABEL, "operator": "In", "values": [prefer]}
+                        ]
+                    },
+                }
+            ]
+        }
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {"metadata": {"labels": {"app": name}}, "spec": spec},
+        },
+    }
+
+
+def test_a_controllers_pod_stuck_below_is_replaced_in_another_cluster_without_the_extender(
+    descheduling: Federation,
+) -> None:
+    """The upper scheduler without the multischeduler (it sees summed capacity) prefers
+    lower-1 for these pods; lower-1's move node lacks the cpu. The descheduler evicts the
+    pod and the webhook keeps its replacement off vk-lower-1, so it runs in lower-2."""
+    upper = descheduling.upper
+    upper.kubectl("delete", "pods", "--all", "-n", NAMESPACE, "--wait=false")
+    wait_for(
+        lambda: (
+            not any(
+                get_json(descheduling.clusters[cluster], "pods", "-n", NAMESPACE)["items"]
+                for cluster in CLUSTERS
+            )
+        ),
+        "the pods of earlier tests gone below",
+        timeout=120,
+    )
+    extenders = upper.scheduler_extenders
+    upper.set_scheduler_extenders([])
+    try:
+        apply(upper, stuck_deployment("crowded", "3", prefer="lower-1"))
+
+        def pods() -> list[dict[str, Any]]:
+            return list(pods_by_name(upper, NAMESPACE, "app=crowded").values())
+
+        (original,) = wait_for(
+            lambda: [p for p in pods() if p["spec"].get("nodeName") == "vk-lower-1"],
+            "the first pod bound to vk-lower-1",
+        )
+
+        def replaced() -> dict[str, Any] | None:
+            running = [
+                p
+                for p in pods()
+                if p["spec"].get("nodeName") == "vk-lower-2"
+                and p["status"].get("phase") == "Running"
+            ]
+            return running[0] if len(running) == 1 else None
+
+        # The issue's bound: pendingTimeout (2 s here) + 30 s.
+        replacement = wait_for(replaced, "the replacement Running in lower-2", timeout=32)
+        assert replacement is not None
+        assert replacement["metadata"]["ownerReferences"] == original["metadata"]["ownerReferences"]
+        (said,) = events(descheduling, original["metadata"]["name"], "Rescheduled")
+        assert "unschedulable in vk-lower-1" in said and "evicted from vk-lower-1" in said, said
+        (term,) = replacement["spec"]["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ]["nodeSelectorTerms"]
+        assert term == {
+            "matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["vk-lower-1"]}]
+        }
+        wait_for(
+            lambda: [p["metadata"]["name"] for p in pods()] == [replacement["metadata"]["name"]],
+            "the evicted pod gone: no duplicate",
+        )
+        (below,) = pods_by_name(descheduling.clusters["lower-2"], NAMESPACE, "app=crowded").values()
+        assert below["spec"]["nodeName"] == move_node("lower-2")
+        assert "vk-lower-1" not in str(below["spec"].get("affinity")), "kept off above only"
+        assert not pods_by_name(descheduling.clusters["lower-1"], NAMESPACE, "app=crowded")
+    finally:
+        upper.set_scheduler_extenders(extenders)
+        upper.kubectl("delete", "deployment", "-n", NAMESPACE, "crowded", "--wait=false")
+
+
 def evacuee() -> dict[str, Any]:
     spec = stuck_pod("evacuee", "1")["spec"]
     del spec["nodeName"]

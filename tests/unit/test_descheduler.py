@@ -35,7 +35,7 @@ from descheduler.rescue import (
     within_limits,
 )
 from kubekit import keys
-from kubekit.client import NODES, PODDISRUPTIONBUDGETS, PODS, ApiError
+from kubekit.client import CONFIGMAPS, NODES, PODDISRUPTIONBUDGETS, PODS, ApiError
 from kubekit.estimatorapi.estimator_pb2 import (
     DefragmentRequest,
     DefragmentResponse,
@@ -47,6 +47,7 @@ from kubekit.estimatorapi.estimator_pb2 import (
     PodQuery,
 )
 from kubekit.informer import Informer
+from kubekit.moves import parse_moves
 from multischeduler.extender import Answer, EstimatorFailure
 from tests.unit.test_multischeduler import core_grants
 
@@ -120,8 +121,8 @@ def test_an_empty_policy_is_the_defaults() -> None:
 def test_every_policy_key() -> None:
     policy = parse_policy(
         "pendingTimeout: 5\nclusterDownTimeout: 30.5\ninterval: 2\ndefragAfter: 7\n"
-        "holdTimeout: 90\nmaxEvictionsPerCycle: 3\nmaxEvictionsPerNamespace: 2\n"
-        "maxEvictionsPerNode: 1\n"
+        "holdTimeout: 90\nreturnAfter: 300\nmaxEvictionsPerCycle: 3\n"
+        "maxEvictionsPerNamespace: 2\nmaxEvictionsPerNode: 1\n"
     )
     assert policy == Policy(
         pending_timeout=5.0,
@@ -129,6 +130,7 @@ def test_every_policy_key() -> None:
         interval=2.0,
         defrag_after=7.0,
         hold_timeout=90.0,
+        return_after=300.0,
         max_evictions_per_cycle=3,
         max_evictions_per_namespace=2,
         max_evictions_per_node=1,
@@ -300,6 +302,12 @@ class FakeClient:
         self.events: list[dict[str, Any]] = []
         self.created: dict[str, dict[str, Any]] = {}
         self.eviction_error: ApiError | None = None
+        # The moves ConfigMap, as stored; writes to refuse with this error, then accept.
+        self.moves: dict[str, Any] | None = None
+        self.moves_errors: list[ApiError] = []
+
+    def evictions(self) -> int:
+        return sum(path.endswith("/eviction") for _, path in self.calls)
 
     async def request(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
         self.calls.append((method, path))
@@ -307,10 +315,30 @@ class FakeClient:
             raise self.eviction_error
         return {}
 
+    def _write_moves(self, body: dict[str, Any], version: str | None) -> dict[str, Any]:
+        self.calls.append(("write", keys.MOVES_CONFIGMAP))
+        if self.moves_errors:
+            raise self.moves_errors.pop(0)
+        stored = (self.moves or {}).get("metadata", {}).get("resourceVersion")
+        if version != stored:
+            raise ApiError(409, {"reason": "Conflict", "message": "changed meanwhile"})
+        metadata = {**body["metadata"], "resourceVersion": str(int(stored or 0) + 1)}
+        self.moves = {**body, "metadata": metadata}
+        return self.moves
+
+    async def replace(self, resource: Any, body: dict[str, Any], namespace: str) -> dict[str, Any]:
+        assert resource is CONFIGMAPS and namespace == keys.SYSTEM_NAMESPACE
+        return self._write_moves(body, body["metadata"]["resourceVersion"])
+
     async def create(self, resource: Any, body: dict[str, Any], namespace: str) -> dict[str, Any]:
         if body["kind"] == "Event":
             self.events.append(body)
             return body
+        if resource is CONFIGMAPS:
+            assert namespace == keys.SYSTEM_NAMESPACE
+            if self.moves is not None:
+                raise ApiError(409, {"reason": "AlreadyExists", "message": "exists"})
+            return self._write_moves(body, None)
         name = body["metadata"]["name"]
         self.calls.append(("create", f"{namespace}/{name}"))
         if name in self.created:
@@ -320,6 +348,10 @@ class FakeClient:
         return made
 
     async def get(self, resource: Any, name: str, namespace: str) -> dict[str, Any]:
+        if resource is CONFIGMAPS:
+            if self.moves is None:
+                raise ApiError(404, {"reason": "NotFound", "message": "not found"})
+            return self.moves
         return self.created[name]
 
     async def delete_exact(self, resource: Any, obj: dict[str, Any]) -> None:
@@ -397,7 +429,10 @@ async def test_a_controllers_pod_is_evicted_through_the_eviction_api() -> None:
     world.add(pod("web"))
     (decision,) = await world.descheduler.cycle()
     assert decision == Move(stuck_pods([pod("web")], NODES_UP, NOW, Policy())[0], "vk-lower-2")
-    assert world.client.calls == [("POST", "/api/v1/namespaces/apps/pods/web/eviction")]
+    assert world.client.calls == [
+        ("write", keys.MOVES_CONFIGMAP),
+        ("POST", "/api/v1/namespaces/apps/pods/web/eviction"),
+    ]
     assert world.pool.asked[0][0] == ["vk-lower-2", "vk-lower-3"]
     assert not world.pool.asked[0][1].reserve
     (event,) = world.client.events
@@ -414,14 +449,46 @@ async def test_an_eviction_a_budget_refuses_is_tried_again_later() -> None:
     )
     await world.descheduler.cycle()
     assert world.reasons() == ["EvictionBlocked"]
+    evictions = world.client.evictions
     assert "disruption budget" in world.client.events[0]["message"]
     await world.descheduler.cycle()
-    assert len(world.client.calls) == 1, "not again before the retry time"
+    assert evictions() == 1, "not again before the retry time"
     world.moment += 31
     world.client.eviction_error = None
     await world.descheduler.cycle()
-    assert len(world.client.calls) == 2
+    assert evictions() == 2
     assert world.reasons() == ["EvictionBlocked", "Rescheduled"]
+
+
+async def test_the_move_is_recorded_before_the_eviction_and_a_lost_race_written_again() -> None:
+    world = World(ROOM_IN_2)
+    world.client.moves = {
+        "metadata": {"name": keys.MOVES_CONFIGMAP, "resourceVersion": "7"},
+        "data": {"rs-other": '{"vk-lower-3": "2099-01-01T00:00:00Z"}'},
+    }
+    world.client.moves_errors = [ApiError(409, {"reason": "Conflict", "message": "changed"})]
+    world.add(pod("web"))
+    await world.descheduler.cycle()
+    assert world.client.calls == [
+        ("write", keys.MOVES_CONFIGMAP),
+        ("write", keys.MOVES_CONFIGMAP),
+        ("POST", "/api/v1/namespaces/apps/pods/web/eviction"),
+    ]
+    assert world.client.moves is not None
+    assert parse_moves(world.client.moves["data"]) == {
+        "rs-other": {"vk-lower-3": datetime(2099, 1, 1, tzinfo=UTC)},
+        "rs": {"vk-lower-1": NOW + timedelta(seconds=Policy().return_after)},
+    }
+
+
+async def test_a_move_that_cannot_be_recorded_is_not_made_this_cycle() -> None:
+    world = World(ROOM_IN_2)
+    world.client.moves_errors = [ApiError(403, {"reason": "Forbidden", "message": "no"})]
+    world.add(pod("web"))
+    await world.descheduler.cycle()
+    assert world.client.evictions() == 0
+    await world.descheduler.cycle()
+    assert world.client.evictions() == 1, "made the next cycle"
 
 
 async def test_a_bare_pod_is_copied_before_the_original_goes() -> None:
@@ -758,14 +825,21 @@ def test_rbac_grants_exactly_what_the_descheduler_uses() -> None:
     ]
     assert "*" not in str(role["rules"])
     assert binding["subjects"][0]["name"] == account["metadata"]["name"]
-    # Its leader Lease, in its own namespace only.
+    # Its leader Lease and its record of moves, in its own namespace only.
     assert lease_role["metadata"]["namespace"] == "kubestrata-system"
     assert lease_role["rules"] == [
         {
             "apiGroups": ["coordination.k8s.io"],
             "resources": ["leases"],
             "verbs": ["get", "create", "update"],
-        }
+        },
+        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create"]},
+        {
+            "apiGroups": [""],
+            "resources": ["configmaps"],
+            "resourceNames": [keys.MOVES_CONFIGMAP],
+            "verbs": ["get", "update"],
+        },
     ]
     assert lease_binding["subjects"][0]["name"] == account["metadata"]["name"]
 

@@ -16,7 +16,7 @@ from kubekit import keys, pki, stash
 from tests.unit.test_stash import specs
 from webhook.admission import BadReview, parse_review, review_response
 from webhook.configuration import stash_webhook, url_configuration
-from webhook.server import make_app
+from webhook.server import MovesFollower, make_app
 
 MANIFESTS = Path(__file__).parents[2] / "manifests"
 
@@ -152,6 +152,58 @@ async def test_the_server_answers_400_for_bad_bodies_and_200_with_a_patch() -> N
         good = await client.post("/mutate", json=review(pod({"nodeSelector": {"disk": "ssd"}})))
         assert good.status == 200
         assert (await good.json())["response"]["patchType"] == "JSONPatch"
+
+
+MOVED_UNTIL = "2099-01-01T00:00:00Z"
+
+
+def controlled_pod(owner: str) -> dict[str, Any]:
+    made = pod({"nodeSelector": {"disk": "ssd"}})
+    made["metadata"]["ownerReferences"] = [{"uid": owner, "controller": True, "kind": "ReplicaSet"}]
+    return made
+
+
+def moves_config_map(data: dict[str, str]) -> dict[str, Any]:
+    metadata = {"name": keys.MOVES_CONFIGMAP, "namespace": keys.SYSTEM_NAMESPACE}
+    return {"metadata": {**metadata, "resourceVersion": "1"}, "data": data}
+
+
+def upper_required_terms(response: dict[str, Any], original: dict[str, Any]) -> list[Any]:
+    affinity = patched(original, response)["spec"].get("affinity") or {}
+    required = (affinity.get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    )
+    return list((required or {}).get("nodeSelectorTerms") or [])
+
+
+async def test_a_controllers_new_pod_is_kept_off_the_nodes_the_descheduler_moved_it_off() -> None:
+    """The moves come from the ConfigMap through the informer, as the server runs it; the
+    lower pod gets the pod's own affinity back from the stash."""
+    follower = MovesFollower()
+    informer = follower.informer(client=None)  # type: ignore[arg-type]
+    record = {"rs-1": json.dumps({"vk-lower-1": MOVED_UNTIL, "vk-lower-2": "2020-01-01T00:00:00Z"})}
+    informer.apply({"type": "ADDED", "object": moves_config_map(record)})
+    async with TestClient(TestServer(make_app(stash.DEFAULT_KEEP_KEYS, follower))) as client:
+
+        async def answered(sent: dict[str, Any]) -> dict[str, Any]:
+            response = await client.post("/mutate", json=review(sent))
+            assert response.status == 200
+            return dict((await response.json())["response"])
+
+        moved = controlled_pod("rs-1")
+        response = await answered(moved)
+        kept_off = {"key": "metadata.name", "operator": "NotIn", "values": ["vk-lower-1"]}
+        assert upper_required_terms(response, moved) == [{"matchFields": [kept_off]}]
+        upper = patched(moved, response)
+        lower = stash.restore_scheduling(
+            upper["spec"], upper["metadata"]["annotations"][keys.STASH_ANNOTATION]
+        )
+        assert lower == moved["spec"]
+        other = controlled_pod("rs-2")
+        assert upper_required_terms(await answered(other), other) == []
+
+        informer.apply({"type": "DELETED", "object": moves_config_map(record)})
+        assert upper_required_terms(await answered(moved), moved) == []
 
 
 def test_the_manifest_configuration_has_the_same_rules_as_the_code() -> None:
