@@ -1,5 +1,5 @@
-"""Placement quality on a production trace: one flat cluster, the blind federation and the
-multischeduler, three ways in one run.
+"""Placement quality on a production trace: one flat cluster, the blind federation, the
+multischeduler, and the multischeduler with the descheduler: four ways in one run.
 
     .venv/bin/python bench/placement.py [--node-step 8] [--pod-step 8] [--rounds 3]
 
@@ -16,14 +16,20 @@ required node affinity ``kubestrata.io/gpu-model In [models]``. The defaults (8 
 191 nodes, 1,019 pods) keep the run within a two-core machine with GPU demand 1.24 times
 supply, as in the whole trace (1.20): not every pod can run, so how they are packed counts.
 
-The three ways, each round in this order, with the same pods:
+The four ways, each round in this order, with the same pods:
 
 - flat: the same nodes in ONE cluster, the stock kube-scheduler; the ideal;
 - blind: a federation (upper + the lower clusters, one virtual node each, the webhook)
   whose upper kube-scheduler sees only each cluster's summed free capacity;
 - multischeduler: the same federation with the multischeduler as the upper scheduler's
   extender: a virtual node passes only when the cluster's fit estimator finds one real
-  node that fits the pod.
+  node that fits the pod;
+- multischeduler+descheduler: as the multischeduler way, but each trace pod is the one
+  replica of a ReplicaSet (the descheduler moves only pods a controller replaces); once
+  placement has settled, `kubestrata descheduler` (the policy's defaults, as
+  manifests/descheduler deploys it) runs until no pod has changed for
+  ``--descheduler-quiet`` seconds, then is stopped. Its room holds lapse before the next
+  round's blind way starts.
 
 The flat cluster and the federation are started once and reused by every round; each
 way's pods are deleted, and gone below, before the next way starts. Pods are created as
@@ -39,6 +45,9 @@ multischeduler, the extender's time per filter decision, p50 and p99, from its
 ``GET /metrics`` (``kubestrata_extender_filter_seconds``, differences between before and
 after the way; from histogram buckets these quantiles are interpolated as Prometheus'
 histogram_quantile does, and the 5 ms target is read exactly off the 5 ms bucket).
+For multischeduler+descheduler also: Running when placement settled (before the
+descheduler), evictions (upper pods deleted while it ran: nothing else deletes), evictions
+per extra pod Running, and the time to quiet (descheduler start to the last change).
 With ``--rounds N`` every figure is reported as median and min-max over the rounds, and
 each target is judged on the median.
 """
@@ -63,12 +72,14 @@ from typing import Any
 
 from common import delete_namespaces, judge, spread, wait_no_pods
 
+from descheduler.policy import Policy
 from harness.federation import Federation
 from harness.localcluster import ClusterSpec, KubectlClient, LocalCluster, NodeSpec
+from harness.process import ManagedProcess
 from harness.state import UPPER
 from harness.toolchain import Toolchain
 from kubekit import keys
-from kubekit.client import NAMESPACES, PODS, ApiError, ClientSettings, KubeClient
+from kubekit.client import NAMESPACES, PODS, ApiError, ClientSettings, KubeClient, Resource
 from kubekit.informer import FunctionHandler, Informer
 
 TRACE_DIR = Path("/work/shared/data/alibaba-openb-2023")
@@ -78,7 +89,10 @@ GPU = "nvidia.com/gpu"
 GPU_MODEL_LABEL = f"{keys.PREFIX}/gpu-model"
 IMAGE = "registry.k8s.io/pause:3.10"
 FLAT, BLIND, MULTI = "flat", "blind", "multischeduler"
-WAYS = (FLAT, BLIND, MULTI)
+DESCHEDULED = "multischeduler+descheduler"
+WAYS = (FLAT, BLIND, MULTI, DESCHEDULED)
+REPLICASETS = Resource("apps", "v1", "replicasets")
+TRACE_POD_LABEL = "trace-pod"
 FILTER_METRIC = "kubestrata_extender_filter_seconds"
 EXTENDER_P99_TARGET = 0.005
 STRANDED_EXAMPLES = 3  # stranded pods printed with the lower scheduler's reason
@@ -204,6 +218,21 @@ def pod_manifest(pod: TracePod) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod.name}, "spec": spec}
 
 
+def replica_set_manifest(pod: TracePod) -> dict[str, Any]:
+    """The pod as the one replica of a ReplicaSet of its name."""
+    labels = {TRACE_POD_LABEL: pod.name}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "ReplicaSet",
+        "metadata": {"name": pod.name},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": labels}, "spec": pod_manifest(pod)["spec"]},
+        },
+    }
+
+
 def ordinal(number: int) -> str:
     if number % 100 in (11, 12, 13):
         return f"{number}th"
@@ -271,6 +300,7 @@ class Observed:
     lower_reason: dict[tuple[str, str], str] = field(default_factory=dict)
     bound_at: dict[str, float] = field(default_factory=dict)
     last_change: float = 0.0
+    deleted: int = 0  # upper pods
 
     @staticmethod
     def state(obj: Mapping[str, Any]) -> tuple[str, str]:
@@ -285,6 +315,7 @@ class Observed:
         if deleted:
             self.upper.pop(name, None)
             self.bound_at.pop(name, None)
+            self.deleted += 1
             self.last_change = now
             return
         state = self.state(obj)
@@ -345,6 +376,20 @@ class WayResult:
     stranded_examples: list[str] = field(default_factory=list)  # with the lower reason
     create_errors: list[str] = field(default_factory=list)
     extender: ExtenderFigures | None = None
+    descheduled: Descheduled | None = None
+
+
+@dataclass
+class Descheduled:
+    """What the descheduler changed after placement had settled."""
+
+    running_before: int
+    evictions: int
+    quiet_seconds: float  # from its start to the last pod change
+    quieted: bool
+
+    def extra(self, running: int) -> int:
+        return running - self.running_before
 
 
 def namespace_manifest(name: str, federated: bool) -> dict[str, Any]:
@@ -366,9 +411,12 @@ async def place(
     namespace: str,
     pods: Sequence[TracePod],
     args: argparse.Namespace,
+    descheduler: Callable[[], ManagedProcess] | None = None,
 ) -> WayResult:
     """Creates the pods in ``cluster`` (the flat cluster, or the upper cluster with
-    ``lowers`` below it), waits until placement settles and counts where they are."""
+    ``lowers`` below it), waits until placement settles and counts where they are. With
+    ``descheduler`` (which starts one), each pod is a ReplicaSet's, and once placement has
+    settled the descheduler runs until no pod changes, then they are counted again."""
     federated = bool(lowers)
     observed = Observed()
     async with AsyncExitStack() as stack:
@@ -394,7 +442,10 @@ async def place(
             async def create(pod: TracePod) -> None:
                 async with limit:
                     try:
-                        await client.create(PODS, pod_manifest(pod), namespace)
+                        if descheduler is None:
+                            await client.create(PODS, pod_manifest(pod), namespace)
+                        else:
+                            await client.create(REPLICASETS, replica_set_manifest(pod), namespace)
                     except ApiError as error:
                         errors.append(f"{pod.name}: {error}")
 
@@ -404,21 +455,46 @@ async def place(
             # trace order, at most `concurrency` at a time.
             await asyncio.gather(*(create(pod) for pod in pods))
             created = time.monotonic()
-            deadline = began + args.settle_timeout
-            settled = False
-            while True:
-                now = time.monotonic()
-                if now - max(observed.last_change, created) >= args.quiet:
-                    settled = True
-                    break
-                if now >= deadline:
-                    break
-                await asyncio.sleep(0.5)
-            return count(way, observed, lowers, len(pods) - len(errors), began, settled, errors)
+            settled = await quiet(observed, created, args.quiet, began + args.settle_timeout)
+            result = count(way, observed, lowers, len(pods) - len(errors), began, settled, errors)
+            if descheduler is None:
+                return result
+            print_way(result, "when placement settled")
+            deleted = observed.deleted
+            process = descheduler()
+            started = observed.last_change = time.monotonic()
+            try:
+                quieted = await quiet(
+                    observed, started, args.descheduler_quiet, started + args.settle_timeout
+                )
+            finally:
+                process.stop()
+            descheduled = count(
+                way, observed, lowers, len(pods) - len(errors), began, settled, errors
+            )
+            descheduled.descheduled = Descheduled(
+                running_before=result.running,
+                evictions=observed.deleted - deleted,
+                quiet_seconds=observed.last_change - started,
+                quieted=quieted,
+            )
+            return descheduled
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def quiet(observed: Observed, since: float, seconds: float, deadline: float) -> bool:
+    """Waits until no pod has changed for ``seconds`` (counted from ``since`` at the
+    earliest); False if still changing at ``deadline``."""
+    while True:
+        now = time.monotonic()
+        if now - max(observed.last_change, since) >= seconds:
+            return True
+        if now >= deadline:
+            return False
+        await asyncio.sleep(0.5)
 
 
 def count(
@@ -602,7 +678,7 @@ def count_text(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.0f}"
 
 
-def print_way(result: WayResult) -> None:
+def print_way(result: WayResult, when: str = "") -> None:
     stranded = f"stranded {result.stranded}"
     if result.stranded_below:
         stranded += " (below: " + ", ".join(
@@ -616,10 +692,19 @@ def print_way(result: WayResult) -> None:
             f"{result.settle_seconds:.1f} s)"
         )
     print(
-        f"    {result.way + ':':16} Running {result.running}/{result.pods}, {stranded}, "
-        f"Pending above {result.pending}, {settle}, {result.bound} bound at "
-        f"{result.throughput:.1f} pods/s"
+        f"    {result.way + (f' ({when})' if when else '') + ':':16} Running "
+        f"{result.running}/{result.pods}, {stranded}, Pending above {result.pending}, "
+        f"{settle}, {result.bound} bound at {result.throughput:.1f} pods/s"
     )
+    descheduled = result.descheduled
+    if descheduled is not None:
+        quieted = "quiet" if descheduled.quieted else "NOT quiet (still changing at the timeout)"
+        print(
+            f"        descheduler: {descheduled.evictions} evictions, Running "
+            f"{descheduled.running_before} -> {result.running} "
+            f"({descheduled.extra(result.running):+d}), {quieted} "
+            f"{descheduled.quiet_seconds:.0f} s after its start"
+        )
     if result.way != FLAT and result.upper_running != result.running:
         print(f"        (the upper cluster reports {result.upper_running} Running)")
     for example in result.stranded_examples:
@@ -649,10 +734,18 @@ def ratio(numerator: float, denominator: float) -> float:
 
 def round_ratios(results: Mapping[str, WayResult]) -> dict[str, float]:
     flat, blind, multi = results[FLAT], results[BLIND], results[MULTI]
+    descheduled = results[DESCHEDULED]
+    moved = descheduled.descheduled
+    assert moved is not None
+    extra = moved.extra(descheduled.running)
     return {
         "Running multischeduler / flat": ratio(multi.running, flat.running),
         "Running blind / flat": ratio(blind.running, flat.running),
         "throughput multischeduler / blind": ratio(multi.throughput, blind.throughput),
+        "Running multischeduler+descheduler / flat": ratio(descheduled.running, flat.running),
+        "evictions per extra pod Running": (
+            ratio(moved.evictions, extra) if extra > 0 else math.nan
+        ),
     }
 
 
@@ -675,8 +768,25 @@ def print_summary(rounds: Sequence[Mapping[str, WayResult]]) -> None:
     p50s = [e.p50 * 1000 for e in extenders if e is not None and e.p50 is not None]
     p99s = [e.p99 * 1000 for e in extenders if e is not None and e.p99 is not None]
     print(f"    extender filter ms: p50 {spread(p50s, '.2f')}, p99 {spread(p99s, '.2f')}")
+    moves = [(r[DESCHEDULED], r[DESCHEDULED].descheduled) for r in rounds]
+    print(
+        "    descheduler: Running when placement settled "
+        + spread([m.running_before for _, m in moves if m], ".0f")
+        + ", evictions "
+        + spread([m.evictions for _, m in moves if m], ".0f")
+        + ", extra pods Running "
+        + spread([m.extra(r.running) for r, m in moves if m], ".0f")
+        + ", time to quiet s "
+        + spread([m.quiet_seconds for _, m in moves if m], ".0f")
+    )
 
     ratios = [round_ratios(r) for r in rounds]
+    per_extra = [r["evictions per extra pod Running"] for r in ratios]
+    print(
+        "    evictions per extra pod Running: "
+        + (spread([v for v in per_extra if not math.isnan(v)], ".2f") or "n/a")
+        + f" ({sum(math.isnan(v) for v in per_extra)} rounds with no extra pod)"
+    )
 
     print("targets (judged on the median):")
     judge(
@@ -714,6 +824,12 @@ def print_summary(rounds: Sequence[Mapping[str, WayResult]]) -> None:
         lambda v: v >= 0.8,
         ".3f",
     )
+    judge(
+        "Running with multischeduler+descheduler >= 0.99 x flat",
+        [r["Running multischeduler+descheduler / flat"] for r in ratios],
+        lambda v: v >= 0.99,
+        ".3f",
+    )
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -736,8 +852,9 @@ def run_way(
     namespace: str,
     pods: Sequence[TracePod],
     args: argparse.Namespace,
+    descheduler: Callable[[], ManagedProcess] | None = None,
 ) -> WayResult:
-    result = asyncio.run(place(way, cluster, lowers, namespace, pods, args))
+    result = asyncio.run(place(way, cluster, lowers, namespace, pods, args, descheduler))
     print_way(result)
     removed = remove(cluster, lowers, namespace)
     print(f"        pods deleted{' and gone below' if lowers else ''} in {removed:.0f} s")
@@ -766,7 +883,7 @@ def parse_args() -> argparse.Namespace:
         "--lowers", type=positive, default=4, help="lower clusters (default %(default)s)"
     )
     parser.add_argument(
-        "--rounds", type=positive, default=3, help="repeat all three ways (default %(default)s)"
+        "--rounds", type=positive, default=3, help="repeat all four ways (default %(default)s)"
     )
     parser.add_argument(
         "--concurrency",
@@ -785,6 +902,13 @@ def parse_args() -> argparse.Namespace:
         type=float,
         default=900.0,
         help="give up waiting for a way to settle after this many seconds (default %(default)s)",
+    )
+    parser.add_argument(
+        "--descheduler-quiet",
+        type=float,
+        default=90.0,
+        help="the descheduler has done its work when no pod changed for this many seconds "
+        "(default %(default)s: more than its defragAfter and interval together)",
     )
     parser.add_argument(
         "--state-dir",
@@ -832,12 +956,17 @@ def main() -> None:
             lowers: list[KubectlClient] = list(federation.lowers)
             extenders: list[Mapping[str, Any]] | None = None
             rounds: list[dict[str, WayResult]] = []
+            holds_lapse = 0.0
             for number in range(1, args.rounds + 1):
                 print(f"round {number}/{args.rounds}:")
                 results: dict[str, WayResult] = {}
                 results[FLAT] = run_way(FLAT, flat, [], f"{FLAT}-{number}", pods, args)
                 if extenders is not None:
                     upper.set_scheduler_extenders([])
+                wait = holds_lapse - time.monotonic()
+                if wait > 0:
+                    print(f"    waiting {wait:.0f} s for the descheduler's room holds to lapse")
+                    time.sleep(wait)
                 results[BLIND] = run_way(BLIND, upper, lowers, f"{BLIND}-{number}", pods, args)
                 if extenders is None:
                     federation.start_multischeduler()
@@ -854,6 +983,16 @@ def main() -> None:
                 removed = remove(upper, lowers, f"{MULTI}-{number}")
                 print(f"        pods deleted and gone below in {removed:.0f} s")
                 results[MULTI] = result
+                results[DESCHEDULED] = run_way(
+                    DESCHEDULED,
+                    upper,
+                    lowers,
+                    f"descheduled-{number}",
+                    pods,
+                    args,
+                    federation.start_descheduler,
+                )
+                holds_lapse = time.monotonic() + Policy().hold_timeout
                 rounds.append(results)
                 print(
                     "    ratios: "
