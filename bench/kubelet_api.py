@@ -1,9 +1,9 @@
 """`kubectl logs`, `exec` and `port-forward` through a virtual node vs straight to the lower
 cluster.
 
-    .venv/bin/python bench/kubelet_api.py [--log-mib 64] [--forward-mib 64]
+    .venv/bin/python bench/kubelet_api.py [--log-mib 64] [--forward-mib 64] [--rounds 3]
 
-One run, one federation (1 upper + 1 lower cluster with one kwok node). One pod is created
+One federation (1 upper + 1 lower cluster with one kwok node). One pod is created
 in the upper cluster, tolerating the virtual node's taint, so it lands on `vk-lower-1`
 and is mirrored into the lower cluster under the same namespace and name. Every figure
 is taken twice with the stock kubectl against that one pod: once with the upper
@@ -23,6 +23,12 @@ difference is what the upper apiserver plus the virtual node add.
   M MiB on each connection; `kubectl port-forward pod/<pod> :80` runs each way and the
   payload is downloaded through each 1 + 3 times (the first a warm-up, each on a new
   connection, timed to its last byte); median MiB/s both ways and the ratio.
+
+All four are one round, against the same federation and pod; ``--rounds`` of them (3 by
+default), then every figure's median and min-max over the rounds and a met/MISSED line
+per target, judged on the median: logs >= 0.80 x direct; an open session's round trip
++10 ms at most (p50); a new exec session +5 ms at most (p50); port-forward >= 0.8 x
+direct.
 """
 
 from __future__ import annotations
@@ -42,8 +48,11 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from common import judge, spread
 
 from harness.federation import Federation, FederationSpec, virtual_node_name
 from harness.localcluster import LocalCluster
@@ -349,49 +358,91 @@ def bench_port_forward(paths: dict[str, LocalCluster], size: int) -> dict[str, l
 
 # -- report -------------------------------------------------------------------------------
 
-Row = tuple[str, str, str, str, str]
+# One round's figures by name; a measure that failed in a round gives none that round.
+Figures = dict[str, float]
 
 
-def attempt(
-    label: str, virtual_node: ManagedProcess, measure: Callable[[], list[Row]], rows: list[Row]
-) -> bool:
+@dataclass(frozen=True)
+class Target:
+    title: str
+    figure: str
+    met: Callable[[float], bool]
+
+
+TARGETS = (
+    Target("logs through the virtual node >= 0.80 x direct", "logs ratio", lambda v: v >= 0.80),
+    Target(
+        "round trip added in an open exec session, p50 <= 10 ms",
+        "exec session rtt added p50 ms",
+        lambda v: v <= 10,
+    ),
+    Target("a new exec session added, p50 <= 5 ms", "exec -- true added p50 ms", lambda v: v <= 5),
+    Target(
+        "port-forward through the virtual node >= 0.8 x direct",
+        "port-forward ratio",
+        lambda v: v >= 0.8,
+    ),
+)
+
+
+def attempt(label: str, virtual_node: ManagedProcess, measure: Callable[[], Figures]) -> Figures:
     try:
-        rows.extend(measure())
-        return True
+        return measure()
     except (BenchFailure, OSError, subprocess.SubprocessError) as error:
-        print(f"{label}: FAILED: {error}")
-        print(f"  tail of {virtual_node.log_path}:")
+        print(f"    {label}: FAILED: {error}")
+        print(f"      tail of {virtual_node.log_path}:")
         for line in virtual_node.log_tail(20).splitlines():
-            print(f"    {line}")
-        return False
+            print(f"        {line}")
+        return {}
 
 
-def latency_rows(label: str, ms: dict[str, list[float]], target: str) -> list[Row]:
+def latency_figures(label: str, ms: dict[str, list[float]]) -> Figures:
     d50, v50 = statistics.median(ms["direct"]), statistics.median(ms["virtual"])
     d90, v90 = percentile(ms["direct"], 0.9), percentile(ms["virtual"], 0.9)
-    return [
-        (f"{label} p50 ms", f"{d50:.2f}", f"{v50:.2f}", f"added {v50 - d50:+.2f}", target),
-        (f"{label} p90 ms", f"{d90:.2f}", f"{v90:.2f}", f"added {v90 - d90:+.2f}", ""),
-    ]
+    return {
+        f"{label} direct p50 ms": d50,
+        f"{label} virtual p50 ms": v50,
+        f"{label} added p50 ms": v50 - d50,
+        f"{label} added p90 ms": v90 - d90,
+    }
 
 
-def rate_row(label: str, rate: dict[str, float], target: str) -> Row:
-    ratio = rate["virtual"] / rate["direct"]
-    return (label, f"{rate['direct']:.1f}", f"{rate['virtual']:.1f}", f"ratio {ratio:.2f}", target)
+def rate_figures(label: str, rate: dict[str, float]) -> Figures:
+    return {
+        f"{label} direct MiB/s": rate["direct"],
+        f"{label} virtual MiB/s": rate["virtual"],
+        f"{label} ratio": rate["virtual"] / rate["direct"],
+    }
+
+
+def print_summary(rounds: list[Figures]) -> None:
+    """Every figure's median and min-max over the rounds, then a met/MISSED line per
+    target."""
+    n = len(rounds)
+    print(f"over {n} round{'s' if n > 1 else ''}: median (min-max)")
+    names = list(dict.fromkeys(name for figures in rounds for name in figures))
+    width = max(len(name) for name in names) if names else 0
+    for name in names:
+        values = [figures[name] for figures in rounds if name in figures]
+        print(f"    {name.ljust(width)}  {spread(values, '.2f')}  ({len(values)} of {n} rounds)")
+    print("targets (judged on the median):")
+    for target in TARGETS:
+        judge(target.title, [figures.get(target.figure) for figures in rounds], target.met, ".2f")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--log-mib", type=int, default=64)
     parser.add_argument("--forward-mib", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3, help="default %(default)s")
     args = parser.parse_args()
     specs = FederationSpec(lower=1, nodes_per_lower=1).clusters()
-    rows: list[Row] = []
-    failures: list[str] = []
+    rounds: list[Figures] = []
     with tempfile.TemporaryDirectory(prefix="kubestrata-bench-") as state:
         began = time.monotonic()
         federation = Federation(Path(state), specs, Toolchain.locate())
         federation.start()
+        server: PayloadServer | None = None
         try:
             federation.start_virtual_nodes()
             lower = federation.clusters["lower-1"]
@@ -406,52 +457,59 @@ def main() -> None:
                 f"{lower_pod['spec']['nodeName']} (lower) after {time.monotonic() - began:.0f} s"
             )
             paths = {"virtual": upper, "direct": lower}
+            expected = fill_log(lower, args.log_mib)
+            size = args.forward_mib * MIB
+            server = PayloadServer(lower.ports.pod_ports, size)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
 
-            def logs() -> list[Row]:
-                expected = fill_log(lower, args.log_mib)
+            def logs() -> Figures:
                 seconds = bench_logs(paths, expected, Path(state))
                 rate = {n: expected / MIB / statistics.median(s) for n, s in seconds.items()}
-                label = f"logs {expected / MIB:.0f} MiB, MiB/s"
-                return [rate_row(label, rate, "ratio >= 0.80")]
+                return rate_figures("logs", rate)
 
-            def exec_processes() -> list[Row]:
+            def exec_processes() -> Figures:
                 seconds = bench_exec_processes(paths)
                 ms = {n: [s * 1000 for s in v] for n, v in seconds.items()}
-                return latency_rows(f"exec -- true x{EXEC_RUNS}", ms, "p50 added <= 10")
+                return latency_figures("exec -- true", ms)
 
-            def exec_session() -> list[Row]:
+            def exec_session() -> Figures:
                 ms = {n: [s * 1000 for s in bench_exec_session(c)] for n, c in paths.items()}
-                return latency_rows(f"exec -i cat rtt x{SESSION_ROUND_TRIPS}", ms, "")
+                return latency_figures("exec session rtt", ms)
 
-            def forward() -> list[Row]:
-                size = args.forward_mib * MIB
-                server = PayloadServer(lower.ports.pod_ports, size)
-                threading.Thread(target=server.serve_forever, daemon=True).start()
-                try:
-                    seconds = bench_port_forward(paths, size)
-                finally:
-                    server.shutdown()
-                    server.server_close()
+            def forward() -> Figures:
+                seconds = bench_port_forward(paths, size)
                 rate = {n: args.forward_mib / statistics.median(s) for n, s in seconds.items()}
-                return [rate_row(f"port-forward {args.forward_mib} MiB, MiB/s", rate, "")]
+                return rate_figures("port-forward", rate)
 
-            for label, measure in (
-                ("logs", logs),
-                ("exec", exec_processes),
-                ("exec session", exec_session),
-                ("port-forward", forward),
-            ):
-                if not attempt(label, virtual_node, measure, rows):
-                    failures.append(label)
+            print(
+                f"each round: logs of {expected / MIB:.0f} MiB 1 + {REPEATS} times each way; "
+                f"`kubectl exec -- true` {EXEC_RUNS} times each way; {SESSION_ROUND_TRIPS} "
+                f"round trips in an open `kubectl exec -i -- cat`; a port-forward download of "
+                f"{args.forward_mib} MiB 1 + {REPEATS} times each way"
+            )
+            for number in range(1, args.rounds + 1):
+                figures: Figures = {}
+                for label, measure in (
+                    ("logs", logs),
+                    ("exec", exec_processes),
+                    ("exec session", exec_session),
+                    ("port-forward", forward),
+                ):
+                    figures |= attempt(label, virtual_node, measure)
+                print(
+                    f"round {number}/{args.rounds}: "
+                    + ", ".join(f"{name} {value:.2f}" for name, value in figures.items())
+                )
+                rounds.append(figures)
         finally:
+            if server is not None:
+                server.shutdown()
+                server.server_close()
             federation.stop()
-    header: Row = ("measure", "direct", "virtual node", "virtual vs direct", "target")
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+    print_summary(rounds)
     print(f"total {time.monotonic() - began:.0f} s")
-    if failures:
-        sys.exit(f"failed: {', '.join(failures)}")
+    if not all(rounds):
+        sys.exit("a round measured nothing")
 
 
 if __name__ == "__main__":
