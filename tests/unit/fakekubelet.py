@@ -130,9 +130,6 @@ class FakeProvider:
     async def exec(
         self, pod: Mapping[str, Any], container: str, options: ExecOptions, *, attach: bool
     ) -> RemoteProcess:
-        await asyncio.sleep(0)  # a dial takes a while: the upgrade goes on meanwhile
-        if container == "broken":
-            raise ProviderError(502, "lower cluster: the exec broke")
         process = self.process_type(options)
         self.processes.append((container, attach, process))
         return process

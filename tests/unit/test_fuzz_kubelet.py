@@ -648,11 +648,7 @@ async def test_a_client_leaving_while_the_lower_starts_leaves_nothing_open(
         writer.transport.abort()
         await until(transport.is_closing)
         provider.gate.set()
-        # An SPDY exec dials below during the upgrade: the dial is given up (maybe before
-        # it began), or it opened a session that settled() finds closed.
-        await until(
-            lambda: bool(provider.processes or provider.connections) or how in ("logs", "spdy exec")
-        )
+        await until(lambda: bool(provider.processes or provider.connections) or how == "logs")
         await until(lambda: provider.open_logs == 0)
         await settled(kubelet, caplog)
 

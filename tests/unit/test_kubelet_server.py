@@ -305,28 +305,6 @@ async def test_spdy_exec_echoes_and_reports_the_exit_code(kubelet: Kubelet) -> N
     assert process.closed.is_set()
 
 
-async def test_a_spdy_exec_whose_lower_dial_fails_says_why_on_the_error_stream(
-    kubelet: Kubelet,
-) -> None:
-    """The lower session is dialled during the upgrade, so its failure comes after the
-    101: as a Failure Status on the error stream, which kubectl prints."""
-    async with spdy_upgrade(
-        kubelet.server,
-        "/exec/default/p/broken?command=true&output=1",
-        f"{channels.V5_PROTOCOL}, {channels.V4_PROTOCOL}",
-    ) as peer:
-        error = peer.open(streamtype="error")
-        stdout = peer.open(streamtype="stdout")
-        await peer.until(lambda p: p.finished(error))
-        status = json.loads(peer.data(error))
-        assert status["status"] == "Failure" and status["code"] == 502
-        assert status["message"] == "lower cluster: the exec broke"
-        assert not peer.data(stdout)
-        await peer.until(lambda p: False)  # the server hangs up after the status
-        assert peer.eof
-    assert not kubelet.provider.processes
-
-
 async def test_spdy_port_forward_pairs_streams_by_request_id(kubelet: Kubelet) -> None:
     async with spdy_upgrade(kubelet.server, "/portForward/default/p", "portforward.k8s.io") as peer:
         error = peer.open(streamtype="error", port="8080", requestid="0")

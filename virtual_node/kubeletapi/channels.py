@@ -220,14 +220,6 @@ def success_status() -> bytes:
     return _encode_status({"metadata": {}, "status": "Success"})
 
 
-def failure_status(code: int, reason: str, message: str) -> bytes:
-    """The error-channel Status of an exec that could not start; kubectl prints the
-    message, as for the kubelet's own failures once the streams are up."""
-    return _encode_status(
-        {"metadata": {}, "status": "Failure", "message": message, "reason": reason, "code": code}
-    )
-
-
 def exit_code_status(exit_code: int, command: Sequence[str]) -> bytes:
     """The error-channel Status of a command that exited non-zero, worded as the kubelet wraps
     the container runtime's error ("error executing command [sh -c exit 3], exit code 3")."""

@@ -302,18 +302,11 @@ class KubeletServer:
             protocol = choose_protocol(offered_protocols(request), EXEC_SPDY_PROTOCOLS)
             if protocol is None:
                 return _no_common_protocol(request, EXEC_SPDY_PROTOCOLS)
-            # The lower session is dialled while the upper one is upgraded and its streams
-            # are created: a new exec waits for the slower of the two, not for both.
-            dialling = asyncio.create_task(
-                self.provider.exec(pod, container, options, attach=attach)
-            )
-            try:
+            process = await self.provider.exec(pod, container, options, attach=attach)
+            async with _closed_on_failure(process.close):
                 session = await upgrade(request, protocol)
-            except BaseException:
-                await _abandon(dialling)
-                raise
             async with self._closed_when_idle(lambda: session.last_activity, session.close):
-                await _serve_exec_spdy(session, dialling, options)
+                await _serve_exec_spdy(session, process, options)
             return web.Response()  # never sent: the connection is already closed
         if request.headers.get("Upgrade", "").lower() == "websocket":
             socket = web.WebSocketResponse(protocols=channels.EXEC_PROTOCOLS)
@@ -459,20 +452,9 @@ async def _pump_resize(read: Any, process: RemoteProcess) -> None:
         await process.resize(data)
 
 
-async def _abandon(dialling: asyncio.Task[RemoteProcess]) -> None:
-    """Stops a lower dial nobody will use, closing the session if it was open already."""
-    dialling.cancel()
-    (outcome,) = await asyncio.gather(dialling, return_exceptions=True)
-    if not isinstance(outcome, BaseException):
-        await outcome.close()
-
-
 async def _serve_exec_spdy(
-    session: SpdySession, dialling: asyncio.Task[RemoteProcess], options: ExecOptions
+    session: SpdySession, process: RemoteProcess, options: ExecOptions
 ) -> None:
-    """Serves an exec once its streams are created and the lower session ``dialling`` is
-    open; a dial that failed is told on the error stream, as the kubelet tells its own
-    failures once the streams are up."""
     wanted = {"error"}
     wanted |= {
         name
@@ -485,21 +467,11 @@ async def _serve_exec_spdy(
         if on
     }
     inputs: list[asyncio.Task[None]] = []
-    process: RemoteProcess | None = None
     try:
         try:
             streams = await _collect_streams(session, wanted)
         except TimeoutError:
             log.info("exec: streams %s not created in time", sorted(wanted))
-            return
-        try:
-            process = await dialling
-        except ProviderError as failure:
-            if (error := streams.get("error")) is not None:
-                reason = _REASONS.get(failure.status, "InternalError")
-                await error.write(
-                    channels.failure_status(failure.status, reason, failure.message), fin=True
-                )
             return
         for kind, opened in streams.items():
             if kind not in ("stdin", "resize"):
@@ -524,10 +496,7 @@ async def _serve_exec_spdy(
     finally:
         for task in inputs:
             task.cancel()
-        if process is not None:
-            await process.close()
-        else:
-            await _abandon(dialling)
+        await process.close()
         await session.close()
 
 
