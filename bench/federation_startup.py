@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from common import spread
@@ -65,7 +65,7 @@ def main() -> None:
     args = parser.parse_args()
     seconds: list[float] = []
     totals: list[float] = []
-    by_kind: list[Counter[str]] = []
+    by_kind: list[dict[str, float]] = []
     counts: Counter[str] = Counter()
     for number in range(1, args.rounds + 1):
         with tempfile.TemporaryDirectory(prefix="kubestrata-bench-") as temporary:
@@ -79,7 +79,7 @@ def main() -> None:
                 if started.returncode != 0:
                     sys.exit(f"kubestrata up failed ({started.returncode}):\n{started.stderr}")
                 time.sleep(SETTLE_SECONDS)
-                memory: Counter[str] = Counter()
+                memory: defaultdict[str, float] = defaultdict(float)
                 counts = Counter()
                 for record in running_processes(state):
                     memory[kind(record.name)] += rss_mib(record.pid)
