@@ -18,7 +18,7 @@ from datetime import datetime
 from typing import Any
 
 from descheduler.policy import Policy
-from descheduler.rescue import PodCase, condition, opted_out, owned, since
+from descheduler.rescue import PodCase, condition, hands_off, owned, since
 from kubekit import fit, keys
 from kubekit.estimatorapi.estimator_pb2 import DefragmentResponse
 from kubekit.informer import object_key
@@ -46,7 +46,7 @@ def waiting_pods(pods: Iterable[Mapping[str, Any]], now: datetime, policy: Polic
     found = []
     for pod in pods:
         metadata, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
-        if spec.get("nodeName") or metadata.get("deletionTimestamp") or opted_out(pod):
+        if spec.get("nodeName") or metadata.get("deletionTimestamp") or hands_off(pod):
             continue
         if status.get("phase", "Pending") != "Pending":
             continue
@@ -92,8 +92,8 @@ def movable_pods(
     budgets: Sequence[Mapping[str, Any]],
 ) -> dict[str, list[Mapping[str, Any]]]:
     """By virtual node, the pods that may be evicted to make room for ``waiting``:
-    Running there, replaced by a controller, of no higher priority, not in a protected
-    namespace, not opted out, and under at most one PodDisruptionBudget that allows a
+    Running there, replaced by a controller (not a DaemonSet), of no higher priority, not
+    in a protected namespace, not opted out, and under at most one PodDisruptionBudget that allows a
     disruption now (the Eviction API refuses a pod under several)."""
     nodes = set(virtual_nodes)
     ceiling = priority(waiting.pod)
@@ -105,7 +105,7 @@ def movable_pods(
             continue
         if (pod.get("status") or {}).get("phase") != "Running":
             continue
-        if not owned(pod) or opted_out(pod) or priority(pod) > ceiling:
+        if not owned(pod) or hands_off(pod) or priority(pod) > ceiling:
             continue
         if metadata.get("namespace") in PROTECTED_NAMESPACES:
             continue

@@ -43,9 +43,18 @@ def owned(pod: Mapping[str, Any]) -> bool:
     return controller_uid(pod) is not None
 
 
-def opted_out(pod: Mapping[str, Any]) -> bool:
-    annotations = pod["metadata"].get("annotations") or {}
-    return bool(annotations.get(keys.DESCHEDULER_ANNOTATION) == keys.DESCHEDULER_NEVER)
+def hands_off(pod: Mapping[str, Any]) -> bool:
+    """A pod the descheduler neither moves nor makes room for: opted out by its
+    annotation, or a DaemonSet's, which its controller makes again for the same node
+    (moving it would free nothing and place nothing elsewhere)."""
+    metadata = pod["metadata"]
+    annotations = metadata.get("annotations") or {}
+    if annotations.get(keys.DESCHEDULER_ANNOTATION) == keys.DESCHEDULER_NEVER:
+        return True
+    return any(
+        ref.get("controller") and ref.get("kind") == "DaemonSet"
+        for ref in metadata.get("ownerReferences") or []
+    )
 
 
 @dataclass(frozen=True)
@@ -129,7 +138,7 @@ def stuck_pods(
             continue
         if status.get("phase") in _FINISHED:
             continue
-        if opted_out(pod):
+        if hands_off(pod):
             continue
         if node in down:
             found.append(Stuck(pod, node, Why.CLUSTER_DOWN, down[node], ""))

@@ -185,6 +185,10 @@ def test_pods_of_a_cluster_down_past_the_timeout_are_stuck_whatever_their_phase(
     assert stuck_pods(pods, briefly, NOW, Policy()) == []
 
 
+# Its controller makes a DaemonSet's pod again for the same node: moving it frees nothing.
+DAEMON_SET_OWNER = {"kind": "DaemonSet", "name": "agent", "uid": "ds", "controller": True}
+
+
 def test_pods_left_alone() -> None:
     pods = [
         pod("ordinary-node", node="worker-1"),
@@ -192,6 +196,7 @@ def test_pods_left_alone() -> None:
         pod("opted-out", annotations={keys.DESCHEDULER_ANNOTATION: keys.DESCHEDULER_NEVER}),
         pod("running", phase="Running"),
         pod("waiting-without-a-verdict", unschedulable_for=None),
+        pod("daemon", ownerReferences=[DAEMON_SET_OWNER]),
     ]
     assert stuck_pods(pods, NODES_UP, NOW, Policy()) == []
 
@@ -633,6 +638,7 @@ def test_movable_pods_are_running_controller_pods_of_no_higher_priority() -> Non
         running("system")
         | {"metadata": {**running("system")["metadata"], "namespace": "kube-system"}},
         pod("never", phase="Running", annotations={keys.DESCHEDULER_ANNOTATION: "never"}),
+        pod("daemon", phase="Running", ownerReferences=[DAEMON_SET_OWNER]),
     ]
     found = movable_pods(pods, waiting, ["vk-lower-1", "vk-lower-2"], [])
     assert {node: [p["metadata"]["name"] for p in ps] for node, ps in found.items()} == {
