@@ -13,6 +13,7 @@ import http.client
 import ipaddress
 import itertools
 import json
+import re
 import socket
 import ssl
 import subprocess
@@ -650,7 +651,9 @@ class LocalCluster(KubectlClient):
         if self.spec.metrics_server:
             documents += _kwok_resource_metrics()
         parts = [yaml.safe_dump(d) for d in documents]
-        parts += [p.read_text() for p in sorted(self.toolchain.kwok_stages.glob("*.yaml"))]
+        for path in sorted(self.toolchain.kwok_stages.glob("*.yaml")):
+            stage = path.read_text()
+            parts.append(_both_node_addresses(stage) if path.stem == "node-initialize" else stage)
         return "---\n".join(part if part.endswith("\n") else part + "\n" for part in parts)
 
     def add_nodes(self, nodes: Iterable[NodeSpec], timeout: float = READY_TIMEOUT_SECONDS) -> None:
@@ -741,6 +744,38 @@ class LocalCluster(KubectlClient):
         # Reverse start order: dependants first, etcd last.
         for process in reversed(list(self.processes.values())):
             process.stop()
+
+
+# kwok v0.8.0's node-initialize Stage writes only the addresses a Node lacks, and none when
+# it has both. Played again on a Node that went NotReady (its lower apiserver down for
+# longer than the node lease), it left the Node with no addresses at all, and every
+# `kubectl logs` or `exec` through that node failed with "no preferred addresses found"
+# until the next outage put them back (one CI run in three). Both are written every time.
+_CONDITIONAL_NODE_ADDRESSES = re.compile(
+    r"( *)\{\{ \$hasInternalIP := false \}\}\n"
+    r".*?type: Hostname\n *\{\{ end \}\}\n *\{\{ end \}\}\n",
+    re.DOTALL,
+)
+
+
+def _both_node_addresses(stage: str) -> str:
+    """kwok's node-initialize Stage with both addresses written unconditionally."""
+    fixed, found = _CONDITIONAL_NODE_ADDRESSES.subn(
+        lambda match: "".join(
+            f"{match.group(1)}{line}\n"
+            for line in (
+                "addresses:",
+                "- address: {{ NodeIP | Quote }}",
+                "  type: InternalIP",
+                "- address: {{ NodeName | Quote }}",
+                "  type: Hostname",
+            )
+        ),
+        stage,
+    )
+    if found != 1:
+        raise ClusterError("kwok's node-initialize Stage does not write addresses as expected")
+    return fixed
 
 
 def _running_pod_stage(

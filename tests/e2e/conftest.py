@@ -49,9 +49,8 @@ def state_dir(tmp_path: Path) -> Path:
     return tmp_path / "state"
 
 
-# Modules whose faults restart control planes run after every other: kwok v0.8.0 has,
-# after such restarts, left a lower node without addresses for a while, and every later
-# `kubectl logs` or `exec` through that node failed with it.
+# Modules whose faults restart control planes run after every other, so that what they
+# leave behind (kwok restarted, its Nodes initialized again) reaches no other module.
 LAST = ("test_chaos.py",)
 
 
