@@ -1,9 +1,10 @@
 """Pods through a virtual node vs the same pods created directly in the lower cluster.
 
-    .venv/bin/python bench/virtual_node_pods.py [--pods 1000]
+    .venv/bin/python bench/virtual_node_pods.py [--pods 1000] [--shared-cpus] [--rounds 3]
 
-One run, one federation (1 upper + 1 lower cluster), each way in two phases, as
-clusterloader2's density test does:
+One federation (1 upper + 1 lower cluster); each round runs three ways in turn (directly
+in the lower cluster, through the virtual node, directly again), each way's pods deleted
+before the next, each way in two phases, as clusterloader2's density test does:
 
 - saturation: N pods created as fast as the cluster takes them (as many creates at a
   time as the virtual node has workers, 64), timed to all Running: the throughput, and
@@ -22,6 +23,15 @@ its binding and event). Also printed: the virtual node's RSS per mirrored pod, t
 restarted virtual node takes to list both sides again, and for the saturation phases the
 CPU each process used and the API requests each apiserver served per pod.
 
+Per round: the ratio of the mean direct time to the via time; the burst's own start
+latencies (every pod of the saturation phase, create to Running, the upper create through
+the virtual node) and what the via way adds at p99 over both direct ways; the latency
+phase's added p50/p99; the virtual node's RSS per mirrored pod, its restart resync (start
+to both sides listed) and its CPU per pod in the saturation phase. Over ``--rounds``:
+median and min-max of each, and a met/MISSED line per target, judged on the median
+(ratio >= 0.9 with the CPUs split, >= 0.5 shared; burst p99 added <= 2 s; <= 20 KB per
+pod; resync <= 10 s; with shared CPUs, <= 3 ms of virtual-node CPU per pod).
+
 By default the machine's CPUs are split in two, as if upper and lower clusters ran on
 machines of their own: the lower cluster's processes on one half, the upper cluster's,
 the virtual node's and this client's on the other, in both runs. `--shared-cpus` lets
@@ -39,12 +49,12 @@ import statistics
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import delete_namespaces, upper_and_one_lower, wait_no_pods
+from common import delete_namespaces, judge, spread, upper_and_one_lower, wait_no_pods
 
 from harness.federation import Federation, virtual_node_name
 from harness.localcluster import LocalCluster
@@ -283,6 +293,106 @@ def run_way(
     return way
 
 
+@dataclass(frozen=True)
+class Target:
+    title: str
+    figure: str
+    met: Callable[[float], bool]
+
+
+def targets(shared: bool) -> tuple[Target, ...]:
+    """What each figure is held against: the ratio's target depends on the CPU split (with
+    shared CPUs the via way also pays for the upper control plane)."""
+    ratio = 0.5 if shared else 0.9
+    return (
+        Target(f"ratio (mean direct / via) >= {ratio}", "ratio", lambda v: v >= ratio),
+        Target(
+            "burst start latency added at p99 <= 2 s",
+            "burst p99 added s",
+            lambda v: v <= 2.0,
+        ),
+        Target(
+            "virtual-node RSS per mirrored pod <= 20 KB",
+            "RSS per mirrored pod KiB",
+            lambda v: v * 1024 <= 20_000,
+        ),
+        Target(
+            "restart resync (start to both sides listed) <= 10 s",
+            "restart to both sides listed s",
+            lambda v: v <= 10.0,
+        ),
+        *(
+            (
+                Target(
+                    "virtual-node CPU per mirrored pod <= 3 ms (shared CPUs)",
+                    "virtual-node CPU per pod ms",
+                    lambda v: v <= 3.0,
+                ),
+            )
+            if shared
+            else ()
+        ),
+    )
+
+
+def print_round(
+    args: argparse.Namespace,
+    ways: tuple[tuple[str, Way], ...],
+    apiservers: Iterable[str],
+) -> None:
+    print("    saturation phase, all pods created at once:")
+    for title, way in ways:
+        print(
+            f"        {title + ':':22} all Running in {way.total:6.2f} s, start latency "
+            f"p50 {percentile(way.burst_latencies, 0.5):.3f} s, "
+            f"p99 {percentile(way.burst_latencies, 0.99):.3f} s"
+        )
+    print(
+        f"    latency phase, {args.latency_pods} pods at {args.latency_rate:g} a second "
+        f"with the saturation pods still there:"
+    )
+    for title, way in ways:
+        print(
+            f"        {title + ':':22} start latency "
+            f"p50 {percentile(way.latencies, 0.5):.3f} s, "
+            f"p99 {percentile(way.latencies, 0.99):.3f} s, "
+            f"mean {statistics.mean(way.latencies):.3f} s"
+        )
+    for title, way in ways:
+        print_cpu(f"{title}, saturation", way.total, way.cpu)
+    for name in apiservers:
+        for title, way in ways:
+            print_requests(f"{title}, saturation, {name} apiserver", args.pods, way.requests[name])
+
+
+def round_figures(
+    ways: tuple[tuple[str, Way], ...], rss_per_pod_kib: float, resync: float, pods: int
+) -> dict[str, float]:
+    (_, direct), (_, via), (_, again) = ways
+    direct_burst = sorted(direct.burst_latencies + again.burst_latencies)
+    direct_latencies = sorted(direct.latencies + again.latencies)
+    return {
+        "all Running direct s": direct.total,
+        "all Running via s": via.total,
+        "all Running direct again s": again.total,
+        "ratio": (direct.total + again.total) / 2 / via.total,
+        "ratio against the first direct": direct.total / via.total,
+        "burst p50 direct s": percentile(direct_burst, 0.5),
+        "burst p99 direct s": percentile(direct_burst, 0.99),
+        "burst p50 via s": percentile(via.burst_latencies, 0.5),
+        "burst p99 via s": percentile(via.burst_latencies, 0.99),
+        "burst p99 added s": percentile(via.burst_latencies, 0.99) - percentile(direct_burst, 0.99),
+        "latency phase p50 added s": percentile(via.latencies, 0.5)
+        - percentile(direct_latencies, 0.5),
+        "latency phase p99 added s": percentile(via.latencies, 0.99)
+        - percentile(direct_latencies, 0.99),
+        "RSS per mirrored pod KiB": rss_per_pod_kib,
+        "restart to both sides listed s": resync,
+        "virtual-node CPU per pod ms": via.cpu[virtual_node_name("lower-1")] / pods * 1000,
+        "upper apiserver CPU s": via.cpu["upper/kube-apiserver"],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--pods", type=int, default=1000, help="pods of the saturation phase")
@@ -305,12 +415,15 @@ def main() -> None:
         action="store_true",
         help="have the upper kube-scheduler place the pods instead of binding them",
     )
+    parser.add_argument("--rounds", type=int, default=3, help="default %(default)s")
     args = parser.parse_args()
     count = args.pods
     per_way = count + args.latency_pods
     nodes = max(2, -(-per_way // 500))
     node_pods = -(-per_way * 2 // nodes) + 10
     specs = upper_and_one_lower(nodes, node_pods)
+    placed = "upper kube-scheduler" if args.upper_scheduler else "spec.nodeName"
+    rounds: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory(prefix="kubestrata-bench-") as state:
         federation = Federation(Path(state), specs, Toolchain.locate())
         federation.start()
@@ -318,101 +431,73 @@ def main() -> None:
         try:
             lower = federation.clusters["lower-1"]
             component = federation.components[virtual_node_name("lower-1")]
-            pids = federation_processes(federation)
-            all_cpus = split_cpus(pids, args.shared_cpus)
-            time.sleep(5)
             apiservers = {"upper": federation.upper, "lower": lower}
-            idle_rss = rss_kib(component.pid)
-            direct = run_way(lower, "direct", args, pids, apiservers, node_name=None)
-            # No way may find the pods of another in the lower cluster (every part of it
-            # slows with more pods): each way's pods go before the next way starts.
-            print(f"direct pods deleted in {delete_pods(lower, 'direct', lower):.0f} s")
-            via = run_way(
-                federation.upper,
-                "bench",
-                args,
-                pids,
-                apiservers,
-                node_name=None if args.upper_scheduler else keys.default_node_name("lower-1"),
-            )
-            time.sleep(5)
-            loaded_rss = rss_kib(component.pid)
-            pin(pids.values(), all_cpus)
-
-            log = component.log_path
-            offset = len(log.read_text())
-            component.kill()
-            restarted = time.monotonic()
-            component.start()
-            resync = wait_log(log, "caches synced", offset) - restarted
-            listed = re.findall(
-                r"Informer\((\w+).*: (listed \d+ objects in \S+ s)", log.read_text()[offset:]
-            )
-            removed = delete_pods(federation.upper, "bench", lower)
-            print(f"pods through the virtual node deleted in {removed:.0f} s")
-            # The cluster slows down as it is used (20 % over a few rounds of pods): a
-            # second direct run after the via run cancels the drift out of the ratio.
-            pids = federation_processes(federation)
-            split_cpus(pids, args.shared_cpus)
-            again = run_way(lower, "again", args, pids, apiservers, node_name=None)
-            pin(pids.values(), all_cpus)
-
-            placed = "upper kube-scheduler" if args.upper_scheduler else "spec.nodeName"
             print(f"pods: {count} (lower cluster: {nodes} kwok nodes; upper pods: {placed})")
-            ways = (
-                ("direct in lower", direct),
-                ("via virtual node", via),
-                ("direct in lower again", again),
-            )
-            print("saturation phase, all pods created at once:")
-            for title, way in ways:
-                print(
-                    f"    {title + ':':22} all Running in {way.total:6.2f} s, start latency "
-                    f"p50 {percentile(way.burst_latencies, 0.5):.3f} s, "
-                    f"p99 {percentile(way.burst_latencies, 0.99):.3f} s"
+            for number in range(1, args.rounds + 1):
+                print(f"round {number}/{args.rounds}:")
+                if number > 1:
+                    # The last round's restart listed its pods; a process that has held
+                    # them keeps the memory, so each round's RSS starts from a new one.
+                    offset = len(component.log_path.read_text())
+                    component.kill()
+                    component.start()
+                    wait_log(component.log_path, "caches synced", offset)
+                pids = federation_processes(federation)
+                all_cpus = split_cpus(pids, args.shared_cpus)
+                time.sleep(5)
+                idle_rss = rss_kib(component.pid)
+                direct = run_way(lower, f"direct-{number}", args, pids, apiservers, None)
+                # No way may find the pods of another in the lower cluster (every part of
+                # it slows with more pods): each way's pods go before the next way starts.
+                removed = delete_pods(lower, f"direct-{number}", lower)
+                print(f"    direct pods deleted in {removed:.0f} s")
+                via = run_way(
+                    federation.upper,
+                    f"via-{number}",
+                    args,
+                    pids,
+                    apiservers,
+                    node_name=None if args.upper_scheduler else keys.default_node_name("lower-1"),
                 )
-            direct_total = (direct.total + again.total) / 2
-            print(
-                "    ratio (mean direct time / virtual-node time): "
-                f"{direct_total / via.total:.2f} (against the first direct run alone "
-                f"{direct.total / via.total:.2f})"
-            )
-            print(
-                f"latency phase, {args.latency_pods} pods at {args.latency_rate:g} a second "
-                f"with the saturation pods still there:"
-            )
-            for title, way in ways:
-                print(
-                    f"    {title + ':':22} start latency "
-                    f"p50 {percentile(way.latencies, 0.5):.3f} s, "
-                    f"p99 {percentile(way.latencies, 0.99):.3f} s, "
-                    f"mean {statistics.mean(way.latencies):.3f} s"
+                time.sleep(5)
+                loaded_rss = rss_kib(component.pid)
+                pin(pids.values(), all_cpus)
+
+                log = component.log_path
+                offset = len(log.read_text())
+                component.kill()
+                restarted = time.monotonic()
+                component.start()
+                resync = wait_log(log, "caches synced", offset) - restarted
+                removed = delete_pods(federation.upper, f"via-{number}", lower)
+                print(f"    pods through the virtual node deleted in {removed:.0f} s")
+                # The cluster slows down as it is used (20 % over a few rounds of pods): a
+                # second direct run after the via run cancels the drift out of the ratio.
+                pids = federation_processes(federation)
+                split_cpus(pids, args.shared_cpus)
+                again = run_way(lower, f"again-{number}", args, pids, apiservers, None)
+                pin(pids.values(), all_cpus)
+                removed = delete_pods(lower, f"again-{number}", lower)
+                print(f"    direct pods deleted in {removed:.0f} s")
+
+                ways = (
+                    ("direct in lower", direct),
+                    ("via virtual node", via),
+                    ("direct in lower again", again),
                 )
-            direct_latencies = sorted(direct.latencies + again.latencies)
-            print(
-                "    added start latency: "
-                f"p50 {percentile(via.latencies, 0.5) - percentile(direct_latencies, 0.5):+.3f} s, "
-                f"p99 {percentile(via.latencies, 0.99) - percentile(direct_latencies, 0.99):+.3f} s"
-            )
-            print(
-                f"virtual-node RSS: before {idle_rss / 1024:.0f} MiB, after "
-                f"{loaded_rss / 1024:.0f} MiB, "
-                f"{(loaded_rss - idle_rss) / per_way:.1f} KiB per mirrored pod"
-            )
-            print(f"restart resync (start to both sides listed, {per_way} pods): {resync:.2f} s")
-            for kind, what in listed:
-                print(f"    {kind:24} {what}")
-            for title, way in ways:
-                print_cpu(f"{title}, saturation", way.total, way.cpu)
-            for name in apiservers:
-                for title, way in ways:
-                    print_requests(
-                        f"{title}, saturation, {name} apiserver",
-                        count,
-                        way.requests[name],
-                    )
+                print_round(args, ways, apiservers)
+                figures = round_figures(ways, (loaded_rss - idle_rss) / per_way, resync, args.pods)
+                print("    " + ", ".join(f"{name} {value:.3f}" for name, value in figures.items()))
+                rounds.append(figures)
         finally:
             federation.stop()
+    print(f"over {len(rounds)} rounds: median (min-max)")
+    width = max(len(name) for name in rounds[0])
+    for name in rounds[0]:
+        print(f"    {name.ljust(width)}  {spread([r[name] for r in rounds], '.3f')}")
+    print("targets (judged on the median):")
+    for target in targets(args.shared_cpus):
+        judge(target.title, [r[target.figure] for r in rounds], target.met, ".3f")
 
 
 if __name__ == "__main__":
