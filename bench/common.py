@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import math
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from harness.localcluster import ClusterSpec, KubectlClient, NodeSpec
 from kubekit.client import NAMESPACES, PODS, ApiError, ClientSettings, KubeClient, is_not_found
@@ -81,3 +82,27 @@ def judge(
         f"(met in {rounds_met} of {rounds})"
     )
     return verdict
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a named figure of every round is held against."""
+
+    title: str
+    figure: str
+    met: Callable[[float], bool]
+
+
+def summarize(rounds: Sequence[Mapping[str, float]], targets: Iterable[Target], fmt: str) -> None:
+    """Every figure's median and min-max over the rounds (a round whose measure failed has
+    none), then a met/MISSED line per target, judged on the median."""
+    n = len(rounds)
+    print(f"over {n} round{'s' if n > 1 else ''}: median (min-max)")
+    names = list(dict.fromkeys(name for figures in rounds for name in figures))
+    width = max((len(name) for name in names), default=0)
+    for name in names:
+        values = [figures[name] for figures in rounds if name in figures]
+        print(f"    {name.ljust(width)}  {spread(values, fmt)}  ({len(values)} of {n} rounds)")
+    print("targets (judged on the median):")
+    for target in targets:
+        judge(target.title, [figures.get(target.figure) for figures in rounds], target.met, fmt)

@@ -48,11 +48,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common import judge, spread
+from common import Target, summarize
 
 from harness.federation import Federation, FederationSpec, virtual_node_name
 from harness.localcluster import LocalCluster
@@ -362,13 +361,6 @@ def bench_port_forward(paths: dict[str, LocalCluster], size: int) -> dict[str, l
 Figures = dict[str, float]
 
 
-@dataclass(frozen=True)
-class Target:
-    title: str
-    figure: str
-    met: Callable[[float], bool]
-
-
 TARGETS = (
     Target("logs through the virtual node >= 0.80 x direct", "logs ratio", lambda v: v >= 0.80),
     Target(
@@ -413,21 +405,6 @@ def rate_figures(label: str, rate: dict[str, float]) -> Figures:
         f"{label} virtual MiB/s": rate["virtual"],
         f"{label} ratio": rate["virtual"] / rate["direct"],
     }
-
-
-def print_summary(rounds: list[Figures]) -> None:
-    """Every figure's median and min-max over the rounds, then a met/MISSED line per
-    target."""
-    n = len(rounds)
-    print(f"over {n} round{'s' if n > 1 else ''}: median (min-max)")
-    names = list(dict.fromkeys(name for figures in rounds for name in figures))
-    width = max(len(name) for name in names) if names else 0
-    for name in names:
-        values = [figures[name] for figures in rounds if name in figures]
-        print(f"    {name.ljust(width)}  {spread(values, '.2f')}  ({len(values)} of {n} rounds)")
-    print("targets (judged on the median):")
-    for target in TARGETS:
-        judge(target.title, [figures.get(target.figure) for figures in rounds], target.met, ".2f")
 
 
 def main() -> None:
@@ -506,7 +483,7 @@ def main() -> None:
                 server.shutdown()
                 server.server_close()
             federation.stop()
-    print_summary(rounds)
+    summarize(rounds, TARGETS, ".2f")
     print(f"total {time.monotonic() - began:.0f} s")
     if not all(rounds):
         sys.exit("a round measured nothing")

@@ -49,12 +49,12 @@ import statistics
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import delete_namespaces, judge, spread, upper_and_one_lower, wait_no_pods
+from common import Target, delete_namespaces, summarize, upper_and_one_lower, wait_no_pods
 
 from harness.federation import Federation, virtual_node_name
 from harness.localcluster import LocalCluster
@@ -293,13 +293,6 @@ def run_way(
     return way
 
 
-@dataclass(frozen=True)
-class Target:
-    title: str
-    figure: str
-    met: Callable[[float], bool]
-
-
 def targets(shared: bool) -> tuple[Target, ...]:
     """What each figure is held against: the ratio's target depends on the CPU split (with
     shared CPUs the via way also pays for the upper control plane)."""
@@ -491,13 +484,7 @@ def main() -> None:
                 rounds.append(figures)
         finally:
             federation.stop()
-    print(f"over {len(rounds)} rounds: median (min-max)")
-    width = max(len(name) for name in rounds[0])
-    for name in rounds[0]:
-        print(f"    {name.ljust(width)}  {spread([r[name] for r in rounds], '.3f')}")
-    print("targets (judged on the median):")
-    for target in targets(args.shared_cpus):
-        judge(target.title, [r[target.figure] for r in rounds], target.met, ".3f")
+    summarize(rounds, targets(args.shared_cpus), ".3f")
 
 
 if __name__ == "__main__":

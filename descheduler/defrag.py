@@ -93,8 +93,8 @@ def movable_pods(
 ) -> dict[str, list[Mapping[str, Any]]]:
     """By virtual node, the pods that may be evicted to make room for ``waiting``:
     Running there, replaced by a controller (not a DaemonSet), of no higher priority, not
-    in a protected namespace, not opted out, and under at most one PodDisruptionBudget that allows a
-    disruption now (the Eviction API refuses a pod under several)."""
+    in a protected namespace, not opted out, and under at most one PodDisruptionBudget
+    that allows a disruption now (the Eviction API refuses a pod under several)."""
     nodes = set(virtual_nodes)
     ceiling = priority(waiting.pod)
     found: dict[str, list[Mapping[str, Any]]] = {}

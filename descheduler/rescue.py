@@ -23,7 +23,7 @@ from kubekit import keys
 from kubekit.estimatorapi.estimator_pb2 import PodEstimate
 from kubekit.informer import object_key
 from kubekit.jsonvalue import json_copy
-from kubekit.moves import controller_uid
+from kubekit.moves import controller_reference, controller_uid
 from kubekit.timestamps import parse_time
 
 JSON = dict[str, Any]
@@ -47,14 +47,11 @@ def hands_off(pod: Mapping[str, Any]) -> bool:
     """A pod the descheduler neither moves nor makes room for: opted out by its
     annotation, or a DaemonSet's, which its controller makes again for the same node
     (moving it would free nothing and place nothing elsewhere)."""
-    metadata = pod["metadata"]
-    annotations = metadata.get("annotations") or {}
+    annotations = pod["metadata"].get("annotations") or {}
     if annotations.get(keys.DESCHEDULER_ANNOTATION) == keys.DESCHEDULER_NEVER:
         return True
-    return any(
-        ref.get("controller") and ref.get("kind") == "DaemonSet"
-        for ref in metadata.get("ownerReferences") or []
-    )
+    controller = controller_reference(pod)
+    return controller is not None and controller.get("kind") == "DaemonSet"
 
 
 @dataclass(frozen=True)

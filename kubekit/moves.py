@@ -55,10 +55,15 @@ def record_move(moves: Moves, owner: str, node: str, until: datetime, now: datet
     }
 
 
-def controller_uid(pod: Mapping[str, Any]) -> str | None:
-    """The UID of the controller that replaces the pod when it goes, if any."""
+def controller_reference(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The owner reference of the controller that replaces the pod when it goes, if any."""
     references = (pod.get("metadata") or {}).get("ownerReferences") or []
-    return next((str(ref["uid"]) for ref in references if ref.get("controller")), None)
+    return next((ref for ref in references if ref.get("controller")), None)
+
+
+def controller_uid(pod: Mapping[str, Any]) -> str | None:
+    reference = controller_reference(pod)
+    return None if reference is None else str(reference["uid"])
 
 
 def kept_off(moves: Moves, pod: Mapping[str, Any], now: datetime) -> list[str]:

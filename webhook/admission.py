@@ -2,11 +2,12 @@
 
 The webhook answers with a JSONPatch that stashes the scheduling fields (kubekit.stash),
 keeping a controller's new pod off the virtual nodes the descheduler moved its pods off
-(kubekit.moves), or allows the object unchanged; it refuses only a pod that arrives with a stash
-annotation the virtual node could not read. A body it cannot read is a ``BadReview``,
-which the server turns into a 400 naming what is wrong: not only what is not JSON or not
-a review, but a pod whose scheduling fields do not have the types the apiserver's own
-decoding would have given them (only a client that is not an apiserver sends those).
+(kubekit.moves), or allows the object unchanged; it refuses only a pod that arrives with
+a stash annotation the virtual node could not read. A body it cannot read is a
+``BadReview``, which the server turns into a 400 naming what is wrong: not only what is
+not JSON or not a review, but a pod whose scheduling fields do not have the types the
+apiserver's own decoding would have given them (only a client that is not an apiserver
+sends those).
 """
 
 from __future__ import annotations
