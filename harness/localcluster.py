@@ -29,7 +29,7 @@ import yaml
 from harness.process import ManagedProcess, ProcessError, ProcessRecord
 from harness.state import ClusterError as ClusterError
 from harness.toolchain import Toolchain
-from kubekit import keys, pki
+from kubekit import fit, keys, pki
 
 Role = Literal["upper", "lower"]
 
@@ -443,12 +443,11 @@ class LocalCluster(KubectlClient):
             (self.ports.controller_manager,),
         )
         scheduler = self._launch_scheduler()
-        self._wait(
-            manager,
-            timeout,
-            lambda: _https_ok(LOOPBACK, self.ports.controller_manager, "/healthz", _UNVERIFIED),
-        )
+        self._wait(manager, timeout, self._controller_manager_ready)
         self._wait_scheduler(scheduler, timeout)
+
+    def _controller_manager_ready(self) -> bool:
+        return _https_ok(LOOPBACK, self.ports.controller_manager, "/healthz", _UNVERIFIED)
 
     def scheduler_configuration(self) -> dict[str, Any]:
         """The kube-scheduler's KubeSchedulerConfiguration: stock, plus the extenders a
@@ -722,20 +721,52 @@ class LocalCluster(KubectlClient):
 
     def restart(self, component: str, timeout: float = READY_TIMEOUT_SECONDS) -> None:
         """Stops one component and starts it again on the same ports. An apiserver's return
-        restarts kwok too: after an outage of a minute or more, kwok v0.8.0 keeps renewing
-        node leases but never again moves a new pod to Running (its pod watch does not
-        resume), where a real kubelet would carry on."""
+        restarts what watches it too. Their watches back off while it is down, up to a
+        minute with jitter, so a pod made just after its return waited that long for the
+        lower scheduler (one CI run); and after an outage of a minute or more kwok v0.8.0
+        keeps renewing node leases but never again moves a new pod to Running (its pod
+        watch does not resume), where a real kubelet would carry on. kwok's return ends
+        once every Node can take pods again, as a kubelet's return would."""
         process = self.processes[component]
         process.stop()
+        if component == "kwok":
+            self._release_node_leases(timeout)
         process.start()
         if self._on_process_started is not None:
             self._on_process_started()
         if component == "kube-apiserver":
             self._wait(process, timeout, self.apiserver_ready)
-            if "kwok" in self.processes:
-                self.restart("kwok", timeout)
+            for watcher in ("kube-controller-manager", "kube-scheduler", "kwok"):
+                if watcher in self.processes:
+                    self.restart(watcher, timeout)
+        elif component == "kube-controller-manager":
+            self._wait(process, timeout, self._controller_manager_ready)
+        elif component == "kube-scheduler":
+            self._wait_scheduler(process, timeout)
         elif component == "kwok":
             self._wait(process, timeout, self._kwok_ready)
+            self._wait(process, timeout, self._nodes_take_pods)
+
+    def _release_node_leases(self, timeout: float) -> None:
+        # A new kwok holds under a new identity: it would wait out the leases of the one it
+        # replaces (40 s), its Nodes NotReady and tainted meanwhile, and pods made then would
+        # wait for the lower scheduler's next retry (a minute more in one CI run).
+        deadline = time.monotonic() + timeout
+        while True:
+            result = self.kubectl(
+                "delete", "leases", "--all", "-n", "kube-node-lease", "--wait=false", check=False
+            )
+            if result.returncode == 0:
+                return
+            if time.monotonic() > deadline:
+                raise ClusterError(f"node leases of {self.name} not released: {result.stderr}")
+            time.sleep(0.5)
+
+    def _nodes_take_pods(self) -> bool:
+        result = self.kubectl("get", "nodes", "-o", "json", check=False)
+        return result.returncode == 0 and all(
+            _node_takes_pods(node) for node in json.loads(result.stdout)["items"]
+        )
 
     def stop_component(self, component: str) -> None:
         self.processes[component].stop()
@@ -744,6 +775,16 @@ class LocalCluster(KubectlClient):
         # Reverse start order: dependants first, etcd last.
         for process in reversed(list(self.processes.values())):
             process.stop()
+
+
+_LIFECYCLE_TAINT_KEYS = frozenset({fit.NOT_READY_TAINT_KEY, "node.kubernetes.io/unreachable"})
+
+
+def _node_takes_pods(node: dict[str, Any]) -> bool:
+    """Ready, no longer tainted for having been silent, and reachable at its address."""
+    taints = {taint["key"] for taint in node["spec"].get("taints") or []}
+    addresses = {a["address"] for a in node["status"].get("addresses") or []}
+    return fit.node_is_ready(node) and not taints & _LIFECYCLE_TAINT_KEYS and LOOPBACK in addresses
 
 
 # kwok v0.8.0's node-initialize Stage writes only the addresses a Node lacks, and none when

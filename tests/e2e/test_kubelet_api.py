@@ -37,11 +37,14 @@ def pod(federation: Federation) -> Iterator[str]:
     """A pod of the upper cluster that runs in lower-1."""
     upper = federation.upper
     apply(upper, namespace(NS), cluster_pod(POD, NS, "lower-1"))
-    upper.kubectl("wait", "--for=condition=Ready", f"pod/{POD}", "-n", NS, "--timeout=90s")
-    yield POD
-    # A bare pod left on the node would stop other tests' drains.
-    upper.kubectl("delete", "pod", POD, "-n", NS, "--timeout=90s")
-    upper.kubectl("delete", "namespace", NS, "--wait=false")
+    try:
+        upper.kubectl("wait", "--for=condition=Ready", f"pod/{POD}", "-n", NS, "--timeout=90s")
+        yield POD
+    finally:
+        # A bare pod left on the node, even one that never got Ready, would stop other
+        # tests' drains.
+        upper.kubectl("delete", "pod", POD, "-n", NS, "--timeout=90s")
+        upper.kubectl("delete", "namespace", NS, "--wait=false")
 
 
 def lower(federation: Federation) -> LocalCluster:
