@@ -355,7 +355,13 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             WorkQueue("events"),
         )
         pods = PodController(upper, upper_pods, backend, config.name, queue)
-        nodes = NodeController(upper, identity, backend, on_reachable=pods.resync)
+
+        def lower_reachable_again() -> None:
+            lower_informers.resume()
+            lower_event_informers.resume()
+            pods.resync()
+
+        nodes = NodeController(upper, identity, backend, on_reachable=lower_reachable_again)
         kubelet = LowerKubelet(config.name, upper_pods, backend.pods, lower, mapping)
         directory = Path(
             config.cert_dir or Path(tempfile.gettempdir()) / f"kubestrata-{config.name}"

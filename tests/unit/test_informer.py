@@ -1,3 +1,5 @@
+import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -159,6 +161,46 @@ def test_function_handler_on_any_maps_every_event_to_one_callback() -> None:
     handler.on_update(obj("b", "2"))
     handler.on_delete(obj("c", "1"))
     assert seen == ["ns/a", "ns/b", "ns/c"]
+
+
+class UnreachableAtFirst:
+    """A server that refuses the first list, as one that is down, then answers it and
+    holds the watch open."""
+
+    def __init__(self) -> None:
+        self.lists = 0
+        self.refused = asyncio.Event()
+
+    async def list_pages(self, resource: Resource, namespace: str | None, **query: Any) -> Any:
+        self.lists += 1
+        if self.lists == 1:
+            self.refused.set()
+            raise ConnectionRefusedError("connect call failed")
+        yield {
+            "kind": "ConfigMapList",
+            "metadata": {"resourceVersion": "7"},
+            "items": [obj("a", "5")],
+        }
+
+    async def watch(self, *args: Any, **kwargs: Any) -> AsyncIterator[JSON]:
+        await asyncio.Event().wait()
+        yield {}
+
+
+async def test_resume_ends_the_pause_between_retries_at_once() -> None:
+    server = UnreachableAtFirst()
+    an_hour = Backoff(initial=3600, jitter=0)
+    cache = Informer(server, Resource("", "v1", "configmaps"), backoff=an_hour)  # type: ignore[arg-type]
+    running = asyncio.create_task(cache.run())
+    try:
+        await server.refused.wait()
+        await asyncio.sleep(0.05)
+        assert not cache.synced.is_set(), "paused for an hour after the refused list"
+        cache.resume()
+        await asyncio.wait_for(cache.synced.wait(), 30)
+        assert server.lists == 2 and cache.keys() == ["ns/a"]
+    finally:
+        running.cancel()
 
 
 def test_backoff_grows_with_jitter_and_resets() -> None:
