@@ -34,7 +34,8 @@ from kubekit import fit, keys, pki
 Role = Literal["upper", "lower"]
 
 LOOPBACK = "127.0.0.1"
-SERVICE_CIDR = "10.0.0.0/24"
+# Room for the thousand Services of a realistic namespace (bench/virtual_node_pods.py).
+SERVICE_CIDR = "10.0.0.0/16"
 # Pod addresses of the local lower clusters: each takes its own /16 of this range, so an
 # address (in a reflected EndpointSlice, say) names one pod of the whole federation.
 POD_CIDR = "10.240.0.0/12"
