@@ -102,6 +102,9 @@ class NamespaceObjects:
 
 
 REALISTIC_NAMESPACE = NamespaceObjects(services=1000, config_maps=2000, secrets=2000)
+# For the controllers to make the Services' endpoints, and the virtual node to hear of
+# every object, before the pods come.
+NAMESPACE_SETTLE_SECONDS = 15
 
 
 def namespace_objects(objects: NamespaceObjects) -> list[tuple[Resource, dict[str, Any]]]:
@@ -122,18 +125,21 @@ def namespace_objects(objects: NamespaceObjects) -> list[tuple[Resource, dict[st
 
 
 async def make_namespace(
-    client: KubeClient, namespace: str, objects: NamespaceObjects = NamespaceObjects()
+    cluster: LocalCluster, namespace: str, objects: NamespaceObjects = NamespaceObjects()
 ) -> None:
-    await client.create(
-        NAMESPACES, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
-    )
-    limit = asyncio.Semaphore(DEFAULT_WORKERS)
+    async with await KubeClient.connect(
+        ClientSettings(str(cluster.kubeconfig), qps=0, burst=1)
+    ) as client:
+        await client.create(
+            NAMESPACES, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
+        )
+        limit = asyncio.Semaphore(DEFAULT_WORKERS)
 
-    async def create(resource: Resource, body: dict[str, Any]) -> None:
-        async with limit:
-            await client.create(resource, body, namespace)
+        async def create(resource: Resource, body: dict[str, Any]) -> None:
+            async with limit:
+                await client.create(resource, body, namespace)
 
-    await asyncio.gather(*(create(r, body) for r, body in namespace_objects(objects)))
+        await asyncio.gather(*(create(r, body) for r, body in namespace_objects(objects)))
 
 
 async def run_pods(
@@ -143,15 +149,13 @@ async def run_pods(
     federated: bool,
     node_name: str | None = None,
     rate: float | None = None,
-    objects: NamespaceObjects = NamespaceObjects(),
 ) -> tuple[float, list[float]]:
-    """Creates ``count`` pods in a new namespace that holds ``objects``, as fast as the
-    apiserver takes them or ``rate`` a second, and returns (seconds to all Running,
-    per-pod latencies from create to Running)."""
+    """Creates ``count`` pods in ``namespace``, as fast as the apiserver takes them or
+    ``rate`` a second, and returns (seconds to all Running, per-pod latencies from create
+    to Running)."""
     async with await KubeClient.connect(
         ClientSettings(str(cluster.kubeconfig), qps=0, burst=1)
     ) as client:
-        await make_namespace(client, namespace, objects)
         created: dict[str, float] = {}
         running: dict[str, float] = {}
         done = asyncio.Event()
@@ -264,17 +268,6 @@ def print_requests(title: str, count: int, made: Counter[str]) -> None:
     for request, number in made.most_common():
         if number >= count // 4:
             print(f"    {request:40} {number / count:6.2f} per pod")
-
-
-async def make_lower_namespace(
-    lower: LocalCluster, namespace: str, objects: NamespaceObjects
-) -> None:
-    """The lower namespace of the pods through the virtual node, made beforehand with
-    ``objects`` (the virtual node takes an existing namespace as it is)."""
-    async with await KubeClient.connect(
-        ClientSettings(str(lower.kubeconfig), qps=0, burst=1)
-    ) as client:
-        await make_namespace(client, namespace, objects)
 
 
 def delete_pods(cluster: LocalCluster, namespace: str, lower: LocalCluster) -> float:
@@ -401,13 +394,19 @@ def run_way(
     def requests_now() -> dict[str, Counter[str]]:
         return {name: asyncio.run(request_counts(c)) for name, c in apiservers.items()}
 
+    latency_namespace = f"{namespace}-latency"
     objects = REALISTIC_NAMESPACE if args.realistic_namespace else NamespaceObjects()
-    if federated and objects != NamespaceObjects():
-        asyncio.run(make_lower_namespace(apiservers["lower"], namespace, objects))
+    # Made, in the lower cluster too through the virtual node (which takes an existing
+    # namespace as it is), before anything is measured: the objects are there already.
+    for made_in in (cluster, apiservers["lower"]) if federated else (cluster,):
+        asyncio.run(make_namespace(made_in, namespace, objects))
+        asyncio.run(make_namespace(made_in, latency_namespace))
+    if objects != NamespaceObjects():
+        time.sleep(NAMESPACE_SETTLE_SECONDS)
     way = Way()
     cpu_before, requests_before = cpu_snapshot(pids), requests_now()
     way.total, way.burst_latencies = asyncio.run(
-        run_pods(cluster, namespace, args.pods, federated, node_name, objects=objects)
+        run_pods(cluster, namespace, args.pods, federated, node_name)
     )
     cpu_after, requests_after = cpu_snapshot(pids), requests_now()
     way.cpu = {name: cpu_after[name] - cpu_before[name] for name in pids}
@@ -415,7 +414,7 @@ def run_way(
     _, way.latencies = asyncio.run(
         run_pods(
             cluster,
-            f"{namespace}-latency",
+            latency_namespace,
             args.latency_pods,
             federated,
             node_name,
