@@ -54,7 +54,7 @@ import tempfile
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,9 +102,10 @@ class NamespaceObjects:
 
 
 REALISTIC_NAMESPACE = NamespaceObjects(services=1000, config_maps=2000, secrets=2000)
-# For the controllers to make the Services' endpoints, and the virtual node to hear of
-# every object, before the pods come.
-NAMESPACE_SETTLE_SECONDS = 15
+# How long no apiserver may take a write (heartbeats aside) before a way is measured:
+# the endpoints controllers write each Service's Endpoints one by one (at their client's
+# 20 a second), made with the namespace or deleted with the previous way's.
+QUIET_SECONDS = 5.0
 
 
 def namespace_objects(objects: NamespaceObjects) -> list[tuple[Resource, dict[str, Any]]]:
@@ -263,6 +264,32 @@ async def request_counts(cluster: LocalCluster) -> Counter[str]:
     return counts
 
 
+def writes(requests: dict[str, Counter[str]]) -> int:
+    """Writes the apiservers have taken, their nodes' and leaders' heartbeats aside."""
+    return sum(
+        number
+        for counts in requests.values()
+        for request, number in counts.items()
+        if request.split(" ")[0] not in APISERVER_READS
+        and request.split(" ")[1] not in HEARTBEAT_RESOURCES
+    )
+
+
+def wait_quiet(requests_now: Callable[[], dict[str, Counter[str]]], timeout: float = 600) -> float:
+    """Waits until no apiserver has taken a write for QUIET_SECONDS; returns how long
+    that took."""
+    began = time.monotonic()
+    last, quiet_since = writes(requests_now()), began
+    while (now := time.monotonic()) - quiet_since < QUIET_SECONDS:
+        if now - began > timeout:
+            raise TimeoutError(f"the apiservers still take writes after {timeout:.0f} s")
+        time.sleep(1)
+        made = writes(requests_now())
+        if made != last:
+            last, quiet_since = made, time.monotonic()
+    return time.monotonic() - began
+
+
 def print_requests(title: str, count: int, made: Counter[str]) -> None:
     print(f"API requests {title}: {sum(made.values()) / count:.1f} per pod")
     for request, number in made.most_common():
@@ -296,6 +323,7 @@ def wait_log(path: Path, marker: str, after: int, timeout: float = 300) -> float
 # Writes a restarted virtual node makes that are not its resync's: the node's heartbeat.
 HEARTBEAT_RESOURCES = frozenset({"leases", "nodes", "nodes/status"})
 READS = frozenset({"GET", "WATCH"})
+APISERVER_READS = READS | {"LIST", "CONNECT"}
 
 
 def metric_samples(port: int) -> list[tuple[str, dict[str, str], float]]:
@@ -401,8 +429,7 @@ def run_way(
     for made_in in (cluster, apiservers["lower"]) if federated else (cluster,):
         asyncio.run(make_namespace(made_in, namespace, objects))
         asyncio.run(make_namespace(made_in, latency_namespace))
-    if objects != NamespaceObjects():
-        time.sleep(NAMESPACE_SETTLE_SECONDS)
+    print(f"    apiservers quiet after {wait_quiet(requests_now):.0f} s")
     way = Way()
     cpu_before, requests_before = cpu_snapshot(pids), requests_now()
     way.total, way.burst_latencies = asyncio.run(
