@@ -337,7 +337,7 @@ def metric_samples(port: int) -> list[tuple[str, dict[str, str], float]]:
     ]
 
 
-def wait_resynced(port: int, pods: int, timeout: float = 600) -> tuple[float, int]:
+def wait_resynced(port: int, pods: int, timeout: float = 600) -> tuple[float, Counter[str]]:
     """Waits until a restarted virtual node's pod queue has done as many reconciles as
     there are mirrored pods and is empty: every pod reconciled once. Returns when, and the
     writes it made meanwhile besides its heartbeat (a clean resync makes none)."""
@@ -360,14 +360,15 @@ def wait_resynced(port: int, pods: int, timeout: float = 600) -> tuple[float, in
             if name == "workqueue_depth" and labels == pods_queue
         )
         if done >= pods and depth == 0:
-            writes = sum(
-                value
-                for name, labels, value in samples
-                if name == "rest_client_requests_total"
-                and labels["verb"] not in READS
-                and labels["resource"] not in HEARTBEAT_RESOURCES
-            )
-            return time.monotonic(), int(writes)
+            writes: Counter[str] = Counter()
+            for name, labels, value in samples:
+                if (
+                    name == "rest_client_requests_total"
+                    and labels["verb"] not in READS
+                    and labels["resource"] not in HEARTBEAT_RESOURCES
+                ):
+                    writes[f"{labels['verb']} {labels['resource']}"] += int(value)
+            return time.monotonic(), +writes
         time.sleep(0.05)
     raise TimeoutError(f"the virtual node did not reconcile {pods} pods in {timeout:.0f} s")
 
@@ -528,7 +529,7 @@ class Restart:
 
     listed: float
     reconciled: float
-    writes: int
+    writes: Counter[str]
 
 
 def round_figures(
@@ -555,7 +556,7 @@ def round_figures(
         "RSS per mirrored pod KiB": rss_per_pod_kib,
         "restart to both sides listed s": restart.listed,
         "restart to every pod reconciled s": restart.reconciled,
-        "restart resync writes": restart.writes,
+        "restart resync writes": restart.writes.total(),
         "virtual-node CPU per pod ms": via.cpu[virtual_node_name("lower-1")] / pods * 1000,
         "upper apiserver CPU s": via.cpu["upper/kube-apiserver"],
     }
@@ -649,6 +650,8 @@ def main() -> None:
                     int(option(component.argv, "--health-port")), per_way
                 )
                 restart = Restart(listed, reconciled - restarted, writes)
+                if writes:
+                    print(f"    writes during the restart's resync: {dict(writes)}")
                 removed = delete_pods(federation.upper, f"via-{number}", lower)
                 print(f"    pods through the virtual node deleted in {removed:.0f} s")
                 # The cluster slows down as it is used (20 % over a few rounds of pods): a
