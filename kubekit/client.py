@@ -10,6 +10,7 @@ CPU and memory than the rest of the work together.
 from __future__ import annotations
 
 import asyncio.sslproto
+import contextlib
 import json
 import ssl
 import time
@@ -154,6 +155,7 @@ class KubeClient:
     def __init__(self, api_client: k8s_client.ApiClient, limiter: TokenBucket) -> None:
         self.api = api_client
         self.limiter = limiter
+        self._dialing_spare: asyncio.Task[None] | None = None
 
     @classmethod
     async def connect(cls, settings: ClientSettings) -> KubeClient:
@@ -182,6 +184,8 @@ class KubeClient:
         return cls(api, TokenBucket(settings.qps, settings.burst))
 
     async def close(self) -> None:
+        if self._dialing_spare is not None:
+            self._dialing_spare.cancel()
         await self.api.close()
 
     async def __aenter__(self) -> KubeClient:
@@ -277,7 +281,20 @@ class KubeClient:
             raise ApiError(error.status, error.message, "GET", path) from error
         connection = getattr(websocket, "_conn", None)
         _read_in_bulk(connection.transport if connection is not None else None)
+        self._dial_spare()
         return websocket
+
+    def _dial_spare(self) -> None:
+        """Leaves an idle connection in the pool for the next WebSocket: each one takes a
+        connection for good, and a new TLS handshake would be most of what a new stream
+        (an exec, a port-forward connection) costs on top of the apiserver's own work.
+        A request made while no connection is idle dials one and hands it back."""
+        if self._dialing_spare is None or self._dialing_spare.done():
+            self._dialing_spare = asyncio.create_task(self._request_spare())
+
+    async def _request_spare(self) -> None:
+        with contextlib.suppress(*API_ERRORS):
+            await self.get_text("/readyz", timeout=10)
 
     async def stream(
         self, path: str, query: Mapping[str, Any], *, timeout: float | None = None
