@@ -76,14 +76,18 @@ def referenced_objects(spec: Mapping[str, Any]) -> set[tuple[Kind, str]]:
     return {(kind, name) for kind, name in refs if name}
 
 
-def selects(service: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
-    """Whether a Service's selector picks a pod with these labels (a Service without a
-    selector, or of type ExternalName, picks none)."""
+def service_selector(service: Mapping[str, Any]) -> dict[str, str]:
+    """The labels a Service's pods carry; empty for one that picks none (no selector, or
+    of type ExternalName)."""
     spec = service.get("spec") or {}
-    selector = spec.get("selector") or {}
-    if spec.get("type") == "ExternalName" or not selector:
-        return False
-    return all(labels.get(k) == v for k, v in selector.items())
+    if spec.get("type") == "ExternalName":
+        return {}
+    return dict(spec.get("selector") or {})
+
+
+def selector_matches(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
+    """Whether a Service selector picks a pod with these labels (an empty one picks none)."""
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
 
 
 def service_of_slice(endpoint_slice: Mapping[str, Any]) -> str:

@@ -42,8 +42,9 @@ from virtual_node.references import (
     desired_service_account,
     referenced_objects,
     reflectable,
-    selects,
+    selector_matches,
     service_of_slice,
+    service_selector,
 )
 from virtual_node.translate import Ownership
 
@@ -98,6 +99,11 @@ class Reflector:
         # The labels of each pod that still needs its references, by namespace: a Service
         # change is matched against these, not against every pod decoded again.
         self._pod_labels: dict[str, dict[str, Mapping[str, str]]] = {}
+        # Each Service's selector, and the Services of a namespace by each label pair their
+        # selectors hold: a pod's Services are found from its own labels, not by decoding
+        # every Service of its namespace on each of its events.
+        self._selectors: dict[tuple[str, str], dict[str, str]] = {}
+        self._services_by_label: dict[tuple[str, str, str], set[str]] = {}
         upper_pods.add_handler(
             FunctionHandler(
                 add=self._pod_changed,
@@ -130,11 +136,32 @@ class Reflector:
             for kind, name in referenced_objects(pod.get("spec") or {})
         }
         refs |= {
-            ("services", namespace, service["metadata"]["name"])
-            for service in self.upper_objects["services"].items(namespace)
-            if selects(service, labels)
+            ("services", namespace, name) for name in self._services_selecting(namespace, labels)
         }
         self._set_refs(key, refs)
+
+    def _services_selecting(self, namespace: str, labels: Mapping[str, str]) -> set[str]:
+        candidates: set[str] = set()
+        for pair in labels.items():
+            candidates |= self._services_by_label.get((namespace, *pair), set())
+        return {
+            name
+            for name in candidates
+            if selector_matches(self._selectors[(namespace, name)], labels)
+        }
+
+    def _index_selector(self, namespace: str, name: str, service: Mapping[str, Any] | None) -> None:
+        before = self._selectors.pop((namespace, name), {})
+        for pair in before.items():
+            services = self._services_by_label[(namespace, *pair)]
+            services.discard(name)
+            if not services:
+                del self._services_by_label[(namespace, *pair)]
+        selector = service_selector(service) if service is not None else {}
+        if selector:
+            self._selectors[(namespace, name)] = selector
+            for pair in selector.items():
+                self._services_by_label.setdefault((namespace, *pair), set()).add(name)
 
     def _pod_gone(self, pod: Mapping[str, Any]) -> None:
         key, namespace = object_key(pod), pod["metadata"]["namespace"]
@@ -148,9 +175,11 @@ class Reflector:
         """A new, changed or deleted selector changes which pods need the Service."""
         ref: Key = ("services", namespace, name)
         service = self.upper_objects["services"].get(f"{namespace}/{name}")
+        self._index_selector(namespace, name, service)
+        selector = self._selectors.get((namespace, name), {})
         for pod_key, labels in self._pod_labels.get(namespace, {}).items():
             refs = self._refs_of_pod.get(pod_key, set())
-            if (service is not None and selects(service, labels)) != (ref in refs):
+            if selector_matches(selector, labels) != (ref in refs):
                 self._set_refs(pod_key, refs ^ {ref})
 
     def _set_refs(self, pod_key: str, refs: set[Key]) -> None:

@@ -170,6 +170,40 @@ async def test_a_services_selector_decides_which_pods_need_it() -> None:
     assert ("services", "shop", "front") in r.reflector.orphan_keys()
 
 
+async def test_a_pod_finds_the_services_whose_whole_selector_its_labels_match() -> None:
+    r = reflecting()
+    services = "/api/v1/namespaces/shop/services"
+
+    def service(name: str, selector: dict[str, str], **spec: Any) -> dict[str, Any]:
+        metadata = {"name": name, "namespace": "shop", "uid": f"uid-{name}"}
+        return {"metadata": metadata, "spec": {"selector": selector, **spec}}
+
+    async def copies_changed() -> tuple[list[str], list[str]]:
+        """Names of the copies made and deleted below since the last call."""
+        await r.drain()
+        made = [body["metadata"]["name"] for body in r.created(services)]
+        for body in r.created(services):
+            r.below("services", {**body, "metadata": {**body["metadata"], "uid": "lower"}})
+        deleted = [path.rsplit("/", 1)[1] for _, path in r.lower.writes("DELETE")]
+        r.lower.requests.clear()
+        return made, deleted
+
+    r.above("services", service("front", {"app": "web"}))
+    r.above("services", service("tier-1", {"app": "web", "tier": "1"}))
+    r.above("services", service("api", {"app": "api"}))
+    r.above("services", service("alias", {"app": "web"}, type="ExternalName"))
+    r.above(None, pod("web-1", {"app": "web", "tier": "2"}))
+    assert await copies_changed() == (["front"], [])
+
+    r.above(None, pod("web-1", {"app": "web", "tier": "1"}), "MODIFIED")
+    assert await copies_changed() == (["tier-1"], [])
+
+    r.above("services", service("tier-1", {"app": "web", "tier": "1"}), "DELETED")
+    r.above("services", service("api", {"tier": "1"}), "MODIFIED")
+    r.above(None, pod("web-1", {"app": "web", "tier": "1"}), "MODIFIED")
+    assert await copies_changed() == (["api"], ["tier-1"])
+
+
 async def test_a_pod_that_finished_needs_nothing_more() -> None:
     r = reflecting()
     r.above("serviceaccounts", account())
