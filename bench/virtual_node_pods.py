@@ -27,8 +27,9 @@ CPU each process used and the API requests each apiserver served per pod.
 Per round: the ratio of the mean direct time to the via time; the burst's own start
 latencies (every pod of the saturation phase, create to Running, the upper create through
 the virtual node) and what the via way adds at p99 over both direct ways; the latency
-phase's added p50/p99; the virtual node's RSS per mirrored pod, its CPU per pod in the
-saturation phase, and its restart with the pods mirrored: from its start to both sides
+phase's added p50/p99; the virtual node's RSS per mirrored pod (its growth from just
+before the via pods, their namespaces and objects made, to after them), its CPU per pod
+in the saturation phase, and its restart with the pods mirrored: from its start to both sides
 listed, to every mirrored pod reconciled once (its pod queue, read at /metrics, has done
 that many reconciles and is empty), and the writes it made by then besides its heartbeat.
 Over ``--rounds``: median and min-max of each, and a met/MISSED line per target, judged
@@ -408,6 +409,9 @@ class Way:
     latencies: list[float] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)
     requests: dict[str, Counter[str]] = field(default_factory=dict)
+    # The virtual node's RSS once the namespaces and their objects are there, before
+    # any pod: what it caches of the objects is not the pods' cost.
+    ready_rss: int = 0
 
 
 def run_way(
@@ -431,7 +435,7 @@ def run_way(
         asyncio.run(make_namespace(made_in, namespace, objects))
         asyncio.run(make_namespace(made_in, latency_namespace))
     print(f"    apiservers quiet after {wait_quiet(requests_now):.0f} s")
-    way = Way()
+    way = Way(ready_rss=rss_kib(pids[virtual_node_name("lower-1")]))
     cpu_before, requests_before = cpu_snapshot(pids), requests_now()
     way.total, way.burst_latencies = asyncio.run(
         run_pods(cluster, namespace, args.pods, federated, node_name)
@@ -669,7 +673,15 @@ def main() -> None:
                     ("direct in lower again", again),
                 )
                 print_round(args, ways, apiservers)
-                figures = round_figures(ways, (loaded_rss - idle_rss) / per_way, restart, args.pods)
+                print(
+                    f"    virtual node RSS: {idle_rss / 1024:.1f} MiB idle, "
+                    f"{via.ready_rss / 1024:.1f} MiB before the pods through it (the "
+                    f"namespaces' objects, the direct pods seen), {loaded_rss / 1024:.1f} "
+                    f"MiB with them"
+                )
+                figures = round_figures(
+                    ways, (loaded_rss - via.ready_rss) / per_way, restart, args.pods
+                )
                 print("    " + ", ".join(f"{name} {value:.3f}" for name, value in figures.items()))
                 rounds.append(figures)
         finally:
