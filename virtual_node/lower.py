@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 from kubekit import keys, metrics
@@ -119,8 +120,10 @@ class LowerCluster:
         # them not ready) until it answers again and every upper pod is resynced.
         self.reachable = True
         self.changed = asyncio.Event()
-        self._namespaces: set[str] = set()
-        self._default_accounts: set[str] = set()  # namespaces where `default` exists
+        # Namespaces made below (or being made), and those where `default` exists: a
+        # burst of pods into a new namespace waits for one request, not one per worker.
+        self._namespaces: dict[str, asyncio.Future[None]] = {}
+        self._default_accounts: dict[str, asyncio.Future[None]] = {}
         # What each foreign lower pod takes, kept by the pod handler: a report sums this
         # table (never running totals that could drift) instead of decoding every pod.
         self._usage: dict[str, PodUsage] = {}
@@ -333,8 +336,9 @@ class LowerCluster:
         return Mirrored(upper_status(created, upper, self.host_ip))
 
     async def _ensure_namespace(self, namespace: str) -> None:
-        if namespace in self._namespaces:
-            return
+        await _once(self._namespaces, namespace, lambda: self._make_namespace(namespace))
+
+    async def _make_namespace(self, namespace: str) -> None:
         body = {
             "apiVersion": "v1",
             "kind": "Namespace",
@@ -351,14 +355,16 @@ class LowerCluster:
         except ApiError as error:
             if error.status != 409:
                 raise
-        self._namespaces.add(namespace)
 
     async def _ensure_default_service_account(self, namespace: str) -> None:
         """The lower controllers make `default` in every namespace, but admission refuses
         a pod in a namespace just made until they have. Made here as they make it, so not
         ours: never updated or removed (other service accounts are reflected)."""
-        if namespace in self._default_accounts:
-            return
+        await _once(
+            self._default_accounts, namespace, lambda: self._make_default_account(namespace)
+        )
+
+    async def _make_default_account(self, namespace: str) -> None:
         body = {
             "apiVersion": "v1",
             "kind": "ServiceAccount",
@@ -371,11 +377,10 @@ class LowerCluster:
                 self._forget_namespace(namespace)
             if error.status != 409:
                 raise
-        self._default_accounts.add(namespace)
 
     def _forget_namespace(self, namespace: str) -> None:
-        self._namespaces.discard(namespace)
-        self._default_accounts.discard(namespace)
+        self._namespaces.pop(namespace, None)
+        self._default_accounts.pop(namespace, None)
 
     async def _get_live(self, namespace: str, name: str) -> JSON | None:
         try:
@@ -423,3 +428,23 @@ class LowerCluster:
     def orphan_keys(self, upper_keys: set[str]) -> list[str]:
         """Upper keys of our lower pods whose upper pod does not exist."""
         return [key for key in self._mirrored.values() if key not in upper_keys]
+
+
+async def _once(
+    made: dict[str, asyncio.Future[None]], key: str, make: Callable[[], Awaitable[None]]
+) -> None:
+    """Runs ``make`` for ``key`` until it has succeeded once. Callers that come while it
+    runs wait for that same attempt; a failed attempt is forgotten, so the next caller
+    tries again. A caller cancelled meanwhile leaves the attempt to the others."""
+    attempt = made.get(key)
+    if attempt is None:
+        attempt = made[key] = asyncio.ensure_future(make())
+        attempt.add_done_callback(functools.partial(_forget_failed, made, key))
+    await asyncio.shield(attempt)
+
+
+def _forget_failed(
+    made: dict[str, asyncio.Future[None]], key: str, attempt: asyncio.Future[None]
+) -> None:
+    if (attempt.cancelled() or attempt.exception() is not None) and made.get(key) is attempt:
+        del made[key]

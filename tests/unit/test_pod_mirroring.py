@@ -4,6 +4,7 @@ an unreachable lower cluster, conflicts and a namespace deleted below."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -291,6 +292,34 @@ async def test_a_namespace_deleted_below_is_made_again(
         ("POST", "/api/v1/namespaces/shop/serviceaccounts"),
         ("POST", LOWER_POD_PATH),
     ]
+
+
+async def test_a_burst_into_a_new_namespace_makes_it_and_its_account_once(
+    mirroring: Mirroring, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    create = mirroring.lower.create
+
+    async def answered_later(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(0.01)  # as over the network: the other workers run meanwhile
+        return await create(*args, **kwargs)
+
+    monkeypatch.setattr(mirroring.lower, "create", answered_later)
+    names = [f"web-{index}" for index in range(5)]
+    for index, name in enumerate(names):
+        pod = upper_pod()
+        pod["metadata"] |= {"name": name, "uid": f"uid-{index}"}
+        mirroring.above(pod)
+    mirroring.lower.answer("POST", "/api/v1/namespaces", status_error(500, "InternalError", "x"))
+    with pytest.raises(ApiError):
+        await mirroring.controller.reconcile("shop/web-0")
+    mirroring.lower.requests.clear()
+    await asyncio.gather(*(mirroring.controller.reconcile(f"shop/{name}") for name in names))
+    writes = mirroring.lower.writes()
+    assert writes.count(("POST", "/api/v1/namespaces")) == 1, (
+        "again after the failed attempt, and once"
+    )
+    assert writes.count(("POST", "/api/v1/namespaces/shop/serviceaccounts")) == 1
+    assert writes.count(("POST", LOWER_POD_PATH)) == 5
 
 
 async def test_a_namespace_known_below_is_not_created_again(mirroring: Mirroring) -> None:
