@@ -3,23 +3,18 @@ connection at once, so a new stream (an exec, a port-forward connection) finds a
 one instead of paying a TLS handshake."""
 
 import asyncio
-import ssl
 from pathlib import Path
 
 from aiohttp import web
 
 from kubekit import pki
 from kubekit.client import ClientSettings, KubeClient
+from tests.unit.tlsserver import serving_over_tls
 
 
 async def test_the_next_websocket_takes_the_connection_dialled_after_the_last(
     tmp_path: Path,
 ) -> None:
-    ca = pki.create_ca(tmp_path, "test")
-    serving = pki.issue(ca, tmp_path / "server", "server", server_names=("127.0.0.1",))
-    user = pki.issue(ca, tmp_path / "user", "user", client=True)
-    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    server_context.load_cert_chain(serving.cert_path, serving.key_path)
     # Client port of each request, in order: one port per TCP connection.
     seen: list[tuple[str, int]] = []
 
@@ -38,19 +33,14 @@ async def test_the_next_websocket_takes_the_connection_dialled_after_the_last(
     app = web.Application()
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/stream", stream)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_context)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    kubeconfig = pki.write_kubeconfig(
-        tmp_path / "kubeconfig",
-        cluster="test",
-        server=f"https://127.0.0.1:{port}",
-        ca=ca.cert_path,
-        user=user,
-    )
-    try:
+    async with serving_over_tls(tmp_path, app) as server:
+        kubeconfig = pki.write_kubeconfig(
+            tmp_path / "kubeconfig",
+            cluster="test",
+            server=server.url,
+            ca=server.ca.cert_path,
+            user=pki.issue(server.ca, tmp_path / "user", "user", client=True),
+        )
         async with await KubeClient.connect(ClientSettings(str(kubeconfig))) as client:
             for _ in range(3):
                 socket = await client.websocket("/stream", [], ())
@@ -59,8 +49,6 @@ async def test_the_next_websocket_takes_the_connection_dialled_after_the_last(
                 # The spare is back in the pool once its answer is read.
                 assert client._dialing_spare is not None
                 await asyncio.wait_for(client._dialing_spare, timeout=10)
-    finally:
-        await runner.cleanup()
     kinds = [kind for kind, _ in seen]
     assert kinds == ["websocket", "readyz"] * 3
     ports = [port for _, port in seen]

@@ -11,13 +11,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kubekit import pki
 from kubekit.client import (
     STREAM_TLS_READ_BUFFER_BYTES,
     TLS_READ_BUFFER_BYTES,
     _read_in_bulk,
     shrink_tls_read_buffers,
 )
+from tests.unit.tlsserver import serving_over_tls
 
 
 async def test_large_bodies_cross_a_tls_connection_with_small_read_buffers(
@@ -26,27 +26,18 @@ async def test_large_bodies_cross_a_tls_connection_with_small_read_buffers(
     # Restored after the test: the setting is process-wide.
     monkeypatch.setattr(asyncio.sslproto.SSLProtocol, "max_size", 256 * 1024)
     shrink_tls_read_buffers()
-    ca = pki.create_ca(tmp_path, "test")
-    serving = pki.issue(ca, tmp_path / "server", "server", server_names=("127.0.0.1",))
-    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    server_context.load_cert_chain(serving.cert_path, serving.key_path)
-    client_context = ssl.create_default_context(cafile=ca.cert_path)
 
     async def echo(request: web.Request) -> web.Response:
         return web.Response(body=(await request.read())[::-1])
 
     app = web.Application(client_max_size=8 * 2**20)
     app.router.add_post("/", echo)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_context)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     body = os.urandom(3 * 2**20 + 17)
-    try:
+    async with serving_over_tls(tmp_path, app) as server:
+        client_context = ssl.create_default_context(cafile=server.ca.cert_path)
         async with (
             aiohttp.ClientSession() as session,
-            session.post(f"https://127.0.0.1:{port}/", data=body, ssl=client_context) as response,
+            session.post(f"{server.url}/", data=body, ssl=client_context) as response,
         ):
             transport = response.connection.transport  # type: ignore[union-attr]
             buffer = transport._ssl_protocol._ssl_buffer  # type: ignore[union-attr]
@@ -56,5 +47,3 @@ async def test_large_bodies_cross_a_tls_connection_with_small_read_buffers(
             _read_in_bulk(transport)
             assert await response.read() == body[::-1]
             assert len(transport._ssl_protocol._ssl_buffer) == STREAM_TLS_READ_BUFFER_BYTES  # type: ignore[union-attr]
-    finally:
-        await runner.cleanup()

@@ -1,0 +1,39 @@
+"""An aiohttp application served over TLS on a loopback port, for client tests."""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from kubekit import pki
+
+
+@dataclass(frozen=True)
+class TlsServer:
+    port: int
+    ca: pki.KeyPair  # signed the serving certificate
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.port}"
+
+
+@asynccontextmanager
+async def serving_over_tls(directory: Path, app: web.Application) -> AsyncIterator[TlsServer]:
+    ca = pki.create_ca(directory, "test")
+    serving = pki.issue(ca, directory / "server", "server", server_names=("127.0.0.1",))
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(serving.cert_path, serving.key_path)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=context)
+    await site.start()
+    try:
+        yield TlsServer(site._server.sockets[0].getsockname()[1], ca)  # type: ignore[union-attr]
+    finally:
+        await runner.cleanup()
