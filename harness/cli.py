@@ -139,7 +139,10 @@ def _up(args: argparse.Namespace) -> int:
         stop_requested.set()
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, request_stop)
+    # SIGINT too: a shell starts a background job with it ignored, and Python then leaves
+    # it so, but Ctrl-C (or kill -INT) must stop a federation started in the foreground.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, request_stop)
     print(f"starting {len(federation.clusters)} clusters in {args.state_dir} ...", flush=True)
     federation.start()
     try:

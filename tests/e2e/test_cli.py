@@ -106,6 +106,8 @@ def test_foreground_up_restarts_what_exits_and_stops_everything_on_ctrl_c(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # As a shell starts a background job: Ctrl-C must stop it all the same.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     try:
         assert up.stdout is not None
