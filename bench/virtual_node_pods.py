@@ -107,6 +107,15 @@ REALISTIC_NAMESPACE = NamespaceObjects(services=1000, config_maps=2000, secrets=
 # the endpoints controllers write each Service's Endpoints one by one (at their client's
 # 20 a second), made with the namespace or deleted with the previous way's.
 QUIET_SECONDS = 5.0
+# Requests that write nothing, and writes that go on whatever the benchmark does: nodes'
+# and leaders' heartbeats (a restarted virtual node's among them).
+READS = frozenset({"GET", "LIST", "WATCH", "CONNECT"})
+HEARTBEAT_RESOURCES = frozenset({"leases", "nodes", "nodes/status"})
+
+
+def is_write(verb: str, resource: str) -> bool:
+    """A request that changed something, heartbeats aside."""
+    return verb not in READS and resource not in HEARTBEAT_RESOURCES
 
 
 def namespace_objects(objects: NamespaceObjects) -> list[tuple[Resource, dict[str, Any]]]:
@@ -266,13 +275,12 @@ async def request_counts(cluster: LocalCluster) -> Counter[str]:
 
 
 def writes(requests: dict[str, Counter[str]]) -> int:
-    """Writes the apiservers have taken, their nodes' and leaders' heartbeats aside."""
+    """Writes the apiservers have taken, heartbeats aside."""
     return sum(
         number
         for counts in requests.values()
         for request, number in counts.items()
-        if request.split(" ")[0] not in APISERVER_READS
-        and request.split(" ")[1] not in HEARTBEAT_RESOURCES
+        if is_write(*request.split(" "))
     )
 
 
@@ -321,12 +329,6 @@ def wait_log(path: Path, marker: str, after: int, timeout: float = 300) -> float
     raise TimeoutError(f"{marker!r} not in {path}")
 
 
-# Writes a restarted virtual node makes that are not its resync's: the node's heartbeat.
-HEARTBEAT_RESOURCES = frozenset({"leases", "nodes", "nodes/status"})
-READS = frozenset({"GET", "WATCH"})
-APISERVER_READS = READS | {"LIST", "CONNECT"}
-
-
 def metric_samples(port: int) -> list[tuple[str, dict[str, str], float]]:
     """The samples a component serves at /metrics on its health port."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
@@ -363,10 +365,8 @@ def wait_resynced(port: int, pods: int, timeout: float = 600) -> tuple[float, Co
         if done >= pods and depth == 0:
             writes: Counter[str] = Counter()
             for name, labels, value in samples:
-                if (
-                    name == "rest_client_requests_total"
-                    and labels["verb"] not in READS
-                    and labels["resource"] not in HEARTBEAT_RESOURCES
+                if name == "rest_client_requests_total" and is_write(
+                    labels["verb"], labels["resource"]
                 ):
                     writes[f"{labels['verb']} {labels['resource']}"] += int(value)
             return time.monotonic(), +writes

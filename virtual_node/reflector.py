@@ -150,7 +150,10 @@ class Reflector:
             if selector_matches(self._selectors[(namespace, name)], labels)
         }
 
-    def _index_selector(self, namespace: str, name: str, service: Mapping[str, Any] | None) -> None:
+    def _index_selector(
+        self, namespace: str, name: str, service: Mapping[str, Any] | None
+    ) -> dict[str, str]:
+        """Indexes a Service's selector as it is now (none once it is gone); returns it."""
         before = self._selectors.pop((namespace, name), {})
         for pair in before.items():
             services = self._services_by_label[(namespace, *pair)]
@@ -162,6 +165,7 @@ class Reflector:
             self._selectors[(namespace, name)] = selector
             for pair in selector.items():
                 self._services_by_label.setdefault((namespace, *pair), set()).add(name)
+        return selector
 
     def _pod_gone(self, pod: Mapping[str, Any]) -> None:
         key, namespace = object_key(pod), pod["metadata"]["namespace"]
@@ -175,8 +179,7 @@ class Reflector:
         """A new, changed or deleted selector changes which pods need the Service."""
         ref: Key = ("services", namespace, name)
         service = self.upper_objects["services"].get(f"{namespace}/{name}")
-        self._index_selector(namespace, name, service)
-        selector = self._selectors.get((namespace, name), {})
+        selector = self._index_selector(namespace, name, service)
         for pod_key, labels in self._pod_labels.get(namespace, {}).items():
             refs = self._refs_of_pod.get(pod_key, set())
             if selector_matches(selector, labels) != (ref in refs):
