@@ -1,0 +1,358 @@
+"""Namespace quota slices over a pool of lower clusters, as pure functions.
+
+A namespace whose ResourceQuotas cap cpu and/or memory requests has a quota: per
+resource, the strictest cap. It is cut into equal slices (the size is a namespace
+annotation, 2 CPU and 4Gi by default); the number of slices is the largest over the
+capped resources of ceil(quota / size). Only capped resources count in a slice: a quota
+on cpu alone promises no memory.
+
+Slices are placed on lower clusters so that what each cluster has promised, to every
+namespace of every tenant sharing it, stays within the allocatable of its schedulable
+Ready nodes less a headroom, and only where one node could take a whole slice. Promises
+already made are kept even if the cluster has since shrunk (a node gone NotReady for a
+minute must not move a namespace away); only growth is held to the room left.
+
+Every amount is an integer: cpu in millicores, memory in bytes, quotas and slice sizes
+rounded up to them and node capacity down (500m stays 500m; VirtualCluster's
+``Quantity.Value()`` made it 1).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import orjson
+
+from kubekit.quantity import QuantityError, format_quantity, parse_quantity
+
+RESOURCES = ("cpu", "memory")
+# The quota keys that cap a resource's requests: "cpu" is the older spelling.
+_QUOTA_KEYS = {"cpu": ("requests.cpu", "cpu"), "memory": ("requests.memory", "memory")}
+# A cpu amount's unit is the millicore.
+_UNITS = {"cpu": 1000, "memory": 1}
+
+
+class SliceError(ValueError):
+    """An annotation or flag that cannot be read: the message says what to fix."""
+
+
+class Policy(enum.StrEnum):
+    # Each new slice to the cluster holding the fewest of the namespace's slices.
+    SPREAD = "spread"
+    # Each new slice to the cluster holding the most, so a namespace spans few clusters.
+    PACK = "pack"
+
+
+@dataclass(frozen=True, order=True)
+class Amount:
+    cpu: int = 0  # millicores
+    memory: int = 0  # bytes
+
+    def __add__(self, other: Amount) -> Amount:
+        return Amount(self.cpu + other.cpu, self.memory + other.memory)
+
+    def __sub__(self, other: Amount) -> Amount:
+        return Amount(self.cpu - other.cpu, self.memory - other.memory)
+
+    def times(self, count: int) -> Amount:
+        return Amount(self.cpu * count, self.memory * count)
+
+    def within(self, limit: Amount) -> bool:
+        return self.cpu <= limit.cpu and self.memory <= limit.memory
+
+    def get(self, resource: str) -> int:
+        return int(getattr(self, resource))
+
+    def quantities(self) -> dict[str, str]:
+        """The non-zero resources as Kubernetes quantities."""
+        return {
+            resource: format_quantity(Fraction(self.get(resource), _UNITS[resource]), resource)
+            for resource in RESOURCES
+            if self.get(resource)
+        }
+
+    def describe(self) -> str:
+        return ", ".join(f"{name} {value}" for name, value in self.quantities().items()) or "0"
+
+
+def amount(resources: Mapping[str, Any], round_up: bool = True) -> Amount:
+    """cpu and memory of a map of quantities (others ignored); absent means 0."""
+    values = {}
+    for resource in RESOURCES:
+        value = resources.get(resource)
+        if value is None:
+            values[resource] = 0
+            continue
+        try:
+            exact = parse_quantity(value) * _UNITS[resource]
+        except (QuantityError, TypeError, ValueError) as error:
+            raise SliceError(f"{resource}: {error}") from None
+        values[resource] = math.ceil(exact) if round_up else math.floor(exact)
+    return Amount(**values)
+
+
+# -- a namespace's quota and slices ------------------------------------------------------
+
+
+def namespace_quota(quotas: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """The strictest cap on each resource's requests over a namespace's ResourceQuotas;
+    a resource no quota caps is absent. Quotas with scopes cap only some pods and are
+    left out."""
+    caps: dict[str, int] = {}
+    for quota in quotas:
+        spec = quota.get("spec") or {}
+        if spec.get("scopes") or spec.get("scopeSelector"):
+            continue
+        hard = spec.get("hard") or {}
+        for resource, quota_keys in _QUOTA_KEYS.items():
+            for key in quota_keys:
+                if key in hard:
+                    value = amount({resource: hard[key]}).get(resource)
+                    caps[resource] = min(caps.get(resource, value), value)
+    return caps
+
+
+DEFAULT_SLICE_SIZE = Amount(cpu=2000, memory=4 * 2**30)
+
+
+def slice_size(annotation: str | None, default: Amount = DEFAULT_SLICE_SIZE) -> Amount:
+    """The slice size annotation (JSON ``{"cpu": "2", "memory": "4Gi"}``), either key
+    falling back to the default."""
+    if annotation is None:
+        return default
+    try:
+        declared = orjson.loads(annotation)
+    except orjson.JSONDecodeError as error:
+        raise SliceError(f"the slice size is not JSON: {error}") from None
+    if not isinstance(declared, dict):
+        raise SliceError('the slice size must be a JSON object like {"cpu": "2", "memory": "4Gi"}')
+    unknown = sorted(set(declared) - set(RESOURCES))
+    if unknown:
+        raise SliceError(f"the slice size has only cpu and memory, not {', '.join(unknown)}")
+    for resource, value in declared.items():
+        if not isinstance(value, str | int) or isinstance(value, bool):
+            raise SliceError(f"the slice size's {resource} must be a quantity, not {value!r}")
+    size = amount(declared)
+    for resource in declared:
+        if size.get(resource) <= 0:
+            raise SliceError(f"the slice size's {resource} must be above 0")
+    return Amount(
+        cpu=size.cpu if "cpu" in declared else default.cpu,
+        memory=size.memory if "memory" in declared else default.memory,
+    )
+
+
+def capped_size(size: Amount, quota: Mapping[str, int]) -> Amount:
+    """The part of a slice a quota caps: a resource the quota leaves free is not promised."""
+    return Amount(
+        **{resource: size.get(resource) if resource in quota else 0 for resource in RESOURCES}
+    )
+
+
+def slice_count(quota: Mapping[str, int], size: Amount) -> int:
+    return max((-(-quota[resource] // size.get(resource)) for resource in quota), default=0)
+
+
+# -- placements --------------------------------------------------------------------------
+
+
+def placement(annotation: str | None) -> dict[str, int]:
+    """The placement annotation, ``{cluster-id: slices}``; clusters with 0 left out."""
+    if annotation is None or not annotation.strip():
+        return {}
+    try:
+        declared = orjson.loads(annotation)
+    except orjson.JSONDecodeError as error:
+        raise SliceError(f"the placement is not JSON: {error}") from None
+    if not isinstance(declared, dict):
+        raise SliceError('the placement must be a JSON object like {"lower-1": 3}')
+    result = {}
+    for cluster, count in declared.items():
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise SliceError(
+                f"the placement's {cluster} must be a whole number of slices, not {count!r}"
+            )
+        if count:
+            result[cluster] = count
+    return result
+
+
+def placement_json(slices: Mapping[str, int]) -> str:
+    return orjson.dumps(
+        {cluster: slices[cluster] for cluster in sorted(slices) if slices[cluster]}
+    ).decode()
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """What a cluster keeps out of every promise: a share of its capacity, or an amount."""
+
+    percent: Fraction = Fraction(0)
+    amount: Amount = Amount()
+
+    def of(self, capacity: Amount) -> Amount:
+        return self.amount + Amount(
+            cpu=math.ceil(capacity.cpu * self.percent / 100),
+            memory=math.ceil(capacity.memory * self.percent / 100),
+        )
+
+
+def headroom(text: str) -> Headroom:
+    """``10%``, ``0``, or ``cpu=2,memory=4Gi`` (a resource left out keeps none)."""
+    text = text.strip()
+    if text.endswith("%"):
+        try:
+            percent = Fraction(text[:-1])
+        except ValueError:
+            raise SliceError(f"not a percentage: {text!r}") from None
+        if not 0 <= percent < 100:
+            raise SliceError(f"a headroom percentage must be from 0 to below 100, not {text}")
+        return Headroom(percent=percent)
+    if text == "0":
+        return Headroom()
+    declared: dict[str, str] = {}
+    for part in text.split(","):
+        resource, equals, value = part.partition("=")
+        resource = resource.strip()
+        if not equals or resource not in RESOURCES or resource in declared:
+            raise SliceError(f"a headroom is N% or cpu=QUANTITY,memory=QUANTITY, not {text!r}")
+        declared[resource] = value.strip()
+    held = amount(declared)
+    if held.cpu < 0 or held.memory < 0:
+        raise SliceError(f"a headroom cannot be negative: {text!r}")
+    return Headroom(amount=held)
+
+
+@dataclass(frozen=True)
+class ClusterRoom:
+    """What one lower cluster can promise a namespace."""
+
+    cluster: str
+    # Allocatable of each schedulable Ready node.
+    nodes: tuple[Amount, ...]
+    # Promised to every other namespace, of every tenant.
+    promised_to_others: Amount
+    headroom: Headroom = Headroom()
+
+    @property
+    def allocatable(self) -> Amount:
+        return sum(self.nodes, Amount())
+
+    @property
+    def limit(self) -> Amount:
+        """The most this cluster promises in all."""
+        capacity = self.allocatable
+        return capacity - self.headroom.of(capacity)
+
+    def slots(self, size: Amount) -> int:
+        """How many slices of this size the namespace may hold here in all."""
+        if not any(size.within(node) for node in self.nodes):
+            return 0
+        left = self.limit - self.promised_to_others
+        counts = [
+            left.get(resource) // size.get(resource) for resource in RESOURCES if size.get(resource)
+        ]
+        return max(0, min(counts)) if counts else 0
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """The namespace's slices cannot all be placed: the placement stays as it was."""
+
+    wanted: int
+    placeable: int
+    message: str
+
+
+def _shortfall(
+    count: int, size: Amount, rooms: Sequence[ClusterRoom], current: Mapping[str, int]
+) -> Shortfall:
+    slots = {room.cluster: room.slots(size) for room in rooms}
+    placeable = sum(max(slots.get(name, 0), current.get(name, 0)) for name in {*slots, *current})
+    missing = count - placeable
+    where = "; ".join(
+        f"{room.cluster}: room for {slots[room.cluster]} (can promise {room.limit.describe()}, "
+        f"{room.promised_to_others.describe()} promised to others"
+        + ("" if any(size.within(node) for node in room.nodes) else ", no node takes a slice")
+        + ")"
+        for room in rooms
+    )
+    return Shortfall(
+        wanted=count,
+        placeable=placeable,
+        message=(
+            f"{count} slices of {size.describe()} wanted, room for {placeable}: "
+            f"{missing} missing ({size.times(missing).describe()}). {where or 'no lower clusters'}"
+        ),
+    )
+
+
+def place(
+    count: int,
+    size: Amount,
+    rooms: Sequence[ClusterRoom],
+    current: Mapping[str, int],
+    used: Mapping[str, int] | None = None,
+    policy: Policy = Policy.SPREAD,
+) -> dict[str, int] | Shortfall:
+    """Where a namespace's ``count`` slices go, starting from where they are.
+
+    ``current`` is kept (a cluster gone from the pool is for the caller to leave out);
+    slices are added by the policy (ties by the most room left, then the name) or taken
+    back from the clusters where the most of them are unused (``used``: slices' worth of
+    the namespace's pod requests in each cluster, rounded up), ties by name. A cluster missing from
+    ``rooms`` (its estimator did not answer) keeps its slices and takes no new ones."""
+    used = used or {}
+    slots = {room.cluster: room.slots(size) for room in rooms}
+    result = {cluster: held for cluster, held in current.items() if held > 0}
+    surplus = sum(result.values()) - count
+    while surplus > 0:
+        cluster = min(result, key=lambda name: (used.get(name, 0) - result[name], name))
+        result[cluster] -= 1
+        if not result[cluster]:
+            del result[cluster]
+        surplus -= 1
+    held_order = 1 if policy is Policy.SPREAD else -1
+    for _ in range(-surplus):
+        open_clusters = [name for name in slots if result.get(name, 0) < slots[name]]
+        if not open_clusters:
+            return _shortfall(count, size, rooms, current)
+        cluster = min(
+            open_clusters,
+            key=lambda name: (
+                held_order * result.get(name, 0),
+                result.get(name, 0) - slots[name],
+                name,
+            ),
+        )
+        result[cluster] = result.get(cluster, 0) + 1
+    return result
+
+
+def check_edit(
+    edited: Mapping[str, int],
+    count: int,
+    size: Amount,
+    rooms: Sequence[ClusterRoom],
+    current: Mapping[str, int],
+) -> str | None:
+    """Why a placement a user wrote cannot be honoured, or None."""
+    known = {room.cluster: room for room in rooms}
+    unknown = sorted(set(edited) - set(known) - set(current))
+    if unknown:
+        pool = ", ".join(sorted(known)) or "none"
+        return f"no lower cluster {', '.join(unknown)} in the pool (clusters: {pool})"
+    total = sum(edited.values())
+    if total != count:
+        return f"the placement holds {total} slices, the quota makes {count}"
+    for cluster, held in sorted(edited.items()):
+        room = known.get(cluster)
+        allowed = max(current.get(cluster, 0), room.slots(size) if room else 0)
+        if held > allowed:
+            return f"{cluster} has room for {allowed} slices of {size.describe()}, not {held}"
+    return None

@@ -1,0 +1,233 @@
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kubekit.slices import (
+    Amount,
+    ClusterRoom,
+    Headroom,
+    Policy,
+    Shortfall,
+    SliceError,
+    capped_size,
+    check_edit,
+    headroom,
+    namespace_quota,
+    place,
+    placement,
+    placement_json,
+    slice_count,
+    slice_size,
+)
+
+GI = 2**30
+SLICE = Amount(cpu=2000, memory=4 * GI)
+NOTHING = Amount()
+
+
+def quota(hard: dict[str, str], **spec: object) -> dict[str, object]:
+    return {"spec": {"hard": hard, **spec}}
+
+
+def room(
+    cluster: str, *cpus: int, promised: Amount = NOTHING, memory: int = 64 * GI
+) -> ClusterRoom:
+    return ClusterRoom(cluster, tuple(Amount(cpu * 1000, memory) for cpu in cpus), promised)
+
+
+# -- quota and slice arithmetic -----------------------------------------------------------
+
+
+def test_the_strictest_cap_per_resource_counts_and_scoped_quotas_do_not() -> None:
+    quotas = [
+        quota({"requests.cpu": "10", "requests.memory": "20Gi"}),
+        quota({"cpu": "8", "pods": "100"}),
+        quota({"requests.cpu": "1"}, scopes=["BestEffort"]),
+        quota({"requests.memory": "1Gi"}, scopeSelector={"matchExpressions": []}),
+    ]
+    assert namespace_quota(quotas) == {"cpu": 8000, "memory": 20 * GI}
+    assert namespace_quota([quota({"pods": "10"})]) == {}
+
+
+def test_millicores_are_exact_and_rounded_up() -> None:
+    assert namespace_quota([quota({"requests.cpu": "500m"})]) == {"cpu": 500}
+    assert namespace_quota([quota({"requests.cpu": "0.0005"})]) == {"cpu": 1}
+    assert slice_count({"cpu": 500}, Amount(cpu=250, memory=GI)) == 2
+    # 500m is not 1 CPU (VirtualCluster's Quantity.Value() made it so).
+    assert slice_count({"cpu": 2500}, Amount(cpu=500, memory=GI)) == 5
+
+
+def test_slices_are_the_largest_ceiling_over_capped_resources() -> None:
+    assert slice_count({"cpu": 10_000, "memory": 8 * GI}, SLICE) == 5
+    assert slice_count({"cpu": 10_000, "memory": 30 * GI}, SLICE) == 8
+    assert slice_count({"cpu": 10_001}, SLICE) == 6
+    assert slice_count({}, SLICE) == 0
+    assert slice_count({"cpu": 0}, SLICE) == 0
+
+
+def test_only_capped_resources_are_in_a_slice() -> None:
+    assert capped_size(SLICE, {"cpu": 1}) == Amount(cpu=2000)
+    assert capped_size(SLICE, {"cpu": 1, "memory": 1}) == SLICE
+
+
+@pytest.mark.parametrize(
+    ("annotation", "expected"),
+    [
+        (None, SLICE),
+        ('{"cpu": "1", "memory": "2Gi"}', Amount(1000, 2 * GI)),
+        ('{"cpu": "500m"}', Amount(500, 4 * GI)),
+        ('{"memory": "1Gi"}', Amount(2000, GI)),
+        ('{"cpu": 3}', Amount(3000, 4 * GI)),
+    ],
+)
+def test_slice_size(annotation: str | None, expected: Amount) -> None:
+    assert slice_size(annotation) == expected
+
+
+@pytest.mark.parametrize(
+    ("annotation", "message"),
+    [
+        ("{", "not JSON"),
+        ('["2"]', "JSON object"),
+        ('{"gpu": "1"}', "not gpu"),
+        ('{"cpu": "0"}', "above 0"),
+        ('{"cpu": "-1"}', "above 0"),
+        ('{"cpu": true}', "quantity"),
+        ('{"memory": "lots"}', "invalid quantity"),
+    ],
+)
+def test_a_bad_slice_size_says_what_is_wrong(annotation: str, message: str) -> None:
+    with pytest.raises(SliceError, match=message):
+        slice_size(annotation)
+
+
+def test_placement_annotation_round_trip_and_errors() -> None:
+    assert placement(None) == {}
+    assert placement(" ") == {}
+    assert placement('{"b": 2, "a": 0, "c": 1}') == {"b": 2, "c": 1}
+    assert placement_json({"b": 2, "a": 0, "c": 1}) == '{"b":2,"c":1}'
+    for bad in ('{"a": -1}', '{"a": 1.5}', '{"a": "2"}', "[1]", "{"):
+        with pytest.raises(SliceError):
+            placement(bad)
+
+
+def test_headroom_forms() -> None:
+    assert headroom("10%") == Headroom(percent=Fraction(10))
+    assert headroom("0") == Headroom()
+    assert headroom("cpu=2,memory=4Gi") == Headroom(amount=SLICE)
+    assert headroom("cpu=500m") == Headroom(amount=Amount(cpu=500))
+    assert Headroom(percent=Fraction(10)).of(Amount(6000, 10)) == Amount(600, 1)
+    for bad in ("100%", "-1%", "x%", "gpu=1", "cpu=1,cpu=2", "cpu", "cpu=-1"):
+        with pytest.raises(SliceError):
+            headroom(bad)
+
+
+# -- placement ----------------------------------------------------------------------------
+
+
+def test_a_cluster_promises_allocatable_less_headroom_and_others_promises() -> None:
+    cluster = ClusterRoom("a", (Amount(4000, 64 * GI), Amount(4000, 64 * GI)), Amount(2000, 0))
+    assert cluster.slots(SLICE) == 3
+    with_headroom = ClusterRoom(cluster.cluster, cluster.nodes, Amount(), Headroom(Fraction(10)))
+    assert with_headroom.limit == Amount(7200, int(128 * GI * 0.9))
+    assert with_headroom.slots(SLICE) == 3
+    # No node takes a whole slice: none is promised, whatever the sum.
+    assert room("small", *([1] * 10)).slots(SLICE) == 0
+    assert room("a", 10, memory=6 * GI).slots(SLICE) == 1
+
+
+def test_ten_cpus_of_two_cpu_slices_over_two_six_cpu_clusters() -> None:
+    rooms = [room("lower-1", 2, 2, 2), room("lower-2", 2, 2, 2)]
+    count = slice_count({"cpu": 10_000}, SLICE)
+    assert place(count, SLICE, rooms, {}) == {"lower-1": 3, "lower-2": 2}
+    assert place(count, SLICE, rooms, {}, policy=Policy.PACK) == {"lower-1": 3, "lower-2": 2}
+    assert place(2, SLICE, rooms, {}, policy=Policy.PACK) == {"lower-1": 2}
+    assert place(2, SLICE, rooms, {}) == {"lower-1": 1, "lower-2": 1}
+
+
+def test_spread_prefers_the_roomiest_on_a_tie_and_pack_fills_one() -> None:
+    rooms = [room("a", 4), room("b", 8)]
+    assert place(1, SLICE, rooms, {}) == {"b": 1}
+    assert place(3, SLICE, rooms, {}, policy=Policy.PACK) == {"b": 3}
+
+
+def test_raising_adds_and_lowering_takes_back_where_least_used() -> None:
+    rooms = [room("a", 8), room("b", 8)]
+    assert place(5, SLICE, rooms, {"a": 1, "b": 1}) == {"a": 3, "b": 2}
+    assert place(2, SLICE, rooms, {"a": 2, "b": 2}, used={"a": 2, "b": 0}) == {"a": 2}
+    assert place(3, SLICE, rooms, {"a": 2, "b": 2}, used={"a": 1, "b": 1}) == {"a": 1, "b": 2}
+    assert place(0, SLICE, rooms, {"a": 2}) == {}
+
+
+def test_promises_made_are_kept_when_a_cluster_shrinks_or_does_not_answer() -> None:
+    assert place(4, SLICE, [room("a", 2)], {"a": 4}) == {"a": 4}
+    assert place(3, SLICE, [room("b", 4)], {"gone-quiet": 1}) == {"gone-quiet": 1, "b": 2}
+
+
+def test_a_shortfall_keeps_the_placement_and_says_what_is_missing() -> None:
+    rooms = [room("a", 2, 2), room("b", 1, 1, 1, 1)]
+    result = place(3, SLICE, rooms, {"a": 1})
+    assert isinstance(result, Shortfall)
+    assert (result.wanted, result.placeable) == (3, 2)
+    assert "1 missing (cpu 2, memory 4Gi)" in result.message
+    assert "a: room for 2" in result.message
+    assert "b: room for 0" in result.message and "no node takes a slice" in result.message
+
+
+def test_an_edit_is_checked_against_the_room() -> None:
+    rooms = [room("a", 4), room("b", 4, promised=Amount(2000, 0))]
+    assert check_edit({"a": 2, "b": 1}, 3, SLICE, rooms, {}) is None
+    assert "holds 2 slices, the quota makes 3" in str(check_edit({"a": 2}, 3, SLICE, rooms, {}))
+    assert "b has room for 1" in str(check_edit({"a": 1, "b": 2}, 3, SLICE, rooms, {}))
+    assert "no lower cluster c" in str(check_edit({"c": 3}, 3, SLICE, rooms, {}))
+    # Slices already held there stay allowed even if the cluster has shrunk since.
+    assert check_edit({"a": 1, "b": 2}, 3, SLICE, rooms, {"b": 2}) is None
+
+
+@st.composite
+def pools(draw: st.DrawFn) -> tuple[list[ClusterRoom], Amount, int, dict[str, int], Policy]:
+    clusters = draw(st.integers(1, 4))
+    rooms = []
+    for index in range(clusters):
+        nodes = tuple(
+            Amount(draw(st.integers(0, 16)) * 500, draw(st.integers(0, 32)) * GI // 2)
+            for _ in range(draw(st.integers(0, 5)))
+        )
+        promised = Amount(draw(st.integers(0, 20)) * 500, draw(st.integers(0, 40)) * GI // 2)
+        percent = Fraction(draw(st.sampled_from([0, 10, 25])))
+        rooms.append(ClusterRoom(f"c{index}", nodes, promised, Headroom(percent=percent)))
+    size = Amount(draw(st.integers(1, 8)) * 500, draw(st.integers(0, 8)) * GI // 2)
+    current = {
+        room.cluster: held
+        for room in rooms
+        if (held := draw(st.integers(0, 3))) and draw(st.booleans())
+    }
+    return rooms, size, draw(st.integers(0, 12)), current, draw(st.sampled_from(list(Policy)))
+
+
+@settings(max_examples=400, deadline=None)
+@given(pools())
+def test_placement_never_grows_a_promise_past_the_room_and_is_stable(
+    pool: tuple[list[ClusterRoom], Amount, int, dict[str, int], Policy],
+) -> None:
+    rooms, size, count, current, policy = pool
+    result = place(count, size, rooms, current, policy=policy)
+    assert result == place(count, size, rooms, current, policy=policy)
+    if isinstance(result, Shortfall):
+        # A shortfall only when the room, brute-forced, is short.
+        room_for = sum(max(room.slots(size), current.get(room.cluster, 0)) for room in rooms)
+        assert room_for < count
+        return
+    assert sum(result.values()) == count
+    for room in rooms:
+        held = result.get(room.cluster, 0)
+        if held > current.get(room.cluster, 0):
+            # What grew stays within what the cluster can promise beside the others.
+            assert (room.promised_to_others + size.times(held)).within(room.limit)
+            assert any(size.within(node) for node in room.nodes)
+    # Placing again from the result changes nothing.
+    assert place(count, size, rooms, result, policy=policy) == result
