@@ -39,12 +39,9 @@ from descheduler.rescue import (
 from kubekit import keys, metrics
 from kubekit.client import (
     API_ERRORS,
-    CONFIGMAPS,
     PODS,
     ApiError,
     KubeClient,
-    is_conflict,
-    is_not_found,
 )
 from kubekit.estimatorapi.estimator_pb2 import (
     DefragmentRequest,
@@ -274,35 +271,12 @@ class Descheduler:
         assert owner is not None, "only a controller's pod is evicted"
         now = self.now()
         until = now + timedelta(seconds=self.policy.return_after)
-        for attempt in range(1, RECORD_ATTEMPTS + 1):
-            try:
-                current = await self.client.get(
-                    CONFIGMAPS, keys.MOVES_CONFIGMAP, namespace=keys.SYSTEM_NAMESPACE
-                )
-            except ApiError as error:
-                if not is_not_found(error):
-                    raise
-                current = {"metadata": {}}
-            moves = parse_moves(current.get("data") or {})
-            body = {
-                "apiVersion": "v1",
-                "kind": "ConfigMap",
-                "metadata": {
-                    "name": keys.MOVES_CONFIGMAP,
-                    "namespace": keys.SYSTEM_NAMESPACE,
-                    **current["metadata"],
-                },
-                "data": record_move(moves, owner, stuck.node, until, now),
-            }
-            try:
-                if "resourceVersion" in current["metadata"]:
-                    await self.client.replace(CONFIGMAPS, body, namespace=keys.SYSTEM_NAMESPACE)
-                else:
-                    await self.client.create(CONFIGMAPS, body, namespace=keys.SYSTEM_NAMESPACE)
-                return
-            except ApiError as error:
-                if not is_conflict(error) or attempt == RECORD_ATTEMPTS:
-                    raise
+        await self.client.update_configmap_data(
+            keys.SYSTEM_NAMESPACE,
+            keys.MOVES_CONFIGMAP,
+            lambda data: record_move(parse_moves(data), owner, stuck.node, until, now),
+            RECORD_ATTEMPTS,
+        )
 
     async def _evict_stuck(self, move: Move) -> None:
         stuck = move.stuck

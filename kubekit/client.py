@@ -14,7 +14,7 @@ import contextlib
 import json
 import ssl
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -383,6 +383,41 @@ class KubeClient:
             body=patch,
             content_type=patch_type,
         )
+
+    async def update_configmap_data(
+        self,
+        namespace: str,
+        name: str,
+        change: Callable[[dict[str, str]], dict[str, str]],
+        attempts: int = 5,
+    ) -> dict[str, str]:
+        """Read-modify-write of a ConfigMap's data, made on first use: ``change`` gets the
+        data read and returns what to write (or raises to give up). A write that lost a
+        race (409) is made again on what won, up to ``attempts`` times."""
+        for attempt in range(1, attempts + 1):
+            try:
+                current = await self.get(CONFIGMAPS, name, namespace)
+            except ApiError as error:
+                if not is_not_found(error):
+                    raise
+                current = {"metadata": {}}
+            data = change(dict(current.get("data") or {}))
+            body = {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {"name": name, "namespace": namespace, **current["metadata"]},
+                "data": data,
+            }
+            try:
+                if "resourceVersion" in current["metadata"]:
+                    await self.replace(CONFIGMAPS, body, namespace)
+                else:
+                    await self.create(CONFIGMAPS, body, namespace)
+                return data
+            except ApiError as error:
+                if not is_conflict(error) or attempt == attempts:
+                    raise
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def delete(
         self,

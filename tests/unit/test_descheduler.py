@@ -35,7 +35,7 @@ from descheduler.rescue import (
     within_limits,
 )
 from kubekit import keys
-from kubekit.client import CONFIGMAPS, NODES, PODDISRUPTIONBUDGETS, PODS, ApiError
+from kubekit.client import CONFIGMAPS, NODES, PODDISRUPTIONBUDGETS, PODS, ApiError, KubeClient
 from kubekit.estimatorapi.estimator_pb2 import (
     DefragmentRequest,
     DefragmentResponse,
@@ -358,6 +358,9 @@ class FakeClient:
                 raise ApiError(404, {"reason": "NotFound", "message": "not found"})
             return self.moves
         return self.created[name]
+
+    # The real read-modify-write, over this fake's get, create and replace.
+    update_configmap_data = KubeClient.update_configmap_data
 
     async def delete_exact(self, resource: Any, obj: dict[str, Any]) -> None:
         metadata = obj["metadata"]
