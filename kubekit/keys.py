@@ -92,3 +92,14 @@ DESCHEDULER_NEVER = "never"
 MOVES_CONFIGMAP = "kubestrata-moves"
 # On a bare pod the descheduler re-created in another cluster: the UID of the original.
 COPY_OF_ANNOTATION = f"{PREFIX}/copy-of"
+
+# Quota slices (kubekit.slices). On upper namespaces: the size of a slice (JSON
+# {"cpu": "2", "memory": "4Gi"}), the placement ({cluster-id: slices}, which users may
+# edit), and what the multischeduler last applied (JSON, so an edit is told from it).
+SLICE_SIZE_ANNOTATION = f"{PREFIX}/slice-size"
+SLICE_PLACEMENT_ANNOTATION = f"{PREFIX}/slice-placement"
+SLICE_APPLIED_ANNOTATION = f"{PREFIX}/slice-applied"
+# In each lower cluster's SYSTEM_NAMESPACE: what it promised every sliced namespace of
+# every tenant; and in each sliced lower namespace, the ResourceQuota holding it to that.
+SLICE_LEDGER_CONFIGMAP = "kubestrata-slices"
+SLICE_QUOTA = "kubestrata-slices"

@@ -1,4 +1,5 @@
-"""Events our components write about an upper pod, as `kubectl describe pod` lists them."""
+"""Events our components write about an upper pod, as `kubectl describe pod` lists them,
+or about a namespace."""
 
 from __future__ import annotations
 
@@ -22,17 +23,21 @@ def pod_event(
     message: str,
     source: Mapping[str, str],
     now: str,
+    kind: str = "Pod",
 ) -> JSON:
     metadata = pod["metadata"]
+    # A Namespace's events are kept in it (the apiserver wants the involved object's
+    # namespace to be the event's), where its users list them.
+    namespace = metadata["name"] if kind == "Namespace" else metadata["namespace"]
     return {
         "apiVersion": "v1",
         "kind": "Event",
-        "metadata": {"generateName": f"{metadata['name']}.", "namespace": metadata["namespace"]},
+        "metadata": {"generateName": f"{metadata['name']}.", "namespace": namespace},
         "involvedObject": {
             "apiVersion": "v1",
-            "kind": "Pod",
+            "kind": kind,
             "name": metadata["name"],
-            "namespace": metadata["namespace"],
+            "namespace": namespace,
             "uid": metadata["uid"],
         },
         "type": event_type,
@@ -52,11 +57,12 @@ async def record_pod_event(
     reason: str,
     message: str,
     source: Mapping[str, str],
+    kind: str = "Pod",
 ) -> None:
     """Creates the event; one that cannot be written is logged, since an event is news,
     not state, and its loss must not stop the work it tells of."""
-    body = pod_event(pod, event_type, reason, message, source, now_rfc3339())
+    body = pod_event(pod, event_type, reason, message, source, now_rfc3339(), kind)
     try:
-        await client.create(EVENTS, body, pod["metadata"]["namespace"])
+        await client.create(EVENTS, body, body["metadata"]["namespace"])
     except ApiError as error:
         log.warning("event %s on %s not recorded: %s", reason, object_key(pod), error)

@@ -356,3 +356,146 @@ def check_edit(
         if held > allowed:
             return f"{cluster} has room for {allowed} slices of {size.describe()}, not {held}"
     return None
+
+
+# -- the lower cluster's record of its promises ------------------------------------------
+# One ConfigMap in each lower cluster (keys.SLICE_LEDGER_CONFIGMAP): per lower namespace,
+# the upper namespace and cluster (origin) it stands for and the slices promised to it.
+# Every tenant's virtual node writes it with its resourceVersion, so the lower apiserver
+# serializes two tenants' promises.
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    namespace: str
+    origin: str
+    slices: int
+    size: Amount
+
+    @property
+    def promised(self) -> Amount:
+        return self.size.times(self.slices)
+
+    def encode(self) -> str:
+        return orjson.dumps(
+            {
+                "namespace": self.namespace,
+                "origin": self.origin,
+                "slices": self.slices,
+                "size": {"cpu": self.size.cpu, "memory": self.size.memory},
+            }
+        ).decode()
+
+
+def ledger_entry(key: str, text: str) -> LedgerEntry:
+    try:
+        entry = orjson.loads(text)
+        size = entry["size"]
+        result = LedgerEntry(
+            namespace=str(entry["namespace"]),
+            origin=str(entry["origin"]),
+            slices=int(entry["slices"]),
+            size=Amount(cpu=int(size["cpu"]), memory=int(size["memory"])),
+        )
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as error:
+        raise SliceError(f"the ledger's entry {key} cannot be read: {error!r}") from None
+    if result.slices < 0 or result.size.cpu < 0 or result.size.memory < 0:
+        raise SliceError(f"the ledger's entry {key} is negative")
+    return result
+
+
+def promised_to_others(ledger: Mapping[str, str], excluded: str) -> Amount:
+    """What the ledger promises every lower namespace but one. An entry that cannot be
+    read is an error, not nothing: counting it as 0 could promise its room twice."""
+    return sum(
+        (ledger_entry(key, text).promised for key, text in ledger.items() if key != excluded),
+        Amount(),
+    )
+
+
+def quota_hard(entry: LedgerEntry) -> dict[str, str]:
+    """The lower ResourceQuota that holds a namespace to its promised slices."""
+    promised = entry.promised
+    hard = {}
+    if entry.size.cpu:
+        hard["requests.cpu"] = promised.quantities().get("cpu", "0")
+    if entry.size.memory:
+        hard["requests.memory"] = promised.quantities().get("memory", "0")
+    return hard
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What the multischeduler last promised a namespace (its own annotation): an edit of
+    the placement is told apart from it, and a changed slice size from its size."""
+
+    size: Amount
+    slices: Mapping[str, int]
+
+    def encode(self) -> str:
+        return orjson.dumps(
+            {"size": {"cpu": self.size.cpu, "memory": self.size.memory}, "placement": self.slices}
+        ).decode()
+
+
+def applied(annotation: str | None) -> Applied | None:
+    """The applied annotation, or None when absent or not ours to read (then nothing is
+    known to be promised, and the namespace is placed afresh)."""
+    if not annotation:
+        return None
+    try:
+        decoded = orjson.loads(annotation)
+        size = Amount(cpu=int(decoded["size"]["cpu"]), memory=int(decoded["size"]["memory"]))
+        slices = placement(orjson.dumps(decoded["placement"]).decode())
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+    return Applied(size, slices)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where a namespace's slices go now, and an edit of the placement refused (why)."""
+
+    target: dict[str, int] | Shortfall
+    refused_edit: str | None = None
+
+
+def decide(
+    written: str | None,
+    before: Applied | None,
+    count: int,
+    size: Amount,
+    rooms: Sequence[ClusterRoom],
+    current: Mapping[str, int],
+    used: Mapping[str, int],
+    policy: Policy = Policy.SPREAD,
+) -> Decision:
+    """The placement from the annotation as written (``written``) and what was promised
+    (``before``, ``current``): the multischeduler's own annotation is placed on from
+    where it is; a user's edit is honoured if feasible, else refused and the slices
+    stay where they were; a cleared annotation places the namespace afresh."""
+    ours = placement_json(before.slices) if before is not None else None
+    if written is None or written == ours:
+        return Decision(place(count, size, rooms, current, used, policy))
+    try:
+        edited = placement(written)
+    except SliceError as error:
+        return Decision(place(count, size, rooms, current, used, policy), str(error))
+    if not edited:
+        return Decision(place(count, size, rooms, {}, used, policy))
+    refusal = check_edit(edited, count, size, rooms, current)
+    if refusal is not None:
+        return Decision(place(count, size, rooms, current, used, policy), refusal)
+    return Decision(dict(edited))
+
+
+def slices_of(used: Amount, size: Amount) -> int:
+    """Slices' worth of requests, rounded up."""
+    return max(
+        (
+            -(-used.get(resource) // size.get(resource))
+            for resource in RESOURCES
+            if size.get(resource)
+        ),
+        default=0,
+    )

@@ -30,7 +30,11 @@ from kubekit.estimatorapi.estimator_pb2 import (
     FitInTurnResponse,
     HoldRequest,
     PodQuery,
+    PromiseSlicesRequest,
+    PromiseSlicesResponse,
     ReleaseRequest,
+    SliceRoomRequest,
+    SliceRoomResponse,
 )
 from kubekit.estimatorapi.estimator_pb2_grpc import EstimatorStub
 from kubekit.informer import FunctionHandler
@@ -307,6 +311,26 @@ class EstimatorPool:
             name, lambda stub, metadata: stub.Hold(request, timeout=timeout, metadata=metadata)
         )
         return answer if isinstance(answer, EstimatorFailure) else None
+
+    async def slice_room(
+        self, name: str, namespace: str, timeout: float
+    ) -> SliceRoomResponse | EstimatorFailure:
+        request = SliceRoomRequest(namespace=namespace)
+        return self._same_cluster(
+            name,
+            await self._call(
+                name,
+                lambda stub, metadata: stub.SliceRoom(request, timeout=timeout, metadata=metadata),
+            ),
+        )
+
+    async def promise_slices(
+        self, name: str, request: PromiseSlicesRequest, timeout: float
+    ) -> PromiseSlicesResponse | EstimatorFailure:
+        return await self._call(
+            name,
+            lambda stub, metadata: stub.PromiseSlices(request, timeout=timeout, metadata=metadata),
+        )
 
     def release(self, names: Iterable[str], uid: str) -> None:
         """Gives back the room held for pod ``uid`` on these nodes with the next call to

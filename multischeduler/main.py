@@ -14,7 +14,7 @@ from aiohttp import web
 
 from kubekit import keys, logs
 from kubekit.certreload import start_https_site
-from kubekit.client import NODES, PODS, ClientSettings, KubeClient
+from kubekit.client import NAMESPACES, NODES, PODS, RESOURCEQUOTAS, ClientSettings, KubeClient
 from kubekit.component import run_component
 from kubekit.informer import Informer
 from kubekit.serving import (
@@ -23,6 +23,7 @@ from kubekit.serving import (
     check_serving_arguments,
     serving,
 )
+from kubekit.slices import Policy, SliceError
 from multischeduler.estimators import (
     EstimatorClient,
     add_estimator_client_arguments,
@@ -30,6 +31,7 @@ from multischeduler.estimators import (
 )
 from multischeduler.extender import BindingArgs, OnEstimatorError, Score, binding_body
 from multischeduler.server import Extender, make_app
+from multischeduler.slicing import Headrooms, SliceController, headrooms
 
 log = logging.getLogger("multischeduler")
 
@@ -48,6 +50,8 @@ class Config:
     estimator_timeout: float
     on_estimator_error: OnEstimatorError
     score: Score
+    slice_headroom: Headrooms
+    slice_policy: Policy
 
 
 def _seconds(text: str) -> float:
@@ -91,8 +95,27 @@ def parse_args(argv: Sequence[str]) -> Config:
         help="best-fit prefers the cluster left with the least stranded room on the node the "
         "pod takes; least-allocated the emptiest (default %(default)s)",
     )
+    parser.add_argument(
+        "--slice-headroom",
+        action="append",
+        default=[],
+        metavar="[CLUSTER:]HEADROOM",
+        help="what a lower cluster keeps out of the quota slices it promises: N%%, 0, or "
+        "cpu=Q,memory=Q; CLUSTER: for one cluster (repeatable; default 10%%)",
+    )
+    parser.add_argument(
+        "--slice-policy",
+        choices=[choice.value for choice in Policy],
+        default=Policy.SPREAD.value,
+        help="new slices go to the cluster holding the fewest of the namespace's (spread) "
+        "or the most (pack) (default %(default)s)",
+    )
     logs.add_arguments(parser)
     args = parser.parse_args(argv)
+    try:
+        slice_headroom = headrooms(args.slice_headroom)
+    except SliceError as error:
+        parser.error(f"--slice-headroom: {error}")
     logs.configure(args.log_level, args.log_format)
     check_serving_arguments(parser, args)
     estimators = estimator_client(parser, args)
@@ -108,6 +131,8 @@ def parse_args(argv: Sequence[str]) -> Config:
         estimator_timeout=args.estimator_timeout,
         on_estimator_error=OnEstimatorError(args.on_estimator_error),
         score=Score(args.score),
+        slice_headroom=slice_headroom,
+        slice_policy=Policy(args.slice_policy),
     )
 
 
@@ -123,7 +148,21 @@ async def run(config: Config) -> None:
             client, NODES, label_selector=f"{keys.NODE_TYPE_LABEL}={keys.NODE_TYPE_VIRTUAL}"
         )
         nodes.add_handler(pool.handler())
-        watching = asyncio.create_task(nodes.run(), name=repr(nodes))
+        namespaces = Informer(client, NAMESPACES)
+        quotas = Informer(client, RESOURCEQUOTAS)
+        slicing = SliceController(
+            client,
+            namespaces,
+            quotas,
+            pool,
+            headroom=config.slice_headroom,
+            policy=config.slice_policy,
+            timeout=config.estimator_timeout,
+        )
+        watching = [
+            asyncio.create_task(informer.run(), name=repr(informer))
+            for informer in (nodes, namespaces, quotas)
+        ]
         extender = Extender(
             pool,
             bind,
@@ -146,14 +185,17 @@ async def run(config: Config) -> None:
                 config.port,
                 len(pool.nodes),
             )
+            await asyncio.gather(namespaces.wait_synced(), quotas.wait_synced())
             # Until a signal cancels the task, which the finally below cleans up after.
-            await asyncio.Future()
+            await slicing.run()
         finally:
             if reloading is not None:
                 reloading.cancel()
             await runner.cleanup()
-            watching.cancel()
-            await asyncio.gather(watching, return_exceptions=True)
+            slicing.queue.shut_down()
+            for task in watching:
+                task.cancel()
+            await asyncio.gather(*watching, return_exceptions=True)
             await pool.close()
 
 

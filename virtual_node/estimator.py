@@ -23,13 +23,16 @@ from google.protobuf.message import DecodeError
 
 from kubekit import keys, metrics, pki
 from kubekit.certreload import CertificateFiles
+from kubekit.client import API_ERRORS
 from kubekit.clusterstate import ClusterState, Estimate
 from kubekit.estimatorapi import estimator_pb2, estimator_pb2_grpc
 from kubekit.fit import PodFacts
 from kubekit.informer import FunctionHandler, Informer, object_key
+from kubekit.slices import Amount, SliceError
 from virtual_node.capacity import pod_holds_resources
 from virtual_node.kubeletapi.auth import AuthError, Authorizer
-from virtual_node.naming import NamespaceMapping
+from virtual_node.naming import NamespaceMapping, NamingError
+from virtual_node.promises import PromiseRefused, SlicePromises
 from virtual_node.translate import Ownership, desired_lower_pod
 
 log = logging.getLogger(__name__)
@@ -308,10 +311,17 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
     (TokenReview) and need ``get`` on this node's ``nodes/estimator`` (a
     SubjectAccessReview): the kubelet API's checks, with their caches."""
 
-    def __init__(self, estimator: FitEstimator, authorizer: Authorizer, cluster_id: str) -> None:
+    def __init__(
+        self,
+        estimator: FitEstimator,
+        authorizer: Authorizer,
+        cluster_id: str,
+        promises: SlicePromises | None = None,
+    ) -> None:
         self.estimator = estimator
         self.authorizer = authorizer
         self.cluster_id = cluster_id
+        self.promises = promises
 
     async def _check_caller(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         metadata = {key: value for key, value in context.invocation_metadata() or ()}
@@ -407,6 +417,64 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
         except QueryError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         return estimator_pb2.HoldResponse()
+
+    async def _slice_promises(
+        self, context: grpc.aio.ServicerContext[Any, Any], namespace: str
+    ) -> SlicePromises:
+        await self._check_caller(context)
+        if self.promises is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this virtual node keeps no slices")
+        assert self.promises is not None  # abort raises
+        try:
+            self.promises.mapping.lower(namespace)
+        except NamingError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        return self.promises
+
+    @metrics.timed(metrics.ESTIMATOR_REQUEST_DURATION, "SliceRoom")
+    async def SliceRoom(
+        self,
+        request: estimator_pb2.SliceRoomRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> estimator_pb2.SliceRoomResponse:
+        promises = await self._slice_promises(context, request.namespace)
+        try:
+            room = await promises.room(request.namespace)
+        except SliceError as error:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        except API_ERRORS as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the lower cluster: {error}")
+        return estimator_pb2.SliceRoomResponse(
+            cluster_id=self.cluster_id,
+            nodes=[_resources(node) for node in room.nodes],
+            promised_to_others=_resources(room.promised_to_others),
+            held=room.held,
+            used=_resources(room.used),
+        )
+
+    @metrics.timed(metrics.ESTIMATOR_REQUEST_DURATION, "PromiseSlices")
+    async def PromiseSlices(
+        self,
+        request: estimator_pb2.PromiseSlicesRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> estimator_pb2.PromiseSlicesResponse:
+        promises = await self._slice_promises(context, request.namespace)
+        size = Amount(request.slice.cpu_millis, request.slice.memory_bytes)
+        if request.slices < 0 or size.cpu < 0 or size.memory < 0 or size == Amount():
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "slices and the slice size must be positive"
+            )
+        try:
+            await promises.promise(request.namespace, request.slices, size, request.headroom)
+        except (PromiseRefused, SliceError) as error:
+            return estimator_pb2.PromiseSlicesResponse(refused=str(error))
+        except API_ERRORS as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the lower cluster: {error}")
+        return estimator_pb2.PromiseSlicesResponse()
+
+
+def _resources(amount: Amount) -> estimator_pb2.Resources:
+    return estimator_pb2.Resources(cpu_millis=amount.cpu, memory_bytes=amount.memory)
 
 
 def _certificate_configuration(pair: pki.KeyPair) -> Any:

@@ -309,7 +309,7 @@ class LowerCluster:
 
     async def _create(self, upper: Mapping[str, Any], desired: JSON) -> SyncResult:
         namespace = desired["metadata"]["namespace"]
-        await self._ensure_namespace(namespace)
+        await self.ensure_namespace(namespace)
         account = desired["spec"].get("serviceAccountName") or DEFAULT_SERVICE_ACCOUNT
         if account == DEFAULT_SERVICE_ACCOUNT:
             await self._ensure_default_service_account(namespace)
@@ -335,7 +335,7 @@ class LowerCluster:
             raise
         return Mirrored(upper_status(created, upper, self.host_ip))
 
-    async def _ensure_namespace(self, namespace: str) -> None:
+    async def ensure_namespace(self, namespace: str) -> None:
         await _once(self._namespaces, namespace, lambda: self._make_namespace(namespace))
 
     async def _make_namespace(self, namespace: str) -> None:

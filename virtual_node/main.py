@@ -46,6 +46,7 @@ from virtual_node.naming import NamespaceMapping, Strategy
 from virtual_node.node import NodeIdentity
 from virtual_node.nodecontroller import NodeController
 from virtual_node.podcontroller import PodController
+from virtual_node.promises import SlicePromises
 from virtual_node.reflector import RESOURCES as REFLECTED
 from virtual_node.reflector import Reflector
 from virtual_node.translate import Ownership
@@ -396,7 +397,20 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
         if config.estimator_port:
             # Served once the caches are whole: an empty cluster would refuse every pod.
             estimator_server = await serve_estimator(
-                EstimatorService(estimator, authorizer, config.cluster_id),
+                EstimatorService(
+                    estimator,
+                    authorizer,
+                    config.cluster_id,
+                    SlicePromises(
+                        lower,
+                        backend.nodes,
+                        backend.pods,
+                        mapping,
+                        owner,
+                        backend.ensure_namespace,
+                        frozenset(config.counted_taint_keys),
+                    ),
+                ),
                 config.address,
                 config.estimator_port,
                 pair,

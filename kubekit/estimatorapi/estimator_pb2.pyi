@@ -407,3 +407,130 @@ class HoldResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HoldResponse: _TypeAlias = HoldResponse  # noqa: Y015
+
+@_typing.final
+class Resources(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CPU_MILLIS_FIELD_NUMBER: _builtins.int
+    MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    cpu_millis: _builtins.int
+    memory_bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        cpu_millis: _builtins.int = ...,
+        memory_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_millis", b"cpu_millis", "memory_bytes", b"memory_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Resources: _TypeAlias = Resources  # noqa: Y015
+
+@_typing.final
+class SliceRoomRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    """The upper namespace."""
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SliceRoomRequest: _TypeAlias = SliceRoomRequest  # noqa: Y015
+
+@_typing.final
+class SliceRoomResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
+    PROMISED_TO_OTHERS_FIELD_NUMBER: _builtins.int
+    HELD_FIELD_NUMBER: _builtins.int
+    USED_FIELD_NUMBER: _builtins.int
+    cluster_id: _builtins.str
+    held: _builtins.int
+    """Slices the namespace holds here, and what its pods here request."""
+    @_builtins.property
+    def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___Resources]: ...
+    @_builtins.property
+    def promised_to_others(self) -> Global___Resources: ...
+    @_builtins.property
+    def used(self) -> Global___Resources: ...
+    def __init__(
+        self,
+        *,
+        cluster_id: _builtins.str = ...,
+        nodes: _abc.Iterable[Global___Resources] | None = ...,
+        promised_to_others: Global___Resources | None = ...,
+        held: _builtins.int = ...,
+        used: Global___Resources | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["promised_to_others", b"promised_to_others", "used", b"used"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "held", b"held", "nodes", b"nodes", "promised_to_others", b"promised_to_others", "used", b"used"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SliceRoomResponse: _TypeAlias = SliceRoomResponse  # noqa: Y015
+
+@_typing.final
+class PromiseSlicesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    SLICES_FIELD_NUMBER: _builtins.int
+    SLICE_FIELD_NUMBER: _builtins.int
+    HEADROOM_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    slices: _builtins.int
+    headroom: _builtins.str
+    """Kept out of every promise: "10%", "0" or "cpu=2,memory=4Gi"."""
+    @_builtins.property
+    def slice(self) -> Global___Resources: ...
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        slices: _builtins.int = ...,
+        slice: Global___Resources | None = ...,
+        headroom: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["slice", b"slice"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["headroom", b"headroom", "namespace", b"namespace", "slice", b"slice", "slices", b"slices"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PromiseSlicesRequest: _TypeAlias = PromiseSlicesRequest  # noqa: Y015
+
+@_typing.final
+class PromiseSlicesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REFUSED_FIELD_NUMBER: _builtins.int
+    refused: _builtins.str
+    """Why the promise was not made; empty when it was."""
+    def __init__(
+        self,
+        *,
+        refused: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["refused", b"refused"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PromiseSlicesResponse: _TypeAlias = PromiseSlicesResponse  # noqa: Y015

@@ -59,6 +59,16 @@ class EstimatorStub:
                 request_serializer=kubekit_dot_estimatorapi_dot_estimator__pb2.HoldRequest.SerializeToString,
                 response_deserializer=kubekit_dot_estimatorapi_dot_estimator__pb2.HoldResponse.FromString,
                 _registered_method=True)
+        self.SliceRoom = channel.unary_unary(
+                '/kubestrata.estimator.v1.Estimator/SliceRoom',
+                request_serializer=kubekit_dot_estimatorapi_dot_estimator__pb2.SliceRoomRequest.SerializeToString,
+                response_deserializer=kubekit_dot_estimatorapi_dot_estimator__pb2.SliceRoomResponse.FromString,
+                _registered_method=True)
+        self.PromiseSlices = channel.unary_unary(
+                '/kubestrata.estimator.v1.Estimator/PromiseSlices',
+                request_serializer=kubekit_dot_estimatorapi_dot_estimator__pb2.PromiseSlicesRequest.SerializeToString,
+                response_deserializer=kubekit_dot_estimatorapi_dot_estimator__pb2.PromiseSlicesResponse.FromString,
+                _registered_method=True)
 
 
 class EstimatorServicer:
@@ -102,6 +112,24 @@ class EstimatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SliceRoom(self, request, context):
+        """What this cluster can promise a namespace's quota slices: its schedulable Ready
+        nodes' allocatable, what it promised every other namespace (of every tenant), and
+        what the namespace holds and uses here.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PromiseSlices(self, request, context):
+        """Records that this cluster promises a namespace so many slices (0 takes them all
+        back), refused when growing the promise would take more than the room left. The
+        lower cluster's own record decides, so two tenants never get the same room.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EstimatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +157,16 @@ def add_EstimatorServicer_to_server(servicer, server):
                     servicer.Hold,
                     request_deserializer=kubekit_dot_estimatorapi_dot_estimator__pb2.HoldRequest.FromString,
                     response_serializer=kubekit_dot_estimatorapi_dot_estimator__pb2.HoldResponse.SerializeToString,
+            ),
+            'SliceRoom': grpc.unary_unary_rpc_method_handler(
+                    servicer.SliceRoom,
+                    request_deserializer=kubekit_dot_estimatorapi_dot_estimator__pb2.SliceRoomRequest.FromString,
+                    response_serializer=kubekit_dot_estimatorapi_dot_estimator__pb2.SliceRoomResponse.SerializeToString,
+            ),
+            'PromiseSlices': grpc.unary_unary_rpc_method_handler(
+                    servicer.PromiseSlices,
+                    request_deserializer=kubekit_dot_estimatorapi_dot_estimator__pb2.PromiseSlicesRequest.FromString,
+                    response_serializer=kubekit_dot_estimatorapi_dot_estimator__pb2.PromiseSlicesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +304,60 @@ class Estimator:
             '/kubestrata.estimator.v1.Estimator/Hold',
             kubekit_dot_estimatorapi_dot_estimator__pb2.HoldRequest.SerializeToString,
             kubekit_dot_estimatorapi_dot_estimator__pb2.HoldResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SliceRoom(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kubestrata.estimator.v1.Estimator/SliceRoom',
+            kubekit_dot_estimatorapi_dot_estimator__pb2.SliceRoomRequest.SerializeToString,
+            kubekit_dot_estimatorapi_dot_estimator__pb2.SliceRoomResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PromiseSlices(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kubestrata.estimator.v1.Estimator/PromiseSlices',
+            kubekit_dot_estimatorapi_dot_estimator__pb2.PromiseSlicesRequest.SerializeToString,
+            kubekit_dot_estimatorapi_dot_estimator__pb2.PromiseSlicesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -49,6 +49,16 @@ class EstimatorStub:
     """Holds the room of a pod on a named lower node, as a reservation does: the room a
     defragmentation frees for it, kept from others while the evicted pods go.
     """
+    SliceRoom: _grpc.UnaryUnaryMultiCallable[_estimator_pb2.SliceRoomRequest, _estimator_pb2.SliceRoomResponse]
+    """What this cluster can promise a namespace's quota slices: its schedulable Ready
+    nodes' allocatable, what it promised every other namespace (of every tenant), and
+    what the namespace holds and uses here.
+    """
+    PromiseSlices: _grpc.UnaryUnaryMultiCallable[_estimator_pb2.PromiseSlicesRequest, _estimator_pb2.PromiseSlicesResponse]
+    """Records that this cluster promises a namespace so many slices (0 takes them all
+    back), refused when growing the promise would take more than the room left. The
+    lower cluster's own record decides, so two tenants never get the same room.
+    """
 
 @_typing.type_check_only
 class EstimatorAsyncStub(EstimatorStub):
@@ -68,6 +78,16 @@ class EstimatorAsyncStub(EstimatorStub):
     Hold: _aio.UnaryUnaryMultiCallable[_estimator_pb2.HoldRequest, _estimator_pb2.HoldResponse]  # type: ignore[assignment]
     """Holds the room of a pod on a named lower node, as a reservation does: the room a
     defragmentation frees for it, kept from others while the evicted pods go.
+    """
+    SliceRoom: _aio.UnaryUnaryMultiCallable[_estimator_pb2.SliceRoomRequest, _estimator_pb2.SliceRoomResponse]  # type: ignore[assignment]
+    """What this cluster can promise a namespace's quota slices: its schedulable Ready
+    nodes' allocatable, what it promised every other namespace (of every tenant), and
+    what the namespace holds and uses here.
+    """
+    PromiseSlices: _aio.UnaryUnaryMultiCallable[_estimator_pb2.PromiseSlicesRequest, _estimator_pb2.PromiseSlicesResponse]  # type: ignore[assignment]
+    """Records that this cluster promises a namespace so many slices (0 takes them all
+    back), refused when growing the promise would take more than the room left. The
+    lower cluster's own record decides, so two tenants never get the same room.
     """
 
 class EstimatorServicer(metaclass=_abc_1.ABCMeta):
@@ -115,6 +135,28 @@ class EstimatorServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_estimator_pb2.HoldResponse, _abc.Awaitable[_estimator_pb2.HoldResponse]]:
         """Holds the room of a pod on a named lower node, as a reservation does: the room a
         defragmentation frees for it, kept from others while the evicted pods go.
+        """
+
+    @_abc_1.abstractmethod
+    def SliceRoom(
+        self,
+        request: _estimator_pb2.SliceRoomRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_estimator_pb2.SliceRoomResponse, _abc.Awaitable[_estimator_pb2.SliceRoomResponse]]:
+        """What this cluster can promise a namespace's quota slices: its schedulable Ready
+        nodes' allocatable, what it promised every other namespace (of every tenant), and
+        what the namespace holds and uses here.
+        """
+
+    @_abc_1.abstractmethod
+    def PromiseSlices(
+        self,
+        request: _estimator_pb2.PromiseSlicesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_estimator_pb2.PromiseSlicesResponse, _abc.Awaitable[_estimator_pb2.PromiseSlicesResponse]]:
+        """Records that this cluster promises a namespace so many slices (0 takes them all
+        back), refused when growing the promise would take more than the room left. The
+        lower cluster's own record decides, so two tenants never get the same room.
         """
 
 def add_EstimatorServicer_to_server(servicer: EstimatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -416,7 +416,7 @@ def core_grants(role: dict[str, Any]) -> set[tuple[str, str]]:
     }
 
 
-def test_rbac_grants_exactly_what_the_extender_uses() -> None:
+def test_rbac_grants_exactly_what_the_extender_and_slicing_use() -> None:
     account, role, binding = documents("rbac.yaml")
     assert account["metadata"] == {
         "name": "kubestrata-multischeduler",
@@ -428,8 +428,16 @@ def test_rbac_grants_exactly_what_the_extender_uses() -> None:
         ("nodes", "watch"),
         ("pods/binding", "create"),
         ("nodes/estimator", "get"),
+        ("namespaces", "get"),
+        ("namespaces", "list"),
+        ("namespaces", "watch"),
+        ("namespaces", "patch"),
+        ("resourcequotas", "list"),
+        ("resourcequotas", "watch"),
+        ("pods", "list"),
+        ("events", "create"),
     }
-    assert len(role["rules"]) == 3 and "*" not in str(role["rules"])
+    assert len(role["rules"]) == 7 and "*" not in str(role["rules"])
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [
         {

@@ -110,6 +110,26 @@ class FakeEstimator(estimator_pb2_grpc.EstimatorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no lower node ''")
         return estimator_pb2.HoldResponse()
 
+    async def SliceRoom(
+        self,
+        request: estimator_pb2.SliceRoomRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> estimator_pb2.SliceRoomResponse:
+        self._caller(context)
+        node = estimator_pb2.Resources(cpu_millis=8000, memory_bytes=2**35)
+        return estimator_pb2.SliceRoomResponse(
+            cluster_id=self.cluster_id, nodes=[node], held=len(request.namespace)
+        )
+
+    async def PromiseSlices(
+        self,
+        request: estimator_pb2.PromiseSlicesRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> estimator_pb2.PromiseSlicesResponse:
+        self._caller(context)
+        refused = "no room" if request.slices > 4 else ""
+        return estimator_pb2.PromiseSlicesResponse(refused=refused)
+
 
 def cluster_of(node: str) -> str:
     return node.removeprefix("vk-")
@@ -560,3 +580,20 @@ async def test_the_pool_asks_for_plans_fits_and_holds_and_reports_failures(
     )
     unknown = await pool.fit_in_turn("vk-x", estimator_pb2.FitInTurnRequest(), 2.0)
     assert isinstance(unknown, EstimatorFailure)
+
+
+async def test_the_pool_asks_for_slice_room_and_promises(federation: Federation) -> None:
+    pool = federation.extender.pool
+    address = await federation.estimator("vk-a", NO_ROOM)
+    room = await pool.slice_room("vk-a", "team", 2.0)
+    assert isinstance(room, estimator_pb2.SliceRoomResponse)
+    assert (room.held, room.nodes[0].cpu_millis) == (4, 8000)
+    made = await pool.promise_slices("vk-a", estimator_pb2.PromiseSlicesRequest(slices=4), 2.0)
+    assert isinstance(made, estimator_pb2.PromiseSlicesResponse) and not made.refused
+    refused = await pool.promise_slices("vk-a", estimator_pb2.PromiseSlicesRequest(slices=5), 2.0)
+    assert isinstance(refused, estimator_pb2.PromiseSlicesResponse)
+    assert refused.refused == "no room"
+    assert federation.estimators["vk-a"].authorization == ["Bearer sesame"] * 3
+    federation.virtual_node("vk-b", address)
+    wrong = await pool.slice_room("vk-b", "team", 2.0)
+    assert isinstance(wrong, EstimatorFailure) and "not 'b'" in wrong.message

@@ -1,0 +1,321 @@
+"""The namespace scheduler: places each quota-limited namespace's slices on the lower
+clusters (kubekit.slices for the rules), level-triggered.
+
+For a namespace, reconcile reads its ResourceQuotas and annotations, asks every virtual
+node's estimator what its cluster can promise (``SliceRoom``), decides the placement,
+makes the changed promises in the lower clusters (``PromiseSlices``: shrinking ones
+first, so their room is free for the growing ones), and records on the namespace what
+is promised: ``kubestrata.io/slice-placement`` for users and tools, and
+``kubestrata.io/slice-applied`` for itself. A promise refused because another tenant
+took the room meanwhile is judged again with the fresh room (a rate-limited retry).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kubekit import keys
+from kubekit.client import NAMESPACES, PODS, KubeClient
+from kubekit.estimatorapi.estimator_pb2 import PromiseSlicesRequest, Resources
+from kubekit.informer import FunctionHandler, Informer
+from kubekit.podevents import record_pod_event
+from kubekit.slices import (
+    Amount,
+    Applied,
+    ClusterRoom,
+    Policy,
+    Shortfall,
+    SliceError,
+    applied,
+    capped_size,
+    decide,
+    headroom,
+    namespace_quota,
+    placement_json,
+    slice_count,
+    slice_size,
+    slices_of,
+)
+from kubekit.workqueue import WorkQueue
+from multischeduler.estimators import EstimatorPool
+from multischeduler.extender import EstimatorFailure
+
+log = logging.getLogger("multischeduler.slicing")
+
+SOURCE = {"component": "kubestrata-multischeduler"}
+# How often namespaces whose slices could not all be placed are tried again: the room
+# of a lower cluster changes without any upper object changing.
+SHORTFALL_RETRY_SECONDS = 30.0
+
+
+class PromiseNotMade(Exception):
+    """A lower cluster refused or could not be asked; the namespace is tried again."""
+
+
+@dataclass(frozen=True)
+class Headrooms:
+    """``--slice-headroom``: a default, and per cluster ``CLUSTER:VALUE``."""
+
+    default: str = "10%"
+    per_cluster: Mapping[str, str] = field(default_factory=dict)
+
+    def of(self, cluster: str) -> str:
+        return self.per_cluster.get(cluster, self.default)
+
+
+def headrooms(values: list[str]) -> Headrooms:
+    """Checked here so a bad flag stops the process at start, not a promise later."""
+    default = "10%"
+    per_cluster = {}
+    for value in values:
+        cluster, colon, text = value.rpartition(":")
+        headroom(text)
+        if colon:
+            per_cluster[cluster] = text
+        else:
+            default = text
+    return Headrooms(default, per_cluster)
+
+
+class SliceController:
+    def __init__(
+        self,
+        client: KubeClient,
+        namespaces: Informer,
+        quotas: Informer,
+        pool: EstimatorPool,
+        *,
+        headroom: Headrooms,
+        policy: Policy,
+        timeout: float,
+        retry_after: float = SHORTFALL_RETRY_SECONDS,
+    ) -> None:
+        self.client = client
+        self.namespaces = namespaces
+        self.quotas = quotas
+        self.pool = pool
+        self.headroom = headroom
+        self.policy = policy
+        self.timeout = timeout
+        self.retry_after = retry_after
+        self.queue: WorkQueue[str] = WorkQueue("slices")
+        # What a deleted namespace had promised, until it is taken back.
+        self._deleted: dict[str, Applied] = {}
+        # The last event told of each namespace: a shortfall retried is not told again.
+        self._told: dict[str, tuple[str, str]] = {}
+        namespaces.add_handler(
+            FunctionHandler(
+                add=lambda ns: self.queue.add(ns["metadata"]["name"]),
+                update=lambda ns: self.queue.add(ns["metadata"]["name"]),
+                delete=self._namespace_deleted,
+            )
+        )
+        quotas.add_handler(
+            FunctionHandler.on_any(lambda quota: self.queue.add(quota["metadata"]["namespace"]))
+        )
+
+    def _namespace_deleted(self, namespace: dict[str, Any]) -> None:
+        name = namespace["metadata"]["name"]
+        before = applied(
+            (namespace["metadata"].get("annotations") or {}).get(keys.SLICE_APPLIED_ANNOTATION)
+        )
+        if before is not None and before.slices:
+            self._deleted[name] = before
+        self.queue.add(name)
+
+    async def run(self, workers: int = 2) -> None:
+        await self.queue.run_workers(workers, self.reconcile)
+
+    # -- one namespace ---------------------------------------------------------------------
+
+    def _nodes_by_cluster(self) -> dict[str, str]:
+        """Cluster id -> the name of its virtual node (one per cluster and tenant)."""
+        return {
+            node.cluster_id: name
+            for name, node in sorted(self.pool.nodes.items())
+            if node.cluster_id
+        }
+
+    async def reconcile(self, name: str) -> None:
+        namespace = self.namespaces.get(name)
+        if namespace is None:
+            gone = self._deleted.get(name)
+            if gone is not None:
+                await self._promise(name, gone.size, dict.fromkeys(gone.slices, 0), gone.slices)
+                del self._deleted[name]
+            self._told.pop(name, None)
+            return
+        annotations = namespace["metadata"].get("annotations") or {}
+        before = applied(annotations.get(keys.SLICE_APPLIED_ANNOTATION))
+        quota = namespace_quota(self.quotas.items(name))
+        if not quota:
+            if before is not None:
+                taken_back = dict.fromkeys(before.slices, 0)
+                await self._promise(name, before.size, taken_back, before.slices)
+                await self._annotate(namespace, None)
+            return
+        try:
+            size = capped_size(slice_size(annotations.get(keys.SLICE_SIZE_ANNOTATION)), quota)
+        except SliceError as error:
+            await self._event(namespace, "Warning", "InvalidSliceSize", str(error))
+            return
+        count = slice_count(quota, size)
+        # What the lower clusters promised, in slices of this size.
+        promised = dict(before.slices) if before is not None else {}
+        old_size = before.size if before is not None else size
+        resliced = old_size != size
+        if resliced:
+            if await self._has_pods(name):
+                await self._event(
+                    namespace,
+                    "Warning",
+                    "SliceSizeChangeRefused",
+                    f"slices of {old_size.describe()} cannot become {size.describe()} while "
+                    "the namespace has pods: set the size back, or delete its pods to re-slice",
+                )
+                return
+            promised = {}
+        clusters = self._nodes_by_cluster()
+        promised = {cluster: held for cluster, held in promised.items() if cluster in clusters}
+        rooms, used = await self._rooms(name, size, clusters)
+        decision = decide(
+            annotations.get(keys.SLICE_PLACEMENT_ANNOTATION),
+            before,
+            count,
+            size,
+            rooms,
+            promised,
+            used,
+            self.policy,
+        )
+        if decision.refused_edit is not None:
+            await self._event(
+                namespace,
+                "Warning",
+                "SlicePlacementRefused",
+                f"{keys.SLICE_PLACEMENT_ANNOTATION} not honoured, the slices stay where they "
+                f"were: {decision.refused_edit}",
+            )
+        target = decision.target
+        if isinstance(target, Shortfall):
+            await self._event(namespace, "Warning", "SlicesNotPlaced", target.message)
+            if before is not None:
+                await self._annotate(namespace, before)
+            self.queue.add_after(name, self.retry_after)
+            return
+        old_clusters = set(before.slices) if before is not None else set()
+        changes = {
+            cluster: target.get(cluster, 0)
+            for cluster in sorted({*target, *promised, *old_clusters})
+            if resliced or target.get(cluster, 0) != promised.get(cluster, 0)
+        }
+        made = await self._promise(name, size, changes, promised, namespace)
+        await self._annotate(namespace, Applied(size, made))
+        if changes:
+            await self._event(
+                namespace,
+                "Normal",
+                "SlicesPlaced",
+                f"{sum(made.values())} slices of {size.describe()}: "
+                + ", ".join(f"{cluster} {held}" for cluster, held in sorted(made.items())),
+            )
+
+    async def _has_pods(self, namespace: str) -> bool:
+        listed = await self.client.list(PODS, namespace, limit=1)
+        return bool(listed.get("items"))
+
+    async def _rooms(
+        self, namespace: str, size: Amount, clusters: Mapping[str, str]
+    ) -> tuple[list[ClusterRoom], dict[str, int]]:
+        """What every cluster whose estimator answers can promise the namespace, and how
+        many slices its pods there use. One that does not answer takes no new slices."""
+        answers = await asyncio.gather(
+            *(self.pool.slice_room(node, namespace, self.timeout) for node in clusters.values())
+        )
+        rooms, used = [], {}
+        for cluster, answer in zip(clusters, answers, strict=True):
+            if isinstance(answer, EstimatorFailure):
+                log.warning("%s: slice room of %s unknown: %s", namespace, cluster, answer.message)
+                continue
+            rooms.append(
+                ClusterRoom(
+                    cluster,
+                    tuple(_amount(node) for node in answer.nodes),
+                    _amount(answer.promised_to_others),
+                    headroom(self.headroom.of(cluster)),
+                )
+            )
+            used[cluster] = slices_of(_amount(answer.used), size)
+        return rooms, used
+
+    async def _promise(
+        self,
+        name: str,
+        size: Amount,
+        changes: Mapping[str, int],
+        promised: Mapping[str, int],
+        namespace: Mapping[str, Any] | None = None,
+    ) -> dict[str, int]:
+        """Makes the changed promises, shrinking ones first; returns what is promised
+        after them. One not made is retried: what was made is recorded first."""
+        made = {cluster: held for cluster, held in promised.items() if held}
+        clusters = self._nodes_by_cluster()
+        failures = []
+        order = sorted(
+            changes, key=lambda cluster: (changes[cluster] > promised.get(cluster, 0), cluster)
+        )
+        for cluster in order:
+            node = clusters.get(cluster)
+            if node is None:
+                made.pop(cluster, None)  # the cluster left the pool, its promise with it
+                continue
+            request = PromiseSlicesRequest(
+                namespace=name,
+                slices=changes[cluster],
+                slice=Resources(cpu_millis=size.cpu, memory_bytes=size.memory),
+                headroom=self.headroom.of(cluster),
+            )
+            answer = await self.pool.promise_slices(node, request, self.timeout)
+            if isinstance(answer, EstimatorFailure) or answer.refused:
+                reason = answer.message if isinstance(answer, EstimatorFailure) else answer.refused
+                failures.append(f"{cluster}: {reason}")
+                continue
+            if changes[cluster]:
+                made[cluster] = changes[cluster]
+            else:
+                made.pop(cluster, None)
+        if failures:
+            if namespace is not None:
+                await self._annotate(namespace, Applied(size, made))
+            raise PromiseNotMade(f"{name}: promises not made: {'; '.join(failures)}")
+        return made
+
+    async def _annotate(self, namespace: Mapping[str, Any], result: Applied | None) -> None:
+        annotations = namespace["metadata"].get("annotations") or {}
+        wanted = {
+            keys.SLICE_PLACEMENT_ANNOTATION: placement_json(result.slices) if result else None,
+            keys.SLICE_APPLIED_ANNOTATION: result.encode() if result else None,
+        }
+        if all(annotations.get(key) == value for key, value in wanted.items()):
+            return
+        await self.client.patch(
+            NAMESPACES, namespace["metadata"]["name"], {"metadata": {"annotations": wanted}}
+        )
+
+    async def _event(
+        self, namespace: Mapping[str, Any], kind: str, reason: str, message: str
+    ) -> None:
+        name = namespace["metadata"]["name"]
+        if self._told.get(name) == (reason, message):
+            return
+        self._told[name] = (reason, message)
+        log.info("%s: %s: %s", name, reason, message)
+        await record_pod_event(self.client, namespace, kind, reason, message, SOURCE, "Namespace")
+
+
+def _amount(resources: Resources) -> Amount:
+    return Amount(cpu=resources.cpu_millis, memory=resources.memory_bytes)

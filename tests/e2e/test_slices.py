@@ -1,0 +1,216 @@
+"""Quota slices end to end: a namespace's ResourceQuota cut into slices that the
+multischeduler places over the lower clusters, promised in each lower cluster's ledger
+and enforced there by a ResourceQuota.
+
+Every lower cluster is first given another tenant's promise (a ledger entry written
+here, as that tenant's virtual node would) so that exactly 6 CPU is left to promise in
+each: the suite's other modules add nodes, and this leaves the arithmetic fixed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from fractions import Fraction
+from functools import partial
+from typing import Any
+
+import pytest
+
+from harness.federation import Federation
+from harness.localcluster import LocalCluster
+from kubekit import keys
+from kubekit.slices import Amount, ClusterRoom, Headroom, LedgerEntry, amount
+from virtual_node.capacity import node_counts
+
+from .helpers import apply, get_json, namespace, wait_for
+
+NAMESPACE = "sliced"
+OTHER_TENANT = "e2e-other-tenant"
+LEFT_TO_PROMISE = 6000  # millicores in each cluster
+CLUSTERS = ("lower-1", "lower-2")
+# The multischeduler's default headroom.
+HEADROOM = Headroom(percent=Fraction(10))
+
+
+def lower(federation: Federation, cluster: str) -> LocalCluster:
+    found = federation.clusters[cluster]
+    assert isinstance(found, LocalCluster)
+    return found
+
+
+def ledger(cluster: LocalCluster) -> dict[str, str]:
+    found = cluster.kubectl(
+        "get",
+        "configmap",
+        keys.SLICE_LEDGER_CONFIGMAP,
+        f"--namespace={keys.SYSTEM_NAMESPACE}",
+        "-o",
+        "json",
+        check=False,
+    )
+    return json.loads(found.stdout).get("data") or {} if found.returncode == 0 else {}
+
+
+def other_tenant_takes_all_but(cluster: LocalCluster, left: int) -> None:
+    """A ledger entry of another tenant promising all the cluster's room but ``left``."""
+    nodes = get_json(cluster, "nodes")["items"]
+    counted = tuple(
+        amount(node["status"]["allocatable"], round_up=False) for node in nodes if node_counts(node)
+    )
+    limit = ClusterRoom("", counted, Amount(), HEADROOM).limit
+    entry = LedgerEntry("other", OTHER_TENANT, 1, Amount(cpu=limit.cpu - left, memory=0))
+    data = {**ledger(cluster), f"{OTHER_TENANT}-other": entry.encode()}
+    apply(
+        cluster,
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": keys.SLICE_LEDGER_CONFIGMAP, "namespace": keys.SYSTEM_NAMESPACE},
+            "data": data,
+        },
+    )
+
+
+def quota(cpu: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "compute", "namespace": NAMESPACE},
+        "spec": {"hard": {"requests.cpu": cpu}},
+    }
+
+
+def namespace_annotations(federation: Federation) -> dict[str, str]:
+    found = get_json(federation.upper, "namespace", NAMESPACE)
+    return found["metadata"].get("annotations") or {}
+
+
+def placed(federation: Federation) -> dict[str, int] | None:
+    text = namespace_annotations(federation).get(keys.SLICE_PLACEMENT_ANNOTATION)
+    return json.loads(text) if text is not None else None
+
+
+def wait_placed(federation: Federation, expected: dict[str, int]) -> None:
+    wait_for(lambda: placed(federation) == expected, f"placement {expected}", timeout=60)
+
+
+def lower_quota(cluster: LocalCluster) -> dict[str, str] | None:
+    found = cluster.kubectl(
+        "get",
+        "resourcequota",
+        keys.SLICE_QUOTA,
+        f"--namespace={NAMESPACE}",
+        "-o",
+        "json",
+        check=False,
+    )
+    if found.returncode != 0:
+        return None
+    hard: dict[str, str] = json.loads(found.stdout)["spec"]["hard"]
+    return hard
+
+
+def lower_quota_gone(cluster: LocalCluster) -> bool:
+    return lower_quota(cluster) is None
+
+
+def events(federation: Federation, reason: str) -> list[str]:
+    found = get_json(
+        federation.upper, "events", f"--namespace={NAMESPACE}", f"--field-selector=reason={reason}"
+    )
+    return [event["message"] for event in found["items"]]
+
+
+@pytest.fixture(scope="module")
+def pool(federation: Federation) -> Iterator[Federation]:
+    for cluster in CLUSTERS:
+        other_tenant_takes_all_but(lower(federation, cluster), LEFT_TO_PROMISE)
+    apply(federation.upper, namespace(NAMESPACE))
+    try:
+        yield federation
+    finally:
+        federation.upper.kubectl("delete", "namespace", NAMESPACE, "--wait=false", check=False)
+        for cluster in CLUSTERS:
+            lower(federation, cluster).kubectl(
+                "delete",
+                "configmap",
+                keys.SLICE_LEDGER_CONFIGMAP,
+                f"--namespace={keys.SYSTEM_NAMESPACE}",
+                check=False,
+            )
+
+
+def test_ten_cpus_of_two_cpu_slices_over_two_clusters_of_six(pool: Federation) -> None:
+    apply(pool.upper, quota("10"))
+    wait_placed(pool, {"lower-1": 3, "lower-2": 2})
+    # Promised in each lower cluster's ledger, and held there by a ResourceQuota.
+    wait_for(
+        lambda: (
+            lower_quota(lower(pool, "lower-1")) == {"requests.cpu": "6"}
+            and lower_quota(lower(pool, "lower-2")) == {"requests.cpu": "4"}
+        ),
+        "the lower quotas",
+    )
+    entry = json.loads(ledger(lower(pool, "lower-1"))[NAMESPACE])
+    assert (entry["slices"], entry["size"]) == (3, {"cpu": 2000, "memory": 0})
+    assert any("5 slices of cpu 2: lower-1 3, lower-2 2" in m for m in events(pool, "SlicesPlaced"))
+
+
+def test_raising_and_lowering_the_quota(pool: Federation) -> None:
+    apply(pool.upper, quota("12"))
+    wait_placed(pool, {"lower-1": 3, "lower-2": 3})
+    apply(pool.upper, quota("4"))
+    # Taken back where most are unused (none are: ties by name, one at a time).
+    wait_placed(pool, {"lower-1": 1, "lower-2": 1})
+    wait_for(
+        lambda: lower_quota(lower(pool, "lower-2")) == {"requests.cpu": "2"},
+        "lower-2's quota lowered",
+    )
+
+
+def test_more_than_the_room_is_refused_and_the_placement_kept(pool: Federation) -> None:
+    apply(pool.upper, quota("14"))  # 7 slices, room for 6
+    wait_for(lambda: events(pool, "SlicesNotPlaced"), "a SlicesNotPlaced event")
+    message = events(pool, "SlicesNotPlaced")[0]
+    assert "7 slices of cpu 2 wanted, room for 6: 1 missing (cpu 2)" in message, message
+    assert placed(pool) == {"lower-1": 1, "lower-2": 1}
+    apply(pool.upper, quota("4"))
+
+
+def test_an_edit_is_honoured_when_feasible_and_refused_when_not(pool: Federation) -> None:
+    wait_placed(pool, {"lower-1": 1, "lower-2": 1})
+    pool.upper.kubectl(
+        "annotate",
+        "namespace",
+        NAMESPACE,
+        "--overwrite",
+        f'{keys.SLICE_PLACEMENT_ANNOTATION}={{"lower-2": 2}}',
+    )
+    wait_placed(pool, {"lower-2": 2})
+    wait_for(lambda: lower_quota(lower(pool, "lower-1")) is None, "lower-1's quota removed")
+    pool.upper.kubectl(
+        "annotate",
+        "namespace",
+        NAMESPACE,
+        "--overwrite",
+        f'{keys.SLICE_PLACEMENT_ANNOTATION}={{"lower-1": 1, "lower-3": 1}}',
+    )
+    wait_for(lambda: events(pool, "SlicePlacementRefused"), "a SlicePlacementRefused event")
+    assert "no lower cluster lower-3 in the pool" in events(pool, "SlicePlacementRefused")[0]
+    wait_placed(pool, {"lower-2": 2})
+    # Cleared: placed afresh.
+    pool.upper.kubectl(
+        "annotate", "namespace", NAMESPACE, "--overwrite", f"{keys.SLICE_PLACEMENT_ANNOTATION}="
+    )
+    wait_placed(pool, {"lower-1": 1, "lower-2": 1})
+
+
+def test_the_quota_removed_takes_every_promise_back(pool: Federation) -> None:
+    pool.upper.kubectl("delete", "resourcequota", "compute", f"--namespace={NAMESPACE}")
+    wait_for(lambda: placed(pool) is None, "the placement removed")
+    for cluster in CLUSTERS:
+        below = lower(pool, cluster)
+        wait_for(partial(lower_quota_gone, below), f"{cluster}'s quota removed")
+        assert NAMESPACE not in ledger(below)
+        assert f"{OTHER_TENANT}-other" in ledger(below)

@@ -1,0 +1,196 @@
+"""The quota slices a lower cluster promised: its answers to the multischeduler's slice
+placement (``SliceRoom``, ``PromiseSlices`` over the estimator's gRPC service).
+
+The promises are recorded in the lower cluster itself, so that every tenant sharing it
+sees those of the others: one ledger ConfigMap (``keys.SLICE_LEDGER_CONFIGMAP`` in the
+system namespace below) written with its resourceVersion, so the lower apiserver lets
+one of two concurrent promises through and the other is judged again on what won; and a
+ResourceQuota (``keys.SLICE_QUOTA``) in each sliced lower namespace, which the lower
+apiserver enforces on the pods.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass
+from typing import Any
+
+from kubekit import keys
+from kubekit.client import CONFIGMAPS, RESOURCEQUOTAS, ApiError, KubeClient, is_not_found
+from kubekit.fit import pod_requests
+from kubekit.informer import Informer
+from kubekit.slices import (
+    Amount,
+    ClusterRoom,
+    LedgerEntry,
+    SliceError,
+    amount,
+    headroom,
+    ledger_entry,
+    promised_to_others,
+    quota_hard,
+)
+from virtual_node.capacity import node_counts
+from virtual_node.naming import NamespaceMapping
+from virtual_node.podcontroller import FINISHED
+from virtual_node.translate import Ownership
+
+log = logging.getLogger(__name__)
+
+
+class PromiseRefused(Exception):
+    """The promise would take room the cluster does not have, or is not ours to change."""
+
+
+@dataclass(frozen=True)
+class SliceRoom:
+    nodes: tuple[Amount, ...]
+    promised_to_others: Amount
+    held: int
+    used: Amount
+
+
+def slice_room(node: dict[str, Any], counted_taint_keys: Collection[str]) -> Amount | None:
+    """A lower node's allocatable if its room counts (as for the virtual Node's
+    capacity: Ready, not cordoned, no taint federated pods do not tolerate)."""
+    if not node_counts(node, counted_taint_keys):
+        return None
+    try:
+        return amount((node.get("status") or {}).get("allocatable") or {}, round_up=False)
+    except SliceError:
+        return None
+
+
+class SlicePromises:
+    def __init__(
+        self,
+        client: KubeClient,
+        nodes: Informer,
+        pods: Informer,
+        mapping: NamespaceMapping,
+        owner: Ownership,
+        ensure_namespace: Callable[[str], Awaitable[None]],
+        counted_taint_keys: Collection[str] = (),
+    ) -> None:
+        self.client = client
+        self.nodes = nodes
+        self.pods = pods
+        self.mapping = mapping
+        self.owner = owner
+        self.ensure_namespace = ensure_namespace
+        self.counted_taint_keys = counted_taint_keys
+
+    def _node_room(self) -> tuple[Amount, ...]:
+        found = (slice_room(node, self.counted_taint_keys) for node in self.nodes.items())
+        return tuple(sorted(room for room in found if room is not None))
+
+    def _used(self, lower_namespace: str) -> Amount:
+        cpu = memory = 0
+        for pod in self.pods.items(lower_namespace):
+            if (pod.get("status") or {}).get("phase") in FINISHED:
+                continue
+            requests = pod_requests(pod)
+            cpu += math.ceil(requests.get("cpu", 0) * 1000)
+            memory += math.ceil(requests.get("memory", 0))
+        return Amount(cpu, memory)
+
+    async def _ledger(self) -> dict[str, str]:
+        try:
+            ledger = await self.client.get(
+                CONFIGMAPS, keys.SLICE_LEDGER_CONFIGMAP, keys.SYSTEM_NAMESPACE
+            )
+        except ApiError as error:
+            if is_not_found(error):
+                return {}
+            raise
+        return dict(ledger.get("data") or {})
+
+    async def room(self, upper_namespace: str) -> SliceRoom:
+        lower_namespace = self.mapping.lower(upper_namespace)
+        ledger = await self._ledger()
+        own = ledger.get(lower_namespace)
+        return SliceRoom(
+            nodes=self._node_room(),
+            promised_to_others=promised_to_others(ledger, lower_namespace),
+            held=ledger_entry(lower_namespace, own).slices if own else 0,
+            used=self._used(lower_namespace),
+        )
+
+    async def promise(
+        self, upper_namespace: str, slices: int, size: Amount, headroom_text: str
+    ) -> None:
+        """Records the promise (raises PromiseRefused), then holds the namespace to it."""
+        lower_namespace = self.mapping.lower(upper_namespace)
+        kept_out = headroom(headroom_text)
+        entry = LedgerEntry(upper_namespace, self.owner.origin, slices, size)
+
+        def record(ledger: dict[str, str]) -> dict[str, str]:
+            text = ledger.get(lower_namespace)
+            before = ledger_entry(lower_namespace, text) if text else None
+            if before is not None and before.origin != self.owner.origin:
+                raise PromiseRefused(
+                    f"lower namespace {lower_namespace} holds slices of another upper cluster "
+                    f"({before.origin}); give each tenant a namespace prefix"
+                )
+            if before is None or not entry.promised.within(before.promised):
+                cluster = ClusterRoom(
+                    self.owner.cluster_id,
+                    self._node_room(),
+                    promised_to_others(ledger, lower_namespace),
+                    kept_out,
+                )
+                room_for = cluster.slots(size)
+                if slices > room_for:
+                    raise PromiseRefused(
+                        f"{self.owner.cluster_id} has room for {room_for} slices of "
+                        f"{size.describe()}, not {slices}"
+                    )
+            if slices:
+                ledger[lower_namespace] = entry.encode()
+            else:
+                ledger.pop(lower_namespace, None)
+            return ledger
+
+        try:
+            await self.client.update_configmap_data(
+                keys.SYSTEM_NAMESPACE, keys.SLICE_LEDGER_CONFIGMAP, record
+            )
+        except SliceError as error:
+            raise PromiseRefused(str(error)) from None
+        await self._hold_to(lower_namespace, entry)
+
+    async def _hold_to(self, lower_namespace: str, entry: LedgerEntry) -> None:
+        if not entry.slices:
+            try:
+                await self.client.delete(RESOURCEQUOTAS, keys.SLICE_QUOTA, lower_namespace)
+            except ApiError as error:
+                if not is_not_found(error):
+                    raise
+            return
+        await self.ensure_namespace(lower_namespace)
+        body: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": "ResourceQuota",
+            "metadata": {
+                "name": keys.SLICE_QUOTA,
+                "namespace": lower_namespace,
+                "labels": self.owner.labels(),
+                "annotations": {keys.UPPER_NAMESPACE_ANNOTATION: entry.namespace},
+            },
+            "spec": {"hard": quota_hard(entry)},
+        }
+        try:
+            current = await self.client.get(RESOURCEQUOTAS, keys.SLICE_QUOTA, lower_namespace)
+        except ApiError as error:
+            if not is_not_found(error):
+                raise
+            await self.client.create(RESOURCEQUOTAS, body, lower_namespace)
+            return
+        if current.get("spec", {}).get("hard") != body["spec"]["hard"]:
+            body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+            await self.client.replace(RESOURCEQUOTAS, body, lower_namespace)
+        log.info(
+            "%s: %d slices of %s promised", lower_namespace, entry.slices, entry.size.describe()
+        )
