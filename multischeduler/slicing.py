@@ -16,11 +16,16 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from kubekit import keys
 from kubekit.client import NAMESPACES, PODS, KubeClient
-from kubekit.estimatorapi.estimator_pb2 import PromiseSlicesRequest, Resources
+from kubekit.estimatorapi.estimator_pb2 import (
+    PromiseSlicesRequest,
+    PromiseSlicesResponse,
+    Resources,
+    SliceRoomResponse,
+)
 from kubekit.informer import FunctionHandler, Informer
 from kubekit.podevents import record_pod_event
 from kubekit.slices import (
@@ -41,8 +46,7 @@ from kubekit.slices import (
     slices_of,
 )
 from kubekit.workqueue import WorkQueue
-from multischeduler.estimators import EstimatorPool
-from multischeduler.extender import EstimatorFailure
+from multischeduler.extender import EstimatorFailure, VirtualNode
 
 log = logging.getLogger("multischeduler.slicing")
 
@@ -50,6 +54,20 @@ SOURCE = {"component": "kubestrata-multischeduler"}
 # How often namespaces whose slices could not all be placed are tried again: the room
 # of a lower cluster changes without any upper object changing.
 SHORTFALL_RETRY_SECONDS = 30.0
+
+
+class SlicePool(Protocol):
+    """What the controller asks of the virtual nodes' estimators (an EstimatorPool)."""
+
+    nodes: dict[str, VirtualNode]
+
+    async def slice_room(
+        self, name: str, namespace: str, timeout: float
+    ) -> SliceRoomResponse | EstimatorFailure: ...
+
+    async def promise_slices(
+        self, name: str, request: PromiseSlicesRequest, timeout: float
+    ) -> PromiseSlicesResponse | EstimatorFailure: ...
 
 
 class PromiseNotMade(Exception):
@@ -87,7 +105,7 @@ class SliceController:
         client: KubeClient,
         namespaces: Informer,
         quotas: Informer,
-        pool: EstimatorPool,
+        pool: SlicePool,
         *,
         headroom: Headrooms,
         policy: Policy,

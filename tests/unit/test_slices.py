@@ -8,20 +8,29 @@ from hypothesis import strategies as st
 
 from kubekit.slices import (
     Amount,
+    Applied,
     ClusterRoom,
+    Decision,
     Headroom,
+    LedgerEntry,
     Policy,
     Shortfall,
     SliceError,
+    applied,
     capped_size,
     check_edit,
+    decide,
     headroom,
+    ledger_entry,
     namespace_quota,
     place,
     placement,
     placement_json,
+    promised_to_others,
+    quota_hard,
     slice_count,
     slice_size,
+    slices_of,
 )
 
 GI = 2**30
@@ -226,8 +235,74 @@ def test_placement_never_grows_a_promise_past_the_room_and_is_stable(
     for room in rooms:
         held = result.get(room.cluster, 0)
         if held > current.get(room.cluster, 0):
-            # What grew stays within what the cluster can promise beside the others.
-            assert (room.promised_to_others + size.times(held)).within(room.limit)
+            # What grew stays within what the cluster can promise beside the others, in
+            # every resource a slice holds.
+            total = room.promised_to_others + size.times(held)
+            for resource in ("cpu", "memory"):
+                if size.get(resource):
+                    assert total.get(resource) <= room.limit.get(resource)
             assert any(size.within(node) for node in room.nodes)
     # Placing again from the result changes nothing.
     assert place(count, size, rooms, result, policy=policy) == result
+
+
+# -- decisions from the annotations ------------------------------------------------------
+
+
+def test_decide_places_on_from_its_own_annotation() -> None:
+    rooms = [room("a", 8), room("b", 8)]
+    before = Applied(SLICE, {"a": 1})
+    decision = decide(placement_json(before.slices), before, 2, SLICE, rooms, {"a": 1}, {})
+    assert decision == Decision({"a": 1, "b": 1})
+    assert decide(None, None, 2, SLICE, rooms, {}, {}) == Decision({"a": 1, "b": 1})
+
+
+def test_decide_honours_a_feasible_edit_and_refuses_others() -> None:
+    rooms = [room("a", 8), room("b", 8)]
+    before = Applied(SLICE, {"a": 1, "b": 1})
+    assert decide('{"b": 2}', before, 2, SLICE, rooms, before.slices, {}) == Decision({"b": 2})
+    refused = decide('{"a": 1, "b": 5}', before, 6, SLICE, rooms, before.slices, {})
+    assert refused.target == {"a": 3, "b": 3}
+    assert refused.refused_edit == "b has room for 4 slices of cpu 2, memory 4Gi, not 5"
+    broken = decide("{", before, 2, SLICE, rooms, before.slices, {})
+    assert broken.target == {"a": 1, "b": 1} and "not JSON" in str(broken.refused_edit)
+
+
+def test_decide_places_a_cleared_annotation_afresh() -> None:
+    rooms = [room("a", 8), room("b", 16)]
+    before = Applied(SLICE, {"a": 2})
+    assert decide("", before, 2, SLICE, rooms, before.slices, {}) == Decision({"a": 1, "b": 1})
+
+
+def test_applied_round_trip_and_what_is_not_ours_is_none() -> None:
+    record = Applied(SLICE, {"a": 2})
+    assert applied(record.encode()) == record
+    for unreadable in (None, "", "{", '{"size": {}}', '{"size": {"cpu": 1, "memory": 1}}'):
+        assert applied(unreadable) is None
+
+
+def test_ledger_entries_sum_and_hold_the_namespace() -> None:
+    entry = LedgerEntry("team", "origin", 3, Amount(cpu=500))
+    assert ledger_entry("ns", entry.encode()) == entry
+    ledger = {"ns": entry.encode(), "other": LedgerEntry("x", "o", 2, SLICE).encode()}
+    assert promised_to_others(ledger, "ns") == SLICE.times(2)
+    assert promised_to_others(ledger, "other") == Amount(cpu=1500)
+    assert quota_hard(entry) == {"requests.cpu": "1500m"}
+    assert quota_hard(LedgerEntry("t", "o", 2, SLICE)) == {
+        "requests.cpu": "4",
+        "requests.memory": "8Gi",
+    }
+    for bad in (
+        "{",
+        '{"namespace": "t"}',
+        '{"namespace":"t","origin":"o","slices":-1,"size":{"cpu":1,"memory":1}}',
+    ):
+        with pytest.raises(SliceError, match="entry ns"):
+            ledger_entry("ns", bad)
+
+
+def test_slices_of_usage_round_up() -> None:
+    assert slices_of(Amount(cpu=2001), SLICE) == 2
+    assert slices_of(Amount(cpu=0, memory=9 * GI), SLICE) == 3
+    assert slices_of(Amount(), SLICE) == 0
+    assert slices_of(Amount(memory=GI), Amount(cpu=1000)) == 0

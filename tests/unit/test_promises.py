@@ -1,0 +1,230 @@
+"""The virtual node's side of quota slices: the lower cluster's ledger, shared by tenants."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from kubekit import keys
+from kubekit.client import CONFIGMAPS, NODES, PODS, ApiError
+from kubekit.informer import Informer
+from kubekit.slices import Amount, LedgerEntry, ledger_entry
+from virtual_node.naming import NamespaceMapping
+from virtual_node.promises import PromiseRefused, SlicePromises
+from virtual_node.translate import Ownership
+
+from .fakeapi import FakeClient, Request, not_found
+
+GI = 2**30
+SLICE = Amount(cpu=2000, memory=4 * GI)
+LEDGER_PATH = CONFIGMAPS.path(keys.SYSTEM_NAMESPACE, keys.SLICE_LEDGER_CONFIGMAP)
+
+
+class LowerApi(FakeClient):
+    """The ledger ConfigMap kept as an apiserver keeps it: a write carrying an old
+    resourceVersion is refused with 409. Every request yields, so concurrent promises
+    interleave between their read and their write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ledger: dict[str, Any] | None = None
+        self.quotas: dict[str, dict[str, Any]] = {}
+        self.conflicts = 0
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Mapping[str, Any] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+        timeout: float = 60.0,
+    ) -> dict[str, Any]:
+        await asyncio.sleep(0)
+        self.requests.append(Request(method, path, body))
+        if path.startswith(CONFIGMAPS.path(keys.SYSTEM_NAMESPACE)):
+            return self._ledger(method, body)
+        if "/resourcequotas" in path:
+            namespace = path.split("/namespaces/")[1].split("/")[0]
+            return self._quota(method, namespace, body)
+        return await super().request(method, path, query=query, body=body)
+
+    def _ledger(self, method: str, body: Any) -> dict[str, Any]:
+        if method == "GET":
+            if self.ledger is None:
+                raise not_found("configmaps", keys.SLICE_LEDGER_CONFIGMAP)
+            copied: dict[str, Any] = json.loads(json.dumps(self.ledger))
+            return copied
+        stored = None if self.ledger is None else self.ledger["metadata"]["resourceVersion"]
+        sent = body["metadata"].get("resourceVersion")
+        if (method == "POST" and self.ledger is not None) or (method == "PUT" and sent != stored):
+            self.conflicts += 1
+            raise ApiError(409, {"reason": "Conflict", "message": "the object has been modified"})
+        version = str(int(stored or 0) + 1)
+        self.ledger = {**body, "metadata": {**body["metadata"], "resourceVersion": version}}
+        return self.ledger
+
+    def _quota(self, method: str, namespace: str, body: Any) -> dict[str, Any]:
+        if method == "GET":
+            if namespace not in self.quotas:
+                raise not_found("resourcequotas", keys.SLICE_QUOTA)
+            return self.quotas[namespace]
+        if method == "DELETE":
+            if self.quotas.pop(namespace, None) is None:
+                raise not_found("resourcequotas", keys.SLICE_QUOTA)
+            return {}
+        self.quotas[namespace] = {**body, "metadata": {**body["metadata"], "resourceVersion": "1"}}
+        return self.quotas[namespace]
+
+    def promised(self) -> dict[str, LedgerEntry]:
+        data = (self.ledger or {}).get("data") or {}
+        return {key: ledger_entry(key, text) for key, text in data.items()}
+
+
+def node(name: str, cpu: str, memory: str = "64Gi", **spec: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name},
+        "spec": spec,
+        "status": {
+            "allocatable": {"cpu": cpu, "memory": memory, "pods": "110"},
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
+
+
+def lower_pod(namespace: str, name: str, cpu: str, phase: str = "Running") -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"containers": [{"name": "c", "resources": {"requests": {"cpu": cpu}}}]},
+        "status": {"phase": phase},
+    }
+
+
+def informer(resource: Any, *objects: dict[str, Any]) -> Informer:
+    cache = Informer(client=None, resource=resource)  # type: ignore[arg-type]
+    for obj in objects:
+        cache.apply({"type": "ADDED", "object": obj})
+    return cache
+
+
+def tenant(
+    api: LowerApi, origin: str, nodes: Informer, pods: Informer | None = None
+) -> tuple[SlicePromises, list[str]]:
+    made: list[str] = []
+
+    async def ensure_namespace(namespace: str) -> None:
+        made.append(namespace)
+
+    promises = SlicePromises(
+        api,
+        nodes,
+        pods or informer(PODS),
+        NamespaceMapping("prefix", origin),
+        Ownership(origin, f"vk-{origin}", "lower-1"),
+        ensure_namespace,
+    )
+    return promises, made
+
+
+async def test_a_promise_is_recorded_and_the_lower_namespace_held_to_it() -> None:
+    api = LowerApi()
+    nodes = informer(NODES, node("n1", "8"), node("n2", "8"))
+    promises, made = tenant(api, "t1", nodes)
+    await promises.promise("team", 3, SLICE, "0")
+    assert made == ["t1-team"]
+    entry = api.promised()["t1-team"]
+    assert (entry.namespace, entry.origin, entry.slices, entry.size) == ("team", "t1", 3, SLICE)
+    quota = api.quotas["t1-team"]
+    assert quota["spec"]["hard"] == {"requests.cpu": "6", "requests.memory": "12Gi"}
+    assert quota["metadata"]["labels"][keys.ORIGIN_LABEL] == "t1"
+    # Taken back: the entry and the quota go.
+    await promises.promise("team", 0, SLICE, "0")
+    assert api.promised() == {}
+    assert api.quotas == {}
+    await promises.promise("team", 0, SLICE, "0")  # nothing left to take back: no error
+
+
+async def test_growth_past_the_room_is_refused_and_shrinking_always_allowed() -> None:
+    api = LowerApi()
+    nodes = informer(
+        NODES, node("n1", "8"), node("n2", "8"), node("cordoned", "8", unschedulable=True)
+    )
+    promises, _ = tenant(api, "t1", nodes)
+    # 16 CPUs less 10%: 14.4, room for 7 slices of 2.
+    with pytest.raises(PromiseRefused, match="room for 7 slices of cpu 2, memory 4Gi, not 8"):
+        await promises.promise("team", 8, SLICE, "10%")
+    await promises.promise("team", 7, SLICE, "10%")
+    # The cluster shrinks: a promise made stays, and lowering it is never refused.
+    nodes.apply({"type": "DELETED", "object": node("n2", "8")})
+    await promises.promise("team", 6, SLICE, "10%")
+    assert api.promised()["t1-team"].slices == 6
+
+
+async def test_room_counts_other_tenants_promises_and_the_namespace_s_own_use() -> None:
+    api = LowerApi()
+    nodes = informer(NODES, node("n1", "8"), node("small", "1"))
+    pods = informer(
+        PODS,
+        lower_pod("t1-team", "a", "1500m"),
+        lower_pod("t1-team", "done", "4", phase="Succeeded"),
+        lower_pod("other", "b", "3"),
+    )
+    first, _ = tenant(api, "t1", nodes, pods)
+    second, _ = tenant(api, "t2", nodes)
+    await second.promise("team", 2, SLICE, "0")
+    await first.promise("team", 1, SLICE, "0")
+    room = await first.room("team")
+    assert room.nodes == (Amount(1000, 64 * GI), Amount(8000, 64 * GI))
+    assert room.promised_to_others == SLICE.times(2)
+    assert (room.held, room.used) == (1, Amount(cpu=1500))
+
+
+async def test_two_tenants_promising_at_once_never_share_the_room() -> None:
+    api = LowerApi()
+    nodes = informer(NODES, node("n1", "8"), node("n2", "8"))
+    tenants = [tenant(api, f"t{index}", nodes)[0] for index in range(4)]
+    # Room for 8 slices; four tenants ask for 3 each at the same moment.
+    outcomes = await asyncio.gather(
+        *(promises.promise("team", 3, SLICE, "0") for promises in tenants),
+        return_exceptions=True,
+    )
+    refused = [outcome for outcome in outcomes if isinstance(outcome, PromiseRefused)]
+    assert len(refused) == 2 and api.conflicts > 0
+    assert all(outcome is None or isinstance(outcome, PromiseRefused) for outcome in outcomes)
+    total = sum((entry.promised for entry in api.promised().values()), Amount())
+    assert total == SLICE.times(6) and total.within(Amount(16000, 128 * GI))
+
+
+async def test_a_namespace_of_another_upper_cluster_is_not_ours_to_change() -> None:
+    api = LowerApi()
+    nodes = informer(NODES, node("n1", "8"))
+    promises, _ = tenant(api, "t1", nodes)
+    await promises.promise("team", 1, SLICE, "0")
+    # The same lower namespace, another origin (both without a prefix, say).
+    intruder = SlicePromises(
+        api,
+        nodes,
+        informer(PODS),
+        NamespaceMapping("prefix", "t1"),
+        Ownership("t2", "vk-t2", "lower-1"),
+        tenant(api, "t2", nodes)[0].ensure_namespace,
+    )
+    with pytest.raises(PromiseRefused, match="holds slices of another upper cluster"):
+        await intruder.promise("team", 0, SLICE, "0")
+    assert api.promised()["t1-team"].slices == 1
+
+
+async def test_an_unreadable_ledger_entry_refuses_growth_rather_than_count_it_as_nothing() -> None:
+    api = LowerApi()
+    nodes = informer(NODES, node("n1", "8"))
+    promises, _ = tenant(api, "t1", nodes)
+    await promises.promise("team", 1, SLICE, "0")
+    assert api.ledger is not None
+    api.ledger["data"]["someone-else"] = "{not json"
+    with pytest.raises(PromiseRefused, match="someone-else cannot be read"):
+        await promises.promise("other", 1, SLICE, "0")

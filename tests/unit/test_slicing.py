@@ -1,0 +1,303 @@
+"""The namespace scheduler's controller, fed through its informers, with the estimators
+answering from a table."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from kubekit import keys
+from kubekit.client import NAMESPACES, PODS, RESOURCEQUOTAS
+from kubekit.estimatorapi.estimator_pb2 import (
+    PromiseSlicesRequest,
+    PromiseSlicesResponse,
+    Resources,
+    SliceRoomResponse,
+)
+from kubekit.informer import Informer
+from kubekit.slices import Amount, Applied, Policy, SliceError, applied, placement_json
+from multischeduler.extender import EstimatorFailure, VirtualNode
+from multischeduler.slicing import Headrooms, PromiseNotMade, SliceController, headrooms
+
+from .fakeapi import FakeClient
+
+CPU = 1000
+GI = 2**30
+
+
+@dataclass
+class Cluster:
+    node_cpus: tuple[int, ...]
+    promised_to_others: int = 0  # millicores
+    used: int = 0
+    refuse: str = ""
+    down: bool = False
+    promises: list[PromiseSlicesRequest] = field(default_factory=list)
+
+
+class FakePool:
+    def __init__(self, **clusters: Cluster) -> None:
+        self.clusters = clusters
+        self.nodes = {f"vk-{name}": VirtualNode(f"vk-{name}", name, "addr") for name in clusters}
+
+    async def slice_room(
+        self, name: str, namespace: str, timeout: float
+    ) -> SliceRoomResponse | EstimatorFailure:
+        cluster = self.clusters[name.removeprefix("vk-")]
+        if cluster.down:
+            return EstimatorFailure("UNAVAILABLE")
+        return SliceRoomResponse(
+            cluster_id=name.removeprefix("vk-"),
+            nodes=[
+                Resources(cpu_millis=cpu * CPU, memory_bytes=64 * GI) for cpu in cluster.node_cpus
+            ],
+            promised_to_others=Resources(cpu_millis=cluster.promised_to_others),
+            used=Resources(cpu_millis=cluster.used),
+        )
+
+    async def promise_slices(
+        self, name: str, request: PromiseSlicesRequest, timeout: float
+    ) -> PromiseSlicesResponse | EstimatorFailure:
+        cluster = self.clusters[name.removeprefix("vk-")]
+        if cluster.down:
+            return EstimatorFailure("UNAVAILABLE")
+        cluster.promises.append(request)
+        return PromiseSlicesResponse(refused=cluster.refuse)
+
+    def promised(self, cluster: str) -> list[int]:
+        return [request.slices for request in self.clusters[cluster].promises]
+
+
+def namespace(name: str = "team", **annotations: str) -> dict[str, Any]:
+    return {"metadata": {"name": name, "uid": f"uid-{name}", "annotations": annotations}}
+
+
+def quota(cpu: str, namespace: str = "team", **spec: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"name": f"q{cpu}", "namespace": namespace},
+        "spec": {"hard": {"requests.cpu": cpu}, **spec},
+    }
+
+
+@dataclass
+class World:
+    client: FakeClient
+    namespaces: Informer
+    quotas: Informer
+    pool: FakePool
+    controller: SliceController
+
+    def put(self, informer: Informer, obj: dict[str, Any], event: str = "ADDED") -> None:
+        informer.apply({"type": event, "object": obj})
+
+    def patched(self) -> dict[str, str | None]:
+        """The annotations of the last patch of the namespace (applied to its cache)."""
+        [*_, last] = [r for r in self.client.requests if r.method == "PATCH"]
+        annotations: dict[str, str | None] = last.body["metadata"]["annotations"]
+        return annotations
+
+    def sync_namespace(self, name: str = "team") -> None:
+        """Folds the controller's last patch into the namespace cache, as a watch would."""
+        cached = self.namespaces.get(name)
+        assert cached is not None
+        current = dict(cached["metadata"].get("annotations") or {})
+        for key, value in self.patched().items():
+            if value is None:
+                current.pop(key, None)
+            else:
+                current[key] = value
+        self.put(self.namespaces, namespace(name, **current), "MODIFIED")
+
+    def events(self) -> list[tuple[str, str]]:
+        return [
+            (r.body["reason"], r.body["message"])
+            for r in self.client.requests
+            if r.method == "POST" and "/events" in r.path
+        ]
+
+
+def world(policy: Policy = Policy.SPREAD, **clusters: Cluster) -> World:
+    client = FakeClient()
+    namespaces = Informer(client=None, resource=NAMESPACES)  # type: ignore[arg-type]
+    quotas = Informer(client=None, resource=RESOURCEQUOTAS)  # type: ignore[arg-type]
+    pool = FakePool(**clusters)
+    controller = SliceController(
+        client, namespaces, quotas, pool, headroom=Headrooms("0"), policy=policy, timeout=1.0
+    )
+    return World(client, namespaces, quotas, pool, controller)
+
+
+async def test_a_quota_is_placed_promised_and_recorded() -> None:
+    w = world(a=Cluster((4, 4)), b=Cluster((4, 4), promised_to_others=4 * CPU))
+    w.put(w.namespaces, namespace())
+    w.put(w.quotas, quota("10"))
+    await w.controller.reconcile("team")
+    # 5 slices: b has room for 2 beside its other promises; spread, ties to the roomiest.
+    assert (w.pool.promised("a"), w.pool.promised("b")) == ([3], [2])
+    request = w.pool.clusters["a"].promises[0]
+    assert (request.namespace, request.slice.cpu_millis, request.slice.memory_bytes) == (
+        "team",
+        2 * CPU,
+        0,
+    )
+    assert request.headroom == "0"
+    patched = w.patched()
+    assert json.loads(str(patched[keys.SLICE_PLACEMENT_ANNOTATION])) == {"a": 3, "b": 2}
+    assert applied(patched[keys.SLICE_APPLIED_ANNOTATION]) == Applied(
+        Amount(cpu=2 * CPU), {"a": 3, "b": 2}
+    )
+    assert w.events() == [("SlicesPlaced", "5 slices of cpu 2: a 3, b 2")]
+    # Run again on its own annotation: nothing more to promise or write.
+    w.sync_namespace()
+    requests = len(w.client.requests)
+    await w.controller.reconcile("team")
+    assert (w.pool.promised("a"), w.pool.promised("b")) == ([3], [2])
+    assert len(w.client.requests) == requests
+
+
+async def test_a_refused_promise_keeps_what_was_made_and_is_retried() -> None:
+    w = world(a=Cluster((8,)), b=Cluster((8,), refuse="b has room for 0 slices"))
+    w.put(w.namespaces, namespace())
+    w.put(w.quotas, quota("8"))
+    with pytest.raises(PromiseNotMade, match="b: b has room for 0 slices"):
+        await w.controller.reconcile("team")
+    assert json.loads(str(w.patched()[keys.SLICE_PLACEMENT_ANNOTATION])) == {"a": 2}
+    # The other tenant's promise went; the retry places the rest.
+    w.sync_namespace()
+    w.pool.clusters["b"].refuse = ""
+    await w.controller.reconcile("team")
+    assert (w.pool.promised("a"), w.pool.promised("b")) == ([2], [2, 2])
+    assert json.loads(str(w.patched()[keys.SLICE_PLACEMENT_ANNOTATION])) == {"a": 2, "b": 2}
+
+
+async def test_shrinking_promises_are_made_before_growing_ones() -> None:
+    w = world(a=Cluster((8,)), b=Cluster((8,)))
+    before = Applied(Amount(cpu=2 * CPU), {"a": 3, "b": 1})
+    w.put(
+        w.namespaces,
+        namespace(
+            **{
+                keys.SLICE_APPLIED_ANNOTATION: before.encode(),
+                keys.SLICE_PLACEMENT_ANNOTATION: '{"a": 1, "b": 3}',
+            }
+        ),
+    )
+    w.put(w.quotas, quota("8"))
+    order: list[str] = []
+    real = w.pool.promise_slices
+
+    async def recording(name: str, request: PromiseSlicesRequest, timeout: float) -> Any:
+        order.append(f"{name}={request.slices}")
+        return await real(name, request, timeout)
+
+    w.pool.promise_slices = recording  # type: ignore[method-assign]
+    await w.controller.reconcile("team")
+    assert order == ["vk-a=1", "vk-b=3"]
+
+
+async def test_no_quota_takes_every_promise_back_and_clears_the_annotations() -> None:
+    w = world(a=Cluster((8,)), b=Cluster((8,)))
+    before = Applied(Amount(cpu=2 * CPU), {"a": 1, "b": 1})
+    w.put(
+        w.namespaces,
+        namespace(
+            **{
+                keys.SLICE_APPLIED_ANNOTATION: before.encode(),
+                keys.SLICE_PLACEMENT_ANNOTATION: placement_json(before.slices),
+            }
+        ),
+    )
+    w.put(w.quotas, quota("1", scopes=["BestEffort"]))  # scoped: caps only some pods
+    await w.controller.reconcile("team")
+    assert (w.pool.promised("a"), w.pool.promised("b")) == ([0], [0])
+    assert w.patched() == {
+        keys.SLICE_PLACEMENT_ANNOTATION: None,
+        keys.SLICE_APPLIED_ANNOTATION: None,
+    }
+
+
+async def test_a_deleted_namespace_s_promises_are_taken_back() -> None:
+    w = world(a=Cluster((8,)))
+    before = Applied(Amount(cpu=2 * CPU), {"a": 2})
+    ns = namespace(**{keys.SLICE_APPLIED_ANNOTATION: before.encode()})
+    w.put(w.namespaces, ns)
+    w.put(w.namespaces, ns, "DELETED")
+    await w.controller.reconcile("team")
+    assert w.pool.promised("a") == [0]
+    await w.controller.reconcile("team")
+    assert w.pool.promised("a") == [0]
+
+
+async def test_a_slice_size_change_is_refused_while_pods_run_and_reslices_otherwise() -> None:
+    w = world(a=Cluster((8,)), b=Cluster((8,)))
+    before = Applied(Amount(cpu=2 * CPU), {"a": 1, "b": 1})
+    annotations = {
+        keys.SLICE_APPLIED_ANNOTATION: before.encode(),
+        keys.SLICE_PLACEMENT_ANNOTATION: placement_json(before.slices),
+        keys.SLICE_SIZE_ANNOTATION: '{"cpu": "1"}',
+    }
+    w.put(w.namespaces, namespace(**annotations))
+    w.put(w.quotas, quota("4"))
+    w.client.answer(
+        "GET", PODS.path("team"), {"items": [{"metadata": {"name": "p"}}]}, {"items": []}
+    )
+    await w.controller.reconcile("team")
+    assert w.pool.promised("a") == [] and w.pool.promised("b") == []
+    [(reason, message)] = w.events()
+    assert reason == "SliceSizeChangeRefused" and "cpu 2 cannot become cpu 1" in message
+    # No pods: re-sliced into 4 slices of 1 CPU, every old promise rewritten.
+    await w.controller.reconcile("team")
+    assert (w.pool.promised("a"), w.pool.promised("b")) == ([2], [2])
+    assert {r.slice.cpu_millis for c in "ab" for r in w.pool.clusters[c].promises} == {CPU}
+
+
+async def test_a_silent_estimator_keeps_its_slices_and_takes_no_new_ones() -> None:
+    w = world(a=Cluster((8,)), b=Cluster((8,), down=True))
+    before = Applied(Amount(cpu=2 * CPU), {"a": 1, "b": 1})
+    w.put(
+        w.namespaces,
+        namespace(
+            **{
+                keys.SLICE_APPLIED_ANNOTATION: before.encode(),
+                keys.SLICE_PLACEMENT_ANNOTATION: placement_json(before.slices),
+            }
+        ),
+    )
+    w.put(w.quotas, quota("8"))
+    await w.controller.reconcile("team")
+    assert w.pool.promised("a") == [3]
+    assert json.loads(str(w.patched()[keys.SLICE_PLACEMENT_ANNOTATION])) == {"a": 3, "b": 1}
+
+
+async def test_a_shortfall_is_told_once_and_retried_later() -> None:
+    w = world(a=Cluster((4,)))
+    w.put(w.namespaces, namespace())
+    w.put(w.quotas, quota("8"))
+    await w.controller.reconcile("team")
+    await w.controller.reconcile("team")
+    assert w.pool.promised("a") == []
+    [(reason, message)] = w.events()
+    assert reason == "SlicesNotPlaced"
+    assert message.startswith("4 slices of cpu 2 wanted, room for 2: 2 missing (cpu 4)")
+
+
+async def test_a_bad_slice_size_is_told() -> None:
+    w = world(a=Cluster((4,)))
+    w.put(w.namespaces, namespace(**{keys.SLICE_SIZE_ANNOTATION: '{"cpu": "0"}'}))
+    w.put(w.quotas, quota("8"))
+    await w.controller.reconcile("team")
+    assert w.events() == [("InvalidSliceSize", "the slice size's cpu must be above 0")]
+
+
+def test_headroom_flags() -> None:
+    assert headrooms([]) == Headrooms("10%", {})
+    assert headrooms(["0", "lower-1:cpu=2,memory=4Gi", "lower-2:5%"]) == Headrooms(
+        "0", {"lower-1": "cpu=2,memory=4Gi", "lower-2": "5%"}
+    )
+    assert headrooms(["lower-1:5%"]).of("lower-1") == "5%"
+    assert headrooms(["lower-1:5%"]).of("lower-9") == "10%"
+    with pytest.raises(SliceError):
+        headrooms(["lower-1:lots"])
