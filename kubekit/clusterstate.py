@@ -209,6 +209,9 @@ class ClusterState:
         best = min(usable, key=lambda h: (-h.cpu, -h.memory, h.name))
         return best.name, {resource: max(0, value) for resource, value in best.free.items()}
 
+    def node_count(self) -> int:
+        return len(self._nodes)
+
     def has_node(self, name: str) -> bool:
         return name in self._nodes
 

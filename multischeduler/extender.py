@@ -178,6 +178,20 @@ def rejection(node: str, answer: Answer, on_error: OnEstimatorError) -> str | No
     return None
 
 
+def outside_slices(
+    node: VirtualNode, namespace: str, slices: Mapping[str, int]
+) -> PodEstimate | None:
+    """The rejection of a virtual node whose cluster holds none of the quota slices of
+    the pod's namespace (``slices``: {cluster-id: slices}), or None."""
+    if slices.get(node.cluster_id, 0) > 0:
+        return None
+    held = ", ".join(f"{cluster} {count}" for cluster, count in sorted(slices.items()) if count)
+    return PodEstimate(
+        message=f"namespace {namespace} holds no quota slices in {node.cluster_id} "
+        + (f"(its slices: {held})" if held else "(its slices are not placed yet)")
+    )
+
+
 def filter_result(
     node_names: Sequence[str], answers: Mapping[str, Answer], on_error: OnEstimatorError
 ) -> JSON:

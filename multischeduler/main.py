@@ -169,12 +169,14 @@ async def run(config: Config) -> None:
             estimator_timeout=config.estimator_timeout,
             on_error=config.on_estimator_error,
             score=config.score,
+            slices_of=slicing.slices_of,
         )
         runner = web.AppRunner(make_app(extender), access_log=None)
         reloading: asyncio.Task[None] | None = None
         try:
-            # Before the cache is filled every virtual node would look ordinary and pass.
-            await nodes.wait_synced()
+            # Before the caches are filled every virtual node would look ordinary and pass,
+            # and every namespace unsliced.
+            await asyncio.gather(*(i.wait_synced() for i in (nodes, namespaces, quotas)))
             await runner.setup()
             reloading = await start_https_site(
                 runner, config.host, config.port, config.cert_file, config.key_file
@@ -185,7 +187,6 @@ async def run(config: Config) -> None:
                 config.port,
                 len(pool.nodes),
             )
-            await asyncio.gather(namespaces.wait_synced(), quotas.wait_synced())
             # Until a signal cancels the task, which the finally below cleans up after.
             await slicing.run()
         finally:

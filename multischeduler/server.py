@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 import orjson
@@ -25,6 +25,7 @@ from multischeduler.extender import (
     OnEstimatorError,
     Score,
     filter_result,
+    outside_slices,
     parse_binding_args,
     parse_extender_args,
     scores,
@@ -47,6 +48,8 @@ class Extender:
     estimator_timeout: float = 0.5
     on_error: OnEstimatorError = OnEstimatorError.FAIL
     score: Score = Score.BEST_FIT
+    # {cluster-id: slices} of a namespace whose quota is sliced, else None.
+    slices_of: Callable[[str], Mapping[str, int] | None] = field(default=lambda _namespace: None)
     decisions: Decisions = field(default_factory=Decisions)
     metrics: Metrics = field(default_factory=Metrics)
     clock: Callable[[], float] = time.monotonic
@@ -66,9 +69,17 @@ class Extender:
         began = self.clock()
         virtual = [n for n in args.node_names if self.pool.is_virtual(n)]
         answers: dict[str, Answer] = {}
+        namespace = str(args.pod["metadata"].get("namespace", ""))
+        slices = self.slices_of(namespace) if virtual else None
+        if slices is not None:
+            for name in virtual:
+                outside = outside_slices(self.pool.nodes[name], namespace, slices)
+                if outside is not None:
+                    answers[name] = outside
+            virtual = [n for n in virtual if n not in answers]
         if virtual:
             pod = orjson.dumps(args.pod)
-            answers = await self._estimate(virtual, pod, args.pod_key, reserve=True)
+            answers |= await self._estimate(virtual, pod, args.pod_key, reserve=True)
             surplus = surplus_reservations(answers, self.score)
             self.pool.release(surplus, args.uid)
             self.decisions.remember(args.uid, answers, self.clock(), released=surplus, pod=pod)

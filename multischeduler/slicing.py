@@ -145,6 +145,16 @@ class SliceController:
             self._deleted[name] = before
         self.queue.add(name)
 
+    def slices_of(self, namespace: str) -> dict[str, int] | None:
+        """Where a namespace's pods may go: {cluster-id: slices} when its quota is sliced
+        (empty until placed), None when it has no quota and its pods go anywhere."""
+        if not namespace_quota(self.quotas.items(namespace)):
+            return None
+        found = self.namespaces.get(namespace)
+        annotations = (found or {}).get("metadata", {}).get("annotations") or {}
+        record = applied(annotations.get(keys.SLICE_APPLIED_ANNOTATION))
+        return dict(record.slices) if record is not None else {}
+
     async def run(self, workers: int = 2) -> None:
         await self.queue.run_workers(workers, self.reconcile)
 

@@ -11,6 +11,7 @@ below would all be told the same room is free (Karmada's estimator, its issue 13
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -32,7 +33,7 @@ from kubekit.slices import Amount, SliceError
 from virtual_node.capacity import pod_holds_resources
 from virtual_node.kubeletapi.auth import AuthError, Authorizer
 from virtual_node.naming import NamespaceMapping, NamingError
-from virtual_node.promises import PromiseRefused, SlicePromises
+from virtual_node.promises import PromiseRefused, SliceBudgets, SlicePromises, requested
 from virtual_node.translate import Ownership, desired_lower_pod
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ class QueryError(ValueError):
 class Answer:
     estimate: Estimate
     reserved_node: str | None
+    # Why the namespace's quota slices here take no copy of the pod, whatever the nodes.
+    over_budget: str = ""
 
 
 @dataclass(frozen=True)
@@ -76,8 +79,10 @@ class FitEstimator:
         mapping: NamespaceMapping,
         owner: Ownership,
         clock: Callable[[], float] = time.monotonic,
+        budgets: SliceBudgets | None = None,
     ) -> None:
         self.state = state
+        self.budgets = budgets or SliceBudgets()
         self.mapping = mapping
         self.owner = owner
         self.clock = clock
@@ -146,6 +151,12 @@ class FitEstimator:
             self._drop(uid)
             return
         self._upper_keys[uid] = object_key(pod)
+        try:
+            namespace = self.mapping.lower(pod["metadata"]["namespace"])
+        except NamingError:
+            pass
+        else:
+            self.budgets.count(uid, namespace, requested(pod))
         if uid in self._landed or uid in self._in_flight:
             return
         self._in_flight.add(uid)
@@ -157,6 +168,7 @@ class FitEstimator:
                 log.debug("pod %s not assumed: %s", object_key(pod), error)
 
     def _drop(self, uid: str) -> None:
+        self.budgets.uncount(uid)
         self._landed.discard(uid)
         self._upper_keys.pop(uid, None)
         self._drop_assumption(uid)
@@ -204,14 +216,22 @@ class FitEstimator:
         room of one copy is held for it on the node it would take."""
         self.expire()
         uid, lower = self._read(pod_json)
+        namespace, amount = lower["metadata"]["namespace"], requested(lower)
+        copies, over_budget = self.budgets.room_for(namespace, uid, amount, max(1, replicas))
+        if over_budget:
+            nothing = Estimate(self.state.node_count(), (), {}, 0, 0.0, 0.0, 0)
+            return Answer(nothing, None, over_budget)
         # A pod asked about again is judged without the room it already holds.
         held_on = self.state.forget(uid) if uid in self._reserved else None
         estimate = self.state.estimate(lower, max(1, replicas))
+        if copies < estimate.max_replicas:
+            estimate = dataclasses.replace(estimate, max_replicas=copies)
         reserved_node: str | None = None
         if reserve and uid and uid not in self._in_flight and uid not in self._landed:
             reserved_node = self.state.assume(uid, lower)
             if reserved_node is not None:
                 self._reserved[uid] = self.clock() + RESERVATION_SECONDS
+                self.budgets.count(uid, namespace, amount)
                 return Answer(estimate, reserved_node)
         if held_on is not None:
             # Kept until it lapses: room held while evicted pods go fits the pod only
@@ -232,8 +252,13 @@ class FitEstimator:
             raise QueryError(f"no lower node {node!r}")
         if not 0 < seconds <= MAX_HOLD_SECONDS:
             raise QueryError(f"{seconds} s is not above 0 and at most {MAX_HOLD_SECONDS:.0f} s")
+        namespace, amount = lower["metadata"]["namespace"], requested(lower)
+        _, over_budget = self.budgets.room_for(namespace, uid, amount)
+        if over_budget:
+            raise QueryError(over_budget)
         self.state.assume(uid, lower, node)
         self._reserved[uid] = self.clock() + seconds
+        self.budgets.count(uid, namespace, amount)
 
     def fit_in_turn(self, pods_json: list[bytes]) -> list[str | None]:
         self.expire()
@@ -277,6 +302,7 @@ class FitEstimator:
         for uid in uids:
             if self._reserved.pop(uid, None) is not None:
                 self.state.forget(uid)
+                self.budgets.uncount(uid)
                 released += 1
         return released
 
@@ -285,10 +311,15 @@ class FitEstimator:
         for uid in [uid for uid, until in self._reserved.items() if until <= now]:
             del self._reserved[uid]
             self.state.forget(uid)
+            self.budgets.uncount(uid)
 
 
 def to_message(answer: Answer, with_node_names: bool) -> estimator_pb2.PodEstimate:
     estimate = answer.estimate
+    if answer.over_budget:
+        return estimator_pb2.PodEstimate(
+            total_nodes=estimate.total_nodes, message=answer.over_budget
+        )
     return estimator_pb2.PodEstimate(
         total_nodes=estimate.total_nodes,
         fitting_count=len(estimate.fitting),

@@ -19,6 +19,7 @@ from aiohttp import web
 from kubekit import keys, leader, logs, pki
 from kubekit.certreload import start_https_site
 from kubekit.client import (
+    CONFIGMAPS,
     EVENTS,
     NAMESPACES,
     NODES,
@@ -30,7 +31,7 @@ from kubekit.client import (
 from kubekit.clusterstate import ClusterState
 from kubekit.component import run_component
 from kubekit.health import Health
-from kubekit.informer import InformerFactory
+from kubekit.informer import FunctionHandler, InformerFactory
 from kubekit.leader import ElectionSettings
 from kubekit.timestamps import now_micro
 from kubekit.workqueue import WorkQueue
@@ -380,6 +381,18 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
         runner, reloading = await serve_kubelet_api(config, kubelet, authorizer, pair)
         if config.estimator_port:
             estimator.watch(backend.nodes, backend.pods, upper_pods)
+            ledger = lower_informers.informer(
+                CONFIGMAPS,
+                namespace=keys.SYSTEM_NAMESPACE,
+                field_selector=f"metadata.name={keys.SLICE_LEDGER_CONFIGMAP}",
+            )
+            ledger.add_handler(
+                FunctionHandler(
+                    add=estimator.budgets.ledger_changed,
+                    update=estimator.budgets.ledger_changed,
+                    delete=estimator.budgets.ledger_deleted,
+                )
+            )
 
         upper_informers.start()
         lower_informers.start()

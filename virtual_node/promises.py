@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,4 +193,80 @@ class SlicePromises:
             await self.client.replace(RESOURCEQUOTAS, body, lower_namespace)
         log.info(
             "%s: %d slices of %s promised", lower_namespace, entry.slices, entry.size.describe()
+        )
+
+
+def requested(pod: Mapping[str, Any]) -> Amount:
+    """A pod's cpu and memory requests, as the scheduler and quota count them."""
+    requests = pod_requests(pod)
+    return Amount(
+        cpu=math.ceil(requests.get("cpu", 0) * 1000), memory=math.ceil(requests.get("memory", 0))
+    )
+
+
+class SliceBudgets:
+    """What each sliced lower namespace may still take here, for the fit estimator: its
+    promise (the ledger, from a watch of its ConfigMap) less the requests of the pods
+    counted against it: bound to this virtual node and not finished, or holding a
+    reservation of the estimator. Kept by pod UID, so a reserved pod that is then bound
+    counts once, and so a burst judged before its first pod lands never overspends."""
+
+    def __init__(self) -> None:
+        self._promised: dict[str, LedgerEntry] = {}
+        self._pods: dict[str, tuple[str, Amount]] = {}
+        self._used: dict[str, Amount] = {}
+
+    def ledger_changed(self, configmap: Mapping[str, Any]) -> None:
+        promised = {}
+        for key, text in (configmap.get("data") or {}).items():
+            try:
+                promised[key] = ledger_entry(key, text)
+            except SliceError as error:
+                log.warning("slice ledger: %s", error)
+        self._promised = promised
+
+    def ledger_deleted(self, _configmap: Mapping[str, Any]) -> None:
+        self._promised = {}
+
+    def count(self, uid: str, namespace: str, amount: Amount) -> None:
+        self.uncount(uid)
+        self._pods[uid] = (namespace, amount)
+        self._used[namespace] = self._used.get(namespace, Amount()) + amount
+
+    def uncount(self, uid: str) -> None:
+        counted = self._pods.pop(uid, None)
+        if counted is not None:
+            namespace, amount = counted
+            self._used[namespace] = self._used[namespace] - amount
+            if self._used[namespace] == Amount():
+                del self._used[namespace]
+
+    def room_for(
+        self, namespace: str, uid: str, amount: Amount, copies: int = 1
+    ) -> tuple[int, str]:
+        """How many copies of the pod the namespace's slices here still take (``copies``
+        when it holds none here, so is not held to any), and why not one when none."""
+        entry = self._promised.get(namespace)
+        if entry is None:
+            return copies, ""
+        used = self._used.get(namespace, Amount())
+        if uid in self._pods:
+            used = used - self._pods[uid][1]
+        left = entry.promised - used
+        fitting = [
+            left.get(resource) // amount.get(resource)
+            for resource in ("cpu", "memory")
+            if entry.size.get(resource) and amount.get(resource)
+        ]
+        taken = max(0, min([copies, *fitting]))
+        if taken:
+            return taken, ""
+        capped = Amount(
+            **{r: max(0, left.get(r)) if entry.size.get(r) else 0 for r in ("cpu", "memory")}
+        )
+        asked = Amount(**{r: amount.get(r) if entry.size.get(r) else 0 for r in ("cpu", "memory")})
+        return 0, (
+            f"namespace {entry.namespace}'s quota slices here ({entry.slices} of "
+            f"{entry.size.describe()}) have {capped.describe()} left, the pod asks "
+            f"{asked.describe()}"
         )

@@ -23,7 +23,7 @@ from kubekit import keys
 from kubekit.slices import Amount, ClusterRoom, Headroom, LedgerEntry, amount
 from virtual_node.capacity import node_counts
 
-from .helpers import apply, get_json, namespace, wait_for
+from .helpers import apply, federated_namespace, get_json, pods_by_name, wait_for
 
 NAMESPACE = "sliced"
 OTHER_TENANT = "e2e-other-tenant"
@@ -126,7 +126,7 @@ def events(federation: Federation, reason: str) -> list[str]:
 def pool(federation: Federation) -> Iterator[Federation]:
     for cluster in CLUSTERS:
         other_tenant_takes_all_but(lower(federation, cluster), LEFT_TO_PROMISE)
-    apply(federation.upper, namespace(NAMESPACE))
+    apply(federation.upper, federated_namespace(NAMESPACE))
     try:
         yield federation
     finally:
@@ -214,3 +214,92 @@ def test_the_quota_removed_takes_every_promise_back(pool: Federation) -> None:
         wait_for(partial(lower_quota_gone, below), f"{cluster}'s quota removed")
         assert NAMESPACE not in ledger(below)
         assert f"{OTHER_TENANT}-other" in ledger(below)
+
+
+def sliced_pod(name: str, cpu: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NAMESPACE, "labels": {"app": "sliced"}},
+        "spec": {
+            "terminationGracePeriodSeconds": 0,
+            "containers": [
+                {
+                    "name": "app",
+                    "image": "registry.k8s.io/pause:3.10",
+                    "resources": {"requests": {"cpu": cpu}},
+                }
+            ],
+        },
+    }
+
+
+def node_of(federation: Federation, name: str) -> str | None:
+    pod = get_json(federation.upper, "pod", f"--namespace={NAMESPACE}", name)
+    if pod["status"].get("phase") != "Running":
+        return None
+    return str(pod["spec"].get("nodeName") or "") or None
+
+
+def failed_scheduling(federation: Federation, name: str) -> str:
+    found = get_json(
+        federation.upper,
+        "events",
+        f"--namespace={NAMESPACE}",
+        f"--field-selector=involvedObject.name={name},reason=FailedScheduling",
+    )["items"]
+    return str(found[-1]["message"]) if found else ""
+
+
+def below(federation: Federation) -> dict[str, list[str]]:
+    return {
+        cluster: sorted(pods_by_name(lower(federation, cluster), NAMESPACE, "app=sliced"))
+        for cluster in CLUSTERS
+    }
+
+
+def test_pods_go_only_where_their_slices_are_and_stay_within_them(pool: Federation) -> None:
+    apply(pool.upper, quota("4"))
+    wait_placed(pool, {"lower-1": 1, "lower-2": 1})
+    try:
+        # Either cluster's nodes take both; each cluster's 2-CPU slice takes one.
+        apply(pool.upper, sliced_pod("one", "1500m"))
+        first = wait_for(lambda: node_of(pool, "one"), "pod one running")
+        apply(pool.upper, sliced_pod("two", "1500m"))
+        second = wait_for(lambda: node_of(pool, "two"), "pod two running")
+        assert {first, second} == {"vk-lower-1", "vk-lower-2"}
+        # Within the namespace's quota (4 CPU), beyond its slices in each cluster.
+        apply(pool.upper, sliced_pod("three", "1"))
+        message = wait_for(lambda: failed_scheduling(pool, "three"), "FailedScheduling")
+        for cluster in CLUSTERS:
+            assert (
+                f"vk-{cluster}: namespace {NAMESPACE}'s quota slices here (1 of cpu 2) have "
+                "cpu 500m left, the pod asks cpu 1"
+            ) in message, message
+        assert node_of(pool, "three") is None
+        assert below(pool) == {
+            "lower-1" if first == "vk-lower-1" else "lower-2": ["one"],
+            "lower-2" if first == "vk-lower-1" else "lower-1": ["two"],
+        }
+        pool.upper.kubectl(
+            "delete", "pods", f"--namespace={NAMESPACE}", "-l", "app=sliced", "--wait=true"
+        )
+        wait_for(lambda: below(pool) == {"lower-1": [], "lower-2": []}, "the pods gone below")
+        # Only lower-2 holds slices now: the pods go nowhere else.
+        pool.upper.kubectl(
+            "annotate",
+            "namespace",
+            NAMESPACE,
+            "--overwrite",
+            f'{keys.SLICE_PLACEMENT_ANNOTATION}={{"lower-2": 2}}',
+        )
+        wait_placed(pool, {"lower-2": 2})
+        for name in ("four", "five"):
+            apply(pool.upper, sliced_pod(name, "1"))
+        for name in ("four", "five"):
+            assert wait_for(partial(node_of, pool, name), f"{name} running") == "vk-lower-2"
+        assert below(pool) == {"lower-1": [], "lower-2": ["five", "four"]}
+    finally:
+        pool.upper.kubectl(
+            "delete", "pods", f"--namespace={NAMESPACE}", "-l", "app=sliced", "--wait=true"
+        )

@@ -20,7 +20,14 @@ from kubekit.estimatorapi.estimator_pb2 import (
     PodQuery,
 )
 from kubekit.informer import Informer
-from virtual_node.estimator import RESERVATION_SECONDS, EstimatorService, FitEstimator, QueryError
+from kubekit.slices import Amount, LedgerEntry
+from virtual_node.estimator import (
+    RESERVATION_SECONDS,
+    EstimatorService,
+    FitEstimator,
+    QueryError,
+    to_message,
+)
 from virtual_node.kubeletapi.auth import Authorizer, User
 from virtual_node.naming import NamespaceMapping
 from virtual_node.translate import Ownership, desired_lower_pod
@@ -356,3 +363,58 @@ async def test_the_service_answers_plans_in_turn_and_holds() -> None:
     assert cluster.fits("1", replicas=10) == 3
     await service.Hold(HoldRequest(pod=wanted, node="big", seconds=30), context)
     assert cluster.fits("1", replicas=10) == 2, "big is held: only the small node's 2 cpu"
+
+
+def ledger_map(*entries: tuple[str, int, Amount]) -> dict[str, Any]:
+    data = {
+        namespace: LedgerEntry(namespace, OWNER.origin, slices, size).encode()
+        for namespace, slices, size in entries
+    }
+    return {"metadata": {"name": keys.SLICE_LEDGER_CONFIGMAP}, "data": data}
+
+
+def test_a_sliced_namespace_s_pods_stay_within_its_slices_here() -> None:
+    cluster = Cluster()
+    # 2 slices of 1 cpu (memory not capped) for namespace ns.
+    cluster.estimator.budgets.ledger_changed(ledger_map(("ns", 2, Amount(cpu=1000))))
+    bound = upper_pod("bound", "500m")
+    cluster.upper_pods.apply({"type": "ADDED", "object": bound})
+    assert cluster.fits("1", replicas=5) == 1, "1.5 cpu left of the slices, nodes take more"
+    answer = cluster.estimator.answer(orjson.dumps(upper_pod("big", "2")))
+    assert answer.estimate.max_replicas == 0 and answer.over_budget == (
+        "namespace ns's quota slices here (2 of cpu 1) have cpu 1500m left, the pod asks cpu 2"
+    )
+    # A reservation counts against the slices at once: a burst cannot overspend them.
+    reserved = cluster.estimator.answer(orjson.dumps(upper_pod("r", "1")), reserve=True)
+    assert reserved.reserved_node is not None
+    assert cluster.fits("1") == 0
+    # Once bound, the same pod counts once; released or finished, not at all.
+    cluster.upper_pods.apply({"type": "ADDED", "object": upper_pod("r", "1")})
+    assert cluster.fits("500m") == 1
+    cluster.upper_pods.apply({"type": "DELETED", "object": bound})
+    assert cluster.fits("1") == 1
+    message = to_message(cluster.estimator.answer(orjson.dumps(upper_pod("x", "2"))), False)
+    assert (message.max_replicas, message.total_nodes) == (0, 2)
+    assert message.message.startswith("namespace ns's quota slices here")
+
+
+def test_a_namespace_without_slices_here_and_a_lost_ledger_are_not_held() -> None:
+    cluster = Cluster()
+    cluster.estimator.budgets.ledger_changed(ledger_map(("other", 1, Amount(cpu=1000))))
+    assert cluster.fits("4") == 1
+    cluster.estimator.budgets.ledger_changed(ledger_map(("ns", 1, Amount(cpu=1000))))
+    assert cluster.fits("4") == 0
+    cluster.estimator.budgets.ledger_deleted({})
+    assert cluster.fits("4") == 1
+
+
+def test_a_hold_past_the_namespace_s_slices_is_refused() -> None:
+    cluster = Cluster()
+    cluster.estimator.budgets.ledger_changed(ledger_map(("ns", 1, Amount(cpu=1000))))
+    with pytest.raises(QueryError, match="quota slices here"):
+        cluster.estimator.hold(orjson.dumps(upper_pod("p", "2")), "big", 30)
+    cluster.estimator.hold(orjson.dumps(upper_pod("p", "1")), "big", 30)
+    assert cluster.fits("1") == 0
+    cluster.clock.now += 31
+    cluster.estimator.expire()
+    assert cluster.fits("1") == 1

@@ -264,6 +264,28 @@ async def test_filter_asks_each_cluster_and_says_why_one_does_not_fit(
         assert federation.estimators[name].authorization == ["Bearer sesame"]
 
 
+async def test_a_sliced_namespace_s_pods_go_only_where_it_holds_slices(
+    federation: Federation,
+) -> None:
+    await federation.estimator("vk-a", fits(0.8))
+    await federation.estimator("vk-b", fits(0.8))
+    placements: dict[str, dict[str, int] | None] = {"ns": {"a": 2}}
+    federation.extender.slices_of = placements.get
+    result = await federation.filter("worker", "vk-a", "vk-b")
+    assert result["NodeNames"] == ["worker", "vk-a"]
+    assert result["FailedAndUnresolvableNodes"] == {
+        "vk-b": "vk-b: namespace ns holds no quota slices in b (its slices: a 2)"
+    }
+    assert federation.estimators["vk-b"].estimates == []
+    placements["ns"] = {}
+    result = await federation.filter("vk-a", "vk-b")
+    assert result["NodeNames"] == []
+    assert result["FailedAndUnresolvableNodes"]["vk-a"] == (
+        "vk-a: namespace ns holds no quota slices in a (its slices are not placed yet)"
+    )
+    assert len(federation.estimators["vk-a"].estimates) == 1
+
+
 async def test_a_slow_estimator_fails_only_its_own_node(federation: Federation) -> None:
     await federation.estimator("vk-a", fits(0.8))
     await federation.estimator("vk-slow", fits(0.9), delay=2.0)
