@@ -111,6 +111,16 @@ def lower_quota(cluster: LocalCluster) -> dict[str, str] | None:
     return hard
 
 
+def edit_placement(federation: Federation, text: str) -> None:
+    federation.upper.kubectl(
+        "annotate",
+        "namespace",
+        NAMESPACE,
+        "--overwrite",
+        f"{keys.SLICE_PLACEMENT_ANNOTATION}={text}",
+    )
+
+
 def lower_quota_gone(cluster: LocalCluster) -> bool:
     return lower_quota(cluster) is None
 
@@ -180,29 +190,15 @@ def test_more_than_the_room_is_refused_and_the_placement_kept(pool: Federation) 
 
 def test_an_edit_is_honoured_when_feasible_and_refused_when_not(pool: Federation) -> None:
     wait_placed(pool, {"lower-1": 1, "lower-2": 1})
-    pool.upper.kubectl(
-        "annotate",
-        "namespace",
-        NAMESPACE,
-        "--overwrite",
-        f'{keys.SLICE_PLACEMENT_ANNOTATION}={{"lower-2": 2}}',
-    )
+    edit_placement(pool, '{"lower-2": 2}')
     wait_placed(pool, {"lower-2": 2})
     wait_for(lambda: lower_quota(lower(pool, "lower-1")) is None, "lower-1's quota removed")
-    pool.upper.kubectl(
-        "annotate",
-        "namespace",
-        NAMESPACE,
-        "--overwrite",
-        f'{keys.SLICE_PLACEMENT_ANNOTATION}={{"lower-1": 1, "lower-3": 1}}',
-    )
+    edit_placement(pool, '{"lower-1": 1, "lower-3": 1}')
     wait_for(lambda: events(pool, "SlicePlacementRefused"), "a SlicePlacementRefused event")
     assert "no lower cluster lower-3 in the pool" in events(pool, "SlicePlacementRefused")[0]
     wait_placed(pool, {"lower-2": 2})
     # Cleared: placed afresh.
-    pool.upper.kubectl(
-        "annotate", "namespace", NAMESPACE, "--overwrite", f"{keys.SLICE_PLACEMENT_ANNOTATION}="
-    )
+    edit_placement(pool, "")
     wait_placed(pool, {"lower-1": 1, "lower-2": 1})
 
 
@@ -286,13 +282,7 @@ def test_pods_go_only_where_their_slices_are_and_stay_within_them(pool: Federati
         )
         wait_for(lambda: below(pool) == {"lower-1": [], "lower-2": []}, "the pods gone below")
         # Only lower-2 holds slices now: the pods go nowhere else.
-        pool.upper.kubectl(
-            "annotate",
-            "namespace",
-            NAMESPACE,
-            "--overwrite",
-            f'{keys.SLICE_PLACEMENT_ANNOTATION}={{"lower-2": 2}}',
-        )
+        edit_placement(pool, '{"lower-2": 2}')
         wait_placed(pool, {"lower-2": 2})
         for name in ("four", "five"):
             apply(pool.upper, sliced_pod(name, "1"))
