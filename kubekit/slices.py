@@ -499,3 +499,17 @@ def slices_of(used: Amount, size: Amount) -> int:
         ),
         default=0,
     )
+
+
+def held_namespaces(ledger: Mapping[str, str], origin: str) -> set[str]:
+    """The upper namespaces of one upper cluster (``origin``) holding slices here; an
+    entry that cannot be read holds none."""
+    held = set()
+    for key, text in ledger.items():
+        try:
+            entry = ledger_entry(key, text)
+        except SliceError:
+            continue
+        if entry.origin == origin and entry.slices > 0:
+            held.add(entry.namespace)
+    return held

@@ -33,6 +33,7 @@ from kubekit.component import run_component
 from kubekit.health import Health
 from kubekit.informer import FunctionHandler, InformerFactory
 from kubekit.leader import ElectionSettings
+from kubekit.slices import held_namespaces
 from kubekit.timestamps import now_micro
 from kubekit.workqueue import WorkQueue
 from virtual_node.estimator import EstimatorService, FitEstimator
@@ -379,13 +380,25 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
         # One authorizer, so the kubelet API and the estimator share its caches.
         authorizer = Authorizer(upper, config.name)
         runner, reloading = await serve_kubelet_api(config, kubelet, authorizer, pair)
+        ledger = lower_informers.informer(
+            CONFIGMAPS,
+            namespace=keys.SYSTEM_NAMESPACE,
+            field_selector=f"metadata.name={keys.SLICE_LEDGER_CONFIGMAP}",
+        )
+
+        def ledger_changed(configmap: dict[str, Any]) -> None:
+            data = configmap.get("data") or {}
+            reflector.sync_namespaces(held_namespaces(data, owner.origin))
+
+        ledger.add_handler(
+            FunctionHandler(
+                add=ledger_changed,
+                update=ledger_changed,
+                delete=lambda _configmap: reflector.sync_namespaces(()),
+            )
+        )
         if config.estimator_port:
             estimator.watch(backend.nodes, backend.pods, upper_pods)
-            ledger = lower_informers.informer(
-                CONFIGMAPS,
-                namespace=keys.SYSTEM_NAMESPACE,
-                field_selector=f"metadata.name={keys.SLICE_LEDGER_CONFIGMAP}",
-            )
             ledger.add_handler(
                 FunctionHandler(
                     add=estimator.budgets.ledger_changed,

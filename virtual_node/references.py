@@ -24,6 +24,15 @@ Kind = Literal[
 DEFAULT_SERVICE_ACCOUNT = "default"
 _RESERVED_PRIORITY_CLASS_PREFIX = "system-"
 
+# What a namespace holding quota slices in a cluster has there whether pods refer to it or
+# not; and what every namespace of every cluster has of its own (never copied).
+NAMESPACE_WIDE: frozenset[Kind] = frozenset(
+    {"configmaps", "secrets", "serviceaccounts", "services", "persistentvolumeclaims"}
+)
+_MADE_IN_EVERY_NAMESPACE = frozenset(
+    {("serviceaccounts", DEFAULT_SERVICE_ACCOUNT), ("configmaps", "kube-root-ca.crt")}
+)
+
 # Secrets whose content the lower cluster makes for itself.
 _NOT_REFLECTED_SECRET_TYPES = frozenset({"kubernetes.io/service-account-token"})
 
@@ -92,6 +101,11 @@ def selector_matches(selector: Mapping[str, str], labels: Mapping[str, str]) -> 
 
 def service_of_slice(endpoint_slice: Mapping[str, Any]) -> str:
     return str((endpoint_slice["metadata"].get("labels") or {}).get(keys.SERVICE_NAME_LABEL, ""))
+
+
+def synced_namespace_wide(kind: Kind, name: str) -> bool:
+    """Whether an object is kept below for a namespace holding quota slices there."""
+    return kind in NAMESPACE_WIDE and (kind, name) not in _MADE_IN_EVERY_NAMESPACE
 
 
 def reflectable(upper: Mapping[str, Any]) -> bool:

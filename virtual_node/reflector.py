@@ -1,18 +1,20 @@
 """Keeps lower copies of the ConfigMaps, Secrets, PersistentVolumeClaims,
 ServiceAccounts and PriorityClasses that mirrored pods refer to, and of the Services that
-select them with their EndpointSlices.
+select them with their EndpointSlices; and of every ConfigMap, Secret, ServiceAccount,
+Service and PersistentVolumeClaim of the namespaces holding quota slices in the lower
+cluster, whether pods refer to them or not, before any pod arrives.
 
 Level-triggered: for each (kind, upper namespace, name) the desired state is "a copy
 equal to the upper object" while a pod on this node refers to it (a Service: selects
-it; an EndpointSlice: belongs to such a Service), and "no copy" otherwise; every change
-on either side only enqueues that key.
+it; an EndpointSlice: belongs to such a Service) or its namespace holds slices here, and
+"no copy" otherwise; every change on either side only enqueues that key.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from kubekit import keys
@@ -45,6 +47,7 @@ from virtual_node.references import (
     selector_matches,
     service_of_slice,
     service_selector,
+    synced_namespace_wide,
 )
 from virtual_node.translate import Ownership
 
@@ -104,6 +107,8 @@ class Reflector:
         # every Service of its namespace on each of its events.
         self._selectors: dict[tuple[str, str], dict[str, str]] = {}
         self._services_by_label: dict[tuple[str, str, str], set[str]] = {}
+        # Upper namespaces holding quota slices in this lower cluster.
+        self._synced: frozenset[str] = frozenset()
         upper_pods.add_handler(
             FunctionHandler(
                 add=self._pod_changed,
@@ -220,12 +225,32 @@ class Reflector:
         if self._wanted(key):
             self.queue.add(key)
 
+    def sync_namespaces(self, namespaces: Iterable[str]) -> None:
+        """Keeps every object of these upper namespaces below (they hold quota slices
+        here), not only those pods refer to; a namespace left out is back to those."""
+        synced = frozenset(namespaces)
+        changed, self._synced = synced ^ self._synced, synced
+        for namespace in changed:
+            for kind, informer in self.upper_objects.items():
+                if RESOURCES[kind].namespaced:
+                    for obj in informer.items(namespace):
+                        self.queue.add((kind, namespace, obj["metadata"]["name"]))
+            try:
+                lower_namespace = self.mapping.lower(namespace)
+            except NamingError:
+                continue
+            for kind, informer in self.lower_copies.items():
+                for copy in informer.items(lower_namespace) if RESOURCES[kind].namespaced else ():
+                    self._lower_changed(kind, copy)
+
     def _wanted(self, key: Key) -> bool:
         kind, namespace, name = key
         if kind != "endpointslices":
-            return key in self._users
+            return key in self._users or (
+                namespace in self._synced and synced_namespace_wide(kind, name)
+            )
         upper = self.upper_objects[kind].get(f"{namespace}/{name}")
-        return upper is not None and ("services", namespace, service_of_slice(upper)) in self._users
+        return upper is not None and self._wanted(("services", namespace, service_of_slice(upper)))
 
     def _lower_changed(self, kind: Kind, obj: Mapping[str, Any]) -> None:
         key = self._key_of_copy(kind, obj)

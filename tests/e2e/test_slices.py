@@ -33,6 +33,29 @@ CLUSTERS = ("lower-1", "lower-2")
 HEADROOM = Headroom(percent=Fraction(10))
 
 
+# What the namespace holds before any pod: copied into every cluster holding its slices.
+NAMESPACE_OBJECTS = [
+    {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "settings", "namespace": NAMESPACE},
+        "data": {"mode": "fast"},
+    },
+    {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "password", "namespace": NAMESPACE},
+        "stringData": {"password": "sesame"},
+    },
+    {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "api", "namespace": NAMESPACE},
+        "spec": {"selector": {"app": "api"}, "ports": [{"port": 80}]},
+    },
+]
+
+
 def lower(federation: Federation, cluster: str) -> LocalCluster:
     found = federation.clusters[cluster]
     assert isinstance(found, LocalCluster)
@@ -121,6 +144,24 @@ def edit_placement(federation: Federation, text: str) -> None:
     )
 
 
+def copies(cluster: LocalCluster) -> set[str]:
+    """The namespace's objects copied below, as kind/name."""
+    found = get_json(cluster, "configmaps,secrets,services", f"--namespace={NAMESPACE}")
+    return {
+        f"{item['kind']}/{item['metadata']['name']}"
+        for item in found["items"]
+        if (item["metadata"].get("labels") or {}).get(keys.MANAGED_BY_LABEL)
+        == keys.MANAGED_BY_VALUE
+    }
+
+
+COPIED = {"ConfigMap/settings", "Secret/password", "Service/api"}
+
+
+def copies_are(cluster: LocalCluster, expected: set[str]) -> bool:
+    return copies(cluster) == expected
+
+
 def lower_quota_gone(cluster: LocalCluster) -> bool:
     return lower_quota(cluster) is None
 
@@ -136,7 +177,7 @@ def events(federation: Federation, reason: str) -> list[str]:
 def pool(federation: Federation) -> Iterator[Federation]:
     for cluster in CLUSTERS:
         other_tenant_takes_all_but(lower(federation, cluster), LEFT_TO_PROMISE)
-    apply(federation.upper, federated_namespace(NAMESPACE))
+    apply(federation.upper, federated_namespace(NAMESPACE), *NAMESPACE_OBJECTS)
     try:
         yield federation
     finally:
@@ -162,6 +203,9 @@ def test_ten_cpus_of_two_cpu_slices_over_two_clusters_of_six(pool: Federation) -
         ),
         "the lower quotas",
     )
+    # The namespace's objects are below in both clusters before any pod.
+    for cluster in CLUSTERS:
+        wait_for(partial(copies_are, lower(pool, cluster), COPIED), f"copies in {cluster}")
     entry = json.loads(ledger(lower(pool, "lower-1"))[NAMESPACE])
     assert (entry["slices"], entry["size"]) == (3, {"cpu": 2000, "memory": 0})
     assert any("5 slices of cpu 2: lower-1 3, lower-2 2" in m for m in events(pool, "SlicesPlaced"))
@@ -193,6 +237,9 @@ def test_an_edit_is_honoured_when_feasible_and_refused_when_not(pool: Federation
     edit_placement(pool, '{"lower-2": 2}')
     wait_placed(pool, {"lower-2": 2})
     wait_for(lambda: lower_quota(lower(pool, "lower-1")) is None, "lower-1's quota removed")
+    # The namespace left lower-1: so did its objects.
+    wait_for(partial(copies_are, lower(pool, "lower-1"), set()), "no copies in lower-1")
+    assert copies(lower(pool, "lower-2")) == COPIED
     edit_placement(pool, '{"lower-1": 1, "lower-3": 1}')
     wait_for(lambda: events(pool, "SlicePlacementRefused"), "a SlicePlacementRefused event")
     assert "no lower cluster lower-3 in the pool" in events(pool, "SlicePlacementRefused")[0]
@@ -210,6 +257,7 @@ def test_the_quota_removed_takes_every_promise_back(pool: Federation) -> None:
         wait_for(partial(lower_quota_gone, below), f"{cluster}'s quota removed")
         assert NAMESPACE not in ledger(below)
         assert f"{OTHER_TENANT}-other" in ledger(below)
+        wait_for(partial(copies_are, below, set()), f"no copies in {cluster}")
 
 
 def sliced_pod(name: str, cpu: str) -> dict[str, Any]:

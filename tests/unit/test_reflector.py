@@ -213,3 +213,64 @@ async def test_a_pod_that_finished_needs_nothing_more() -> None:
     r.above(None, done, "MODIFIED")
     await r.drain()
     assert r.created(ACCOUNTS) == []
+
+
+def named(kind: str, name: str, **fields: Any) -> dict[str, Any]:
+    metadata = {"name": name, "namespace": "shop", "uid": f"{name}-uid", "resourceVersion": "1"}
+    return {"kind": kind, "metadata": metadata, **fields}
+
+
+async def test_a_namespace_holding_slices_has_everything_copied_before_any_pod() -> None:
+    r = reflecting()
+    r.above("configmaps", named("ConfigMap", "settings", data={"a": "1"}))
+    r.above("configmaps", named("ConfigMap", "kube-root-ca.crt", data={"ca.crt": "x"}))
+    r.above("secrets", named("Secret", "token", type="Opaque"))
+    r.above("serviceaccounts", named("ServiceAccount", "default"))
+    r.above("services", named("Service", "api", spec={"selector": {"app": "api"}}))
+    r.above(
+        "configmaps",
+        {
+            **named("ConfigMap", "elsewhere"),
+            "metadata": {
+                "name": "elsewhere",
+                "namespace": "other",
+                "uid": "u",
+                "resourceVersion": "1",
+            },
+        },
+    )
+    await r.drain()
+    assert r.lower.writes() == [], "no pod refers to anything yet"
+    r.reflector.sync_namespaces({"shop"})
+    await r.drain()
+    assert sorted(r.lower.writes()) == [
+        ("POST", "/api/v1/namespaces/shop/configmaps"),
+        ("POST", "/api/v1/namespaces/shop/secrets"),
+        ("POST", "/api/v1/namespaces/shop/services"),
+    ]
+    # New objects of the namespace follow; its slices gone, the copies go.
+    r.above("configmaps", named("ConfigMap", "later"))
+    await r.drain()
+    assert [b["metadata"]["name"] for b in r.created("/api/v1/namespaces/shop/configmaps")] == [
+        "settings",
+        "later",
+    ]
+    for request in [r for r in r.lower.requests if r.method == "POST"]:
+        body = request.body
+        kinds: dict[str, Kind] = {
+            "ConfigMap": "configmaps",
+            "Secret": "secrets",
+            "Service": "services",
+        }
+        kind = kinds[body["kind"]]
+        copy = {**body, "metadata": {**body["metadata"], "uid": "lower", "resourceVersion": "1"}}
+        r.below(kind, copy)
+    r.lower.requests.clear()
+    r.reflector.sync_namespaces(())
+    await r.drain()
+    assert sorted(r.lower.writes()) == [
+        ("DELETE", "/api/v1/namespaces/shop/configmaps/later"),
+        ("DELETE", "/api/v1/namespaces/shop/configmaps/settings"),
+        ("DELETE", "/api/v1/namespaces/shop/secrets/token"),
+        ("DELETE", "/api/v1/namespaces/shop/services/api"),
+    ]
