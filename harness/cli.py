@@ -49,9 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
         # Listed for --help; their own parsers take over in main().
         commands.add_parser(name, help=f"run the {package} component (see `{name} --help`)")
 
-    up = commands.add_parser("up", help="start a local federation: 1 upper + N lower clusters")
+    up = commands.add_parser(
+        "up", help="start a local federation: 1 upper (or more tenants) + N lower clusters"
+    )
     _add_state_dir(up)
     up.add_argument("--lower", type=_positive, default=2, help="lower clusters (default 2)")
+    up.add_argument(
+        "--tenants",
+        type=_positive,
+        default=1,
+        help="upper (tenant) clusters sharing the lower ones: upper, tenant-2, ... each with "
+        "its own virtual nodes, webhook and multischeduler, its namespaces prefixed below "
+        "t1-, t2-, ... (default 1: one upper cluster, namespaces unprefixed)",
+    )
     up.add_argument(
         "--nodes",
         type=_non_negative,
@@ -103,7 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     kubeconfig = commands.add_parser("kubeconfig", help="print the path of a cluster's kubeconfig")
     _add_state_dir(kubeconfig)
-    kubeconfig.add_argument("--cluster", default=UPPER, help="cluster name (default: upper)")
+    kubeconfig.add_argument(
+        "--cluster",
+        default=UPPER,
+        help="cluster name: upper, tenant-2, ..., lower-1, ... (default: upper)",
+    )
 
     status_command = commands.add_parser(
         "status", help="the virtual nodes of the federation, or of any upper cluster"
@@ -122,6 +136,7 @@ def _up(args: argparse.Namespace) -> int:
     from harness.federation import Federation, FederationSpec
 
     spec = FederationSpec(
+        tenants=args.tenants,
         lower=args.lower,
         nodes_per_lower=args.nodes,
         node_cpu=args.node_cpu,
@@ -147,11 +162,12 @@ def _up(args: argparse.Namespace) -> int:
     federation.start()
     try:
         federation.start_virtual_nodes()
-        federation.start_webhook()
-        if args.multischeduler:
-            federation.start_multischeduler()
-        if args.descheduler:
-            federation.start_descheduler()
+        for tenant in federation.tenants:
+            federation.start_webhook(tenant=tenant)
+            if args.multischeduler:
+                federation.start_multischeduler(tenant=tenant)
+            if args.descheduler:
+                federation.start_descheduler(tenant=tenant)
     except BaseException:
         federation.stop()
         raise

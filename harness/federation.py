@@ -65,8 +65,16 @@ class Identity:
     token_file: Path
 
 
+def tenant_name(index: int) -> str:
+    """The name of the ``index``-th upper (tenant) cluster, from 1: the first is the
+    upper cluster every single-tenant federation has."""
+    return UPPER if index == 1 else f"tenant-{index}"
+
+
 @dataclass(frozen=True)
 class FederationSpec:
+    # Upper (tenant) control planes sharing the lower clusters.
+    tenants: int = 1
     lower: int = 2
     nodes_per_lower: int = 3
     node_cpu: str = "16"
@@ -84,7 +92,12 @@ class FederationSpec:
             )
         if self.nodes_per_lower < 0:
             raise ValueError(f"nodes per lower cluster must be >= 0, not {self.nodes_per_lower}")
-        specs = [ClusterSpec(UPPER, "upper", metrics_server=self.metrics_server)]
+        if self.tenants < 1:
+            raise ValueError(f"a federation needs at least one upper cluster, not {self.tenants}")
+        specs = [
+            ClusterSpec(tenant_name(index), "upper", metrics_server=self.metrics_server)
+            for index in range(1, self.tenants + 1)
+        ]
         for index in range(1, self.lower + 1):
             name = f"lower-{index}"
             nodes = tuple(
@@ -223,6 +236,15 @@ class Federation:
         return self.clusters[UPPER]
 
     @property
+    def tenants(self) -> list[LocalCluster]:
+        """The upper clusters, the first one ``upper``."""
+        return [c for c in self.clusters.values() if c.spec.role == "upper"]
+
+    def _component(self, tenant: LocalCluster, name: str) -> str:
+        """A component's name, unique across the tenants' components."""
+        return name if tenant.name == UPPER else f"{tenant.name}-{name}"
+
+    @property
     def lowers(self) -> list[LocalCluster | K3sCluster]:
         local: list[LocalCluster | K3sCluster] = [
             c for c in self.clusters.values() if c.spec.role == "lower"
@@ -262,43 +284,63 @@ class Federation:
             raise
 
     def start_virtual_nodes(self, timeout: float = 120.0) -> None:
-        """One `kubestrata virtual-node` per lower cluster, each with its kubelet-API
-        port, with the identities the manifests give it above and below; returns once
-        every virtual Node is Ready in the upper cluster."""
-        for lower in self.lowers:
-            self.start_component(virtual_node_name(lower.name), self.virtual_node_args(lower))
+        """One `kubestrata virtual-node` per lower cluster and tenant, each with its
+        kubelet-API port, with the identities the manifests give it above and below;
+        returns once every virtual Node is Ready in its upper cluster."""
+        for tenant in self.tenants:
+            for lower in self.lowers:
+                self.start_component(
+                    self._component(tenant, virtual_node_name(lower.name)),
+                    self.virtual_node_args(lower, tenant=tenant),
+                )
         nodes = [f"node/{keys.default_node_name(lower.name)}" for lower in self.lowers]
         deadline = time.monotonic() + timeout
-        while True:
-            for process in self.components.values():
-                process.check_running()
-            found = self.upper.kubectl("get", *nodes, "-o", "name", check=False)
-            if found.returncode == 0:
-                break
-            if time.monotonic() > deadline:
-                raise ClusterError(
-                    f"virtual nodes not registered after {timeout:.0f} s: {found.stderr}"
-                )
-            time.sleep(0.5)
-        self.upper.kubectl(
-            "wait",
-            "--for=condition=Ready",
-            *nodes,
-            f"--timeout={int(timeout)}s",
-            timeout=timeout + 10,
-        )
+        for tenant in self.tenants:
+            while True:
+                for process in self.components.values():
+                    process.check_running()
+                found = tenant.kubectl("get", *nodes, "-o", "name", check=False)
+                if found.returncode == 0:
+                    break
+                if time.monotonic() > deadline:
+                    raise ClusterError(
+                        f"virtual nodes not registered in {tenant.name} after {timeout:.0f} s: "
+                        f"{found.stderr}"
+                    )
+                time.sleep(0.5)
+            tenant.kubectl(
+                "wait",
+                "--for=condition=Ready",
+                *nodes,
+                f"--timeout={int(timeout)}s",
+                timeout=timeout + 10,
+            )
 
-    def virtual_node_args(self, lower: KubectlClient, replica: str = "") -> list[str]:
-        """The arguments of `kubestrata virtual-node` for ``lower``; ``replica`` names one
-        more replica beside the first, with ports and a Lease identity of its own."""
-        name = virtual_node_name(lower.name)
+    def virtual_node_args(
+        self, lower: KubectlClient, replica: str = "", tenant: LocalCluster | None = None
+    ) -> list[str]:
+        """The arguments of `kubestrata virtual-node` for ``lower`` (in ``tenant``, the
+        upper cluster by default); ``replica`` names one more replica beside the first,
+        with ports and a Lease identity of its own. With several tenants, each one's
+        namespaces are prefixed below (t1-, t2-, ...) so theirs never meet."""
+        tenant = tenant or self.upper
+        name = self._component(tenant, virtual_node_name(lower.name))
         upper_identity = self.identity(
-            self.upper, name, VIRTUAL_NODE_ACCOUNT, MANIFESTS / "virtual-node" / "rbac"
+            tenant, name, VIRTUAL_NODE_ACCOUNT, MANIFESTS / "virtual-node" / "rbac"
         )
         lower_identity = self.identity(
             lower, name, VIRTUAL_NODE_ACCOUNT, MANIFESTS / "virtual-node-lower"
         )
         replica_name = f"{name}-{replica}" if replica else name
+        tenants = self.tenants
+        prefixed = (
+            [
+                "--namespace-strategy=prefix",
+                f"--namespace-prefix=t{tenants.index(tenant) + 1}",
+            ]
+            if len(tenants) > 1
+            else []
+        )
         return [
             "virtual-node",
             f"--upper-kubeconfig={upper_identity.kubeconfig}",
@@ -310,26 +352,28 @@ class Federation:
             # Named after the replica, a restarted process holds the Lease again at once
             # instead of waiting for it to expire.
             f"--leader-elect-identity={replica_name}",
-            f"--client-ca-file={self.upper.ca.cert_path}",
+            f"--client-ca-file={tenant.ca.cert_path}",
             f"--cert-dir={self.state_dir / COMPONENTS / replica_name}",
+            *prefixed,
         ]
 
-    def start_webhook(self, timeout: float = 60.0) -> str:
-        """`kubestrata webhook` on a loopback port. As with the manifests, the
-        MutatingWebhookConfiguration is applied for it (here with its URL) and the webhook,
-        with its manifests' identity, puts its CA in; returns the URL once it has."""
+    def start_webhook(self, timeout: float = 60.0, tenant: LocalCluster | None = None) -> str:
+        """`kubestrata webhook` on a loopback port, for ``tenant`` (the upper cluster by
+        default). As with the manifests, the MutatingWebhookConfiguration is applied for it
+        (here with its URL) and the webhook, with its manifests' identity, puts its CA in;
+        returns the URL once it has."""
+        tenant = tenant or self.upper
+        name = self._component(tenant, WEBHOOK)
         port = free_port()
         url = f"https://127.0.0.1:{port}{WEBHOOK_PATH}"
-        self.upper.kubectl("apply", "-f", "-", input=json.dumps(url_configuration(url)))
-        identity = self.identity(
-            self.upper, WEBHOOK, WEBHOOK_ACCOUNT, MANIFESTS / WEBHOOK / "rbac.yaml"
-        )
+        tenant.kubectl("apply", "-f", "-", input=json.dumps(url_configuration(url)))
+        identity = self.identity(tenant, name, WEBHOOK_ACCOUNT, MANIFESTS / WEBHOOK / "rbac.yaml")
         self.start_component(
-            WEBHOOK,
+            name,
             [
                 "webhook",
                 f"--listen=127.0.0.1:{port}",
-                f"--cert-dir={self.state_dir / WEBHOOK}",
+                f"--cert-dir={self.state_dir / name}",
                 f"--kubeconfig={identity.kubeconfig}",
                 f"--inject-ca-bundle={WEBHOOK_CONFIGURATION}",
                 "--follow-moves",
@@ -337,8 +381,8 @@ class Federation:
         )
         deadline = time.monotonic() + timeout
         while True:
-            self.components[WEBHOOK].check_running()
-            found = self.upper.kubectl(
+            self.components[name].check_running()
+            found = tenant.kubectl(
                 "get",
                 "mutatingwebhookconfiguration",
                 WEBHOOK_CONFIGURATION,
@@ -347,36 +391,39 @@ class Federation:
                 check=False,
             )
             if found.returncode == 0 and found.stdout.strip():
-                self.webhook_url = url
+                if tenant is self.upper:
+                    self.webhook_url = url
                 return url
             if time.monotonic() > deadline:
-                raise ClusterError(f"webhook not registered after {timeout:.0f} s")
+                raise ClusterError(f"{name} not registered after {timeout:.0f} s")
             time.sleep(0.3)
 
-    def start_multischeduler(self, timeout: float = 60.0) -> str:
-        """`kubestrata multischeduler` on a loopback port, with the identity its manifests
-        give it (a ServiceAccount token), and the upper kube-scheduler started again with
-        it as its extender; returns its URL once it serves."""
-        directory = self.state_dir / MULTISCHEDULER
+    def start_multischeduler(
+        self, timeout: float = 60.0, tenant: LocalCluster | None = None
+    ) -> str:
+        """`kubestrata multischeduler` on a loopback port, for ``tenant`` (the upper
+        cluster by default), with the identity its manifests give it (a ServiceAccount
+        token), and that cluster's kube-scheduler started again with it as its extender;
+        returns its URL once it serves."""
+        tenant = tenant or self.upper
+        name = self._component(tenant, MULTISCHEDULER)
+        directory = self.state_dir / name
         serving = pki.serving_pair(directory, MULTISCHEDULER, (LOOPBACK,))
         ca_file = pki.ca_path(serving)
         identity = self.identity(
-            self.upper,
-            MULTISCHEDULER,
-            MULTISCHEDULER_ACCOUNT,
-            MANIFESTS / MULTISCHEDULER / "rbac.yaml",
+            tenant, name, MULTISCHEDULER_ACCOUNT, MANIFESTS / MULTISCHEDULER / "rbac.yaml"
         )
         port = free_port()
         url = f"https://{LOOPBACK}:{port}"
         process = self.start_component(
-            MULTISCHEDULER,
+            name,
             [
                 "multischeduler",
                 f"--kubeconfig={identity.kubeconfig}",
                 f"--listen={LOOPBACK}:{port}",
                 f"--tls-cert-file={serving.cert_path}",
                 f"--tls-key-file={serving.key_path}",
-                f"--estimator-ca-file={self.upper.ca.cert_path}",
+                f"--estimator-ca-file={tenant.ca.cert_path}",
                 f"--estimator-token-file={identity.token_file}",
             ],
         )
@@ -385,30 +432,40 @@ class Federation:
         while not _serves(url + "/healthz", context):
             process.check_running()
             if time.monotonic() > deadline:
-                raise ClusterError(f"multischeduler not serving after {timeout:.0f} s")
+                raise ClusterError(f"{name} not serving after {timeout:.0f} s")
             time.sleep(0.3)
-        self.upper.set_scheduler_extenders([scheduler_extender(url, ca_file)])
-        self.multischeduler_url = url
+        tenant.set_scheduler_extenders([scheduler_extender(url, ca_file)])
+        if tenant is self.upper:
+            self.multischeduler_url = url
         return url
 
-    def start_descheduler(self, policy: Path | None = None) -> ManagedProcess:
-        return self.start_component(DESCHEDULER, self.descheduler_args(policy))
+    def start_descheduler(
+        self, policy: Path | None = None, tenant: LocalCluster | None = None
+    ) -> ManagedProcess:
+        tenant = tenant or self.upper
+        return self.start_component(
+            self._component(tenant, DESCHEDULER), self.descheduler_args(policy, tenant)
+        )
 
-    def descheduler_args(self, policy: Path | None = None) -> list[str]:
-        """The arguments of `kubestrata descheduler` for this federation, calling the
-        estimators with the identity its manifests give it."""
+    def descheduler_args(
+        self, policy: Path | None = None, tenant: LocalCluster | None = None
+    ) -> list[str]:
+        """The arguments of `kubestrata descheduler` for ``tenant`` (the upper cluster by
+        default), calling the estimators with the identity its manifests give it."""
+        tenant = tenant or self.upper
+        name = self._component(tenant, DESCHEDULER)
         identity = self.identity(
-            self.upper, DESCHEDULER, DESCHEDULER_ACCOUNT, MANIFESTS / DESCHEDULER / "rbac.yaml"
+            tenant, name, DESCHEDULER_ACCOUNT, MANIFESTS / DESCHEDULER / "rbac.yaml"
         )
         return [
             "descheduler",
             f"--kubeconfig={identity.kubeconfig}",
-            f"--estimator-ca-file={self.upper.ca.cert_path}",
+            f"--estimator-ca-file={tenant.ca.cert_path}",
             f"--estimator-token-file={identity.token_file}",
             f"--health-address={LOOPBACK}",
             f"--health-port={free_port()}",
             # As the virtual nodes': a restarted descheduler holds its Lease at once.
-            f"--leader-elect-identity={DESCHEDULER}",
+            f"--leader-elect-identity={name}",
             *([f"--policy={policy}"] if policy is not None else []),
         ]
 

@@ -76,6 +76,10 @@ class Amount:
             if self.get(resource)
         }
 
+    def only(self, size: Amount) -> Amount:
+        """This amount in the resources a slice of ``size`` holds; 0 in the others."""
+        return Amount(**{r: self.get(r) if size.get(r) else 0 for r in RESOURCES})
+
     def describe(self) -> str:
         return ", ".join(f"{name} {value}" for name, value in self.quantities().items()) or "0"
 
@@ -276,8 +280,9 @@ def _shortfall(
     placeable = sum(max(slots.get(name, 0), current.get(name, 0)) for name in {*slots, *current})
     missing = count - placeable
     where = "; ".join(
-        f"{room.cluster}: room for {slots[room.cluster]} (can promise {room.limit.describe()}, "
-        f"{room.promised_to_others.describe()} promised to others"
+        f"{room.cluster}: room for {slots[room.cluster]} (can promise "
+        f"{room.limit.only(size).describe()}, "
+        f"{room.promised_to_others.only(size).describe()} promised to others"
         + ("" if any(size.within(node) for node in room.nodes) else ", no node takes a slice")
         + ")"
         for room in rooms

@@ -261,10 +261,8 @@ class SliceBudgets:
         taken = max(0, min([copies, *fitting]))
         if taken:
             return taken, ""
-        capped = Amount(
-            **{r: max(0, left.get(r)) if entry.size.get(r) else 0 for r in ("cpu", "memory")}
-        )
-        asked = Amount(**{r: amount.get(r) if entry.size.get(r) else 0 for r in ("cpu", "memory")})
+        capped = Amount(max(0, left.cpu), max(0, left.memory)).only(entry.size)
+        asked = amount.only(entry.size)
         return 0, (
             f"namespace {entry.namespace}'s quota slices here ({entry.slices} of "
             f"{entry.size.describe()}) have {capped.describe()} left, the pod asks "

@@ -45,7 +45,19 @@ def test_default_spec_is_one_upper_and_two_lower_clusters_with_zones() -> None:
     ]
 
 
+def test_tenants_are_upper_clusters_the_first_named_upper() -> None:
+    clusters = FederationSpec(tenants=3, lower=1).clusters()
+    assert [(c.name, c.role) for c in clusters] == [
+        ("upper", "upper"),
+        ("tenant-2", "upper"),
+        ("tenant-3", "upper"),
+        ("lower-1", "lower"),
+    ]
+
+
 def test_spec_rejects_impossible_sizes() -> None:
+    with pytest.raises(ValueError, match="at least one upper cluster"):
+        FederationSpec(tenants=0).clusters()
     with pytest.raises(ValueError, match="at least one lower cluster"):
         FederationSpec(lower=0).clusters()
     with pytest.raises(ValueError, match="nodes per lower cluster"):
@@ -182,6 +194,9 @@ def test_cli_rejects_bad_counts() -> None:
     parser = build_parser()
     with pytest.raises(SystemExit):
         parser.parse_args(["up", "--lower", "0"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["up", "--tenants", "0"])
+    assert parser.parse_args(["up", "--tenants", "2"]).tenants == 2
     args = parser.parse_args(["up", "--lower", "3", "--nodes", "0", "--detach"])
     assert (args.lower, args.nodes, args.detach) == (3, 0, True)
 
