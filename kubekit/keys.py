@@ -99,6 +99,8 @@ COPY_OF_ANNOTATION = f"{PREFIX}/copy-of"
 SLICE_SIZE_ANNOTATION = f"{PREFIX}/slice-size"
 SLICE_PLACEMENT_ANNOTATION = f"{PREFIX}/slice-placement"
 SLICE_APPLIED_ANNOTATION = f"{PREFIX}/slice-applied"
+# The condition on a sliced namespace's status: are its slices placed, and if not, why.
+SLICES_PLACED_CONDITION = f"{PREFIX}/SlicesPlaced"
 # In each lower cluster's SYSTEM_NAMESPACE: what it promised every sliced namespace of
 # every tenant; and in each sliced lower namespace, the ResourceQuota holding it to that.
 SLICE_LEDGER_CONFIGMAP = "kubestrata-slices"

@@ -45,6 +45,7 @@ from kubekit.slices import (
     slice_size,
     slices_of,
 )
+from kubekit.timestamps import now_rfc3339
 from kubekit.workqueue import WorkQueue
 from multischeduler.extender import EstimatorFailure, VirtualNode
 
@@ -185,11 +186,12 @@ class SliceController:
                 taken_back = dict.fromkeys(before.slices, 0)
                 await self._promise(name, before.size, taken_back, before.slices)
                 await self._annotate(namespace, None)
+            await self._tell(namespace, None, "", "")
             return
         try:
             size = capped_size(slice_size(annotations.get(keys.SLICE_SIZE_ANNOTATION)), quota)
         except SliceError as error:
-            await self._event(namespace, "Warning", "InvalidSliceSize", str(error))
+            await self._tell(namespace, False, "InvalidSliceSize", str(error))
             return
         count = slice_count(quota, size)
         # What the lower clusters promised, in slices of this size.
@@ -198,9 +200,9 @@ class SliceController:
         resliced = old_size != size
         if resliced:
             if await self._has_pods(name):
-                await self._event(
+                await self._tell(
                     namespace,
-                    "Warning",
+                    False,
                     "SliceSizeChangeRefused",
                     f"slices of {old_size.describe()} cannot become {size.describe()} while "
                     "the namespace has pods: set the size back, or delete its pods to re-slice",
@@ -230,7 +232,7 @@ class SliceController:
             )
         target = decision.target
         if isinstance(target, Shortfall):
-            await self._event(namespace, "Warning", "SlicesNotPlaced", target.message)
+            await self._tell(namespace, False, "SlicesNotPlaced", target.message)
             if before is not None:
                 await self._annotate(namespace, before)
             self.queue.add_after(name, self.retry_after)
@@ -243,14 +245,13 @@ class SliceController:
         }
         made = await self._promise(name, size, changes, promised, namespace)
         await self._annotate(namespace, Applied(size, made))
-        if changes:
-            await self._event(
-                namespace,
-                "Normal",
-                "SlicesPlaced",
-                f"{sum(made.values())} slices of {size.describe()}: "
-                + ", ".join(f"{cluster} {held}" for cluster, held in sorted(made.items())),
-            )
+        await self._tell(
+            namespace,
+            True,
+            "SlicesPlaced",
+            f"{sum(made.values())} slices of {size.describe()}: "
+            + (", ".join(f"{cluster} {held}" for cluster, held in sorted(made.items())) or "none"),
+        )
 
     async def _has_pods(self, namespace: str) -> bool:
         listed = await self.client.list(PODS, namespace, limit=1)
@@ -317,9 +318,11 @@ class SliceController:
             else:
                 made.pop(cluster, None)
         if failures:
+            why = f"promises not made, tried again: {'; '.join(failures)}"
             if namespace is not None:
                 await self._annotate(namespace, Applied(size, made))
-            raise PromiseNotMade(f"{name}: promises not made: {'; '.join(failures)}")
+                await self._tell(namespace, False, "PromisesNotMade", why)
+            raise PromiseNotMade(f"{name}: {why}")
         return made
 
     async def _annotate(self, namespace: Mapping[str, Any], result: Applied | None) -> None:
@@ -334,6 +337,37 @@ class SliceController:
             NAMESPACES, namespace["metadata"]["name"], {"metadata": {"annotations": wanted}}
         )
 
+    async def _tell(
+        self, namespace: Mapping[str, Any], placed: bool | None, reason: str, message: str
+    ) -> None:
+        """Records how the placement went in the namespace's condition and, when that is
+        news, an event; ``placed`` None: the namespace is not sliced (no condition)."""
+        name = namespace["metadata"]["name"]
+        patch = condition_patch(namespace, placed, reason, message, now_rfc3339())
+        if patch is not None:
+            await self.client.patch(
+                NAMESPACES,
+                name,
+                patch,
+                subresource="status",
+                patch_type="application/strategic-merge-patch+json",
+            )
+        if placed is None or self._told.get(name) == (reason, message):
+            return
+        if placed and patch is None:
+            return  # placed as it was: no news
+        self._told[name] = (reason, message)
+        log.info("%s: %s: %s", name, reason, message)
+        await record_pod_event(
+            self.client,
+            namespace,
+            "Normal" if placed else "Warning",
+            reason,
+            message,
+            SOURCE,
+            "Namespace",
+        )
+
     async def _event(
         self, namespace: Mapping[str, Any], kind: str, reason: str, message: str
     ) -> None:
@@ -343,6 +377,39 @@ class SliceController:
         self._told[name] = (reason, message)
         log.info("%s: %s: %s", name, reason, message)
         await record_pod_event(self.client, namespace, kind, reason, message, SOURCE, "Namespace")
+
+
+def condition_patch(
+    namespace: Mapping[str, Any], placed: bool | None, reason: str, message: str, now: str
+) -> dict[str, Any] | None:
+    """The strategic merge patch of the namespace's status that sets its slices
+    condition (or removes it, ``placed`` None), or None when it already says so. Merged
+    by type: the namespace's other conditions are left alone."""
+    conditions = (namespace.get("status") or {}).get("conditions") or []
+    current = next((c for c in conditions if c.get("type") == keys.SLICES_PLACED_CONDITION), None)
+    if placed is None:
+        if current is None:
+            return None
+        wanted: dict[str, Any] = {"type": keys.SLICES_PLACED_CONDITION, "$patch": "delete"}
+    else:
+        status = "True" if placed else "False"
+        if current is not None and (
+            current.get("status"),
+            current.get("reason"),
+            current.get("message"),
+        ) == (status, reason, message):
+            return None
+        since = now
+        if current is not None and current.get("status") == status:
+            since = current.get("lastTransitionTime") or now
+        wanted = {
+            "type": keys.SLICES_PLACED_CONDITION,
+            "status": status,
+            "reason": reason,
+            "message": message,
+            "lastTransitionTime": since,
+        }
+    return {"status": {"conditions": [wanted]}}
 
 
 def _amount(resources: Resources) -> Amount:

@@ -109,6 +109,16 @@ def namespace_annotations(federation: Federation) -> dict[str, str]:
     return found["metadata"].get("annotations") or {}
 
 
+def slices_condition(federation: Federation) -> dict[str, str]:
+    found = get_json(federation.upper, "namespace", NAMESPACE)
+    [condition] = [
+        c
+        for c in found["status"].get("conditions") or []
+        if c["type"] == keys.SLICES_PLACED_CONDITION
+    ]
+    return dict(condition)
+
+
 def placed(federation: Federation) -> dict[str, int] | None:
     text = namespace_annotations(federation).get(keys.SLICE_PLACEMENT_ANNOTATION)
     return json.loads(text) if text is not None else None
@@ -229,7 +239,15 @@ def test_more_than_the_room_is_refused_and_the_placement_kept(pool: Federation) 
     message = events(pool, "SlicesNotPlaced")[0]
     assert "7 slices of cpu 2 wanted, room for 6: 1 missing (cpu 2)" in message, message
     assert placed(pool) == {"lower-1": 1, "lower-2": 1}
+    # And in the namespace's status, for `kubectl describe namespace`.
+    condition = slices_condition(pool)
+    assert (condition["status"], condition["reason"], condition["message"]) == (
+        "False",
+        "SlicesNotPlaced",
+        message,
+    )
     apply(pool.upper, quota("4"))
+    wait_for(lambda: slices_condition(pool)["status"] == "True", "the condition placed again")
 
 
 def test_an_edit_is_honoured_when_feasible_and_refused_when_not(pool: Federation) -> None:

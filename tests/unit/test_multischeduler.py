@@ -432,12 +432,13 @@ def test_rbac_grants_exactly_what_the_extender_and_slicing_use() -> None:
         ("namespaces", "list"),
         ("namespaces", "watch"),
         ("namespaces", "patch"),
+        ("namespaces/status", "patch"),
         ("resourcequotas", "list"),
         ("resourcequotas", "watch"),
         ("pods", "list"),
         ("events", "create"),
     }
-    assert len(role["rules"]) == 7 and "*" not in str(role["rules"])
+    assert len(role["rules"]) == 8 and "*" not in str(role["rules"])
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [
         {

@@ -20,7 +20,13 @@ from kubekit.estimatorapi.estimator_pb2 import (
 from kubekit.informer import Informer
 from kubekit.slices import Amount, Applied, Policy, SliceError, applied, placement_json
 from multischeduler.extender import EstimatorFailure, VirtualNode
-from multischeduler.slicing import Headrooms, PromiseNotMade, SliceController, headrooms
+from multischeduler.slicing import (
+    Headrooms,
+    PromiseNotMade,
+    SliceController,
+    condition_patch,
+    headrooms,
+)
 
 from .fakeapi import FakeClient
 
@@ -95,9 +101,18 @@ class World:
 
     def patched(self) -> dict[str, str | None]:
         """The annotations of the last patch of the namespace (applied to its cache)."""
-        [*_, last] = [r for r in self.client.requests if r.method == "PATCH"]
+        [*_, last] = [
+            r for r in self.client.requests if r.method == "PATCH" and "/status" not in r.path
+        ]
         annotations: dict[str, str | None] = last.body["metadata"]["annotations"]
         return annotations
+
+    def condition(self) -> dict[str, Any]:
+        """The slices condition the last status patch of the namespace set."""
+        [*_, last] = [r for r in self.client.requests if r.path.endswith("/team/status")]
+        [condition] = last.body["status"]["conditions"]
+        assert condition["type"] == keys.SLICES_PLACED_CONDITION
+        return dict(condition)
 
     def sync_namespace(self, name: str = "team") -> None:
         """Folds the controller's last patch into the namespace cache, as a watch would."""
@@ -109,7 +124,11 @@ class World:
                 current.pop(key, None)
             else:
                 current[key] = value
-        self.put(self.namespaces, namespace(name, **current), "MODIFIED")
+        updated = namespace(name, **current)
+        statuses = [r for r in self.client.requests if r.path.endswith(f"/{name}/status")]
+        if statuses:
+            updated["status"] = statuses[-1].body["status"]
+        self.put(self.namespaces, updated, "MODIFIED")
 
     def events(self) -> list[tuple[str, str]]:
         return [
@@ -150,6 +169,8 @@ async def test_a_quota_is_placed_promised_and_recorded() -> None:
         Amount(cpu=2 * CPU), {"a": 3, "b": 2}
     )
     assert w.events() == [("SlicesPlaced", "5 slices of cpu 2: a 3, b 2")]
+    condition = w.condition()
+    assert (condition["status"], condition["reason"]) == ("True", "SlicesPlaced")
     # Run again on its own annotation: nothing more to promise or write.
     w.sync_namespace()
     requests = len(w.client.requests)
@@ -282,6 +303,12 @@ async def test_a_shortfall_is_told_once_and_retried_later() -> None:
     [(reason, message)] = w.events()
     assert reason == "SlicesNotPlaced"
     assert message.startswith("4 slices of cpu 2 wanted, room for 2: 2 missing (cpu 4)")
+    condition = w.condition()
+    assert (condition["status"], condition["reason"], condition["message"]) == (
+        "False",
+        "SlicesNotPlaced",
+        message,
+    )
 
 
 async def test_a_bad_slice_size_is_told() -> None:
@@ -301,3 +328,52 @@ def test_headroom_flags() -> None:
     assert headrooms(["lower-1:5%"]).of("lower-9") == "10%"
     with pytest.raises(SliceError):
         headrooms(["lower-1:lots"])
+
+
+def changed_conditions(namespace: dict[str, Any], *args: Any) -> list[dict[str, Any]]:
+    patch = condition_patch(namespace, *args)
+    assert patch is not None
+    conditions: list[dict[str, Any]] = patch["status"]["conditions"]
+    return conditions
+
+
+def test_the_condition_changes_only_when_its_news_does() -> None:
+    fresh = namespace()
+    placed = condition_patch(fresh, True, "SlicesPlaced", "2 slices", "t1")
+    assert placed == {
+        "status": {
+            "conditions": [
+                {
+                    "type": keys.SLICES_PLACED_CONDITION,
+                    "status": "True",
+                    "reason": "SlicesPlaced",
+                    "message": "2 slices",
+                    "lastTransitionTime": "t1",
+                }
+            ]
+        }
+    }
+    assert placed is not None
+    holding = {**fresh, "status": placed["status"]}
+    assert condition_patch(holding, True, "SlicesPlaced", "2 slices", "t2") is None
+    # Same status, new message: the transition time stays; another status: it moves.
+    [grown] = changed_conditions(holding, True, "SlicesPlaced", "3 slices", "t2")
+    assert grown["lastTransitionTime"] == "t1"
+    [short] = changed_conditions(holding, False, "SlicesNotPlaced", "x", "t3")
+    assert (short["status"], short["lastTransitionTime"]) == ("False", "t3")
+    assert condition_patch(holding, None, "", "", "t4") == {
+        "status": {"conditions": [{"type": keys.SLICES_PLACED_CONDITION, "$patch": "delete"}]}
+    }
+    assert condition_patch(fresh, None, "", "", "t4") is None
+
+
+async def test_where_a_namespace_s_pods_may_go() -> None:
+    w = world(a=Cluster((8,)))
+    w.put(w.namespaces, namespace("free"))
+    assert w.controller.slices_of("free") is None
+    w.put(w.namespaces, namespace())
+    w.put(w.quotas, quota("4"))
+    assert w.controller.slices_of("team") == {}, "sliced, not placed yet: nowhere"
+    await w.controller.reconcile("team")
+    w.sync_namespace()
+    assert w.controller.slices_of("team") == {"a": 2}
