@@ -20,6 +20,7 @@ rounded up to them and node capacity down (500m stays 500m; VirtualCluster's
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -243,9 +244,9 @@ class ClusterRoom:
     promised_to_others: Amount
     headroom: Headroom = Headroom()
 
-    @property
+    @functools.cached_property
     def allocatable(self) -> Amount:
-        return sum(self.nodes, Amount())
+        return Amount(sum(node.cpu for node in self.nodes), sum(node.memory for node in self.nodes))
 
     @property
     def limit(self) -> Amount:
