@@ -11,8 +11,13 @@ kube-scheduler extender for the upper cluster.
   `least-allocated`, averaged with the pod's preferred node affinity); 0 for ordinary
   nodes.
 - `POST /bind`: creates the Binding, then gives back the room the other clusters held.
-- `GET /healthz` (probes; served once the Node cache is filled), `GET /metrics`
-  (Prometheus text: `kubestrata_extender_filter_seconds` and counters).
+- `GET /healthz` (probes; served once the Node, Namespace and ResourceQuota caches are
+  filled), `GET /metrics` (Prometheus text: `kubestrata_extender_filter_seconds` and
+  counters).
+
+The same process is the namespace scheduler: it places the quota slices of namespaces
+with a ResourceQuota over the lower clusters (multischeduler.slicing, docs/slices.md),
+and filter lets their pods only onto the clusters holding their slices.
 
 Virtual nodes are the upper Nodes labelled `type=virtual-kubelet`; their estimator is at
 the `kubestrata.io/estimator-address` annotation (gRPC over TLS, a bearer token). The
