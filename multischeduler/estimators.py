@@ -33,6 +33,8 @@ from kubekit.estimatorapi.estimator_pb2 import (
     PromiseSlicesRequest,
     PromiseSlicesResponse,
     ReleaseRequest,
+    SlicedNamespacesRequest,
+    SlicedNamespacesResponse,
     SliceRoomRequest,
     SliceRoomResponse,
 )
@@ -330,6 +332,20 @@ class EstimatorPool:
         return await self._call(
             name,
             lambda stub, metadata: stub.PromiseSlices(request, timeout=timeout, metadata=metadata),
+        )
+
+    async def sliced_namespaces(
+        self, name: str, timeout: float
+    ) -> SlicedNamespacesResponse | EstimatorFailure:
+        request = SlicedNamespacesRequest()
+        return self._same_cluster(
+            name,
+            await self._call(
+                name,
+                lambda stub, metadata: stub.SlicedNamespaces(
+                    request, timeout=timeout, metadata=metadata
+                ),
+            ),
         )
 
     def release(self, names: Iterable[str], uid: str) -> None:

@@ -24,6 +24,7 @@ from kubekit.estimatorapi.estimator_pb2 import (
     PromiseSlicesRequest,
     PromiseSlicesResponse,
     Resources,
+    SlicedNamespacesResponse,
     SliceRoomResponse,
 )
 from kubekit.informer import FunctionHandler, Informer
@@ -55,6 +56,9 @@ SOURCE = {"component": "kubestrata-multischeduler"}
 # How often namespaces whose slices could not all be placed are tried again: the room
 # of a lower cluster changes without any upper object changing.
 SHORTFALL_RETRY_SECONDS = 30.0
+# How often the lower clusters are asked which namespaces hold slices there: a namespace
+# deleted while this process was away is taken back then.
+SWEEP_SECONDS = 60.0
 
 
 class SlicePool(Protocol):
@@ -69,6 +73,10 @@ class SlicePool(Protocol):
     async def promise_slices(
         self, name: str, request: PromiseSlicesRequest, timeout: float
     ) -> PromiseSlicesResponse | EstimatorFailure: ...
+
+    async def sliced_namespaces(
+        self, name: str, timeout: float
+    ) -> SlicedNamespacesResponse | EstimatorFailure: ...
 
 
 class PromiseNotMade(Exception):
@@ -112,6 +120,7 @@ class SliceController:
         policy: Policy,
         timeout: float,
         retry_after: float = SHORTFALL_RETRY_SECONDS,
+        sweep_every: float = SWEEP_SECONDS,
     ) -> None:
         self.client = client
         self.namespaces = namespaces
@@ -121,9 +130,11 @@ class SliceController:
         self.policy = policy
         self.timeout = timeout
         self.retry_after = retry_after
+        self.sweep_every = sweep_every
         self.queue: WorkQueue[str] = WorkQueue("slices")
-        # What a deleted namespace had promised, until it is taken back.
-        self._deleted: dict[str, Applied] = {}
+        # What a deleted namespace had promised, until it is taken back: the clusters
+        # (its own record, or the clusters whose ledger names it).
+        self._deleted: dict[str, set[str]] = {}
         # The last event told of each namespace: a shortfall retried is not told again.
         self._told: dict[str, tuple[str, str]] = {}
         namespaces.add_handler(
@@ -143,7 +154,7 @@ class SliceController:
             (namespace["metadata"].get("annotations") or {}).get(keys.SLICE_APPLIED_ANNOTATION)
         )
         if before is not None and before.slices:
-            self._deleted[name] = before
+            self._deleted.setdefault(name, set()).update(before.slices)
         self.queue.add(name)
 
     def slices_of(self, namespace: str) -> dict[str, int] | None:
@@ -157,7 +168,27 @@ class SliceController:
         return dict(record.slices) if record is not None else {}
 
     async def run(self, workers: int = 2) -> None:
-        await self.queue.run_workers(workers, self.reconcile)
+        await asyncio.gather(self.queue.run_workers(workers, self.reconcile), self._sweeping())
+
+    async def _sweeping(self) -> None:
+        while True:
+            await self.sweep()
+            await asyncio.sleep(self.sweep_every)
+
+    async def sweep(self) -> None:
+        """Finds the namespaces the lower clusters hold slices for that no longer exist
+        above (deleted while this process was away), and takes their slices back."""
+        clusters = self._nodes_by_cluster()
+        answers = await asyncio.gather(
+            *(self.pool.sliced_namespaces(node, self.timeout) for node in clusters.values())
+        )
+        for cluster, answer in zip(clusters, answers, strict=True):
+            if isinstance(answer, EstimatorFailure):
+                continue
+            for name in answer.namespaces:
+                if self.namespaces.get(name) is None:
+                    self._deleted.setdefault(name, set()).add(cluster)
+                    self.queue.add(name)
 
     # -- one namespace ---------------------------------------------------------------------
 
@@ -173,9 +204,9 @@ class SliceController:
         namespace = self.namespaces.get(name)
         if namespace is None:
             gone = self._deleted.get(name)
-            if gone is not None:
-                await self._promise(name, gone.size, dict.fromkeys(gone.slices, 0), gone.slices)
-                del self._deleted[name]
+            if gone:
+                await self._promise(name, Amount(), dict.fromkeys(gone, 0), dict.fromkeys(gone, 1))
+            self._deleted.pop(name, None)
             self._told.pop(name, None)
             return
         annotations = namespace["metadata"].get("annotations") or {}

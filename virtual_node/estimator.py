@@ -450,16 +450,17 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
         return estimator_pb2.HoldResponse()
 
     async def _slice_promises(
-        self, context: grpc.aio.ServicerContext[Any, Any], namespace: str
+        self, context: grpc.aio.ServicerContext[Any, Any], namespace: str | None = None
     ) -> SlicePromises:
         await self._check_caller(context)
         if self.promises is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this virtual node keeps no slices")
         assert self.promises is not None  # abort raises
-        try:
-            self.promises.mapping.lower(namespace)
-        except NamingError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        if namespace is not None:
+            try:
+                self.promises.mapping.lower(namespace)
+            except NamingError as error:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         return self.promises
 
     @metrics.timed(metrics.ESTIMATOR_REQUEST_DURATION, "SliceRoom")
@@ -491,10 +492,10 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
     ) -> estimator_pb2.PromiseSlicesResponse:
         promises = await self._slice_promises(context, request.namespace)
         size = Amount(request.slice.cpu_millis, request.slice.memory_bytes)
-        if request.slices < 0 or size.cpu < 0 or size.memory < 0 or size == Amount():
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "slices and the slice size must be positive"
-            )
+        if request.slices < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "slices cannot be negative")
+        if request.slices and (size.cpu < 0 or size.memory < 0 or size == Amount()):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the slice size must be positive")
         try:
             await promises.promise(request.namespace, request.slices, size, request.headroom)
         except (PromiseRefused, SliceError) as error:
@@ -502,6 +503,21 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
         except API_ERRORS as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the lower cluster: {error}")
         return estimator_pb2.PromiseSlicesResponse()
+
+    @metrics.timed(metrics.ESTIMATOR_REQUEST_DURATION, "SlicedNamespaces")
+    async def SlicedNamespaces(
+        self,
+        request: estimator_pb2.SlicedNamespacesRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> estimator_pb2.SlicedNamespacesResponse:
+        promises = await self._slice_promises(context)
+        try:
+            namespaces = await promises.sliced_namespaces()
+        except API_ERRORS as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the lower cluster: {error}")
+        return estimator_pb2.SlicedNamespacesResponse(
+            cluster_id=self.cluster_id, namespaces=sorted(namespaces)
+        )
 
 
 def _resources(amount: Amount) -> estimator_pb2.Resources:

@@ -28,6 +28,7 @@ from kubekit.slices import (
     SliceError,
     amount,
     headroom,
+    held_namespaces,
     ledger_entry,
     promised_to_others,
     quota_hard,
@@ -106,6 +107,10 @@ class SlicePromises:
                 return {}
             raise
         return dict(ledger.get("data") or {})
+
+    async def sliced_namespaces(self) -> set[str]:
+        """The upper namespaces of this virtual node's upper cluster holding slices here."""
+        return held_namespaces(await self._ledger(), self.owner.origin)
 
     async def room(self, upper_namespace: str) -> SliceRoom:
         lower_namespace = self.mapping.lower(upper_namespace)

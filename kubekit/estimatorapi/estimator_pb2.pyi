@@ -498,7 +498,9 @@ class PromiseSlicesRequest(_message.Message):
     headroom: _builtins.str
     """Kept out of every promise: "10%", "0" or "cpu=2,memory=4Gi"."""
     @_builtins.property
-    def slice(self) -> Global___Resources: ...
+    def slice(self) -> Global___Resources:
+        """Not read when slices is 0."""
+
     def __init__(
         self,
         *,
@@ -534,3 +536,41 @@ class PromiseSlicesResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PromiseSlicesResponse: _TypeAlias = PromiseSlicesResponse  # noqa: Y015
+
+@_typing.final
+class SlicedNamespacesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SlicedNamespacesRequest: _TypeAlias = SlicedNamespacesRequest  # noqa: Y015
+
+@_typing.final
+class SlicedNamespacesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    NAMESPACES_FIELD_NUMBER: _builtins.int
+    cluster_id: _builtins.str
+    @_builtins.property
+    def namespaces(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        cluster_id: _builtins.str = ...,
+        namespaces: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "namespaces", b"namespaces"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SlicedNamespacesResponse: _TypeAlias = SlicedNamespacesResponse  # noqa: Y015

@@ -69,6 +69,11 @@ class EstimatorStub:
                 request_serializer=kubekit_dot_estimatorapi_dot_estimator__pb2.PromiseSlicesRequest.SerializeToString,
                 response_deserializer=kubekit_dot_estimatorapi_dot_estimator__pb2.PromiseSlicesResponse.FromString,
                 _registered_method=True)
+        self.SlicedNamespaces = channel.unary_unary(
+                '/kubestrata.estimator.v1.Estimator/SlicedNamespaces',
+                request_serializer=kubekit_dot_estimatorapi_dot_estimator__pb2.SlicedNamespacesRequest.SerializeToString,
+                response_deserializer=kubekit_dot_estimatorapi_dot_estimator__pb2.SlicedNamespacesResponse.FromString,
+                _registered_method=True)
 
 
 class EstimatorServicer:
@@ -130,6 +135,14 @@ class EstimatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SlicedNamespaces(self, request, context):
+        """The upper namespaces of the caller's upper cluster this cluster promised slices to:
+        those whose namespace is gone are taken back.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EstimatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -167,6 +180,11 @@ def add_EstimatorServicer_to_server(servicer, server):
                     servicer.PromiseSlices,
                     request_deserializer=kubekit_dot_estimatorapi_dot_estimator__pb2.PromiseSlicesRequest.FromString,
                     response_serializer=kubekit_dot_estimatorapi_dot_estimator__pb2.PromiseSlicesResponse.SerializeToString,
+            ),
+            'SlicedNamespaces': grpc.unary_unary_rpc_method_handler(
+                    servicer.SlicedNamespaces,
+                    request_deserializer=kubekit_dot_estimatorapi_dot_estimator__pb2.SlicedNamespacesRequest.FromString,
+                    response_serializer=kubekit_dot_estimatorapi_dot_estimator__pb2.SlicedNamespacesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -358,6 +376,33 @@ class Estimator:
             '/kubestrata.estimator.v1.Estimator/PromiseSlices',
             kubekit_dot_estimatorapi_dot_estimator__pb2.PromiseSlicesRequest.SerializeToString,
             kubekit_dot_estimatorapi_dot_estimator__pb2.PromiseSlicesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SlicedNamespaces(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kubestrata.estimator.v1.Estimator/SlicedNamespaces',
+            kubekit_dot_estimatorapi_dot_estimator__pb2.SlicedNamespacesRequest.SerializeToString,
+            kubekit_dot_estimatorapi_dot_estimator__pb2.SlicedNamespacesResponse.FromString,
             options,
             channel_credentials,
             insecure,

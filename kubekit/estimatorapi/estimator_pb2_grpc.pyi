@@ -59,6 +59,10 @@ class EstimatorStub:
     back), refused when growing the promise would take more than the room left. The
     lower cluster's own record decides, so two tenants never get the same room.
     """
+    SlicedNamespaces: _grpc.UnaryUnaryMultiCallable[_estimator_pb2.SlicedNamespacesRequest, _estimator_pb2.SlicedNamespacesResponse]
+    """The upper namespaces of the caller's upper cluster this cluster promised slices to:
+    those whose namespace is gone are taken back.
+    """
 
 @_typing.type_check_only
 class EstimatorAsyncStub(EstimatorStub):
@@ -88,6 +92,10 @@ class EstimatorAsyncStub(EstimatorStub):
     """Records that this cluster promises a namespace so many slices (0 takes them all
     back), refused when growing the promise would take more than the room left. The
     lower cluster's own record decides, so two tenants never get the same room.
+    """
+    SlicedNamespaces: _aio.UnaryUnaryMultiCallable[_estimator_pb2.SlicedNamespacesRequest, _estimator_pb2.SlicedNamespacesResponse]  # type: ignore[assignment]
+    """The upper namespaces of the caller's upper cluster this cluster promised slices to:
+    those whose namespace is gone are taken back.
     """
 
 class EstimatorServicer(metaclass=_abc_1.ABCMeta):
@@ -157,6 +165,16 @@ class EstimatorServicer(metaclass=_abc_1.ABCMeta):
         """Records that this cluster promises a namespace so many slices (0 takes them all
         back), refused when growing the promise would take more than the room left. The
         lower cluster's own record decides, so two tenants never get the same room.
+        """
+
+    @_abc_1.abstractmethod
+    def SlicedNamespaces(
+        self,
+        request: _estimator_pb2.SlicedNamespacesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_estimator_pb2.SlicedNamespacesResponse, _abc.Awaitable[_estimator_pb2.SlicedNamespacesResponse]]:
+        """The upper namespaces of the caller's upper cluster this cluster promised slices to:
+        those whose namespace is gone are taken back.
         """
 
 def add_EstimatorServicer_to_server(servicer: EstimatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -359,3 +359,29 @@ def test_pods_go_only_where_their_slices_are_and_stay_within_them(pool: Federati
         pool.upper.kubectl(
             "delete", "pods", f"--namespace={NAMESPACE}", "-l", "app=sliced", "--wait=true"
         )
+
+
+def test_a_namespace_deleted_while_the_multischeduler_is_away_is_taken_back(
+    pool: Federation,
+) -> None:
+    gone = "sliced-gone"
+    apply(
+        pool.upper,
+        federated_namespace(gone),
+        {**quota("2"), "metadata": {"name": "compute", "namespace": gone}},
+    )
+    wait_for(
+        lambda: any(gone in ledger(lower(pool, cluster)) for cluster in CLUSTERS),
+        "the namespace's slice promised",
+    )
+    multischeduler = pool.components["multischeduler"]
+    multischeduler.stop()
+    try:
+        pool.upper.kubectl("delete", "namespace", gone, "--wait=true")
+    finally:
+        multischeduler.start()
+    # Its start sweeps the ledgers: the namespace is gone above, its slice is taken back.
+    wait_for(
+        lambda: not any(gone in ledger(lower(pool, cluster)) for cluster in CLUSTERS),
+        "the slice taken back",
+    )

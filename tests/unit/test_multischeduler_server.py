@@ -130,6 +130,16 @@ class FakeEstimator(estimator_pb2_grpc.EstimatorServicer):
         refused = "no room" if request.slices > 4 else ""
         return estimator_pb2.PromiseSlicesResponse(refused=refused)
 
+    async def SlicedNamespaces(
+        self,
+        request: estimator_pb2.SlicedNamespacesRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> estimator_pb2.SlicedNamespacesResponse:
+        self._caller(context)
+        return estimator_pb2.SlicedNamespacesResponse(
+            cluster_id=self.cluster_id, namespaces=["gone", "team"]
+        )
+
 
 def cluster_of(node: str) -> str:
     return node.removeprefix("vk-")
@@ -615,7 +625,10 @@ async def test_the_pool_asks_for_slice_room_and_promises(federation: Federation)
     refused = await pool.promise_slices("vk-a", estimator_pb2.PromiseSlicesRequest(slices=5), 2.0)
     assert isinstance(refused, estimator_pb2.PromiseSlicesResponse)
     assert refused.refused == "no room"
-    assert federation.estimators["vk-a"].authorization == ["Bearer sesame"] * 3
+    held = await pool.sliced_namespaces("vk-a", 2.0)
+    assert isinstance(held, estimator_pb2.SlicedNamespacesResponse)
+    assert list(held.namespaces) == ["gone", "team"]
+    assert federation.estimators["vk-a"].authorization == ["Bearer sesame"] * 4
     federation.virtual_node("vk-b", address)
     wrong = await pool.slice_room("vk-b", "team", 2.0)
     assert isinstance(wrong, EstimatorFailure) and "not 'b'" in wrong.message

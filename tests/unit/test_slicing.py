@@ -15,6 +15,7 @@ from kubekit.estimatorapi.estimator_pb2 import (
     PromiseSlicesRequest,
     PromiseSlicesResponse,
     Resources,
+    SlicedNamespacesResponse,
     SliceRoomResponse,
 )
 from kubekit.informer import Informer
@@ -42,6 +43,8 @@ class Cluster:
     refuse: str = ""
     down: bool = False
     promises: list[PromiseSlicesRequest] = field(default_factory=list)
+    # The upper namespaces its ledger names.
+    held: set[str] = field(default_factory=set)
 
 
 class FakePool:
@@ -72,6 +75,16 @@ class FakePool:
             return EstimatorFailure("UNAVAILABLE")
         cluster.promises.append(request)
         return PromiseSlicesResponse(refused=cluster.refuse)
+
+    async def sliced_namespaces(
+        self, name: str, timeout: float
+    ) -> SlicedNamespacesResponse | EstimatorFailure:
+        cluster = self.clusters[name.removeprefix("vk-")]
+        if cluster.down:
+            return EstimatorFailure("UNAVAILABLE")
+        return SlicedNamespacesResponse(
+            cluster_id=name.removeprefix("vk-"), namespaces=sorted(cluster.held)
+        )
 
     def promised(self, cluster: str) -> list[int]:
         return [request.slices for request in self.clusters[cluster].promises]
@@ -250,6 +263,21 @@ async def test_a_deleted_namespace_s_promises_are_taken_back() -> None:
     assert w.pool.promised("a") == [0]
     await w.controller.reconcile("team")
     assert w.pool.promised("a") == [0]
+
+
+async def test_namespaces_deleted_while_away_are_found_and_taken_back() -> None:
+    w = world(a=Cluster((8,), held={"gone", "team"}), b=Cluster((8,), held={"gone"}))
+    w.put(w.namespaces, namespace())
+    await w.controller.sweep()
+    keys_reconciled = []
+    while len(w.controller.queue):
+        key = await w.controller.queue.get()
+        keys_reconciled.append(key)
+        await w.controller.reconcile(key)
+        w.controller.queue.done(key)
+    assert sorted(keys_reconciled) == ["gone", "team"]
+    assert [(r.namespace, r.slices) for r in w.pool.clusters["a"].promises] == [("gone", 0)]
+    assert [(r.namespace, r.slices) for r in w.pool.clusters["b"].promises] == [("gone", 0)]
 
 
 async def test_a_slice_size_change_is_refused_while_pods_run_and_reslices_otherwise() -> None:
