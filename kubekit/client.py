@@ -393,8 +393,9 @@ class KubeClient:
         attempts: int = 5,
     ) -> dict[str, str]:
         """Read-modify-write of a ConfigMap's data, made on first use: ``change`` gets the
-        data read and returns what to write (or raises to give up). A write that lost a
-        race (409) is made again on what won, up to ``attempts`` times."""
+        data read and returns what to write (or raises to give up); the same data is not
+        written. A write that lost a race (409) is made again on what won, up to
+        ``attempts`` times."""
         for attempt in range(1, attempts + 1):
             try:
                 current = await self.get(CONFIGMAPS, name, namespace)
@@ -402,7 +403,10 @@ class KubeClient:
                 if not is_not_found(error):
                     raise
                 current = {"metadata": {}}
-            data = change(dict(current.get("data") or {}))
+            before = dict(current.get("data") or {})
+            data = change(dict(before))
+            if data == before and "resourceVersion" in current["metadata"]:
+                return data  # nothing to write
             body = {
                 "apiVersion": "v1",
                 "kind": "ConfigMap",

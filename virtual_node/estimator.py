@@ -156,7 +156,9 @@ class FitEstimator:
         except NamingError:
             pass
         else:
-            self.budgets.count(uid, namespace, requested(pod))
+            # Most namespaces hold no slices: their pods' requests are not summed.
+            if self.budgets.holds(namespace):
+                self.budgets.count(uid, namespace, requested(pod))
         if uid in self._landed or uid in self._in_flight:
             return
         self._in_flight.add(uid)
@@ -166,6 +168,17 @@ class FitEstimator:
                 self.state.assume(uid, self._lower_form(pod))
             except QueryError as error:
                 log.debug("pod %s not assumed: %s", object_key(pod), error)
+
+    def ledger_changed(self, ledger: JSON) -> None:
+        """The slices ledger changed: the pods bound here of a namespace newly held to
+        slices count against them from now on."""
+        for namespace in self.budgets.ledger_changed(ledger):
+            upper_namespace = self.mapping.upper(namespace)
+            if upper_namespace is None or self._upper_pods is None:
+                continue
+            for pod in self._upper_pods.items(upper_namespace):
+                if (pod.get("status") or {}).get("phase") not in _FINISHED:
+                    self.budgets.count(pod["metadata"]["uid"], namespace, requested(pod))
 
     def _drop(self, uid: str) -> None:
         self.budgets.uncount(uid)

@@ -401,9 +401,9 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             estimator.watch(backend.nodes, backend.pods, upper_pods)
             ledger.add_handler(
                 FunctionHandler(
-                    add=estimator.budgets.ledger_changed,
-                    update=estimator.budgets.ledger_changed,
-                    delete=estimator.budgets.ledger_deleted,
+                    add=estimator.ledger_changed,
+                    update=estimator.ledger_changed,
+                    delete=lambda _configmap: estimator.ledger_changed({}),
                 )
             )
 

@@ -221,20 +221,28 @@ class SliceBudgets:
         self._pods: dict[str, tuple[str, Amount]] = {}
         self._used: dict[str, Amount] = {}
 
-    def ledger_changed(self, configmap: Mapping[str, Any]) -> None:
+    def ledger_changed(self, configmap: Mapping[str, Any]) -> set[str]:
+        """Takes the ledger as it is now; returns the lower namespaces newly held to
+        slices here, whose pods the caller counts (only pods of namespaces held are)."""
         promised = {}
         for key, text in (configmap.get("data") or {}).items():
             try:
                 promised[key] = ledger_entry(key, text)
             except SliceError as error:
                 log.warning("slice ledger: %s", error)
+        newly = set(promised) - set(self._promised)
         self._promised = promised
+        for uid in [uid for uid, (namespace, _) in self._pods.items() if namespace not in promised]:
+            self.uncount(uid)
+        return newly
 
-    def ledger_deleted(self, _configmap: Mapping[str, Any]) -> None:
-        self._promised = {}
+    def holds(self, namespace: str) -> bool:
+        return namespace in self._promised
 
     def count(self, uid: str, namespace: str, amount: Amount) -> None:
         self.uncount(uid)
+        if namespace not in self._promised:
+            return
         self._pods[uid] = (namespace, amount)
         self._used[namespace] = self._used.get(namespace, Amount()) + amount
 

@@ -376,7 +376,7 @@ def ledger_map(*entries: tuple[str, int, Amount]) -> dict[str, Any]:
 def test_a_sliced_namespace_s_pods_stay_within_its_slices_here() -> None:
     cluster = Cluster()
     # 2 slices of 1 cpu (memory not capped) for namespace ns.
-    cluster.estimator.budgets.ledger_changed(ledger_map(("ns", 2, Amount(cpu=1000))))
+    cluster.estimator.ledger_changed(ledger_map(("ns", 2, Amount(cpu=1000))))
     bound = upper_pod("bound", "500m")
     cluster.upper_pods.apply({"type": "ADDED", "object": bound})
     assert cluster.fits("1", replicas=5) == 1, "1.5 cpu left of the slices, nodes take more"
@@ -400,17 +400,30 @@ def test_a_sliced_namespace_s_pods_stay_within_its_slices_here() -> None:
 
 def test_a_namespace_without_slices_here_and_a_lost_ledger_are_not_held() -> None:
     cluster = Cluster()
-    cluster.estimator.budgets.ledger_changed(ledger_map(("other", 1, Amount(cpu=1000))))
+    cluster.estimator.ledger_changed(ledger_map(("other", 1, Amount(cpu=1000))))
     assert cluster.fits("4") == 1
-    cluster.estimator.budgets.ledger_changed(ledger_map(("ns", 1, Amount(cpu=1000))))
+    cluster.estimator.ledger_changed(ledger_map(("ns", 1, Amount(cpu=1000))))
     assert cluster.fits("4") == 0
-    cluster.estimator.budgets.ledger_deleted({})
+    cluster.estimator.ledger_changed({})
     assert cluster.fits("4") == 1
+
+
+def test_pods_bound_before_the_ledger_names_their_namespace_count_once_it_does() -> None:
+    cluster = Cluster()
+    cluster.upper_pods.apply({"type": "ADDED", "object": upper_pod("early", "1500m")})
+    done = {**upper_pod("done", "4"), "status": {"phase": "Succeeded"}}
+    cluster.upper_pods.apply({"type": "ADDED", "object": done})
+    cluster.estimator.ledger_changed(ledger_map(("ns", 2, Amount(cpu=1000))))
+    assert cluster.fits("500m") == 1
+    assert cluster.fits("1") == 0
+    # Its slices gone from here, nothing is counted or held.
+    cluster.estimator.ledger_changed(ledger_map())
+    assert cluster.fits("2") == 1
 
 
 def test_a_hold_past_the_namespace_s_slices_is_refused() -> None:
     cluster = Cluster()
-    cluster.estimator.budgets.ledger_changed(ledger_map(("ns", 1, Amount(cpu=1000))))
+    cluster.estimator.ledger_changed(ledger_map(("ns", 1, Amount(cpu=1000))))
     with pytest.raises(QueryError, match="quota slices here"):
         cluster.estimator.hold(orjson.dumps(upper_pod("p", "2")), "big", 30)
     cluster.estimator.hold(orjson.dumps(upper_pod("p", "1")), "big", 30)

@@ -146,7 +146,9 @@ async def test_a_promise_is_recorded_and_the_lower_namespace_held_to_it() -> Non
     await promises.promise("team", 0, SLICE, "0")
     assert api.promised() == {}
     assert api.quotas == {}
+    writes = len(api.writes())
     await promises.promise("team", 0, SLICE, "0")  # nothing left to take back: no error
+    assert [w for w in api.writes()[writes:] if "configmaps" in w[1]] == [], "no write"
 
 
 async def test_growth_past_the_room_is_refused_and_shrinking_always_allowed() -> None:
