@@ -425,6 +425,8 @@ class Federation:
                 f"--tls-key-file={serving.key_path}",
                 f"--estimator-ca-file={tenant.ca.cert_path}",
                 f"--estimator-token-file={identity.token_file}",
+                # As the descheduler's: a restarted one holds the slices' Lease at once.
+                f"--leader-elect-identity={name}",
             ],
         )
         context = ssl.create_default_context(cafile=str(ca_file))

@@ -27,6 +27,9 @@ def default_node_name(cluster_id: str) -> str:
 
 # The Lease (in SYSTEM_NAMESPACE) whose holder is the one descheduler replica that moves.
 DESCHEDULER_LEASE = "kubestrata-descheduler"
+# The Lease (in SYSTEM_NAMESPACE) whose holder is the one multischeduler replica that
+# places quota slices (every replica serves the extender).
+SLICES_LEASE = "kubestrata-multischeduler-slices"
 
 
 def virtual_node_lease_name(node_name: str) -> str:

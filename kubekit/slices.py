@@ -153,14 +153,23 @@ def slice_size(annotation: str | None, default: Amount = DEFAULT_SLICE_SIZE) -> 
 
 
 def capped_size(size: Amount, quota: Mapping[str, int]) -> Amount:
-    """The part of a slice a quota caps: a resource the quota leaves free is not promised."""
-    return Amount(
-        **{resource: size.get(resource) if resource in quota else 0 for resource in RESOURCES}
-    )
+    """The part of a slice a quota caps: a resource the quota leaves free, or allows none
+    of, is not promised."""
+    return Amount(**{r: size.get(r) if quota.get(r, 0) > 0 else 0 for r in RESOURCES})
 
 
 def slice_count(quota: Mapping[str, int], size: Amount) -> int:
-    return max((-(-quota[resource] // size.get(resource)) for resource in quota), default=0)
+    """Slices of ``size`` that cover the quota in every resource a slice holds."""
+    return max(
+        (-(-quota[r] // size.get(r)) for r in quota if size.get(r) > 0),
+        default=0,
+    )
+
+
+def size_changed(before: Amount, after: Amount) -> bool:
+    """Whether a slice's size changed in a resource both sizes hold: a cap added to or
+    removed from the quota changes which resources a slice holds, not their size."""
+    return any(before.get(r) != after.get(r) for r in RESOURCES if before.get(r) and after.get(r))
 
 
 # -- placements --------------------------------------------------------------------------
@@ -252,7 +261,9 @@ class ClusterRoom:
     def limit(self) -> Amount:
         """The most this cluster promises in all."""
         capacity = self.allocatable
-        return capacity - self.headroom.of(capacity)
+        left = capacity - self.headroom.of(capacity)
+        # A headroom larger than the cluster leaves nothing, never less.
+        return Amount(max(0, left.cpu), max(0, left.memory))
 
     def slots(self, size: Amount) -> int:
         """How many slices of this size the namespace may hold here in all."""
@@ -286,7 +297,7 @@ def _shortfall(
         f"{room.promised_to_others.only(size).describe()} promised to others"
         + ("" if any(size.within(node) for node in room.nodes) else ", no node takes a slice")
         + ")"
-        for room in rooms
+        for room in sorted(rooms, key=lambda room: room.cluster)
     )
     return Shortfall(
         wanted=count,
@@ -318,7 +329,11 @@ def place(
     result = {cluster: held for cluster, held in current.items() if held > 0}
     surplus = sum(result.values()) - count
     while surplus > 0:
-        cluster = min(result, key=lambda name: (used.get(name, 0) - result[name], name))
+        # From clusters that answered: one that did not may be the busiest.
+        answering = [name for name in result if name in slots]
+        if not answering:
+            break
+        cluster = min(answering, key=lambda name: (used.get(name, 0) - result[name], name))
         result[cluster] -= 1
         if not result[cluster]:
             del result[cluster]
@@ -352,7 +367,10 @@ def check_edit(
     unknown = sorted(set(edited) - set(known) - set(current))
     if unknown:
         pool = ", ".join(sorted(known)) or "none"
-        return f"no lower cluster {', '.join(unknown)} in the pool (clusters: {pool})"
+        return (
+            f"no lower cluster {', '.join(unknown)} in the pool, or its estimator does not "
+            f"answer (clusters answering: {pool})"
+        )
     total = sum(edited.values())
     if total != count:
         return f"the placement holds {total} slices, the quota makes {count}"
@@ -479,8 +497,11 @@ def decide(
     """The placement from the annotation as written (``written``) and what was promised
     (``before``, ``current``): the multischeduler's own annotation is placed on from
     where it is; a user's edit is honoured if feasible, else refused and the slices
-    stay where they were; a cleared annotation places the namespace afresh."""
+    stay where they were; a cleared (or removed) annotation places the namespace
+    afresh."""
     ours = placement_json(before.slices) if before is not None else None
+    if written is None and before is not None:
+        written = ""  # the annotation removed: cleared
     if written is None or written == ours:
         return Decision(place(count, size, rooms, current, used, policy))
     try:

@@ -188,7 +188,11 @@ def outside_slices(
     held = ", ".join(f"{cluster} {count}" for cluster, count in sorted(slices.items()) if count)
     return PodEstimate(
         message=f"namespace {namespace} holds no quota slices in {node.cluster_id} "
-        + (f"(its slices: {held})" if held else "(its slices are not placed yet)")
+        + (
+            f"(its slices: {held})"
+            if held
+            else f"(none placed: see its {keys.SLICES_PLACED_CONDITION} condition)"
+        )
     )
 
 

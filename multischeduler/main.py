@@ -12,11 +12,13 @@ from pathlib import Path
 
 from aiohttp import web
 
-from kubekit import keys, logs
+from kubekit import keys, leader, logs
 from kubekit.certreload import start_https_site
 from kubekit.client import NAMESPACES, NODES, PODS, RESOURCEQUOTAS, ClientSettings, KubeClient
 from kubekit.component import run_component
+from kubekit.health import Health
 from kubekit.informer import Informer
+from kubekit.leader import ElectionSettings
 from kubekit.serving import (
     add_serving_arguments,
     check_kubeconfig,
@@ -52,6 +54,8 @@ class Config:
     score: Score
     slice_headroom: Headrooms
     slice_policy: Policy
+    slice_timeout: float
+    election: ElectionSettings | None
 
 
 def _seconds(text: str) -> float:
@@ -110,12 +114,24 @@ def parse_args(argv: Sequence[str]) -> Config:
         help="new slices go to the cluster holding the fewest of the namespace's (spread) "
         "or the most (pack) (default %(default)s)",
     )
+    parser.add_argument(
+        "--slice-timeout",
+        type=_seconds,
+        default=10.0,
+        help="deadline of each call placing quota slices, in seconds: a promise writes to the "
+        "lower cluster (default %(default)s)",
+    )
     logs.add_arguments(parser)
+    leader.add_arguments(parser, "places quota slices (every replica serves the extender)")
     args = parser.parse_args(argv)
     try:
         slice_headroom = headrooms(args.slice_headroom)
     except SliceError as error:
         parser.error(f"--slice-headroom: {error}")
+    try:
+        election = leader.election_settings(args, keys.SLICES_LEASE)
+    except ValueError as error:
+        parser.error(str(error))
     logs.configure(args.log_level, args.log_format)
     check_serving_arguments(parser, args)
     estimators = estimator_client(parser, args)
@@ -133,6 +149,8 @@ def parse_args(argv: Sequence[str]) -> Config:
         score=Score(args.score),
         slice_headroom=slice_headroom,
         slice_policy=Policy(args.slice_policy),
+        slice_timeout=args.slice_timeout,
+        election=election,
     )
 
 
@@ -157,7 +175,7 @@ async def run(config: Config) -> None:
             pool,
             headroom=config.slice_headroom,
             policy=config.slice_policy,
-            timeout=config.estimator_timeout,
+            timeout=config.slice_timeout,
         )
         watching = [
             asyncio.create_task(informer.run(), name=repr(informer))
@@ -169,7 +187,7 @@ async def run(config: Config) -> None:
             estimator_timeout=config.estimator_timeout,
             on_error=config.on_estimator_error,
             score=config.score,
-            slices_of=slicing.slices_of,
+            slices_of=slicing.placement_of,
         )
         runner = web.AppRunner(make_app(extender), access_log=None)
         reloading: asyncio.Task[None] | None = None
@@ -188,7 +206,7 @@ async def run(config: Config) -> None:
                 len(pool.nodes),
             )
             # Until a signal cancels the task, which the finally below cleans up after.
-            await slicing.run()
+            await leader.run_leading(config.kubeconfig, config.election, Health(), slicing.run)
         finally:
             if reloading is not None:
                 reloading.cancel()

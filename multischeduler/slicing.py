@@ -42,6 +42,7 @@ from kubekit.slices import (
     headroom,
     namespace_quota,
     placement_json,
+    size_changed,
     slice_count,
     slice_size,
     slices_of,
@@ -81,6 +82,20 @@ class SlicePool(Protocol):
 
 class PromiseNotMade(Exception):
     """A lower cluster refused or could not be asked; the namespace is tried again."""
+
+
+@dataclass
+class LedgerView:
+    """The answers of the clusters' estimators about one namespace."""
+
+    rooms: list[ClusterRoom] = field(default_factory=list)
+    # Cluster -> (slices, slice size) its ledger promises the namespace.
+    held: dict[str, tuple[int, Amount]] = field(default_factory=dict)
+    used: dict[str, Amount] = field(default_factory=dict)
+    silent: set[str] = field(default_factory=set)
+
+    def sizes(self) -> set[Amount]:
+        return {size for _, size in self.held.values()}
 
 
 @dataclass(frozen=True)
@@ -132,9 +147,9 @@ class SliceController:
         self.retry_after = retry_after
         self.sweep_every = sweep_every
         self.queue: WorkQueue[str] = WorkQueue("slices")
-        # What a deleted namespace had promised, until it is taken back: the clusters
-        # (its own record, or the clusters whose ledger names it).
-        self._deleted: dict[str, set[str]] = {}
+        # Namespaces a ledger may still promise slices though they are gone or unsliced:
+        # found by the sweep, or deleted with slices.
+        self._suspects: set[str] = set()
         # The last event told of each namespace: a shortfall retried is not told again.
         self._told: dict[str, tuple[str, str]] = {}
         namespaces.add_handler(
@@ -150,14 +165,14 @@ class SliceController:
 
     def _namespace_deleted(self, namespace: dict[str, Any]) -> None:
         name = namespace["metadata"]["name"]
-        before = applied(
+        record = applied(
             (namespace["metadata"].get("annotations") or {}).get(keys.SLICE_APPLIED_ANNOTATION)
         )
-        if before is not None and before.slices:
-            self._deleted.setdefault(name, set()).update(before.slices)
+        if record is not None and record.slices:
+            self._suspects.add(name)
         self.queue.add(name)
 
-    def slices_of(self, namespace: str) -> dict[str, int] | None:
+    def placement_of(self, namespace: str) -> dict[str, int] | None:
         """Where a namespace's pods may go: {cluster-id: slices} when its quota is sliced
         (empty until placed), None when it has no quota and its pods go anywhere."""
         if not namespace_quota(self.quotas.items(namespace)):
@@ -172,22 +187,27 @@ class SliceController:
 
     async def _sweeping(self) -> None:
         while True:
-            await self.sweep()
+            try:
+                await self.sweep()
+            except Exception:
+                log.exception("sweep of the slice ledgers failed; tried again later")
             await asyncio.sleep(self.sweep_every)
 
     async def sweep(self) -> None:
         """Finds the namespaces the lower clusters hold slices for that no longer exist
-        above (deleted while this process was away), and takes their slices back."""
+        above or have no quota (deleted or unsliced while this process was away): their
+        reconcile takes the slices back."""
         clusters = self._nodes_by_cluster()
         answers = await asyncio.gather(
             *(self.pool.sliced_namespaces(node, self.timeout) for node in clusters.values())
         )
-        for cluster, answer in zip(clusters, answers, strict=True):
+        for answer in answers:
             if isinstance(answer, EstimatorFailure):
                 continue
             for name in answer.namespaces:
-                if self.namespaces.get(name) is None:
-                    self._deleted.setdefault(name, set()).add(cluster)
+                gone = self.namespaces.get(name) is None
+                if gone or not namespace_quota(self.quotas.items(name)):
+                    self._suspects.add(name)
                     self.queue.add(name)
 
     # -- one namespace ---------------------------------------------------------------------
@@ -202,54 +222,57 @@ class SliceController:
 
     async def reconcile(self, name: str) -> None:
         namespace = self.namespaces.get(name)
-        if namespace is None:
-            gone = self._deleted.get(name)
-            if gone:
-                await self._promise(name, Amount(), dict.fromkeys(gone, 0), dict.fromkeys(gone, 1))
-            self._deleted.pop(name, None)
-            self._told.pop(name, None)
-            return
-        annotations = namespace["metadata"].get("annotations") or {}
+        clusters = self._nodes_by_cluster()
+        annotations = (namespace or {}).get("metadata", {}).get("annotations") or {}
         before = applied(annotations.get(keys.SLICE_APPLIED_ANNOTATION))
-        quota = namespace_quota(self.quotas.items(name))
+        quota = namespace_quota(self.quotas.items(name)) if namespace is not None else {}
         if not quota:
-            if before is not None:
-                taken_back = dict.fromkeys(before.slices, 0)
-                await self._promise(name, before.size, taken_back, before.slices)
+            # Deleted, or no quota: whatever a ledger still promises it is taken back. Only
+            # asked of the clusters when something may be promised: most namespaces are
+            # never sliced.
+            if before is not None or name in self._suspects:
+                view = await self._view(name, clusters)
+                counts = {cluster: held for cluster, (held, _) in view.held.items()}
+                await self._promise(name, Amount(), dict.fromkeys(counts, 0), counts, namespace)
+                self._suspects.discard(name)
+            if namespace is None:
+                self._told.pop(name, None)
+            else:
                 await self._annotate(namespace, None)
-            await self._tell(namespace, None, "", "")
+                await self._tell(namespace, None, "", "")
             return
+        assert namespace is not None
         try:
             size = capped_size(slice_size(annotations.get(keys.SLICE_SIZE_ANNOTATION)), quota)
         except SliceError as error:
             await self._tell(namespace, False, "InvalidSliceSize", str(error))
             return
         count = slice_count(quota, size)
-        # What the lower clusters promised, in slices of this size.
-        promised = dict(before.slices) if before is not None else {}
-        old_size = before.size if before is not None else size
-        resliced = old_size != size
-        if resliced:
-            if await self._has_pods(name):
-                await self._tell(
-                    namespace,
-                    False,
-                    "SliceSizeChangeRefused",
-                    f"slices of {old_size.describe()} cannot become {size.describe()} while "
-                    "the namespace has pods: set the size back, or delete its pods to re-slice",
-                )
-                return
-            promised = {}
-        clusters = self._nodes_by_cluster()
-        promised = {cluster: held for cluster, held in promised.items() if cluster in clusters}
-        rooms, used = await self._rooms(name, size, clusters)
+        view = await self._view(name, clusters)
+        # What is promised: the ledgers of the clusters that answer; the namespace's own
+        # record for those that do not (a cluster gone from the pool took its with it).
+        earlier = view.sizes() | ({before.size} if before is not None and before.slices else set())
+        changed = next((old for old in earlier if size_changed(old, size)), None)
+        if changed is not None and await self._has_pods(name):
+            await self._tell(
+                namespace,
+                False,
+                "SliceSizeChangeRefused",
+                f"slices of {changed.describe()} cannot become {size.describe()} while "
+                "the namespace has pods: set the size back, or delete its pods to re-slice",
+            )
+            return
+        current = {c: held for c, (held, held_size) in view.held.items() if held_size == size}
+        if before is not None and before.size == size:
+            current |= {c: n for c, n in before.slices.items() if c in view.silent}
+        used = {c: slices_of(amount, size) for c, amount in view.used.items()}
         decision = decide(
             annotations.get(keys.SLICE_PLACEMENT_ANNOTATION),
             before,
             count,
             size,
-            rooms,
-            promised,
+            view.rooms,
+            current,
             used,
             self.policy,
         )
@@ -268,13 +291,16 @@ class SliceController:
                 await self._annotate(namespace, before)
             self.queue.add_after(name, self.retry_after)
             return
-        old_clusters = set(before.slices) if before is not None else set()
+        promised = {cluster: held for cluster, (held, _) in view.held.items()}
         changes = {
             cluster: target.get(cluster, 0)
-            for cluster in sorted({*target, *promised, *old_clusters})
-            if resliced or target.get(cluster, 0) != promised.get(cluster, 0)
+            for cluster in sorted({*target, *view.held} - view.silent)
+            # Changed, or held in another size: written again or taken back.
+            if target.get(cluster, 0) != current.get(cluster, 0)
+            or (cluster in view.held and cluster not in current)
         }
         made = await self._promise(name, size, changes, promised, namespace)
+        made |= {c: n for c, n in current.items() if c in view.silent}
         await self._annotate(namespace, Applied(size, made))
         await self._tell(
             namespace,
@@ -285,23 +311,29 @@ class SliceController:
         )
 
     async def _has_pods(self, namespace: str) -> bool:
-        listed = await self.client.list(PODS, namespace, limit=1)
+        """Whether the namespace has a pod that has not finished."""
+        listed = await self.client.list(
+            PODS,
+            namespace,
+            limit=1,
+            fieldSelector="status.phase!=Succeeded,status.phase!=Failed",
+        )
         return bool(listed.get("items"))
 
-    async def _rooms(
-        self, namespace: str, size: Amount, clusters: Mapping[str, str]
-    ) -> tuple[list[ClusterRoom], dict[str, int]]:
-        """What every cluster whose estimator answers can promise the namespace, and how
-        many slices its pods there use. One that does not answer takes no new slices."""
+    async def _view(self, namespace: str, clusters: Mapping[str, str]) -> LedgerView:
+        """What every cluster whose estimator answers can promise the namespace, holds
+        for it (its ledger, the record of what is promised) and what its pods there use.
+        A cluster that does not answer is left out: it takes no new slices."""
         answers = await asyncio.gather(
             *(self.pool.slice_room(node, namespace, self.timeout) for node in clusters.values())
         )
-        rooms, used = [], {}
+        view = LedgerView()
         for cluster, answer in zip(clusters, answers, strict=True):
             if isinstance(answer, EstimatorFailure):
                 log.warning("%s: slice room of %s unknown: %s", namespace, cluster, answer.message)
+                view.silent.add(cluster)
                 continue
-            rooms.append(
+            view.rooms.append(
                 ClusterRoom(
                     cluster,
                     tuple(_amount(node) for node in answer.nodes),
@@ -309,8 +341,10 @@ class SliceController:
                     headroom(self.headroom.of(cluster)),
                 )
             )
-            used[cluster] = slices_of(_amount(answer.used), size)
-        return rooms, used
+            if answer.held:
+                view.held[cluster] = (answer.held, _amount(answer.held_slice))
+            view.used[cluster] = _amount(answer.used)
+        return view
 
     async def _promise(
         self,
@@ -320,8 +354,9 @@ class SliceController:
         promised: Mapping[str, int],
         namespace: Mapping[str, Any] | None = None,
     ) -> dict[str, int]:
-        """Makes the changed promises, shrinking ones first; returns what is promised
-        after them. One not made is retried: what was made is recorded first."""
+        """Makes the changed promises, shrinking ones first (a failure part-way leaves the
+        namespace promised less, never more); returns what is promised after them. One not
+        made is retried from the ledgers: what was made is recorded first."""
         made = {cluster: held for cluster, held in promised.items() if held}
         clusters = self._nodes_by_cluster()
         failures = []
@@ -331,7 +366,7 @@ class SliceController:
         for cluster in order:
             node = clusters.get(cluster)
             if node is None:
-                made.pop(cluster, None)  # the cluster left the pool, its promise with it
+                failures.append(f"{cluster}: no virtual node")
                 continue
             request = PromiseSlicesRequest(
                 namespace=name,
@@ -383,7 +418,10 @@ class SliceController:
                 subresource="status",
                 patch_type="application/strategic-merge-patch+json",
             )
-        if placed is None or self._told.get(name) == (reason, message):
+        if placed is None:
+            self._told.pop(name, None)
+            return
+        if self._told.get(name) == (reason, message):
             return
         if placed and patch is None:
             return  # placed as it was: no news
@@ -402,11 +440,8 @@ class SliceController:
     async def _event(
         self, namespace: Mapping[str, Any], kind: str, reason: str, message: str
     ) -> None:
-        name = namespace["metadata"]["name"]
-        if self._told.get(name) == (reason, message):
-            return
-        self._told[name] = (reason, message)
-        log.info("%s: %s: %s", name, reason, message)
+        """An event for a user's action (each one is news)."""
+        log.info("%s: %s: %s", namespace["metadata"]["name"], reason, message)
         await record_pod_event(self.client, namespace, kind, reason, message, SOURCE, "Namespace")
 
 

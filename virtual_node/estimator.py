@@ -82,7 +82,7 @@ class FitEstimator:
         budgets: SliceBudgets | None = None,
     ) -> None:
         self.state = state
-        self.budgets = budgets or SliceBudgets()
+        self.budgets = budgets or SliceBudgets(owner.origin)
         self.mapping = mapping
         self.owner = owner
         self.clock = clock
@@ -494,6 +494,7 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
             nodes=[_resources(node) for node in room.nodes],
             promised_to_others=_resources(room.promised_to_others),
             held=room.held,
+            held_slice=_resources(room.held_slice),
             used=_resources(room.used),
         )
 

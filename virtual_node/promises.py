@@ -49,7 +49,9 @@ class PromiseRefused(Exception):
 class SliceRoom:
     nodes: tuple[Amount, ...]
     promised_to_others: Amount
+    # The namespace's own entry in the ledger: its slices and their size.
     held: int
+    held_slice: Amount
     used: Amount
 
 
@@ -88,14 +90,14 @@ class SlicePromises:
         return tuple(sorted(room for room in found if room is not None))
 
     def _used(self, lower_namespace: str) -> Amount:
-        cpu = memory = 0
-        for pod in self.pods.items(lower_namespace):
-            if (pod.get("status") or {}).get("phase") in FINISHED:
-                continue
-            requests = pod_requests(pod)
-            cpu += math.ceil(requests.get("cpu", 0) * 1000)
-            memory += math.ceil(requests.get("memory", 0))
-        return Amount(cpu, memory)
+        return sum(
+            (
+                requested(pod)
+                for pod in self.pods.items(lower_namespace)
+                if (pod.get("status") or {}).get("phase") not in FINISHED
+            ),
+            Amount(),
+        )
 
     async def _ledger(self) -> dict[str, str]:
         try:
@@ -116,10 +118,14 @@ class SlicePromises:
         lower_namespace = self.mapping.lower(upper_namespace)
         ledger = await self._ledger()
         own = ledger.get(lower_namespace)
+        entry = ledger_entry(lower_namespace, own) if own else None
+        if entry is not None and entry.origin != self.owner.origin:
+            entry = None  # another upper cluster's: refused when promised
         return SliceRoom(
             nodes=self._node_room(),
             promised_to_others=promised_to_others(ledger, lower_namespace),
-            held=ledger_entry(lower_namespace, own).slices if own else 0,
+            held=entry.slices if entry is not None else 0,
+            held_slice=entry.size if entry is not None else Amount(),
             used=self._used(lower_namespace),
         )
 
@@ -158,6 +164,9 @@ class SlicePromises:
                 ledger.pop(lower_namespace, None)
             return ledger
 
+        if slices:
+            # Before the ledger names it: the namespace-wide copies it sets off need it.
+            await self.ensure_namespace(lower_namespace)
         try:
             await self.client.update_configmap_data(
                 keys.SYSTEM_NAMESPACE, keys.SLICE_LEDGER_CONFIGMAP, record
@@ -174,7 +183,6 @@ class SlicePromises:
                 if not is_not_found(error):
                     raise
             return
-        await self.ensure_namespace(lower_namespace)
         body: dict[str, Any] = {
             "apiVersion": "v1",
             "kind": "ResourceQuota",
@@ -216,22 +224,29 @@ class SliceBudgets:
     reservation of the estimator. Kept by pod UID, so a reserved pod that is then bound
     counts once, and so a burst judged before its first pod lands never overspends."""
 
-    def __init__(self) -> None:
+    def __init__(self, origin: str) -> None:
+        self.origin = origin
         self._promised: dict[str, LedgerEntry] = {}
+        # Entries that cannot be read: their namespaces take nothing more here.
+        self._unreadable: set[str] = set()
         self._pods: dict[str, tuple[str, Amount]] = {}
         self._used: dict[str, Amount] = {}
 
     def ledger_changed(self, configmap: Mapping[str, Any]) -> set[str]:
         """Takes the ledger as it is now; returns the lower namespaces newly held to
         slices here, whose pods the caller counts (only pods of namespaces held are)."""
-        promised = {}
+        promised, unreadable = {}, set()
         for key, text in (configmap.get("data") or {}).items():
             try:
-                promised[key] = ledger_entry(key, text)
+                entry = ledger_entry(key, text)
             except SliceError as error:
                 log.warning("slice ledger: %s", error)
+                unreadable.add(key)
+                continue
+            if entry.origin == self.origin:
+                promised[key] = entry
         newly = set(promised) - set(self._promised)
-        self._promised = promised
+        self._promised, self._unreadable = promised, unreadable
         for uid in [uid for uid, (namespace, _) in self._pods.items() if namespace not in promised]:
             self.uncount(uid)
         return newly
@@ -259,6 +274,8 @@ class SliceBudgets:
     ) -> tuple[int, str]:
         """How many copies of the pod the namespace's slices here still take (``copies``
         when it holds none here, so is not held to any), and why not one when none."""
+        if namespace in self._unreadable:
+            return 0, f"the slice ledger's entry for {namespace} here cannot be read"
         entry = self._promised.get(namespace)
         if entry is None:
             return copies, ""

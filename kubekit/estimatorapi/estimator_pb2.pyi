@@ -459,15 +459,20 @@ class SliceRoomResponse(_message.Message):
     PROMISED_TO_OTHERS_FIELD_NUMBER: _builtins.int
     HELD_FIELD_NUMBER: _builtins.int
     USED_FIELD_NUMBER: _builtins.int
+    HELD_SLICE_FIELD_NUMBER: _builtins.int
     cluster_id: _builtins.str
     held: _builtins.int
-    """Slices the namespace holds here, and what its pods here request."""
+    """Slices the namespace holds here (the ledger's record: the truth of what is
+    promised), their size, and what its pods here request.
+    """
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___Resources]: ...
     @_builtins.property
     def promised_to_others(self) -> Global___Resources: ...
     @_builtins.property
     def used(self) -> Global___Resources: ...
+    @_builtins.property
+    def held_slice(self) -> Global___Resources: ...
     def __init__(
         self,
         *,
@@ -476,10 +481,11 @@ class SliceRoomResponse(_message.Message):
         promised_to_others: Global___Resources | None = ...,
         held: _builtins.int = ...,
         used: Global___Resources | None = ...,
+        held_slice: Global___Resources | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["promised_to_others", b"promised_to_others", "used", b"used"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["held_slice", b"held_slice", "promised_to_others", b"promised_to_others", "used", b"used"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "held", b"held", "nodes", b"nodes", "promised_to_others", b"promised_to_others", "used", b"used"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "held", b"held", "held_slice", b"held_slice", "nodes", b"nodes", "promised_to_others", b"promised_to_others", "used", b"used"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

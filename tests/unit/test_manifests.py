@@ -44,8 +44,9 @@ def test_every_component_has_a_role() -> None:
     # The virtual node's: in the upper cluster, for its heartbeat Lease, for its leader
     # Lease, and in each lower cluster; the webhook certificate job's: for its Secrets and
     # for the configuration's CA bundle; the descheduler's in its namespace (leader Lease,
-    # record of moves); the webhook's for that record.
-    assert len(roles()) == 11
+    # record of moves); the webhook's for that record; the multischeduler's for the Lease
+    # of the replica placing quota slices.
+    assert len(roles()) == 12
 
 
 @pytest.mark.parametrize("path, role", roles(), ids=lambda v: str(v)[-40:])

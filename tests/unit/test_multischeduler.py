@@ -417,7 +417,16 @@ def core_grants(role: dict[str, Any]) -> set[tuple[str, str]]:
 
 
 def test_rbac_grants_exactly_what_the_extender_and_slicing_use() -> None:
-    account, role, binding = documents("rbac.yaml")
+    account, role, binding, lease_role, lease_binding = documents("rbac.yaml")
+    assert lease_role["metadata"]["namespace"] == "kubestrata-system"
+    assert lease_role["rules"] == [
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "verbs": ["get", "create", "update"],
+        }
+    ]
+    assert lease_binding["roleRef"]["name"] == lease_role["metadata"]["name"]
     assert account["metadata"] == {
         "name": "kubestrata-multischeduler",
         "namespace": "kubestrata-system",

@@ -291,7 +291,8 @@ async def test_a_sliced_namespace_s_pods_go_only_where_it_holds_slices(
     result = await federation.filter("vk-a", "vk-b")
     assert result["NodeNames"] == []
     assert result["FailedAndUnresolvableNodes"]["vk-a"] == (
-        "vk-a: namespace ns holds no quota slices in a (its slices are not placed yet)"
+        "vk-a: namespace ns holds no quota slices in a "
+        "(none placed: see its kubestrata.io/SlicesPlaced condition)"
     )
     assert len(federation.estimators["vk-a"].estimates) == 1
 

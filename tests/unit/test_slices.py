@@ -28,6 +28,7 @@ from kubekit.slices import (
     placement_json,
     promised_to_others,
     quota_hard,
+    size_changed,
     slice_count,
     slice_size,
     slices_of,
@@ -198,7 +199,9 @@ def test_an_edit_is_checked_against_the_room() -> None:
 
 
 @st.composite
-def pools(draw: st.DrawFn) -> tuple[list[ClusterRoom], Amount, int, dict[str, int], Policy]:
+def pools(
+    draw: st.DrawFn,
+) -> tuple[list[ClusterRoom], Amount, int, dict[str, int], dict[str, int], Policy]:
     clusters = draw(st.integers(1, 4))
     rooms = []
     for index in range(clusters):
@@ -207,43 +210,58 @@ def pools(draw: st.DrawFn) -> tuple[list[ClusterRoom], Amount, int, dict[str, in
             for _ in range(draw(st.integers(0, 5)))
         )
         promised = Amount(draw(st.integers(0, 20)) * 500, draw(st.integers(0, 40)) * GI // 2)
-        percent = Fraction(draw(st.sampled_from([0, 10, 25])))
-        rooms.append(ClusterRoom(f"c{index}", nodes, promised, Headroom(percent=percent)))
-    size = Amount(draw(st.integers(1, 8)) * 500, draw(st.integers(0, 8)) * GI // 2)
-    current = {
-        room.cluster: held
-        for room in rooms
-        if (held := draw(st.integers(0, 3))) and draw(st.booleans())
-    }
-    return rooms, size, draw(st.integers(0, 12)), current, draw(st.sampled_from(list(Policy)))
+        kept_out = draw(
+            st.sampled_from(
+                [Headroom(), Headroom(percent=Fraction(10)), Headroom(amount=Amount(1000, GI))]
+            )
+        )
+        rooms.append(ClusterRoom(f"c{index}", nodes, promised, kept_out))
+    # cpu only, memory only, or both; never neither.
+    cpu, memory = draw(
+        st.tuples(st.integers(0, 8), st.integers(0, 8)).filter(lambda pair: any(pair))
+    )
+    size = Amount(cpu * 500, memory * GI // 2)
+    # Some clusters hold slices already, one maybe gone quiet (not among the rooms).
+    names = [room.cluster for room in rooms] + ["quiet"]
+    current = {name: held for name in names if (held := draw(st.integers(0, 3)))}
+    used = {name: draw(st.integers(0, held)) for name, held in current.items()}
+    rooms = draw(st.permutations(rooms))
+    return rooms, size, draw(st.integers(0, 12)), current, used, draw(st.sampled_from(list(Policy)))
 
 
 @settings(max_examples=400, deadline=None)
 @given(pools())
 def test_placement_never_grows_a_promise_past_the_room_and_is_stable(
-    pool: tuple[list[ClusterRoom], Amount, int, dict[str, int], Policy],
+    pool: tuple[list[ClusterRoom], Amount, int, dict[str, int], dict[str, int], Policy],
 ) -> None:
-    rooms, size, count, current, policy = pool
-    result = place(count, size, rooms, current, policy=policy)
-    assert result == place(count, size, rooms, current, policy=policy)
+    rooms, size, count, current, used, policy = pool
+    result = place(count, size, rooms, current, used, policy)
+    # The same state in any order of the clusters gives the same placement.
+    assert result == place(
+        count, size, sorted(rooms, key=lambda r: r.cluster), current, used, policy
+    )
     if isinstance(result, Shortfall):
         # A shortfall only when the room, brute-forced, is short.
         room_for = sum(max(room.slots(size), current.get(room.cluster, 0)) for room in rooms)
-        assert room_for < count
+        assert room_for + current.get("quiet", 0) < count
         return
-    assert sum(result.values()) == count
+    answering = {room.cluster for room in rooms}
+    # The quota's count, unless a quiet cluster holds more than may be taken back.
+    assert sum(result.values()) == max(count, current.get("quiet", 0))
+    assert result.get("quiet", 0) == current.get("quiet", 0), "a quiet cluster is not touched"
     for room in rooms:
         held = result.get(room.cluster, 0)
         if held > current.get(room.cluster, 0):
             # What grew stays within what the cluster can promise beside the others, in
-            # every resource a slice holds.
+            # every resource a slice holds, and on a node that takes a slice.
             total = room.promised_to_others + size.times(held)
             for resource in ("cpu", "memory"):
                 if size.get(resource):
                     assert total.get(resource) <= room.limit.get(resource)
             assert any(size.within(node) for node in room.nodes)
+    assert set(result) <= answering | {"quiet"}
     # Placing again from the result changes nothing.
-    assert place(count, size, rooms, result, policy=policy) == result
+    assert place(count, size, rooms, result, used, policy) == result
 
 
 # -- decisions from the annotations ------------------------------------------------------
@@ -306,3 +324,31 @@ def test_slices_of_usage_round_up() -> None:
     assert slices_of(Amount(cpu=0, memory=9 * GI), SLICE) == 3
     assert slices_of(Amount(), SLICE) == 0
     assert slices_of(Amount(memory=GI), Amount(cpu=1000)) == 0
+
+
+def test_a_headroom_larger_than_the_cluster_leaves_nothing() -> None:
+    tiny = ClusterRoom("a", (Amount(1000, GI),), Amount(), Headroom(amount=Amount(2000, 2 * GI)))
+    assert tiny.limit == Amount()
+    short = place(1, SLICE, [tiny], {})
+    assert isinstance(short, Shortfall) and "a: room for 0 (can promise 0" in short.message
+
+
+def test_a_zero_cap_promises_none_of_that_resource() -> None:
+    quota = {"cpu": 0, "memory": 10 * GI}
+    size = capped_size(SLICE, quota)
+    assert size == Amount(memory=4 * GI)
+    assert slice_count(quota, size) == 3
+    assert slice_count({"cpu": 0}, capped_size(SLICE, {"cpu": 0})) == 0
+
+
+def test_a_cap_added_or_removed_is_not_a_size_change() -> None:
+    assert not size_changed(Amount(cpu=2000), Amount(2000, 4 * GI))
+    assert not size_changed(Amount(2000, 4 * GI), Amount(cpu=2000))
+    assert size_changed(Amount(cpu=2000), Amount(cpu=1000))
+    assert size_changed(Amount(2000, 4 * GI), Amount(2000, 8 * GI))
+
+
+def test_the_placement_annotation_removed_places_afresh() -> None:
+    rooms = [room("a", 8), room("b", 16)]
+    before = Applied(SLICE, {"a": 2})
+    assert decide(None, before, 2, SLICE, rooms, before.slices, {}) == Decision({"a": 1, "b": 1})

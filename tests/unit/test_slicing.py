@@ -43,8 +43,8 @@ class Cluster:
     refuse: str = ""
     down: bool = False
     promises: list[PromiseSlicesRequest] = field(default_factory=list)
-    # The upper namespaces its ledger names.
-    held: set[str] = field(default_factory=set)
+    # Its ledger: upper namespace -> (slices, slice size in millicores).
+    ledger: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class FakePool:
@@ -65,6 +65,8 @@ class FakePool:
             ],
             promised_to_others=Resources(cpu_millis=cluster.promised_to_others),
             used=Resources(cpu_millis=cluster.used),
+            held=cluster.ledger.get(namespace, (0, 0))[0],
+            held_slice=Resources(cpu_millis=cluster.ledger.get(namespace, (0, 0))[1]),
         )
 
     async def promise_slices(
@@ -74,6 +76,11 @@ class FakePool:
         if cluster.down:
             return EstimatorFailure("UNAVAILABLE")
         cluster.promises.append(request)
+        if not cluster.refuse:
+            if request.slices:
+                cluster.ledger[request.namespace] = (request.slices, request.slice.cpu_millis)
+            else:
+                cluster.ledger.pop(request.namespace, None)
         return PromiseSlicesResponse(refused=cluster.refuse)
 
     async def sliced_namespaces(
@@ -83,7 +90,7 @@ class FakePool:
         if cluster.down:
             return EstimatorFailure("UNAVAILABLE")
         return SlicedNamespacesResponse(
-            cluster_id=name.removeprefix("vk-"), namespaces=sorted(cluster.held)
+            cluster_id=name.removeprefix("vk-"), namespaces=sorted(cluster.ledger)
         )
 
     def promised(self, cluster: str) -> list[int]:
@@ -208,14 +215,18 @@ async def test_a_refused_promise_keeps_what_was_made_and_is_retried() -> None:
 
 
 async def test_shrinking_promises_are_made_before_growing_ones() -> None:
-    w = world(a=Cluster((8,)), b=Cluster((8,)))
-    before = Applied(Amount(cpu=2 * CPU), {"a": 3, "b": 1})
+    # A part-way failure then leaves the namespace promised less, never more.
+    w = world(
+        a=Cluster((8,), ledger={"team": (1, 2 * CPU)}),
+        b=Cluster((8,), ledger={"team": (3, 2 * CPU)}),
+    )
+    before = Applied(Amount(cpu=2 * CPU), {"a": 1, "b": 3})
     w.put(
         w.namespaces,
         namespace(
             **{
                 keys.SLICE_APPLIED_ANNOTATION: before.encode(),
-                keys.SLICE_PLACEMENT_ANNOTATION: '{"a": 1, "b": 3}',
+                keys.SLICE_PLACEMENT_ANNOTATION: '{"a": 3, "b": 1}',
             }
         ),
     )
@@ -229,11 +240,32 @@ async def test_shrinking_promises_are_made_before_growing_ones() -> None:
 
     w.pool.promise_slices = recording  # type: ignore[method-assign]
     await w.controller.reconcile("team")
-    assert order == ["vk-a=1", "vk-b=3"]
+    assert order == ["vk-b=1", "vk-a=3"]
+
+
+async def test_the_ledgers_not_the_annotation_say_what_is_promised() -> None:
+    # The record lost (a user removed it), or left behind by a promise whose annotation
+    # patch failed: the ledgers are read, and nothing is promised twice.
+    w = world(a=Cluster((8,), ledger={"team": (2, 2 * CPU)}), b=Cluster((8,)))
+    w.put(w.namespaces, namespace())
+    w.put(w.quotas, quota("4"))
+    await w.controller.reconcile("team")
+    assert (w.pool.promised("a"), w.pool.promised("b")) == ([], [])
+    assert json.loads(str(w.patched()[keys.SLICE_PLACEMENT_ANNOTATION])) == {"a": 2}
+    # A cluster that left the pool and came back holding slices: the surplus goes back,
+    # from where the most are unused.
+    w.pool.clusters["b"].ledger["team"] = (1, 2 * CPU)
+    w.sync_namespace()
+    await w.controller.reconcile("team")
+    assert (w.pool.promised("a"), w.pool.promised("b")) == ([1], [])
+    assert json.loads(str(w.patched()[keys.SLICE_PLACEMENT_ANNOTATION])) == {"a": 1, "b": 1}
 
 
 async def test_no_quota_takes_every_promise_back_and_clears_the_annotations() -> None:
-    w = world(a=Cluster((8,)), b=Cluster((8,)))
+    w = world(
+        a=Cluster((8,), ledger={"team": (1, 2 * CPU)}),
+        b=Cluster((8,), ledger={"team": (1, 2 * CPU)}),
+    )
     before = Applied(Amount(cpu=2 * CPU), {"a": 1, "b": 1})
     w.put(
         w.namespaces,
@@ -254,7 +286,7 @@ async def test_no_quota_takes_every_promise_back_and_clears_the_annotations() ->
 
 
 async def test_a_deleted_namespace_s_promises_are_taken_back() -> None:
-    w = world(a=Cluster((8,)))
+    w = world(a=Cluster((8,), ledger={"team": (2, 2 * CPU)}))
     before = Applied(Amount(cpu=2 * CPU), {"a": 2})
     ns = namespace(**{keys.SLICE_APPLIED_ANNOTATION: before.encode()})
     w.put(w.namespaces, ns)
@@ -265,23 +297,39 @@ async def test_a_deleted_namespace_s_promises_are_taken_back() -> None:
     assert w.pool.promised("a") == [0]
 
 
-async def test_namespaces_deleted_while_away_are_found_and_taken_back() -> None:
-    w = world(a=Cluster((8,), held={"gone", "team"}), b=Cluster((8,), held={"gone"}))
+async def test_namespaces_deleted_or_unsliced_while_away_are_found_and_taken_back() -> None:
+    held = (1, 2 * CPU)
+    w = world(
+        a=Cluster((8,), ledger={"gone": held, "unsliced": held, "team": held}),
+        b=Cluster((8,), ledger={"gone": held}),
+    )
     w.put(w.namespaces, namespace())
-    await w.controller.sweep()
-    keys_reconciled = []
-    while len(w.controller.queue):
+    w.put(w.quotas, quota("2"))
+    w.put(w.namespaces, namespace("unsliced"))
+    while len(w.controller.queue):  # the informers' adds: nothing asked of the clusters
         key = await w.controller.queue.get()
-        keys_reconciled.append(key)
         await w.controller.reconcile(key)
         w.controller.queue.done(key)
-    assert sorted(keys_reconciled) == ["gone", "team"]
-    assert [(r.namespace, r.slices) for r in w.pool.clusters["a"].promises] == [("gone", 0)]
-    assert [(r.namespace, r.slices) for r in w.pool.clusters["b"].promises] == [("gone", 0)]
+    w.pool.clusters["a"].promises.clear()
+    await w.controller.sweep()
+    swept = []
+    while len(w.controller.queue):
+        key = await w.controller.queue.get()
+        swept.append(key)
+        await w.controller.reconcile(key)
+        w.controller.queue.done(key)
+    assert sorted(swept) == ["gone", "unsliced"]
+    taken_back = {(r.namespace, r.slices) for r in w.pool.clusters["a"].promises}
+    assert taken_back == {("gone", 0), ("unsliced", 0)}
+    assert w.pool.clusters["a"].ledger == {"team": held}
+    assert w.pool.clusters["b"].ledger == {}
 
 
 async def test_a_slice_size_change_is_refused_while_pods_run_and_reslices_otherwise() -> None:
-    w = world(a=Cluster((8,)), b=Cluster((8,)))
+    w = world(
+        a=Cluster((8,), ledger={"team": (1, 2 * CPU)}),
+        b=Cluster((8,), ledger={"team": (1, 2 * CPU)}),
+    )
     before = Applied(Amount(cpu=2 * CPU), {"a": 1, "b": 1})
     annotations = {
         keys.SLICE_APPLIED_ANNOTATION: before.encode(),
@@ -304,7 +352,7 @@ async def test_a_slice_size_change_is_refused_while_pods_run_and_reslices_otherw
 
 
 async def test_a_silent_estimator_keeps_its_slices_and_takes_no_new_ones() -> None:
-    w = world(a=Cluster((8,)), b=Cluster((8,), down=True))
+    w = world(a=Cluster((8,), ledger={"team": (1, 2 * CPU)}), b=Cluster((8,), down=True))
     before = Applied(Amount(cpu=2 * CPU), {"a": 1, "b": 1})
     w.put(
         w.namespaces,
@@ -398,10 +446,10 @@ def test_the_condition_changes_only_when_its_news_does() -> None:
 async def test_where_a_namespace_s_pods_may_go() -> None:
     w = world(a=Cluster((8,)))
     w.put(w.namespaces, namespace("free"))
-    assert w.controller.slices_of("free") is None
+    assert w.controller.placement_of("free") is None
     w.put(w.namespaces, namespace())
     w.put(w.quotas, quota("4"))
-    assert w.controller.slices_of("team") == {}, "sliced, not placed yet: nowhere"
+    assert w.controller.placement_of("team") == {}, "sliced, not placed yet: nowhere"
     await w.controller.reconcile("team")
     w.sync_namespace()
-    assert w.controller.slices_of("team") == {"a": 2}
+    assert w.controller.placement_of("team") == {"a": 2}
