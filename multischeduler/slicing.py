@@ -250,7 +250,8 @@ class SliceController:
         count = slice_count(quota, size)
         view = await self._view(name, clusters)
         # What is promised: the ledgers of the clusters that answer; the namespace's own
-        # record for those that do not (a cluster gone from the pool took its with it).
+        # record for those that do not. A cluster gone from the pool is placed around:
+        # what its ledger still holds is taken back once it is back.
         earlier = view.sizes() | ({before.size} if before is not None and before.slices else set())
         changed = next((old for old in earlier if size_changed(old, size)), None)
         if changed is not None and await self._has_pods(name):
