@@ -212,6 +212,12 @@ class FitEstimator:
 
     # -- queries ---------------------------------------------------------------------------
 
+    def _budgeted(self, lower: JSON) -> tuple[str, Amount | None]:
+        """The pod's lower namespace, and its requests when that namespace is held to
+        slices here (most are not: their queries sum nothing)."""
+        namespace = str(lower["metadata"]["namespace"])
+        return namespace, requested(lower) if self.budgets.holds(namespace) else None
+
     def _read(self, pod_json: bytes) -> tuple[str, JSON]:
         """The UID of an upper pod sent as JSON, and its lower form."""
         try:
@@ -229,8 +235,12 @@ class FitEstimator:
         room of one copy is held for it on the node it would take."""
         self.expire()
         uid, lower = self._read(pod_json)
-        namespace, amount = lower["metadata"]["namespace"], requested(lower)
-        copies, over_budget = self.budgets.room_for(namespace, uid, amount, max(1, replicas))
+        namespace, amount = self._budgeted(lower)
+        copies, over_budget = (
+            self.budgets.room_for(namespace, uid, amount, max(1, replicas))
+            if amount is not None
+            else (max(1, replicas), "")
+        )
         if over_budget:
             nothing = Estimate(self.state.node_count(), (), {}, 0, 0.0, 0.0, 0)
             return Answer(nothing, None, over_budget)
@@ -244,7 +254,8 @@ class FitEstimator:
             reserved_node = self.state.assume(uid, lower)
             if reserved_node is not None:
                 self._reserved[uid] = self.clock() + RESERVATION_SECONDS
-                self.budgets.count(uid, namespace, amount)
+                if amount is not None:
+                    self.budgets.count(uid, namespace, amount)
                 return Answer(estimate, reserved_node)
         if held_on is not None:
             # Kept until it lapses: room held while evicted pods go fits the pod only
@@ -265,13 +276,15 @@ class FitEstimator:
             raise QueryError(f"no lower node {node!r}")
         if not 0 < seconds <= MAX_HOLD_SECONDS:
             raise QueryError(f"{seconds} s is not above 0 and at most {MAX_HOLD_SECONDS:.0f} s")
-        namespace, amount = lower["metadata"]["namespace"], requested(lower)
-        _, over_budget = self.budgets.room_for(namespace, uid, amount)
-        if over_budget:
-            raise QueryError(over_budget)
+        namespace, amount = self._budgeted(lower)
+        if amount is not None:
+            _, over_budget = self.budgets.room_for(namespace, uid, amount)
+            if over_budget:
+                raise QueryError(over_budget)
         self.state.assume(uid, lower, node)
         self._reserved[uid] = self.clock() + seconds
-        self.budgets.count(uid, namespace, amount)
+        if amount is not None:
+            self.budgets.count(uid, namespace, amount)
 
     def fit_in_turn(self, pods_json: list[bytes]) -> list[str | None]:
         self.expire()

@@ -252,7 +252,9 @@ class SliceBudgets:
         return newly
 
     def holds(self, namespace: str) -> bool:
-        return namespace in self._promised
+        """Whether the namespace is held to slices here (an entry that cannot be read
+        holds it to none)."""
+        return namespace in self._promised or namespace in self._unreadable
 
     def count(self, uid: str, namespace: str, amount: Amount) -> None:
         self.uncount(uid)

@@ -431,3 +431,13 @@ def test_a_hold_past_the_namespace_s_slices_is_refused() -> None:
     cluster.clock.now += 31
     cluster.estimator.expire()
     assert cluster.fits("1") == 1
+
+
+def test_an_unreadable_ledger_entry_holds_its_namespace_to_nothing() -> None:
+    cluster = Cluster()
+    ledger = ledger_map(("other", 1, Amount(cpu=1000)))
+    ledger["data"]["ns"] = "{not json"
+    cluster.estimator.ledger_changed(ledger)
+    answer = cluster.estimator.answer(orjson.dumps(upper_pod("p", "1")))
+    assert answer.estimate.max_replicas == 0
+    assert answer.over_budget == "the slice ledger's entry for ns here cannot be read"

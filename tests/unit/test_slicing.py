@@ -101,6 +101,18 @@ def namespace(name: str = "team", **annotations: str) -> dict[str, Any]:
     return {"metadata": {"name": name, "uid": f"uid-{name}", "annotations": annotations}}
 
 
+def recorded(before: Applied, placement: str | None = None, **annotations: str) -> dict[str, Any]:
+    """The namespace as the controller left it: its record of ``before``, and the
+    placement annotation as written (the record's own by default)."""
+    return namespace(
+        **{
+            keys.SLICE_APPLIED_ANNOTATION: before.encode(),
+            keys.SLICE_PLACEMENT_ANNOTATION: placement or placement_json(before.slices),
+            **annotations,
+        }
+    )
+
+
 def quota(cpu: str, namespace: str = "team", **spec: Any) -> dict[str, Any]:
     return {
         "metadata": {"name": f"q{cpu}", "namespace": namespace},
@@ -149,6 +161,18 @@ class World:
         if statuses:
             updated["status"] = statuses[-1].body["status"]
         self.put(self.namespaces, updated, "MODIFIED")
+
+    async def drain(self) -> list[str]:
+        """Reconciles every queued key once, as a worker would; returns them."""
+        reconciled = []
+        while len(self.controller.queue):
+            key = await self.controller.queue.get()
+            reconciled.append(key)
+            try:
+                await self.controller.reconcile(key)
+            finally:
+                self.controller.queue.done(key)
+        return reconciled
 
     def events(self) -> list[tuple[str, str]]:
         return [
@@ -221,15 +245,7 @@ async def test_shrinking_promises_are_made_before_growing_ones() -> None:
         b=Cluster((8,), ledger={"team": (3, 2 * CPU)}),
     )
     before = Applied(Amount(cpu=2 * CPU), {"a": 1, "b": 3})
-    w.put(
-        w.namespaces,
-        namespace(
-            **{
-                keys.SLICE_APPLIED_ANNOTATION: before.encode(),
-                keys.SLICE_PLACEMENT_ANNOTATION: '{"a": 3, "b": 1}',
-            }
-        ),
-    )
+    w.put(w.namespaces, recorded(before, '{"a": 3, "b": 1}'))
     w.put(w.quotas, quota("8"))
     order: list[str] = []
     real = w.pool.promise_slices
@@ -267,15 +283,7 @@ async def test_no_quota_takes_every_promise_back_and_clears_the_annotations() ->
         b=Cluster((8,), ledger={"team": (1, 2 * CPU)}),
     )
     before = Applied(Amount(cpu=2 * CPU), {"a": 1, "b": 1})
-    w.put(
-        w.namespaces,
-        namespace(
-            **{
-                keys.SLICE_APPLIED_ANNOTATION: before.encode(),
-                keys.SLICE_PLACEMENT_ANNOTATION: placement_json(before.slices),
-            }
-        ),
-    )
+    w.put(w.namespaces, recorded(before))
     w.put(w.quotas, quota("1", scopes=["BestEffort"]))  # scoped: caps only some pods
     await w.controller.reconcile("team")
     assert (w.pool.promised("a"), w.pool.promised("b")) == ([0], [0])
@@ -306,19 +314,10 @@ async def test_namespaces_deleted_or_unsliced_while_away_are_found_and_taken_bac
     w.put(w.namespaces, namespace())
     w.put(w.quotas, quota("2"))
     w.put(w.namespaces, namespace("unsliced"))
-    while len(w.controller.queue):  # the informers' adds: nothing asked of the clusters
-        key = await w.controller.queue.get()
-        await w.controller.reconcile(key)
-        w.controller.queue.done(key)
+    await w.drain()  # the informers' adds
     w.pool.clusters["a"].promises.clear()
     await w.controller.sweep()
-    swept = []
-    while len(w.controller.queue):
-        key = await w.controller.queue.get()
-        swept.append(key)
-        await w.controller.reconcile(key)
-        w.controller.queue.done(key)
-    assert sorted(swept) == ["gone", "unsliced"]
+    assert sorted(await w.drain()) == ["gone", "unsliced"]
     taken_back = {(r.namespace, r.slices) for r in w.pool.clusters["a"].promises}
     assert taken_back == {("gone", 0), ("unsliced", 0)}
     assert w.pool.clusters["a"].ledger == {"team": held}
@@ -331,12 +330,7 @@ async def test_a_slice_size_change_is_refused_while_pods_run_and_reslices_otherw
         b=Cluster((8,), ledger={"team": (1, 2 * CPU)}),
     )
     before = Applied(Amount(cpu=2 * CPU), {"a": 1, "b": 1})
-    annotations = {
-        keys.SLICE_APPLIED_ANNOTATION: before.encode(),
-        keys.SLICE_PLACEMENT_ANNOTATION: placement_json(before.slices),
-        keys.SLICE_SIZE_ANNOTATION: '{"cpu": "1"}',
-    }
-    w.put(w.namespaces, namespace(**annotations))
+    w.put(w.namespaces, recorded(before, **{keys.SLICE_SIZE_ANNOTATION: '{"cpu": "1"}'}))
     w.put(w.quotas, quota("4"))
     w.client.answer(
         "GET", PODS.path("team"), {"items": [{"metadata": {"name": "p"}}]}, {"items": []}
@@ -354,15 +348,7 @@ async def test_a_slice_size_change_is_refused_while_pods_run_and_reslices_otherw
 async def test_a_silent_estimator_keeps_its_slices_and_takes_no_new_ones() -> None:
     w = world(a=Cluster((8,), ledger={"team": (1, 2 * CPU)}), b=Cluster((8,), down=True))
     before = Applied(Amount(cpu=2 * CPU), {"a": 1, "b": 1})
-    w.put(
-        w.namespaces,
-        namespace(
-            **{
-                keys.SLICE_APPLIED_ANNOTATION: before.encode(),
-                keys.SLICE_PLACEMENT_ANNOTATION: placement_json(before.slices),
-            }
-        ),
-    )
+    w.put(w.namespaces, recorded(before))
     w.put(w.quotas, quota("8"))
     await w.controller.reconcile("team")
     assert w.pool.promised("a") == [3]
