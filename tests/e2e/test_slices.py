@@ -121,7 +121,8 @@ def slices_condition(federation: Federation) -> dict[str, str]:
 
 def placed(federation: Federation) -> dict[str, int] | None:
     text = namespace_annotations(federation).get(keys.SLICE_PLACEMENT_ANNOTATION)
-    return json.loads(text) if text is not None else None
+    # A cleared annotation ("") is a placement asked for and not yet made.
+    return json.loads(text) if text else None
 
 
 def wait_placed(federation: Federation, expected: dict[str, int]) -> None:
