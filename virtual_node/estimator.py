@@ -11,12 +11,15 @@ below would all be told the same room is free (Karmada's estimator, its issue 13
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+import sys
+import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import grpc
 import orjson
@@ -29,6 +32,7 @@ from kubekit.clusterstate import ClusterState, Estimate
 from kubekit.estimatorapi import estimator_pb2, estimator_pb2_grpc
 from kubekit.fit import PodFacts
 from kubekit.informer import FunctionHandler, Informer, object_key
+from kubekit.loops import on_loop
 from kubekit.slices import Amount, SliceError
 from virtual_node.capacity import pod_holds_resources
 from virtual_node.kubeletapi.auth import AuthError, Authorizer
@@ -47,6 +51,26 @@ RESERVATION_SECONDS = 30.0
 # The longest a hold for a defragmentation may last.
 MAX_HOLD_SECONDS = 3600.0
 _FINISHED = frozenset({"Succeeded", "Failed"})
+# The longest the estimator's thread waits for the interpreter while the virtual node's
+# loop is busy (Python's default is 5 ms, a whole answer's budget).
+SWITCH_INTERVAL_SECONDS = 0.001
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+
+
+def _exclusive(
+    method: Callable[Concatenate[FitEstimator, P], R],
+) -> Callable[Concatenate[FitEstimator, P], R]:
+    """The estimator is fed by the virtual node's watches on its loop's thread and asked
+    on its server's own: one of them at a time."""
+
+    def exclusive(self: FitEstimator, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return exclusive
 
 
 class QueryError(ValueError):
@@ -96,14 +120,15 @@ class FitEstimator:
         self._lower_keys: dict[str, str] = {}
         self._upper_keys: dict[str, str] = {}
         self._upper_pods: Informer | None = None
+        self.lock = threading.RLock()
 
     def watch(self, lower_nodes: Informer, lower_pods: Informer, upper_pods: Informer) -> None:
         self._upper_pods = upper_pods
         lower_nodes.add_handler(
             FunctionHandler(
-                add=self.state.set_node,
-                update=self.state.set_node,
-                delete=lambda node: self.state.remove_node(node["metadata"]["name"]),
+                add=self._node_changed,
+                update=self._node_changed,
+                delete=self._node_deleted,
             )
         )
         lower_pods.add_handler(
@@ -117,17 +142,26 @@ class FitEstimator:
             FunctionHandler(
                 add=self._upper_pod_changed,
                 update=self._upper_pod_changed,
-                delete=lambda pod: self._drop(pod["metadata"]["uid"]),
+                delete=self._upper_pod_deleted,
             )
         )
 
     # -- what the caches say ---------------------------------------------------------------
+
+    @_exclusive
+    def _node_changed(self, node: JSON) -> None:
+        self.state.set_node(node)
+
+    @_exclusive
+    def _node_deleted(self, node: JSON) -> None:
+        self.state.remove_node(node["metadata"]["name"])
 
     def _upper_uid(self, lower: Mapping[str, Any]) -> str | None:
         if not self.owner.owns(lower):
             return None
         return (lower["metadata"].get("annotations") or {}).get(keys.UPPER_UID_ANNOTATION)
 
+    @_exclusive
     def _lower_pod_changed(self, pod: JSON) -> None:
         self.state.set_pod(pod)
         uid = self._upper_uid(pod)
@@ -138,6 +172,7 @@ class FitEstimator:
             self._landed.add(uid)
             self._drop_assumption(uid)
 
+    @_exclusive
     def _lower_pod_deleted(self, pod: JSON) -> None:
         self.state.remove_pod(object_key(pod))
         uid = self._upper_uid(pod)
@@ -145,6 +180,7 @@ class FitEstimator:
             self._landed.discard(uid)
             self._lower_keys.pop(uid, None)
 
+    @_exclusive
     def _upper_pod_changed(self, pod: JSON) -> None:
         uid = pod["metadata"]["uid"]
         if (pod.get("status") or {}).get("phase") in _FINISHED:
@@ -169,6 +205,7 @@ class FitEstimator:
             except QueryError as error:
                 log.debug("pod %s not assumed: %s", object_key(pod), error)
 
+    @_exclusive
     def ledger_changed(self, ledger: JSON) -> None:
         """The slices ledger changed: the pods bound here of a namespace newly held to
         slices count against them from now on."""
@@ -179,6 +216,10 @@ class FitEstimator:
             for pod in self._upper_pods.items(upper_namespace):
                 if (pod.get("status") or {}).get("phase") not in _FINISHED:
                     self.budgets.count(pod["metadata"]["uid"], namespace, requested(pod))
+
+    @_exclusive
+    def _upper_pod_deleted(self, pod: JSON) -> None:
+        self._drop(pod["metadata"]["uid"])
 
     def _drop(self, uid: str) -> None:
         self.budgets.uncount(uid)
@@ -191,11 +232,16 @@ class FitEstimator:
         self._reserved.pop(uid, None)
         self.state.forget(uid)
 
+    @_exclusive
     def held_node(self, uid: str) -> str | None:
         """The lower node room is held on for a pod bound here: the lower pod is pinned
         there, since room assumed on one node while the lower scheduler takes another
         would be counted twice and leave a later pod without the room it was promised."""
         return self.state.assumed_node(uid) if uid in self._in_flight else None
+
+    @_exclusive
+    def largest_free_slot(self) -> tuple[str, dict[str, int]] | None:
+        return self.state.largest_free_slot()
 
     def _lower_form(self, upper: Mapping[str, Any]) -> JSON:
         """The lower pod the upper one becomes, checked to be one the fit can judge (the
@@ -230,6 +276,7 @@ class FitEstimator:
             raise QueryError("the pod has no spec")
         return str(upper["metadata"].get("uid") or ""), self._lower_form(upper)
 
+    @_exclusive
     def answer(self, pod_json: bytes, replicas: int = 1, reserve: bool = False) -> Answer:
         """How the pod (the upper pod as JSON) would fare here; with ``reserve``, the
         room of one copy is held for it on the node it would take."""
@@ -263,6 +310,7 @@ class FitEstimator:
             self.state.assume(uid, lower, held_on)
         return Answer(estimate, reserved_node)
 
+    @_exclusive
     def hold(self, pod_json: bytes, node: str, seconds: float) -> None:
         """Holds the pod's room on ``node`` for ``seconds``, as a reservation: the
         pod's next query takes a node that fits it then, or keeps this one."""
@@ -286,10 +334,12 @@ class FitEstimator:
         if amount is not None:
             self.budgets.count(uid, namespace, amount)
 
+    @_exclusive
     def fit_in_turn(self, pods_json: list[bytes]) -> list[str | None]:
         self.expire()
         return self.state.fit_in_turn([self._read(pod)[1] for pod in pods_json])
 
+    @_exclusive
     def defragment(self, pod_json: bytes, movable_uids: list[str], most: int) -> list[Plan]:
         """Plans that make room for the pod by evicting some of the ``movable_uids``
         (upper pods bound here; those not on a lower node yet, or unknown, are left
@@ -322,6 +372,7 @@ class FitEstimator:
             for freeing in self.state.freeing(lower, movable, most)
         ]
 
+    @_exclusive
     def release(self, uids: list[str]) -> int:
         """Gives back reservations (never the room of pods bound here)."""
         released = 0
@@ -332,6 +383,7 @@ class FitEstimator:
                 released += 1
         return released
 
+    @_exclusive
     def expire(self) -> None:
         now = self.clock()
         for uid in [uid for uid, until in self._reserved.items() if until <= now]:
@@ -366,7 +418,10 @@ _AUTH_CODES = {401: grpc.StatusCode.UNAUTHENTICATED, 403: grpc.StatusCode.PERMIS
 class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
     """The gRPC face of a FitEstimator. Callers authenticate with a bearer token
     (TokenReview) and need ``get`` on this node's ``nodes/estimator`` (a
-    SubjectAccessReview): the kubelet API's checks, with their caches."""
+    SubjectAccessReview): the kubelet API's checks, with their caches.
+
+    ``home``: the loop the promises' lower client belongs to, when the service runs on
+    another (``serve`` runs it on a thread of its own)."""
 
     def __init__(
         self,
@@ -374,11 +429,16 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
         authorizer: Authorizer,
         cluster_id: str,
         promises: SlicePromises | None = None,
+        home: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         self.estimator = estimator
         self.authorizer = authorizer
         self.cluster_id = cluster_id
         self.promises = promises
+        self.home = home
+
+    async def _at_home(self, work: Coroutine[Any, Any, T]) -> T:
+        return await on_loop(self.home, work)
 
     async def _check_caller(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         metadata = {key: value for key, value in context.invocation_metadata() or ()}
@@ -497,7 +557,7 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
     ) -> estimator_pb2.SliceRoomResponse:
         promises = await self._slice_promises(context, request.namespace)
         try:
-            room = await promises.room(request.namespace)
+            room = await self._at_home(promises.room(request.namespace))
         except SliceError as error:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         except API_ERRORS as error:
@@ -524,7 +584,9 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
         if request.slices and (size.cpu < 0 or size.memory < 0 or size == Amount()):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the slice size must be positive")
         try:
-            await promises.promise(request.namespace, request.slices, size, request.headroom)
+            await self._at_home(
+                promises.promise(request.namespace, request.slices, size, request.headroom)
+            )
         except (PromiseRefused, SliceError) as error:
             return estimator_pb2.PromiseSlicesResponse(refused=str(error))
         except API_ERRORS as error:
@@ -539,7 +601,7 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
     ) -> estimator_pb2.SlicedNamespacesResponse:
         promises = await self._slice_promises(context)
         try:
-            namespaces = await promises.sliced_namespaces()
+            namespaces = await self._at_home(promises.sliced_namespaces())
         except API_ERRORS as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the lower cluster: {error}")
         return estimator_pb2.SlicedNamespacesResponse(
@@ -599,7 +661,7 @@ class ParsedByTheService(grpc.aio.ServerInterceptor):
         )
 
 
-async def serve(
+async def _start(
     service: EstimatorService, address: str, port: int, pair: pki.KeyPair
 ) -> grpc.aio.Server:
     server = grpc.aio.server(interceptors=(ParsedByTheService(),))
@@ -609,3 +671,45 @@ async def serve(
         raise OSError(f"the estimator cannot listen on {address}:{port}")
     await server.start()
     return server
+
+
+def _run(loop: asyncio.AbstractEventLoop) -> None:
+    try:
+        loop.run_forever()
+    finally:
+        loop.close()
+
+
+class EstimatorServer:
+    """The estimator's gRPC server on a thread and event loop of its own. On the virtual
+    node's loop an answer would wait behind every callback a burst of pods queues there
+    (the extender's decision waits for the slowest estimator it asks); here it waits for
+    the interpreter at most ``SWITCH_INTERVAL_SECONDS``."""
+
+    def __init__(
+        self, thread: threading.Thread, loop: asyncio.AbstractEventLoop, server: grpc.aio.Server
+    ) -> None:
+        self._thread = thread
+        self._loop = loop
+        self._server = server
+
+    async def stop(self, grace: float | None) -> None:
+        await on_loop(self._loop, self._server.stop(grace))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        await asyncio.to_thread(self._thread.join)
+
+
+async def serve(
+    service: EstimatorService, address: str, port: int, pair: pki.KeyPair
+) -> EstimatorServer:
+    sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=_run, args=(loop,), name="estimator", daemon=True)
+    thread.start()
+    try:
+        server = await on_loop(loop, _start(service, address, port, pair))
+    except BaseException:
+        loop.call_soon_threadsafe(loop.stop)
+        await asyncio.to_thread(thread.join)
+        raise
+    return EstimatorServer(thread, loop, server)

@@ -12,7 +12,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import grpc
 import yaml
 from aiohttp import web
 
@@ -36,7 +35,7 @@ from kubekit.leader import ElectionSettings
 from kubekit.slices import held_namespaces
 from kubekit.timestamps import now_micro
 from kubekit.workqueue import WorkQueue
-from virtual_node.estimator import EstimatorService, FitEstimator
+from virtual_node.estimator import EstimatorServer, EstimatorService, FitEstimator
 from virtual_node.estimator import serve as serve_estimator
 from virtual_node.events import EventReflector
 from virtual_node.kubeletapi.auth import Authorizer
@@ -306,7 +305,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
     lower_event_informers = InformerFactory(lower)
     runner: web.AppRunner | None = None
     reloading: asyncio.Task[None] | None = None
-    estimator_server: grpc.aio.Server | None = None
+    estimator_server: EstimatorServer | None = None
     try:
         origin = (await upper.get(NAMESPACES, "kube-system"))["metadata"]["uid"]
         owner = Ownership(origin=origin, node_name=config.name, cluster_id=config.cluster_id)
@@ -344,7 +343,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             config.address,
             reflector,
             estimator.held_node if config.estimator_port else None,
-            estimator.state.largest_free_slot if config.estimator_port else None,
+            estimator.largest_free_slot if config.estimator_port else None,
             frozenset(config.counted_taint_keys),
             frozenset(config.host_access_namespaces),
         )
@@ -378,7 +377,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             upper, config.name, [config.address], directory, files
         )
         # One authorizer, so the kubelet API and the estimator share its caches.
-        authorizer = Authorizer(upper, config.name)
+        authorizer = Authorizer(upper, config.name, home=asyncio.get_running_loop())
         runner, reloading = await serve_kubelet_api(config, kubelet, authorizer, pair)
         ledger = lower_informers.informer(
             CONFIGMAPS,
@@ -436,6 +435,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
                         backend.ensure_namespace,
                         frozenset(config.counted_taint_keys),
                     ),
+                    home=asyncio.get_running_loop(),
                 ),
                 config.address,
                 config.estimator_port,

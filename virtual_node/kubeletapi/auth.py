@@ -4,11 +4,14 @@ then a SubjectAccessReview on the node, with decisions cached briefly as the kub
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from kubekit.client import API_ERRORS, KubeClient
+from kubekit.loops import on_loop
 
 TOKEN_TTL = 120.0
 ALLOW_TTL = 300.0
@@ -65,8 +68,11 @@ def user_from_certificate(peercert: dict[str, Any] | None) -> User | None:
 
 
 class _TtlCache:
+    """Shared by the kubelet API's thread and the estimator's."""
+
     def __init__(self) -> None:
         self._entries: dict[Any, tuple[float, Any]] = {}
+        self._lock = threading.Lock()
 
     def get(self, key: Any) -> Any:
         entry = self._entries.get(key)
@@ -75,20 +81,26 @@ class _TtlCache:
         return entry[1]
 
     def put(self, key: Any, value: Any, ttl: float) -> None:
-        if len(self._entries) >= _CACHE_LIMIT:
-            now = time.monotonic()
-            self._entries = {k: v for k, v in self._entries.items() if v[0] >= now}
+        with self._lock:
             if len(self._entries) >= _CACHE_LIMIT:
-                self._entries.clear()
-        self._entries[key] = (time.monotonic() + ttl, value)
+                now = time.monotonic()
+                self._entries = {k: v for k, v in self._entries.items() if v[0] >= now}
+                if len(self._entries) >= _CACHE_LIMIT:
+                    self._entries.clear()
+            self._entries[key] = (time.monotonic() + ttl, value)
 
 
 class Authorizer:
     """Authenticates and authorizes requests against the upper apiserver."""
 
-    def __init__(self, upper: KubeClient, node_name: str) -> None:
+    def __init__(
+        self, upper: KubeClient, node_name: str, home: asyncio.AbstractEventLoop | None = None
+    ) -> None:
+        """``home``: the loop ``upper`` belongs to, when some callers run on another
+        thread's (the estimator's); their cached decisions are answered where they are."""
         self.upper = upper
         self.node_name = node_name
+        self.home = home
         self._tokens = _TtlCache()
         self._decisions = _TtlCache()
 
@@ -165,7 +177,7 @@ class Authorizer:
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
-            return await self.upper.request("POST", path, body=body)
+            return await on_loop(self.home, self.upper.request("POST", path, body=body))
         except API_ERRORS as error:
             raise AuthError(
                 503, f"cannot check access with the upper apiserver: {error}"

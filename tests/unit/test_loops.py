@@ -1,0 +1,27 @@
+import asyncio
+import threading
+
+from kubekit.loops import on_loop
+
+
+async def running_thread() -> threading.Thread:
+    await asyncio.sleep(0)
+    return threading.current_thread()
+
+
+def test_work_runs_on_its_home_loop_whichever_loop_awaits_it() -> None:
+    home = asyncio.new_event_loop()
+    thread = threading.Thread(target=home.run_forever, name="home")
+    thread.start()
+    try:
+        assert asyncio.run(on_loop(home, running_thread())) is thread
+        assert asyncio.run(on_loop(None, running_thread())) is threading.current_thread()
+    finally:
+        home.call_soon_threadsafe(home.stop)
+        thread.join()
+        home.close()
+
+
+async def test_work_for_the_caller_s_own_loop_runs_there() -> None:
+    home = asyncio.get_running_loop()
+    assert await on_loop(home, running_thread()) is threading.current_thread()
