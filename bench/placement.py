@@ -2,6 +2,7 @@
 multischeduler, and the multischeduler with the descheduler: four ways in one run.
 
     .venv/bin/python bench/placement.py [--node-step 8] [--pod-step 8] [--rounds 3]
+                                        [--without-descheduler]
 
 Workload (deterministic): every ``--node-step``-th node of the Alibaba openb trace's node
 list and every ``--pod-step``-th pod of its gpuspec33 pod list (``--trace-dir``, default
@@ -734,14 +735,19 @@ def ratio(numerator: float, denominator: float) -> float:
 
 def round_ratios(results: Mapping[str, WayResult]) -> dict[str, float]:
     flat, blind, multi = results[FLAT], results[BLIND], results[MULTI]
+    ratios = {
+        "Running multischeduler / flat": ratio(multi.running, flat.running),
+        "Running blind / flat": ratio(blind.running, flat.running),
+        "throughput multischeduler / blind": ratio(multi.throughput, blind.throughput),
+    }
+    if DESCHEDULED not in results:
+        return ratios
     descheduled = results[DESCHEDULED]
     moved = descheduled.descheduled
     assert moved is not None
     extra = moved.extra(descheduled.running)
     return {
-        "Running multischeduler / flat": ratio(multi.running, flat.running),
-        "Running blind / flat": ratio(blind.running, flat.running),
-        "throughput multischeduler / blind": ratio(multi.throughput, blind.throughput),
+        **ratios,
         "Running multischeduler+descheduler / flat": ratio(descheduled.running, flat.running),
         "evictions per extra pod Running": (
             ratio(moved.evictions, extra) if extra > 0 else math.nan
@@ -759,7 +765,8 @@ def print_summary(rounds: Sequence[Mapping[str, WayResult]]) -> None:
         ("settle s", lambda r: r.settle_seconds, ".1f"),
         ("bound pods/s", lambda r: r.throughput, ".1f"),
     ]
-    for way in WAYS:
+    with_descheduler = DESCHEDULED in rounds[0]
+    for way in WAYS if with_descheduler else WAYS[:-1]:
         parts = [
             f"{title} {spread([get(r[way]) for r in rounds], fmt)}" for title, get, fmt in figures
         ]
@@ -768,25 +775,25 @@ def print_summary(rounds: Sequence[Mapping[str, WayResult]]) -> None:
     p50s = [e.p50 * 1000 for e in extenders if e is not None and e.p50 is not None]
     p99s = [e.p99 * 1000 for e in extenders if e is not None and e.p99 is not None]
     print(f"    extender filter ms: p50 {spread(p50s, '.2f')}, p99 {spread(p99s, '.2f')}")
-    moves = [(r[DESCHEDULED], r[DESCHEDULED].descheduled) for r in rounds]
-    print(
-        "    descheduler: Running when placement settled "
-        + spread([m.running_before for _, m in moves if m], ".0f")
-        + ", evictions "
-        + spread([m.evictions for _, m in moves if m], ".0f")
-        + ", extra pods Running "
-        + spread([m.extra(r.running) for r, m in moves if m], ".0f")
-        + ", time to quiet s "
-        + spread([m.quiet_seconds for _, m in moves if m], ".0f")
-    )
-
     ratios = [round_ratios(r) for r in rounds]
-    per_extra = [r["evictions per extra pod Running"] for r in ratios]
-    print(
-        "    evictions per extra pod Running: "
-        + (spread([v for v in per_extra if not math.isnan(v)], ".2f") or "n/a")
-        + f" ({sum(math.isnan(v) for v in per_extra)} rounds with no extra pod)"
-    )
+    if with_descheduler:
+        moves = [(r[DESCHEDULED], r[DESCHEDULED].descheduled) for r in rounds]
+        print(
+            "    descheduler: Running when placement settled "
+            + spread([m.running_before for _, m in moves if m], ".0f")
+            + ", evictions "
+            + spread([m.evictions for _, m in moves if m], ".0f")
+            + ", extra pods Running "
+            + spread([m.extra(r.running) for r, m in moves if m], ".0f")
+            + ", time to quiet s "
+            + spread([m.quiet_seconds for _, m in moves if m], ".0f")
+        )
+        per_extra = [r["evictions per extra pod Running"] for r in ratios]
+        print(
+            "    evictions per extra pod Running: "
+            + (spread([v for v in per_extra if not math.isnan(v)], ".2f") or "n/a")
+            + f" ({sum(math.isnan(v) for v in per_extra)} rounds with no extra pod)"
+        )
 
     print("targets (judged on the median):")
     judge(
@@ -824,12 +831,15 @@ def print_summary(rounds: Sequence[Mapping[str, WayResult]]) -> None:
         lambda v: v >= 0.8,
         ".3f",
     )
-    judge(
-        "Running with multischeduler+descheduler >= 0.99 x flat",
-        [r["Running multischeduler+descheduler / flat"] for r in ratios],
-        lambda v: v >= 0.99,
-        ".3f",
-    )
+    if with_descheduler:
+        judge(
+            "Running with multischeduler+descheduler >= 0.99 x flat",
+            [r["Running multischeduler+descheduler / flat"] for r in ratios],
+            lambda v: v >= 0.99,
+            ".3f",
+        )
+    else:
+        print("    Running with multischeduler+descheduler: not judged (--without-descheduler)")
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -911,6 +921,11 @@ def parse_args() -> argparse.Namespace:
         "(default %(default)s: more than its defragAfter and interval together)",
     )
     parser.add_argument(
+        "--without-descheduler",
+        action="store_true",
+        help="leave out the fourth way (multischeduler+descheduler); its target is not judged",
+    )
+    parser.add_argument(
         "--state-dir",
         type=Path,
         help="keep the clusters' files and logs here (a new directory) instead of a temporary one",
@@ -983,16 +998,17 @@ def main() -> None:
                 removed = remove(upper, lowers, f"{MULTI}-{number}")
                 print(f"        pods deleted and gone below in {removed:.0f} s")
                 results[MULTI] = result
-                results[DESCHEDULED] = run_way(
-                    DESCHEDULED,
-                    upper,
-                    lowers,
-                    f"descheduled-{number}",
-                    pods,
-                    args,
-                    federation.start_descheduler,
-                )
-                holds_lapse = time.monotonic() + Policy().hold_timeout
+                if not args.without_descheduler:
+                    results[DESCHEDULED] = run_way(
+                        DESCHEDULED,
+                        upper,
+                        lowers,
+                        f"descheduled-{number}",
+                        pods,
+                        args,
+                        federation.start_descheduler,
+                    )
+                    holds_lapse = time.monotonic() + Policy().hold_timeout
                 rounds.append(results)
                 print(
                     "    ratios: "
