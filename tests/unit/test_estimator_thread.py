@@ -18,8 +18,8 @@ from tests.unit.test_estimator import Admitting, Cluster, landed, upper_pod
 from virtual_node.estimator import EstimatorService, serve
 
 
-async def ask(port: int, ca: Path) -> estimator_pb2.EstimateResponse:
-    credentials = grpc.ssl_channel_credentials(ca.read_bytes())
+async def ask(port: int, ca: bytes) -> estimator_pb2.EstimateResponse:
+    credentials = grpc.ssl_channel_credentials(ca)
     async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
         query = estimator_pb2.PodQuery(pod=orjson.dumps(upper_pod("web", "2")), replicas=10)
         response: estimator_pb2.EstimateResponse = await EstimatorStub(channel).Estimate(
@@ -43,9 +43,10 @@ async def test_the_estimator_answers_while_the_virtual_node_s_loop_is_blocked(
     )
     answers: list[estimator_pb2.EstimateResponse] = []
     answered = threading.Event()
+    authority = ca.cert_path.read_bytes()
 
     def caller() -> None:
-        answers.append(asyncio.run(ask(port, ca.cert_path)))
+        answers.append(asyncio.run(ask(port, authority)))
         answered.set()
 
     try:
