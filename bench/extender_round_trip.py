@@ -37,9 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from common import judge, spread
-from estimator import lower_node, upper_pod
+from estimator import lower_node, percentile, upper_pod
 from placement import NODE_FILE, POD_FILE, TRACE_DIR, read_nodes, read_pods, split_blocks
 
+from harness.localcluster import free_port
 from kubekit import keys, pki
 from kubekit.clusterstate import ClusterState
 from multischeduler.estimators import EstimatorPool, channel_credentials
@@ -81,13 +82,6 @@ async def serve_block(args: argparse.Namespace) -> None:
         await server.stop(None)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
-
-
 def wait_listening(port: int) -> None:
     deadline = time.monotonic() + 120
     while True:
@@ -100,7 +94,7 @@ def wait_listening(port: int) -> None:
             time.sleep(0.1)
 
 
-def virtual_node(name: str, cluster_id: str, port: int) -> dict[str, Any]:
+def virtual_node_object(name: str, cluster_id: str, port: int) -> dict[str, Any]:
     return {
         "metadata": {
             "name": name,
@@ -122,7 +116,7 @@ async def decide(
 ) -> list[float]:
     pool = EstimatorPool(channel_credentials(ca))
     for cluster_id, port in ports.items():
-        pool.put(virtual_node(f"vk-{cluster_id}", cluster_id, port))
+        pool.put(virtual_node_object(f"vk-{cluster_id}", cluster_id, port))
     names = sorted(pool.nodes)
     extender = Extender(pool, no_binding)
     times: list[float] = []
@@ -139,10 +133,6 @@ async def decide(
         pool.remove({"metadata": {"name": name}})
     await asyncio.sleep(0.1)
     return sorted(times)
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    return values[min(len(values) - 1, int(fraction * len(values)))]
 
 
 def main() -> None:
