@@ -393,6 +393,10 @@ class SliceController:
         return made
 
     async def _annotate(self, namespace: Mapping[str, Any], result: Applied | None) -> None:
+        if result is not None and not result.slices:
+            # Nothing promised anywhere reads as never placed (no annotation), whichever
+            # way it came about: a shortfall, or a promise another tenant got to first.
+            result = None
         annotations = namespace["metadata"].get("annotations") or {}
         wanted = {
             keys.SLICE_PLACEMENT_ANNOTATION: placement_json(result.slices) if result else None,

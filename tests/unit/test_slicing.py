@@ -238,6 +238,22 @@ async def test_a_refused_promise_keeps_what_was_made_and_is_retried() -> None:
     assert json.loads(str(w.patched()[keys.SLICE_PLACEMENT_ANNOTATION])) == {"a": 2, "b": 2}
 
 
+async def test_a_namespace_that_lost_the_race_for_the_room_reads_as_not_placed() -> None:
+    # Another tenant's promise took the room between this one's look and its promise.
+    w = world(a=Cluster((4,), refuse="a has room for 0 slices"))
+    w.put(w.namespaces, namespace())
+    w.put(w.quotas, quota("4"))
+    with pytest.raises(PromiseNotMade):
+        await w.controller.reconcile("team")
+    # Nothing was promised: nothing to annotate.
+    assert not [r for r in w.client.requests if r.method == "PATCH" and "/status" not in r.path]
+    w.pool.clusters["a"].promised_to_others = 4 * CPU
+    await w.controller.reconcile("team")
+    assert [reason for reason, _ in w.events()] == ["PromisesNotMade", "SlicesNotPlaced"]
+    cached = w.namespaces.get("team")
+    assert cached is not None and not cached["metadata"].get("annotations")
+
+
 async def test_shrinking_promises_are_made_before_growing_ones() -> None:
     # A part-way failure then leaves the namespace promised less, never more.
     w = world(
