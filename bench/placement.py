@@ -373,6 +373,10 @@ class WayResult:
     bound: int
     throughput: float
     upper_running: int  # as the upper cluster reports it
+    # Seconds from the first create: the last create returned; half, 90 % and all of the
+    # bound pods bound (where a way's time goes: creating, deciding, or a late tail).
+    created_seconds: float = 0.0
+    bound_by: tuple[float, float, float] = (0.0, 0.0, 0.0)
     stranded_below: Counter[str] = field(default_factory=Counter)
     stranded_examples: list[str] = field(default_factory=list)  # with the lower reason
     create_errors: list[str] = field(default_factory=list)
@@ -458,6 +462,7 @@ async def place(
             created = time.monotonic()
             settled = await quiet(observed, created, args.quiet, began + args.settle_timeout)
             result = count(way, observed, lowers, len(pods) - len(errors), began, settled, errors)
+            result.created_seconds = created - began
             if descheduler is None:
                 return result
             print_way(result, "when placement settled")
@@ -473,6 +478,7 @@ async def place(
             descheduled = count(
                 way, observed, lowers, len(pods) - len(errors), began, settled, errors
             )
+            descheduled.created_seconds = result.created_seconds
             descheduled.descheduled = Descheduled(
                 running_before=result.running,
                 evictions=observed.deleted - deleted,
@@ -535,8 +541,15 @@ def count(
         reason = observed.lower_reason.get((cluster_of.get(node, ""), name))
         if reason and len(examples) < STRANDED_EXAMPLES:
             examples.append(f"{name} on {node}: {reason}")
-    bound_times = list(observed.bound_at.values())
+    bound_times = sorted(observed.bound_at.values())
     last_bind = max(bound_times, default=began)
+    bound_by = (0.0, 0.0, 0.0)
+    if bound_times:
+        bound_by = (
+            bound_times[(len(bound_times) - 1) // 2] - began,
+            bound_times[math.ceil(len(bound_times) * 0.9) - 1] - began,
+            last_bind - began,
+        )
     return WayResult(
         way=way,
         pods=created,
@@ -547,6 +560,7 @@ def count(
         settled=settled,
         bound=len(bound_times),
         throughput=len(bound_times) / (last_bind - began) if last_bind > began else 0.0,
+        bound_by=bound_by,
         upper_running=upper_running,
         stranded_below=stranded_below,
         stranded_examples=examples,
@@ -706,6 +720,11 @@ def print_way(result: WayResult, when: str = "") -> None:
             f"({descheduled.extra(result.running):+d}), {quieted} "
             f"{descheduled.quiet_seconds:.0f} s after its start"
         )
+    half, most, last = result.bound_by
+    print(
+        f"        creates done at {result.created_seconds:.1f} s; bound: half by {half:.1f} s, "
+        f"90 % by {most:.1f} s, the last at {last:.1f} s"
+    )
     if result.way != FLAT and result.upper_running != result.running:
         print(f"        (the upper cluster reports {result.upper_running} Running)")
     for example in result.stranded_examples:
