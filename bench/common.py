@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+from harness.federation import Federation
 from harness.localcluster import ClusterSpec, KubectlClient, NodeSpec
 from kubekit.client import NAMESPACES, PODS, ApiError, ClientSettings, KubeClient, is_not_found
 
@@ -106,3 +109,36 @@ def summarize(rounds: Sequence[Mapping[str, float]], targets: Iterable[Target], 
     print("targets (judged on the median):")
     for target in targets:
         judge(target.title, [figures.get(target.figure) for figures in rounds], target.met, fmt)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def federation_processes(federation: Federation) -> dict[str, int]:
+    pids = {
+        f"{cluster}/{name}": process.pid
+        for cluster, local in federation.clusters.items()
+        for name, process in local.processes.items()
+    }
+    pids.update({name: process.pid for name, process in federation.components.items()})
+    pids["benchmark client (this process)"] = os.getpid()
+    return pids
+
+
+def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
+    return {name: cpu_seconds(pid) for name, pid in pids.items()}
+
+
+def print_cpu(title: str, wall: float, used: dict[str, float], least: float = 0.05) -> None:
+    """The CPU used, in all and by each process that used at least ``least`` of it."""
+    total = sum(used.values())
+    print(
+        f"CPU {title}: {total:.1f} s in {wall:.1f} s of wall time "
+        f"({total / wall:.2f} of {os.cpu_count()} cores)"
+    )
+    for name, seconds in sorted(used.items(), key=lambda item: -item[1]):
+        if seconds >= least * total:
+            print(f"    {name:40} {seconds:6.1f} s")

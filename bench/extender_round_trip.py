@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import os
 import socket
 import subprocess
 import sys
@@ -36,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import judge, spread
+from common import cpu_snapshot, judge, spread
 from estimator import lower_node, percentile, upper_pod
 from placement import NODE_FILE, POD_FILE, TRACE_DIR, read_nodes, read_pods, split_blocks
 
@@ -195,6 +196,10 @@ def main() -> None:
                         subprocess.Popen([sys.executable, "-c", "while True: pass"])
                         for _ in range(args.busy if way == "busy" else 0)
                     ]
+                    pids = {"caller": os.getpid()} | {
+                        str(index): server.pid for index, server in enumerate(servers)
+                    }
+                    cpu_before = cpu_snapshot(pids)
                     try:
                         times = asyncio.run(
                             decide(ca.cert_path, ports, pods, args.decisions, args.gap / 1000)
@@ -203,13 +208,19 @@ def main() -> None:
                         for spinner in spinners:
                             spinner.kill()
                             spinner.wait()
+                    cpu_after = cpu_snapshot(pids)
+                    used = {name: cpu_after[name] - cpu_before[name] for name in pids}
+                    caller = used.pop("caller")
                     p50, p99 = percentile(times, 0.5), percentile(times, 0.99)
                     figures[way].append((p50, p99))
+                    # Per decision, the 20 that open the channels included.
+                    decisions = len(times) + 20
                     print(
                         f"round {number} {way:5}: filter decision p50 {p50 * 1000:.2f} ms, "
                         f"p99 {p99 * 1000:.2f} ms, "
                         f"{sum(t <= P99_TARGET_SECONDS for t in times) / len(times):.1%} "
-                        "within 5 ms"
+                        f"within 5 ms; CPU per decision: caller {caller / decisions * 1000:.2f} "
+                        f"ms, estimators {sum(used.values()) / decisions * 1000:.2f} ms"
                     )
         finally:
             for server in servers:

@@ -71,7 +71,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import delete_namespaces, judge, spread, wait_no_pods
+from common import (
+    cpu_snapshot,
+    delete_namespaces,
+    federation_processes,
+    judge,
+    print_cpu,
+    spread,
+    wait_no_pods,
+)
 
 from descheduler.policy import Policy
 from harness.federation import Federation
@@ -882,9 +890,23 @@ def run_way(
     pods: Sequence[TracePod],
     args: argparse.Namespace,
     descheduler: Callable[[], ManagedProcess] | None = None,
+    federation: Federation | None = None,
+    extender_metrics: tuple[str, str] | None = None,
 ) -> WayResult:
+    """One way, counted and printed; with the ``federation`` it ran on, also the CPU its
+    processes used meanwhile (settling included); with ``extender_metrics`` (the
+    multischeduler's metrics URL and CA file), the extender's figures."""
+    pids = federation_processes(federation) if federation is not None else {}
+    before = read_metrics(*extender_metrics) if extender_metrics is not None else None
+    cpu_before, began = cpu_snapshot(pids), time.monotonic()
     result = asyncio.run(place(way, cluster, lowers, namespace, pods, args, descheduler))
+    cpu_after, wall = cpu_snapshot(pids), time.monotonic() - began
+    if extender_metrics is not None and before is not None:
+        result.extender = extender_figures(before, read_metrics(*extender_metrics))
     print_way(result)
+    if pids:
+        used = {name: cpu_after[name] - cpu_before[name] for name in pids}
+        print_cpu(f"of the federation's processes during {way}", wall, used, least=0.01)
     removed = remove(cluster, lowers, namespace)
     print(f"        pods deleted{' and gone below' if lowers else ''} in {removed:.0f} s")
     return result
@@ -1001,7 +1023,9 @@ def main() -> None:
                 if wait > 0:
                     print(f"    waiting {wait:.0f} s for the descheduler's room holds to lapse")
                     time.sleep(wait)
-                results[BLIND] = run_way(BLIND, upper, lowers, f"{BLIND}-{number}", pods, args)
+                results[BLIND] = run_way(
+                    BLIND, upper, lowers, f"{BLIND}-{number}", pods, args, federation=federation
+                )
                 if extenders is None:
                     federation.start_multischeduler()
                     extenders = list(upper.scheduler_extenders)
@@ -1010,13 +1034,16 @@ def main() -> None:
                 url = federation.multischeduler_url
                 assert url is not None
                 ca_file = str(extenders[0]["tlsConfig"]["caFile"])
-                before = read_metrics(url, ca_file)
-                result = asyncio.run(place(MULTI, upper, lowers, f"{MULTI}-{number}", pods, args))
-                result.extender = extender_figures(before, read_metrics(url, ca_file))
-                print_way(result)
-                removed = remove(upper, lowers, f"{MULTI}-{number}")
-                print(f"        pods deleted and gone below in {removed:.0f} s")
-                results[MULTI] = result
+                results[MULTI] = run_way(
+                    MULTI,
+                    upper,
+                    lowers,
+                    f"{MULTI}-{number}",
+                    pods,
+                    args,
+                    federation=federation,
+                    extender_metrics=(url, ca_file),
+                )
                 if not args.without_descheduler:
                     results[DESCHEDULED] = run_way(
                         DESCHEDULED,
@@ -1026,6 +1053,7 @@ def main() -> None:
                         pods,
                         args,
                         federation.start_descheduler,
+                        federation,
                     )
                     holds_lapse = time.monotonic() + Policy().hold_timeout
                 rounds.append(results)

@@ -60,7 +60,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import Target, delete_namespaces, summarize, upper_and_one_lower, wait_no_pods
+from common import (
+    Target,
+    cpu_snapshot,
+    delete_namespaces,
+    federation_processes,
+    print_cpu,
+    summarize,
+    upper_and_one_lower,
+    wait_no_pods,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness.federation import Federation, virtual_node_name
@@ -212,23 +221,6 @@ def rss_kib(pid: int) -> int:
     return int(match.group(1)) if match else 0
 
 
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def federation_processes(federation: Federation) -> dict[str, int]:
-    pids = {
-        f"{cluster}/{name}": process.pid
-        for cluster, local in federation.clusters.items()
-        for name, process in local.processes.items()
-    }
-    pids.update({name: process.pid for name, process in federation.components.items()})
-    pids["benchmark client (this process)"] = os.getpid()
-    return pids
-
-
 def pin(pids: Iterable[int], cpus: set[int]) -> None:
     """Every thread of each process onto ``cpus`` (threads made later inherit it)."""
     for pid in pids:
@@ -237,21 +229,6 @@ def pin(pids: Iterable[int], cpus: set[int]) -> None:
                 os.sched_setaffinity(int(task.name), cpus)
             except ProcessLookupError:
                 continue  # a thread that has just ended
-
-
-def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
-    return {name: cpu_seconds(pid) for name, pid in pids.items()}
-
-
-def print_cpu(title: str, wall: float, used: dict[str, float]) -> None:
-    total = sum(used.values())
-    print(
-        f"CPU {title}: {total:.1f} s in {wall:.1f} s of wall time "
-        f"({total / wall:.2f} of {os.cpu_count()} cores)"
-    )
-    for name, seconds in sorted(used.items(), key=lambda item: -item[1]):
-        if seconds >= 0.05 * total:
-            print(f"    {name:40} {seconds:6.1f} s")
 
 
 REQUEST_SAMPLE = re.compile(r"^apiserver_request_total\{([^}]*)\} (\S+)$", re.MULTILINE)
