@@ -64,6 +64,8 @@ class Estimate:
     least_allocated: float
     # The largest summed weight of preferred node affinity terms a fitting node matches.
     preferred: int
+    # The node one copy would take (assume's choice), None when none fits.
+    roomiest: str | None = None
 
     def message(self) -> str:
         """The scheduler's summary, reasons by count, most first (the scheduler sorts its
@@ -147,7 +149,7 @@ class ClusterState:
 
     # -- assumptions -----------------------------------------------------------------------
 
-    def assume(self, key: str, pod: JSON, node_name: str | None = None) -> str | None:
+    def assume(self, key: str, pod: JSON | PodFacts, node_name: str | None = None) -> str | None:
         """Counts the pod on ``node_name``, or on the node it would take: the fitting one
         left with the most room (the lowest best fit), ties to the first name, as the
         stock scheduler's LeastAllocated spreads pods. Returns that node, or None when
@@ -157,7 +159,7 @@ class ClusterState:
         production trace of bench/placement.py, packing each pod on its tightest node
         strands GPUs behind the cpu of the pods packed beside them."""
         self.forget(key)
-        facts = PodFacts.of(pod)
+        facts = facts_of(pod)
         if node_name is None:
             node_name = _roomiest(self._evaluate(facts).scores)
             if node_name is None:
@@ -175,8 +177,8 @@ class ClusterState:
 
     # -- queries ---------------------------------------------------------------------------
 
-    def estimate(self, pod: JSON, replicas: int = 1) -> Estimate:
-        facts = PodFacts.of(pod)
+    def estimate(self, pod: JSON | PodFacts, replicas: int = 1) -> Estimate:
+        facts = facts_of(pod)
         evaluation = self._evaluate(facts)
         scores = evaluation.scores
         preferred = (
@@ -193,6 +195,7 @@ class ClusterState:
             # The free share is one minus the requested share, resource by resource.
             least_allocated=1.0 - min(scores.values()) if scores else 0.0,
             preferred=preferred,
+            roomiest=_roomiest(scores),
         )
 
     def largest_free_slot(self) -> tuple[str, dict[str, int]] | None:
@@ -215,18 +218,20 @@ class ClusterState:
     def has_node(self, name: str) -> bool:
         return name in self._nodes
 
-    def fit_in_turn(self, pods: Sequence[JSON]) -> list[str | None]:
+    def fit_in_turn(self, pods: Sequence[JSON | PodFacts]) -> list[str | None]:
         """Where each pod would go, placed one after another on the roomiest node that
         takes it (one that fits nowhere takes nothing); the state is left as it was."""
-        return self._in_turn([PodFacts.of(pod) for pod in pods])
+        return self._in_turn([facts_of(pod) for pod in pods])
 
-    def freeing(self, pod: JSON, movable: Mapping[str, JSON], most: int) -> list[Freeing]:
+    def freeing(
+        self, pod: JSON | PodFacts, movable: Mapping[str, JSON], most: int
+    ) -> list[Freeing]:
         """How evicting at most ``most`` of the ``movable`` pods would make room for a pod
         that fits no node now: for each node the pod could take once some of them left,
         the fewest to evict, and which of those then fit no other node (``movable`` maps
         the key of a real pod to what its replacement would be). Fewest evictions first,
         ties by node name; nothing when the pod fits somewhere already."""
-        facts = PodFacts.of(pod)
+        facts = facts_of(pod)
         evaluation = self._evaluate(facts)
         if evaluation.scores or most <= 0:
             return []
@@ -582,6 +587,11 @@ def _best(scores: Mapping[str, float]) -> str | None:
     equals wins."""
     top = max(scores.values(), default=None)
     return next((name for name, score in scores.items() if score == top), None)
+
+
+def facts_of(pod: JSON | PodFacts) -> PodFacts:
+    """What the fit needs of a pod, read once by a caller that asks several questions."""
+    return pod if isinstance(pod, PodFacts) else PodFacts.of(pod)
 
 
 def _roomiest(scores: Mapping[str, float]) -> str | None:

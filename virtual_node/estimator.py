@@ -201,7 +201,7 @@ class FitEstimator:
         # A reservation becomes the in-flight assumption where it stands.
         if self._reserved.pop(uid, None) is None:
             try:
-                self.state.assume(uid, self._lower_form(pod))
+                self.state.assume(uid, self._lower_form(pod)[1])
             except QueryError as error:
                 log.debug("pod %s not assumed: %s", object_key(pod), error)
 
@@ -243,18 +243,17 @@ class FitEstimator:
     def largest_free_slot(self) -> tuple[str, dict[str, int]] | None:
         return self.state.largest_free_slot()
 
-    def _lower_form(self, upper: Mapping[str, Any]) -> JSON:
-        """The lower pod the upper one becomes, checked to be one the fit can judge (the
-        apiserver validated what it sends; a caller may send anything), so that no room
-        is taken or given back for a pod that then cannot be judged."""
+    def _lower_form(self, upper: Mapping[str, Any]) -> tuple[JSON, PodFacts]:
+        """The lower pod the upper one becomes and what the fit reads of it: read here,
+        so that no room is taken or given back for a pod that then cannot be judged (the
+        apiserver validated what it sends; a caller may send anything)."""
         try:
             lower = desired_lower_pod(upper, self.mapping, self.owner)
-            PodFacts.of(lower)
+            return lower, PodFacts.of(lower)
         # TranslationError and NamingError are ValueErrors; the others, parts of the pod
         # that are not what they should be.
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise QueryError(str(error)) from error
-        return lower
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -264,8 +263,8 @@ class FitEstimator:
         namespace = str(lower["metadata"]["namespace"])
         return namespace, requested(lower) if self.budgets.holds(namespace) else None
 
-    def _read(self, pod_json: bytes) -> tuple[str, JSON]:
-        """The UID of an upper pod sent as JSON, and its lower form."""
+    def _read(self, pod_json: bytes) -> tuple[str, JSON, PodFacts]:
+        """The UID of an upper pod sent as JSON, its lower form and what the fit reads."""
         try:
             upper = orjson.loads(pod_json)
         except orjson.JSONDecodeError as error:
@@ -274,14 +273,14 @@ class FitEstimator:
             raise QueryError("the pod is not a JSON object with metadata")
         if not isinstance(upper.get("spec"), dict):
             raise QueryError("the pod has no spec")
-        return str(upper["metadata"].get("uid") or ""), self._lower_form(upper)
+        return str(upper["metadata"].get("uid") or ""), *self._lower_form(upper)
 
     @_exclusive
     def answer(self, pod_json: bytes, replicas: int = 1, reserve: bool = False) -> Answer:
         """How the pod (the upper pod as JSON) would fare here; with ``reserve``, the
         room of one copy is held for it on the node it would take."""
         self.expire()
-        uid, lower = self._read(pod_json)
+        uid, lower, facts = self._read(pod_json)
         namespace, amount = self._budgeted(lower)
         copies, over_budget = (
             self.budgets.room_for(namespace, uid, amount, max(1, replicas))
@@ -293,29 +292,28 @@ class FitEstimator:
             return Answer(nothing, None, over_budget)
         # A pod asked about again is judged without the room it already holds.
         held_on = self.state.forget(uid) if uid in self._reserved else None
-        estimate = self.state.estimate(lower, max(1, replicas))
+        estimate = self.state.estimate(facts, max(1, replicas))
         if copies < estimate.max_replicas:
             estimate = dataclasses.replace(estimate, max_replicas=copies)
-        reserved_node: str | None = None
-        if reserve and uid and uid not in self._in_flight and uid not in self._landed:
-            reserved_node = self.state.assume(uid, lower)
-            if reserved_node is not None:
-                self._reserved[uid] = self.clock() + RESERVATION_SECONDS
-                if amount is not None:
-                    self.budgets.count(uid, namespace, amount)
-                return Answer(estimate, reserved_node)
+        room = estimate.roomiest
+        if reserve and uid and uid not in self._in_flight and uid not in self._landed and room:
+            self.state.assume(uid, facts, room)
+            self._reserved[uid] = self.clock() + RESERVATION_SECONDS
+            if amount is not None:
+                self.budgets.count(uid, namespace, amount)
+            return Answer(estimate, room)
         if held_on is not None:
             # Kept until it lapses: room held while evicted pods go fits the pod only
             # once they are gone.
-            self.state.assume(uid, lower, held_on)
-        return Answer(estimate, reserved_node)
+            self.state.assume(uid, facts, held_on)
+        return Answer(estimate, None)
 
     @_exclusive
     def hold(self, pod_json: bytes, node: str, seconds: float) -> None:
         """Holds the pod's room on ``node`` for ``seconds``, as a reservation: the
         pod's next query takes a node that fits it then, or keeps this one."""
         self.expire()
-        uid, lower = self._read(pod_json)
+        uid, lower, facts = self._read(pod_json)
         if not uid:
             raise QueryError("the pod has no UID")
         if uid in self._in_flight or uid in self._landed:
@@ -329,7 +327,7 @@ class FitEstimator:
             _, over_budget = self.budgets.room_for(namespace, uid, amount)
             if over_budget:
                 raise QueryError(over_budget)
-        self.state.assume(uid, lower, node)
+        self.state.assume(uid, facts, node)
         self._reserved[uid] = self.clock() + seconds
         if amount is not None:
             self.budgets.count(uid, namespace, amount)
@@ -337,7 +335,7 @@ class FitEstimator:
     @_exclusive
     def fit_in_turn(self, pods_json: list[bytes]) -> list[str | None]:
         self.expire()
-        return self.state.fit_in_turn([self._read(pod)[1] for pod in pods_json])
+        return self.state.fit_in_turn([self._read(pod)[2] for pod in pods_json])
 
     @_exclusive
     def defragment(self, pod_json: bytes, movable_uids: list[str], most: int) -> list[Plan]:
@@ -345,7 +343,7 @@ class FitEstimator:
         (upper pods bound here; those not on a lower node yet, or unknown, are left
         out), each judged as its controller's replacement would be."""
         self.expire()
-        _, lower = self._read(pod_json)
+        _, _, facts = self._read(pod_json)
         uids_by_key: dict[str, str] = {}
         movable: dict[str, JSON] = {}
         for uid in movable_uids:
@@ -358,7 +356,7 @@ class FitEstimator:
             if key is None or upper is None or uid not in self._landed:
                 continue
             try:
-                movable[key] = self._lower_form(upper)
+                movable[key] = self._lower_form(upper)[0]
             except QueryError as error:
                 log.debug("pod %s not movable: %s", upper_key, error)
                 continue
@@ -369,7 +367,7 @@ class FitEstimator:
                 tuple(uids_by_key[key] for key in freeing.evicted),
                 tuple(uids_by_key[key] for key in freeing.homeless),
             )
-            for freeing in self.state.freeing(lower, movable, most)
+            for freeing in self.state.freeing(facts, movable, most)
         ]
 
     @_exclusive

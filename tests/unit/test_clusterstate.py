@@ -630,14 +630,18 @@ def test_the_incremental_view_matches_a_diagnosis_from_scratch(
 
 @settings(max_examples=100, deadline=None)
 @given(histories, queries, st.integers(1, 4))
-def test_estimates_leave_the_state_as_they_found_it(
+def test_estimates_leave_the_state_as_they_found_it_and_name_the_node_assume_takes(
     history: list[tuple[str, Any]], query: JSON, replicas: int
 ) -> None:
     cluster, _, _ = replay(history)
     before = cluster.estimate(query)
     cluster.estimate(query, replicas)
-    uid = cluster.assume("probe", query)
-    if uid is not None:
+    taken = cluster.assume("probe", query)
+    # The estimate names the node assume takes, so a caller asking both reads the pod
+    # and evaluates the cluster once.
+    assert before.roomiest == taken
+    assert taken is None or taken in before.fitting
+    if taken is not None:
         cluster.forget("probe")
     assert cluster.estimate(query) == before
 
