@@ -103,6 +103,7 @@ WAYS = (FLAT, BLIND, MULTI, DESCHEDULED)
 REPLICASETS = Resource("apps", "v1", "replicasets")
 TRACE_POD_LABEL = "trace-pod"
 FILTER_METRIC = "kubestrata_extender_filter_seconds"
+BIND_METRIC = "kubestrata_extender_bind_seconds"
 EXTENDER_P99_TARGET = 0.005
 STRANDED_EXAMPLES = 3  # stranded pods printed with the lower scheduler's reason
 
@@ -367,6 +368,8 @@ class ExtenderFigures:
     mean: float | None
     estimator_errors: float | None
     bind_errors: float | None
+    bind_p50: float | None = None
+    bind_p99: float | None = None
 
 
 @dataclass
@@ -635,15 +638,29 @@ def bucket_quantile(buckets: Sequence[tuple[float, float]], q: float) -> float:
 
 
 def extender_figures(before: Mapping[str, float], after: Mapping[str, float]) -> ExtenderFigures:
-    """The filter decisions made between two scrapes: counters and buckets differenced; a
-    summary's quantiles (if the server exposes one) are taken as they are."""
+    """The filter decisions and binds made between two scrapes: counters and buckets
+    differenced; a summary's quantiles (if the server exposes one) are taken as they are."""
     delta = {key: value - before.get(key, 0.0) for key, value in after.items()}
+    figures = filter_figures(delta, after)
+    binds = histogram_buckets(delta, BIND_METRIC)
+    if binds and binds[-1][1] > 0:
+        figures.bind_p50 = bucket_quantile(binds, 0.5)
+        figures.bind_p99 = bucket_quantile(binds, 0.99)
+    return figures
+
+
+def histogram_buckets(delta: Mapping[str, float], metric: str) -> list[tuple[float, float]]:
+    """A histogram's cumulative buckets (upper bound, count), lowest first."""
     buckets = sorted(
         (float(label_value(key, "le") or "nan"), value)
         for key, value in delta.items()
-        if key.startswith(f"{FILTER_METRIC}_bucket{{")
+        if key.startswith(f"{metric}_bucket{{")
     )
-    buckets = [(bound, value) for bound, value in buckets if not math.isnan(bound)]
+    return [(bound, value) for bound, value in buckets if not math.isnan(bound)]
+
+
+def filter_figures(delta: Mapping[str, float], after: Mapping[str, float]) -> ExtenderFigures:
+    buckets = histogram_buckets(delta, FILTER_METRIC)
     count_ = delta.get(f"{FILTER_METRIC}_count", buckets[-1][1] if buckets else 0.0)
     total = delta.get(f"{FILTER_METRIC}_sum")
     mean = total / count_ if total is not None and count_ > 0 else None
@@ -752,7 +769,8 @@ def print_way(result: WayResult, when: str = "") -> None:
             f"        extender filter: {figures.decisions:.0f} decisions, p50 {ms(figures.p50)}, "
             f"p99 {ms(figures.p99)}, mean {ms(figures.mean)}{within} ({figures.source}); "
             f"estimator errors {count_text(figures.estimator_errors)}, "
-            f"bind errors {count_text(figures.bind_errors)}"
+            f"bind errors {count_text(figures.bind_errors)}; bind p50 {ms(figures.bind_p50)}, "
+            f"p99 {ms(figures.bind_p99)}"
         )
 
 

@@ -355,6 +355,14 @@ class Metrics:
             buckets=FILTER_BUCKETS,
             registry=self.registry,
         )
+        # A bind waits for the apiserver: slow ones keep the scheduler's binding cycles,
+        # and a connection to the extender each, open.
+        self.bind_seconds = Histogram(
+            "kubestrata_extender_bind_seconds",
+            "Time to answer one bind request.",
+            buckets=metrics.LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.decisions = Counter(
             "kubestrata_extender_decisions",
             "Requests answered, by verb.",

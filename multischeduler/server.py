@@ -103,6 +103,10 @@ class Extender:
 
     async def bind(self, args: BindingArgs) -> JSON:
         self.metrics.decisions.labels("bind").inc()
+        with self.metrics.bind_seconds.time():
+            return await self._bind(args)
+
+    async def _bind(self, args: BindingArgs) -> JSON:
         pod = self.decisions.pod(args.pod_uid)
         reserved = self.decisions.take_reserved(args.pod_uid, self.clock())
         if pod and self.pool.is_virtual(args.node) and args.node not in reserved:

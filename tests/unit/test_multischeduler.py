@@ -288,6 +288,7 @@ def test_metrics_text_declares_every_family() -> None:
         ("kubestrata_extender_decisions_total", "counter"),
         ("kubestrata_extender_estimator_errors_total", "counter"),
         ("kubestrata_extender_bind_errors_total", "counter"),
+        ("kubestrata_extender_bind_seconds", "histogram"),
     ]:
         assert f"# TYPE {family} {kind}\n" in text
         assert f"# HELP {family} " in text

@@ -445,6 +445,7 @@ async def test_filter_keeps_room_only_where_the_pod_is_likeliest_to_go(
     assert estimators["vk-b"].authorization[-1] == "Bearer sesame"
     assert await federation.post("bind", binding("vk-a")) == {"Error": ""}
     assert federation.bindings == [BindingArgs("p", "ns", "u1", "vk-a")]
+    assert sample(federation, "kubestrata_extender_bind_seconds_count") == 1
     await asyncio.sleep(0.1)
     assert estimators["vk-a"].releases == [], "the chosen cluster's room becomes the pod's"
 
