@@ -413,6 +413,7 @@ class Federation:
         identity = self.identity(
             tenant, name, MULTISCHEDULER_ACCOUNT, MANIFESTS / MULTISCHEDULER / "rbac.yaml"
         )
+        tenant.kubectl("apply", "-f", str(MANIFESTS / MULTISCHEDULER / "flowschema.yaml"))
         port = free_port()
         url = f"https://{LOOPBACK}:{port}"
         process = self.start_component(

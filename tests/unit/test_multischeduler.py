@@ -493,3 +493,18 @@ def test_only_the_cluster_ranked_first_keeps_the_room_filter_reserved() -> None:
     assert surplus_reservations(answers, Score.BEST_FIT) == {"vk-a", "vk-c", "vk-late"}
     assert surplus_reservations(answers, Score.LEAST_ALLOCATED) == {"vk-b", "vk-c", "vk-late"}
     assert surplus_reservations({"vk-full": NO_ROOM}, Score.BEST_FIT) == set()
+
+
+def test_the_multischeduler_s_requests_go_in_the_scheduler_s_priority_level() -> None:
+    [account, *_] = documents("rbac.yaml")
+    [schema] = documents("flowschema.yaml")
+    spec = schema["spec"]
+    # The scheduler's own level; ahead of the built-in schemas for service accounts
+    # (kube-system-service-accounts 900, service-accounts 9000).
+    assert spec["priorityLevelConfiguration"] == {"name": "workload-high"}
+    assert spec["matchingPrecedence"] < 900
+    [rule] = spec["rules"]
+    assert rule["subjects"] == [
+        {"kind": "ServiceAccount", "serviceAccount": account["metadata"]},
+    ]
+    assert "flowschema.yaml" in documents("kustomization.yaml")[0]["resources"]
