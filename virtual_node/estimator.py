@@ -296,7 +296,8 @@ class FitEstimator:
         if copies < estimate.max_replicas:
             estimate = dataclasses.replace(estimate, max_replicas=copies)
         room = estimate.roomiest
-        if reserve and uid and uid not in self._in_flight and uid not in self._landed and room:
+        unbound = bool(uid) and uid not in self._in_flight and uid not in self._landed
+        if reserve and unbound and room is not None:
             self.state.assume(uid, facts, room)
             self._reserved[uid] = self.clock() + RESERVATION_SECONDS
             if amount is not None:
