@@ -20,7 +20,8 @@ processes spinning on the CPU meanwhile (on the two-core machine, 4 of them stan
 dozen busy processes of bench/placement.py's burst).
 
 Target: a filter decision p99 <= 5 ms (bench/placement.py's target), judged on the quiet
-way: the decision's own cost. The busy way's figures are printed beside it.
+way: the decision's own cost. The busy way's figures are printed beside it, and for both
+the CPU per decision of the caller (this process) and of the estimators together.
 """
 
 from __future__ import annotations
