@@ -373,6 +373,7 @@ class ExtenderFigures:
     bind_errors: float | None
     bind_p50: float | None = None
     bind_p99: float | None = None
+    calls: dict[str, float] = field(default_factory=dict)  # by verb
 
 
 @dataclass
@@ -649,6 +650,11 @@ def extender_figures(before: Mapping[str, float], after: Mapping[str, float]) ->
     if binds and binds[-1][1] > 0:
         figures.bind_p50 = bucket_quantile(binds, 0.5)
         figures.bind_p99 = bucket_quantile(binds, 0.99)
+    figures.calls = {
+        label_value(key, "verb") or "": value
+        for key, value in delta.items()
+        if key.startswith("kubestrata_extender_decisions_total{")
+    }
     return figures
 
 
@@ -773,7 +779,8 @@ def print_way(result: WayResult, when: str = "") -> None:
             f"p99 {ms(figures.p99)}, mean {ms(figures.mean)}{within} ({figures.source}); "
             f"estimator errors {count_text(figures.estimator_errors)}, "
             f"bind errors {count_text(figures.bind_errors)}; bind p50 {ms(figures.bind_p50)}, "
-            f"p99 {ms(figures.bind_p99)}"
+            f"p99 {ms(figures.bind_p99)}; calls "
+            + ", ".join(f"{verb} {count:.0f}" for verb, count in sorted(figures.calls.items()))
         )
 
 

@@ -3,13 +3,14 @@ kube-scheduler extender for the upper cluster.
 
 - `POST /filter`: asks the fit estimator of every candidate virtual node at once, under
   one deadline (`--estimator-timeout`), whether one real node of its lower cluster fits
-  the pod, holding that room for it. A cluster without room fails as unresolvable with
+  the pod, holding that room for it; of the clusters that fit, only the one ranked first
+  (below) passes and keeps its room. A cluster without room fails as unresolvable with
   its reason (`vk-lower-1: 0/3 nodes are available: 3 Insufficient cpu`); an estimator
   that fails or is late fails its own node only (`--on-estimator-error fail`) or lets it
   pass (`ignore`). Ordinary nodes pass untouched.
 - `POST /prioritize`: 0..10 per candidate from filter's answers (`--score best-fit` or
   `least-allocated`, averaged with the pod's preferred node affinity); 0 for ordinary
-  nodes.
+  nodes. Called only while the scheduler has several candidates left.
 - `POST /bind`: creates the Binding, then gives back the room the other clusters held.
 - `GET /healthz` (probes; served once the Node, Namespace and ResourceQuota caches are
   filled), `GET /metrics` (Prometheus text: `kubestrata_extender_filter_seconds` and

@@ -197,17 +197,24 @@ def outside_slices(
 
 
 def filter_result(
-    node_names: Sequence[str], answers: Mapping[str, Answer], on_error: OnEstimatorError
+    node_names: Sequence[str],
+    answers: Mapping[str, Answer],
+    on_error: OnEstimatorError,
+    chosen: str | None,
 ) -> JSON:
     """The ExtenderFilterResult: nodes without an answer (ordinary ones) pass untouched.
-    Every rejection is unresolvable: preempting upper pods on a virtual node frees no room
-    on the lower node the pod would need, and an estimator that could not answer is no
-    better a reason to evict anything."""
+    Of the clusters that fit, only ``chosen`` passes: the scheduler, left one feasible
+    node, binds it without scoring (no prioritize call), and cannot break a tie towards a
+    cluster holding no room for the pod. Every rejection is unresolvable: preempting upper
+    pods on a virtual node frees no room on the lower node the pod would need, and an
+    estimator that could not answer is no better a reason to evict anything."""
     passing: list[str] = []
     unresolvable: dict[str, str] = {}
     for name in node_names:
         answer = answers.get(name)
         reason = None if answer is None else rejection(name, answer, on_error)
+        if reason is None and name != chosen and fits(answer):
+            reason = f"{name}: the pod fits, but {chosen} ranks first"
         if reason is None:
             passing.append(name)
         else:
@@ -253,15 +260,12 @@ def scores(
     return [{"Host": name, "Score": of(name)} for name in node_names]
 
 
-def surplus_reservations(answers: Mapping[str, Answer], score: Score) -> set[str]:
-    """The nodes holding room for the pod that prioritize will not rank first (highest
-    score, then name): held until the binding, such room would turn away the next pods of
-    a burst from clusters that still have it, and they would wait for the next cluster
-    event to be tried again."""
+def chosen_cluster(answers: Mapping[str, Answer], score: Score) -> str | None:
+    """The fitting virtual node prioritize would rank first (highest score, then name),
+    or None when no cluster fits."""
     estimates = {n: a for n, a in answers.items() if isinstance(a, PodEstimate)}
     ranked = [r for r in scores(sorted(estimates), estimates, score) if fits(estimates[r["Host"]])]
-    favourite = min(ranked, key=lambda r: (-r["Score"], r["Host"]))["Host"] if ranked else None
-    return reserved_nodes(answers) - {favourite}
+    return min(ranked, key=lambda r: (-r["Score"], r["Host"]))["Host"] if ranked else None
 
 
 # -- memory between the scheduler's calls ------------------------------------------------

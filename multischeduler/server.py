@@ -24,12 +24,13 @@ from multischeduler.extender import (
     Metrics,
     OnEstimatorError,
     Score,
+    chosen_cluster,
     filter_result,
     outside_slices,
     parse_binding_args,
     parse_extender_args,
+    reserved_nodes,
     scores,
-    surplus_reservations,
 )
 
 log = logging.getLogger("multischeduler")
@@ -77,13 +78,17 @@ class Extender:
                 if outside is not None:
                     answers[name] = outside
             virtual = [n for n in virtual if n not in answers]
+        chosen = None
         if virtual:
             pod = orjson.dumps(args.pod)
             answers |= await self._estimate(virtual, pod, args.pod_key, reserve=True)
-            surplus = surplus_reservations(answers, self.score)
+            chosen = chosen_cluster(answers, self.score)
+            # Room held elsewhere until the binding would turn the next pods of a burst
+            # away from clusters that still have it.
+            surplus = reserved_nodes(answers) - {chosen}
             self.pool.release(surplus, args.uid)
             self.decisions.remember(args.uid, answers, self.clock(), released=surplus, pod=pod)
-        result = filter_result(args.node_names, answers, self.on_error)
+        result = filter_result(args.node_names, answers, self.on_error, chosen)
         self.metrics.filter_seconds.observe(self.clock() - began)
         self.metrics.decisions.labels("filter").inc()
         return result

@@ -26,12 +26,12 @@ from multischeduler.extender import (
     Score,
     VirtualNode,
     binding_body,
+    chosen_cluster,
     filter_result,
     parse_binding_args,
     parse_extender_args,
     reserved_nodes,
     scores,
-    surplus_reservations,
     virtual_node,
 )
 from multischeduler.main import parse_args
@@ -152,7 +152,7 @@ def test_filter_passes_ordinary_nodes_and_fitting_clusters_and_fails_the_rest() 
         "vk-down": EstimatorFailure("10.0.0.9:10351: UNAVAILABLE: connection refused"),
     }
     names = ["worker", "vk-fits", "vk-full", "vk-bad", "vk-down"]
-    result = filter_result(names, answers, OnEstimatorError.FAIL)
+    result = filter_result(names, answers, OnEstimatorError.FAIL, "vk-fits")
     assert result == {
         "NodeNames": ["worker", "vk-fits"],
         "FailedNodes": {},
@@ -164,13 +164,27 @@ def test_filter_passes_ordinary_nodes_and_fitting_clusters_and_fails_the_rest() 
         },
         "Error": "",
     }
-    ignoring = filter_result(names, answers, OnEstimatorError.IGNORE)
+    ignoring = filter_result(names, answers, OnEstimatorError.IGNORE, "vk-fits")
     assert ignoring["NodeNames"] == ["worker", "vk-fits", "vk-down"]
     assert set(ignoring["FailedAndUnresolvableNodes"]) == {"vk-full", "vk-bad"}
 
 
+def test_of_the_clusters_that_fit_only_the_chosen_one_passes() -> None:
+    answers: dict[str, Answer] = {
+        "vk-a": fitting(reserved_node="n1"),
+        "vk-b": fitting(reserved_node="n2"),
+        "vk-down": EstimatorFailure("timeout"),
+    }
+    names = ["worker", "vk-a", "vk-b", "vk-down"]
+    result = filter_result(names, answers, OnEstimatorError.IGNORE, "vk-b")
+    assert result["NodeNames"] == ["worker", "vk-b", "vk-down"]
+    assert result["FailedAndUnresolvableNodes"] == {
+        "vk-a": "vk-a: the pod fits, but vk-b ranks first"
+    }
+
+
 def test_a_cluster_without_room_and_without_a_message_still_says_why() -> None:
-    result = filter_result(["vk"], {"vk": PodEstimate()}, OnEstimatorError.FAIL)
+    result = filter_result(["vk"], {"vk": PodEstimate()}, OnEstimatorError.FAIL, None)
     assert result["FailedAndUnresolvableNodes"] == {"vk": "vk: the pod fits no node of the cluster"}
 
 
@@ -481,7 +495,7 @@ def test_the_deployment_starts_the_extender_with_flags_it_knows(
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
 
 
-def test_only_the_cluster_ranked_first_keeps_the_room_filter_reserved() -> None:
+def test_the_chosen_cluster_is_the_one_ranked_first() -> None:
     answers: dict[str, Answer] = {
         "vk-b": fitting(best_fit=0.9, reserved_node="n1"),
         "vk-a": fitting(best_fit=0.5, reserved_node="n2"),
@@ -489,10 +503,12 @@ def test_only_the_cluster_ranked_first_keeps_the_room_filter_reserved() -> None:
         "vk-full": NO_ROOM,
         "vk-late": EstimatorFailure("timeout", maybe_reserved=True),
     }
-    # vk-b and vk-c tie at the top: the first name keeps its room.
-    assert surplus_reservations(answers, Score.BEST_FIT) == {"vk-a", "vk-c", "vk-late"}
-    assert surplus_reservations(answers, Score.LEAST_ALLOCATED) == {"vk-b", "vk-c", "vk-late"}
-    assert surplus_reservations({"vk-full": NO_ROOM}, Score.BEST_FIT) == set()
+    # vk-b and vk-c tie at the top: the first name is chosen.
+    assert chosen_cluster(answers, Score.BEST_FIT) == "vk-b"
+    assert chosen_cluster(answers, Score.LEAST_ALLOCATED) == "vk-a"
+    assert (
+        chosen_cluster({"vk-full": NO_ROOM, "vk-late": answers["vk-late"]}, Score.BEST_FIT) is None
+    )
 
 
 def test_the_multischeduler_s_requests_go_in_the_scheduler_s_priority_level() -> None:

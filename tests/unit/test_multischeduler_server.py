@@ -435,7 +435,15 @@ async def test_filter_keeps_room_only_where_the_pod_is_likeliest_to_go(
     for name in ("vk-b", "vk-c"):
         await federation.estimator(name, fits(0.5))
     await federation.estimator("vk-full", NO_ROOM)
-    await federation.filter("vk-a", "vk-b", "vk-c", "vk-full")
+    result = await federation.filter("worker", "vk-a", "vk-b", "vk-c", "vk-full")
+    # One virtual node left: the scheduler binds it without scoring, and cannot send the
+    # pod where no room is kept for it.
+    assert result["NodeNames"] == ["worker", "vk-a"]
+    assert result["FailedAndUnresolvableNodes"] == {
+        "vk-b": "vk-b: the pod fits, but vk-a ranks first",
+        "vk-c": "vk-c: the pod fits, but vk-a ranks first",
+        "vk-full": "vk-full: 0/3 nodes are available: 3 Insufficient cpu",
+    }
     estimators = federation.estimators
     # The others' room goes back at once, not at the binding: the next pods of a burst
     # must find it.
