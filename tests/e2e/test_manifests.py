@@ -5,6 +5,7 @@ nothing more (so every other end-to-end test also proves their RBAC is enough)."
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,9 +96,14 @@ def test_the_two_cluster_example_makes_two_virtual_nodes(federation: Federation)
         # Each Deployment owns only its own pods.
         selector = deployment["spec"]["selector"]["matchLabels"]
         assert selector[keys.CLUSTER_ID_LABEL] == cluster
-    rbac = [o for o in objects if o["kind"].endswith("Role") or o["kind"].endswith("Binding")]
-    assert len(rbac) == len(rendered(federation.upper, "virtual-node/rbac")) - 1, (
-        "one set of RBAC (all of virtual-node/rbac but its ServiceAccount) shared by both"
+    shared = {
+        (o["kind"], o["metadata"]["name"])
+        for o in rendered(federation.upper, "virtual-node/rbac")
+        if o["kind"] != "ServiceAccount"
+    }
+    kinds = {kind for kind, _ in shared}
+    assert len([o for o in objects if o["kind"] in kinds]) == len(shared), (
+        "one set of RBAC and FlowSchemas (all of virtual-node/rbac) shared by both"
     )
 
 
@@ -205,3 +211,27 @@ def test_every_component_runs_with_its_service_account_only(federation: Federati
         assert federation.upper.kubectl(
             "auth", "can-i", "create", "pods", f"--as={user}", "-n", "default", check=False
         ).stdout.strip() == ("yes" if account == DESCHEDULER_ACCOUNT else "no"), account
+
+
+def dispatched(cluster: KubectlClient) -> dict[tuple[str, str], float]:
+    """Requests the apiserver's flow control has dispatched, by (FlowSchema, priority
+    level), since it started."""
+    counts: dict[tuple[str, str], float] = {}
+    for line in cluster.kubectl("get", "--raw", "/metrics").stdout.splitlines():
+        if line.startswith("apiserver_flowcontrol_dispatched_requests_total{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            key = (labels["flow_schema"], labels["priority_level"])
+            counts[key] = counts.get(key, 0.0) + float(line.rpartition(" ")[2])
+    return counts
+
+
+def test_the_virtual_nodes_requests_have_the_priority_of_a_kubelet_s(
+    federation: Federation,
+) -> None:
+    above = dispatched(federation.upper)
+    # The heartbeat (Node status, Leases) beside the kubelets' own; the rest at their level.
+    assert above.get(("kubestrata-virtual-node-heartbeat", "node-high"), 0) > 0
+    assert above.get(("kubestrata-virtual-node", "system"), 0) > 0
+    for lower in federation.lowers:
+        # Below it creates pods as the upper cluster's controllers: the controllers' level.
+        assert dispatched(lower).get(("kubestrata-virtual-node", "workload-high"), 0) > 0

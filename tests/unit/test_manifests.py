@@ -110,3 +110,46 @@ def test_the_virtual_node_deployment_starts_with_flags_it_knows() -> None:
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert Path(config.lower_kubeconfig).parent.as_posix() in mounts
     assert config.cert_dir in mounts
+
+
+def flow_schemas() -> list[tuple[Path, dict[str, Any]]]:
+    return [(p, d) for p, d in all_documents() if d["kind"] == "FlowSchema"]
+
+
+BUILT_IN_LEVELS = {"node-high", "system", "workload-high", "workload-low", "leader-election"}
+
+
+@pytest.mark.parametrize("path, schema", flow_schemas(), ids=lambda v: str(v)[-40:])
+def test_every_flow_schema_matches_one_of_our_accounts_first(
+    path: Path, schema: dict[str, Any]
+) -> None:
+    spec = schema["spec"]
+    assert spec["priorityLevelConfiguration"]["name"] in BUILT_IN_LEVELS
+    # Ahead of the built-in schemas for service accounts (kube-system-service-accounts
+    # 900, service-accounts 9000), or they would take the requests.
+    assert spec["matchingPrecedence"] < 900
+    for rule in spec["rules"]:
+        for subject in rule["subjects"]:
+            assert subject["kind"] == "ServiceAccount"
+            assert subject["serviceAccount"]["namespace"] == "kubestrata-system"
+    kustomization = yaml.safe_load((path.parent / "kustomization.yaml").read_text())
+    assert path.name in kustomization["resources"]
+
+
+def test_a_virtual_node_s_heartbeat_is_matched_before_the_rest_of_its_requests() -> None:
+    upper = {
+        d["metadata"]["name"]: d["spec"]
+        for p, d in flow_schemas()
+        if p.parent.name == "rbac" and p.parent.parent.name == "virtual-node"
+    }
+    heartbeat, rest = upper["kubestrata-virtual-node-heartbeat"], upper["kubestrata-virtual-node"]
+    assert heartbeat["matchingPrecedence"] < rest["matchingPrecedence"]
+    assert heartbeat["priorityLevelConfiguration"]["name"] == "node-high"
+    assert rest["priorityLevelConfiguration"]["name"] == "system"
+    [rule] = heartbeat["rules"]
+    matched = {
+        (g, r) for rr in rule["resourceRules"] for g in rr["apiGroups"] for r in rr["resources"]
+    }
+    assert matched == {("", "nodes"), ("", "nodes/status"), ("coordination.k8s.io", "leases")}
+    [lower] = [d["spec"] for p, d in flow_schemas() if p.parent.name == "virtual-node-lower"]
+    assert lower["priorityLevelConfiguration"]["name"] == "workload-high"
