@@ -115,9 +115,10 @@ class Extender:
         pod = self.decisions.pod(args.pod_uid)
         reserved = self.decisions.take_reserved(args.pod_uid, self.clock())
         if pod and self.pool.is_virtual(args.node) and args.node not in reserved:
-            # The scheduler chose a cluster filter kept no room on (its own scores broke a
-            # tie): hold room there now, or refuse, and the pod is tried again from filter.
-            # Bound without, it could take room another pod was promised.
+            # The scheduler chose a cluster filter kept no room on (one whose estimator
+            # failed, let through by --on-estimator-error ignore): hold room there now, or
+            # refuse, and the pod is tried again from filter. Bound without, it could take
+            # room another pod was promised.
             refusal = await self._hold(args, pod)
             if refusal is not None:
                 self.pool.release(reserved, args.pod_uid)
