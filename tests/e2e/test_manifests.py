@@ -5,7 +5,6 @@ nothing more (so every other end-to-end test also proves their RBAC is enough)."
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from harness.federation import (
     DESCHEDULER_ACCOUNT,
@@ -217,11 +217,12 @@ def dispatched(cluster: KubectlClient) -> dict[tuple[str, str], float]:
     """Requests the apiserver's flow control has dispatched, by (FlowSchema, priority
     level), since it started."""
     counts: dict[tuple[str, str], float] = {}
-    for line in cluster.kubectl("get", "--raw", "/metrics").stdout.splitlines():
-        if line.startswith("apiserver_flowcontrol_dispatched_requests_total{"):
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
-            key = (labels["flow_schema"], labels["priority_level"])
-            counts[key] = counts.get(key, 0.0) + float(line.rpartition(" ")[2])
+    text = cluster.kubectl("get", "--raw", "/metrics").stdout
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "apiserver_flowcontrol_dispatched_requests_total":
+                key = (sample.labels["flow_schema"], sample.labels["priority_level"])
+                counts[key] = counts.get(key, 0.0) + sample.value
     return counts
 
 
