@@ -2,10 +2,14 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kubekit.client import JSON, LineSplitter, Resource
 from kubekit.informer import (
+    Compressor,
     FunctionHandler,
     Informer,
     diff_snapshot,
@@ -113,6 +117,70 @@ def test_namespace_index_of_listed_keys() -> None:
         "blog": {"blog/a"},
         "": {"node-1"},
     }
+
+
+def pod(name: str) -> JSON:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "shop", "uid": f"uid-of-{name}"},
+        "spec": {
+            "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10"}],
+            "tolerations": [
+                {"key": f"node.kubernetes.io/{taint}", "operator": "Exists", "effect": "NoExecute"}
+                for taint in ("not-ready", "unreachable")
+            ],
+        },
+        "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+
+
+def test_an_object_like_the_first_is_stored_in_a_fraction_of_its_json() -> None:
+    compressor = Compressor(orjson.dumps(pod("first")))
+    text = orjson.dumps(pod("second"))
+    compressed = compressor.compress(text)
+    assert len(compressed) * 4 < len(text)
+    assert compressor.decompress(compressed) == text
+
+
+@given(st.binary(max_size=20_000), st.binary(max_size=20_000))
+def test_whatever_the_first_object_anything_comes_back_as_it_went_in(
+    sample: bytes, data: bytes
+) -> None:
+    compressor = Compressor(sample)
+    assert compressor.decompress(compressor.compress(data)) == data
+
+
+class Lists:
+    """A server that answers each list with the next of ``snapshots``."""
+
+    def __init__(self, *snapshots: list[JSON]) -> None:
+        self.snapshots = list(snapshots)
+
+    async def list_pages(self, resource: Resource, namespace: str | None, **query: Any) -> Any:
+        yield {
+            "kind": "PodList",
+            "metadata": {"resourceVersion": "9"},
+            "items": self.snapshots.pop(0),
+        }
+
+
+async def test_objects_cached_before_a_relist_are_told_deleted_as_they_were() -> None:
+    server = Lists([pod("a"), pod("b")], [pod("b")])
+    cache = Informer(server, Resource("", "v1", "pods"))  # type: ignore[arg-type]
+    recorder = Recorder()
+    deleted: list[JSON] = []
+    cache.add_handler(recorder)
+    cache.add_handler(FunctionHandler(delete=deleted.append))
+    await cache._relist()
+    cache.apply({"type": "ADDED", "object": pod("c")})
+    await cache._relist()
+    assert deleted == [pod("a"), pod("c")]
+    assert cache.get("shop/b") == pod("b")
+    assert [event for event in recorder.events if event[0] == "delete"] == [
+        ("delete", "shop/a"),
+        ("delete", "shop/c"),
+    ]
 
 
 def test_cached_objects_carry_no_managed_fields() -> None:
