@@ -110,6 +110,8 @@ class ClusterState:
         # Namespace -> kind -> node -> pods: what spread and inter-pod terms count.
         self._by_kind: dict[str, dict[Kind, Counter[str]]] = {}
         self._placed: dict[Ref, tuple[str, PodFacts]] = {}
+        # Key -> fit.facts_fingerprint of each real pod placed, to skip unchanged facts.
+        self._fingerprints: dict[str, int] = {}
         self._anti_affinity: dict[Ref, tuple[str, PodFacts]] = {}
         self._by_barriers: dict[Barriers, set[str]] = {}
         self._by_label: dict[str, dict[str, set[str]]] = {}
@@ -138,14 +140,22 @@ class ClusterState:
 
     def set_pod(self, pod: JSON) -> None:
         """A pod counts on its node while bound and not finished; an update replaces
-        what it counted before."""
-        ref = (False, object_key(pod))
+        what it counted before, unless its facts are the same."""
+        key = object_key(pod)
+        ref = (False, key)
+        if not fit.pod_holds_resources(pod):
+            self.remove_pod(key)
+            return
+        fingerprint = fit.facts_fingerprint(pod)
+        if ref in self._placed and self._fingerprints.get(key) == fingerprint:
+            return
         self._unplace(ref)
-        if fit.pod_holds_resources(pod):
-            self._place(ref, pod["spec"]["nodeName"], PodFacts.of(pod))
+        self._place(ref, pod["spec"]["nodeName"], PodFacts.of(pod))
+        self._fingerprints[key] = fingerprint
 
     def remove_pod(self, key: str) -> None:
         self._unplace((False, key))
+        self._fingerprints.pop(key, None)
 
     # -- assumptions -----------------------------------------------------------------------
 

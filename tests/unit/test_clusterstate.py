@@ -58,6 +58,46 @@ def test_an_update_replaces_what_the_pod_counted() -> None:
     assert cluster.estimate(needs("4")).fitting == ("n1",)
 
 
+def test_a_status_update_keeps_the_pod_as_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    running = pod("o", on="n1", containers=[container(cpu="3")])
+    cluster = state(node(cpu="4"), running)
+    compiled: list[JSON] = []
+    compile_pod = fit.PodFacts.of
+
+    def counted(obj: JSON) -> fit.PodFacts:
+        compiled.append(obj)
+        return compile_pod(obj)
+
+    monkeypatch.setattr(fit.PodFacts, "of", counted)
+    cluster.set_pod({**running, "status": {"phase": "Running", "podIP": "10.0.0.7"}})
+    assert compiled == []
+    assert cluster.estimate(needs("1")).fitting == ("n1",)
+    assert not cluster.estimate(needs("2")).fitting
+
+
+ANTI_DB = {
+    "podAntiAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": [
+            {
+                "labelSelector": {"matchLabels": {"app": "db"}},
+                "topologyKey": "kubernetes.io/hostname",
+            }
+        ]
+    }
+}
+
+
+def test_new_labels_of_a_placed_pod_count_at_once() -> None:
+    placed = pod("o", on="n1", labels={"app": "web"}, containers=[container(cpu="1")])
+    cluster = state(node(cpu="4", labels={"kubernetes.io/hostname": "n1"}), placed)
+    assert cluster.estimate(needs("1", affinity=ANTI_DB)).fitting == ("n1",)
+    cluster.set_pod(pod("o", on="n1", labels={"app": "db"}, containers=[container(cpu="1")]))
+    assert not cluster.estimate(needs("1", affinity=ANTI_DB)).fitting
+    cluster.remove_pod("ns/o")
+    cluster.set_pod(placed)
+    assert cluster.estimate(needs("1", affinity=ANTI_DB)).fitting == ("n1",)
+
+
 def test_pending_pods_hold_nothing_until_bound() -> None:
     cluster = state(node(cpu="4"), pod("o", containers=[container(cpu="3")], phase="Pending"))
     assert cluster.estimate(needs("4")).fitting == ("n1",)
