@@ -134,10 +134,13 @@ class Compressor:
     MEMORY_LEVEL = 6
 
     def __init__(self, sample: bytes) -> None:
+        # zlib reads only a window's worth of the dictionary, its end; the decompressor
+        # keeps the dictionary it was given, which need not be a whole large object.
+        dictionary = sample[-(1 << -self.WINDOW_BITS) :]
         self._compressor = zlib.compressobj(
-            1, zlib.DEFLATED, self.WINDOW_BITS, self.MEMORY_LEVEL, zdict=sample
+            1, zlib.DEFLATED, self.WINDOW_BITS, self.MEMORY_LEVEL, zdict=dictionary
         )
-        self._decompressor = zlib.decompressobj(self.WINDOW_BITS, zdict=sample)
+        self._decompressor = zlib.decompressobj(self.WINDOW_BITS, zdict=dictionary)
 
     def compress(self, data: bytes) -> bytes:
         compressor = self._compressor.copy()
