@@ -123,9 +123,11 @@ class Compressor:
 
     The objects of one kind in one cluster share most of their text (keys, defaults,
     tolerations, volumes, conditions), so a pod's 2.5-3 KiB of JSON is stored in about
-    160 bytes where zlib alone makes 1.2 KiB of it (measured on the benchmark's pods: 6 us
-    to compress, 2.5 us to decompress). Copying a primed (de)compressor skips setting the
-    dictionary up for every object, and leaves the primed ones untouched for other threads.
+    160 bytes where zlib alone makes 1.2 KiB of it. The price is CPU: 6 us to compress
+    and 2.5 us to decompress a pod in a quiet loop, several times that in a busy virtual
+    node (0.3-0.5 ms per mirrored pod, docs/benchmarks.md). Copying a primed
+    (de)compressor skips setting the dictionary up for every object, and leaves the
+    primed ones untouched for other threads.
     """
 
     # An 8 KiB window holds a whole pod of several containers as dictionary; the state
