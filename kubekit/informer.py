@@ -1,8 +1,9 @@
 """Watch caches: list then watch one kind, keep every object in memory, tell handlers.
 
-Objects are kept as compressed JSON and decoded on each read: a decoded pod takes six to
-seven times the memory of its JSON, and the caches hold every pod of a cluster. Each
-read gives the caller its own copy, so no handler can change what another one sees.
+Objects are kept as JSON, compressed once they have stopped changing, and decoded on each
+read: a decoded pod takes six to seven times the memory of its JSON, and the caches hold
+every pod of a cluster. Each read gives the caller its own copy, so no handler can change
+what another one sees.
 
 The client-go reflector's behaviour: a paginated list gives a snapshot and a
 resourceVersion; a watch from there with bookmarks keeps it current; a watch that ends
@@ -125,9 +126,9 @@ class Compressor:
     tolerations, volumes, conditions), so a pod's 2.5-3 KiB of JSON is stored in about
     160 bytes where zlib alone makes 1.2 KiB of it. The price is CPU: 6 us to compress
     and 2.5 us to decompress a pod in a quiet loop, several times that in a busy virtual
-    node (0.3-0.5 ms per mirrored pod, docs/benchmarks.md). Copying a primed
-    (de)compressor skips setting the dictionary up for every object, and leaves the
-    primed ones untouched for other threads.
+    node, which is why the informer compresses an object only once it has settled.
+    Copying a primed (de)compressor skips setting the dictionary up for every object,
+    and leaves the primed ones untouched for other threads.
     """
 
     # An 8 KiB window holds a whole pod of several containers as dictionary; the state
@@ -155,11 +156,13 @@ class Compressor:
 @dataclass(frozen=True, slots=True)
 class _Cached:
     resource_version: str
-    compressed: bytes
-    compressor: Compressor
+    text: bytes
+    # None while ``text`` is the object's JSON, before it settles.
+    compressor: Compressor | None = None
 
     def decode(self) -> JSON:
-        decoded: JSON = orjson.loads(self.compressor.decompress(self.compressed))
+        text = self.text if self.compressor is None else self.compressor.decompress(self.text)
+        decoded: JSON = orjson.loads(text)
         return decoded
 
 
@@ -178,6 +181,7 @@ class Informer:
         field_selector: str | None = None,
         page_size: int = 500,
         backoff: Backoff | None = None,
+        settle_seconds: float = 2.0,
     ) -> None:
         self.client = client
         self.resource = resource
@@ -188,6 +192,11 @@ class Informer:
         self.backoff = backoff or Backoff()
         self._store: dict[str, _Cached] = {}
         self._compressor: Compressor | None = None
+        # A pod changes several times in its first seconds and is read after each change:
+        # an object is compressed once it has stayed unchanged this long, not each time.
+        self.settle_seconds = settle_seconds
+        # Keys of the objects stored as JSON, by when they last changed, oldest first.
+        self._unsettled: dict[str, float] = {}
         # A handler that wants one namespace's objects reads that many, not the whole cache.
         self._by_namespace: dict[str, set[str]] = {}
         self._handlers: list[EventHandler] = []
@@ -239,25 +248,56 @@ class Informer:
 
     async def run(self) -> None:
         """Lists and watches until cancelled."""
+        compressing = asyncio.create_task(self._compress_settled_forever())
         need_list = True
+        try:
+            while True:
+                try:
+                    if need_list:
+                        await self._relist()
+                        need_list = False
+                    await self._watch_once()
+                except asyncio.CancelledError:
+                    raise
+                except ApiError as error:
+                    if error.status == 410:
+                        log.info(
+                            "%r: resourceVersion %s too old, listing again",
+                            self,
+                            self.resource_version,
+                        )
+                        need_list = True
+                        continue
+                    await self._pause(error)
+                except _TRANSIENT as error:
+                    await self._pause(error)
+        finally:
+            compressing.cancel()
+
+    async def _compress_settled_forever(self) -> None:
         while True:
-            try:
-                if need_list:
-                    await self._relist()
-                    need_list = False
-                await self._watch_once()
-            except asyncio.CancelledError:
-                raise
-            except ApiError as error:
-                if error.status == 410:
-                    log.info(
-                        "%r: resourceVersion %s too old, listing again", self, self.resource_version
-                    )
-                    need_list = True
-                    continue
-                await self._pause(error)
-            except _TRANSIENT as error:
-                await self._pause(error)
+            # In slices, so that the 10,000 objects of a relist do not hold the loop up.
+            more = self.compress_settled(time.monotonic() - self.settle_seconds, limit=500)
+            await asyncio.sleep(0 if more else self.settle_seconds / 2)
+
+    def compress_settled(self, unchanged_since: float, limit: int | None = None) -> bool:
+        """Compresses the objects unchanged since ``unchanged_since`` (monotonic), at most
+        ``limit`` of them; says whether settled ones are left."""
+        settled: list[str] = []
+        for key, changed in self._unsettled.items():
+            if changed > unchanged_since or len(settled) == limit:
+                break
+            settled.append(key)
+        for key in settled:
+            del self._unsettled[key]
+            cached = self._store[key]
+            if self._compressor is None:
+                self._compressor = Compressor(cached.text)
+            self._store[key] = _Cached(
+                cached.resource_version, self._compressor.compress(cached.text), self._compressor
+            )
+        oldest = next(iter(self._unsettled.values()), None)
+        return oldest is not None and oldest <= unchanged_since
 
     async def _pause(self, error: BaseException) -> None:
         delay = self.backoff.next_delay()
@@ -295,6 +335,8 @@ class Informer:
         )
         before = self._store
         self._store = {key: self._cached(obj) for key, obj in listed.items()}
+        changed = time.monotonic()
+        self._unsettled = dict.fromkeys(self._store, changed)
         self._by_namespace = namespace_index(self._store)
         self.resource_version = page["metadata"]["resourceVersion"]
         self.backoff.reset()
@@ -333,6 +375,7 @@ class Informer:
             return
         key = object_key(obj)
         if kind == "DELETED":
+            self._unsettled.pop(key, None)
             if self._store.pop(key, None) is not None:
                 keys = self._by_namespace[namespace_of(key)]
                 keys.discard(key)
@@ -342,16 +385,17 @@ class Informer:
         else:
             known = key in self._store
             self._store[key] = self._cached(obj)
+            # Moved to the end: the keys stay in the order they last changed.
+            self._unsettled.pop(key, None)
+            self._unsettled[key] = time.monotonic()
             if not known:
                 self._by_namespace.setdefault(namespace_of(key), set()).add(key)
             self._notify("on_update" if known else "on_add", obj)
         self.resource_version = version
 
-    def _cached(self, obj: JSON) -> _Cached:
-        text = orjson.dumps(obj)
-        if self._compressor is None:
-            self._compressor = Compressor(text)
-        return _Cached(resource_version(obj), self._compressor.compress(text), self._compressor)
+    @staticmethod
+    def _cached(obj: JSON) -> _Cached:
+        return _Cached(resource_version(obj), orjson.dumps(obj))
 
     def _notify(self, method: str, *args: JSON) -> None:
         for handler in self._handlers:

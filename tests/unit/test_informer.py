@@ -1,4 +1,5 @@
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -151,6 +152,44 @@ def test_whatever_the_first_object_anything_comes_back_as_it_went_in(
     assert compressor.decompress(compressor.compress(data)) == data
 
 
+def stored_size(cache: Informer, key: str) -> int:
+    return len(cache._store[key].text)
+
+
+def pods_cache() -> Informer:
+    return Informer(client=None, resource=Resource("", "v1", "pods"))  # type: ignore[arg-type]
+
+
+def test_an_object_is_compressed_once_it_has_stayed_unchanged() -> None:
+    cache = pods_cache()
+    before = time.monotonic()
+    for name in ("first", "second"):
+        cache.apply({"type": "ADDED", "object": pod(name)})
+    json_size = len(orjson.dumps(pod("second")))
+    assert not cache.compress_settled(before)
+    assert stored_size(cache, "shop/second") == json_size
+    assert not cache.compress_settled(time.monotonic())
+    assert stored_size(cache, "shop/second") * 4 < json_size
+    assert cache.get("shop/second") == pod("second")
+    names = sorted(cached["metadata"]["name"] for cached in cache.items("shop"))
+    assert names == ["first", "second"]
+
+
+def test_a_change_starts_an_objects_wait_again() -> None:
+    cache = pods_cache()
+    for name in ("a", "b"):
+        cache.apply({"type": "ADDED", "object": pod(name)})
+    changed = pod("a") | {"status": {"phase": "Succeeded"}}
+    cache.apply({"type": "MODIFIED", "object": changed})
+    cache.apply({"type": "ADDED", "object": pod("c")})
+    cache.apply({"type": "DELETED", "object": pod("c")})
+    assert cache.compress_settled(time.monotonic(), limit=1), "a settled one is left"
+    assert stored_size(cache, "shop/a") == len(orjson.dumps(changed))
+    assert stored_size(cache, "shop/b") < len(orjson.dumps(pod("b"))) // 4
+    assert not cache.compress_settled(time.monotonic(), limit=1)
+    assert cache.get("shop/a") == changed and cache.keys() == ["shop/a", "shop/b"]
+
+
 class Lists:
     """A server that answers each list with the next of ``snapshots``."""
 
@@ -269,6 +308,24 @@ async def test_resume_ends_the_pause_between_retries_at_once() -> None:
         assert server.lists == 2 and cache.keys() == ["ns/a"]
     finally:
         running.cancel()
+
+
+async def test_a_running_informer_compresses_what_it_listed_and_stops_with_it() -> None:
+    server = UnreachableAtFirst()
+    cache = Informer(server, Resource("", "v1", "configmaps"), settle_seconds=0.01)  # type: ignore[arg-type]
+    cache.resume()
+    running = asyncio.create_task(cache.run())
+    await asyncio.wait_for(cache.synced.wait(), 30)
+    for _ in range(500):
+        await asyncio.sleep(0.01)
+        if cache._store["ns/a"].compressor is not None:
+            break
+    assert cache._store["ns/a"].compressor is not None
+    assert cache.get("ns/a") == obj("a", "5", kind="ConfigMap", apiVersion=None)
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    assert [task for task in asyncio.all_tasks() if task is not asyncio.current_task()] == []
 
 
 def test_backoff_grows_with_jitter_and_resets() -> None:
