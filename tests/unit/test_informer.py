@@ -312,8 +312,8 @@ async def test_resume_ends_the_pause_between_retries_at_once() -> None:
 
 async def test_a_running_informer_compresses_what_it_listed_and_stops_with_it() -> None:
     server = UnreachableAtFirst()
-    cache = Informer(server, Resource("", "v1", "configmaps"), settle_seconds=0.01)  # type: ignore[arg-type]
-    cache.resume()
+    at_once = Backoff(initial=0.01, jitter=0)
+    cache = Informer(server, Resource("", "v1", "configmaps"), backoff=at_once, settle_seconds=0.01)  # type: ignore[arg-type]
     running = asyncio.create_task(cache.run())
     await asyncio.wait_for(cache.synced.wait(), 30)
     for _ in range(500):
