@@ -216,6 +216,11 @@ class Informer:
         cached = self._store.get(key)
         return None if cached is None else cached.decode()
 
+    def resource_version_of(self, key: str) -> str | None:
+        """The cached object's resourceVersion, without decoding it."""
+        cached = self._store.get(key)
+        return None if cached is None else cached.resource_version
+
     def items(self, namespace: str | None = None) -> Iterator[JSON]:
         """Every cached object, or every one in ``namespace``."""
         if namespace is None:

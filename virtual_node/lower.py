@@ -18,7 +18,7 @@ from kubekit.client import (
     KubeClient,
     is_not_found,
 )
-from kubekit.informer import FunctionHandler, Informer, object_key
+from kubekit.informer import FunctionHandler, Informer, object_key, resource_version
 from kubekit.workqueue import WorkQueue
 from virtual_node.capacity import (
     PodUsage,
@@ -222,6 +222,12 @@ class LowerCluster:
 
     # -- PodBackend ------------------------------------------------------------------------
 
+    def mirror_version(self, upper_key: str) -> str | None:
+        try:
+            return self.pods.resource_version_of(self.lower_key(upper_key))
+        except NamingError:
+            return None
+
     async def sync(self, upper: Mapping[str, Any]) -> SyncResult:
         if not self.reachable:
             return Waiting()
@@ -271,7 +277,7 @@ class LowerCluster:
             ):
                 if patch is not None:
                     lower = await self._patch(lower, patch, subresource)
-        return Mirrored(upper_status(lower, upper, self.host_ip))
+        return Mirrored(upper_status(lower, upper, self.host_ip), resource_version(lower))
 
     def _refused_host_access(self, upper: Mapping[str, Any], desired: JSON) -> Rejected | None:
         """A lower cluster runs other tenants' pods too: a pod that would reach into its
@@ -333,7 +339,7 @@ class LowerCluster:
             if error.status == 403:
                 return Refused("LowerClusterRefused", message)
             raise
-        return Mirrored(upper_status(created, upper, self.host_ip))
+        return Mirrored(upper_status(created, upper, self.host_ip), resource_version(created))
 
     async def ensure_namespace(self, namespace: str) -> None:
         await _once(self._namespaces, namespace, lambda: self._make_namespace(namespace))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kubekit.client import PODS, ApiError, KubeClient, is_conflict, is_not_found
-from kubekit.informer import FunctionHandler, Informer, object_key
+from kubekit.informer import FunctionHandler, Informer, object_key, resource_version
 from kubekit.podevents import record_pod_event
 from kubekit.workqueue import WorkQueue
 from virtual_node.translate import failed_status
@@ -25,9 +25,11 @@ FINISHED = frozenset({"Succeeded", "Failed"})
 
 @dataclass(frozen=True)
 class Mirrored:
-    """The lower pod exists; this is the status the upper pod should have."""
+    """The lower pod exists; this is the status the upper pod should have, read from the
+    lower pod at ``version`` (its resourceVersion, after any write of this sync)."""
 
     status: JSON
+    version: str
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,11 @@ SyncResult = Mirrored | Waiting | Vanished | Refused | Rejected
 class PodBackend(Protocol):
     async def sync(self, upper: Mapping[str, Any]) -> SyncResult: ...
 
+    def mirror_version(self, upper_key: str) -> str | None:
+        """The version of what ``sync`` reads below for this upper pod (None: nothing).
+        While neither it nor the upper pod changes, ``sync`` has nothing new to do."""
+        ...
+
     async def delete(self, upper: Mapping[str, Any]) -> bool:
         """Starts or continues deleting the lower pod; True once it is gone."""
         ...
@@ -95,6 +102,11 @@ class PodController:
         # The grace of upper pods deleted before their lower pods went, by key: a force
         # delete (grace 0) leaves no upper pod to read it from at reconcile time.
         self._deleted_grace: dict[str, int] = {}
+        # By key, the upper and lower resourceVersions a reconcile left in step. The watch
+        # events of its own writes (the create below, the status above) bring the key
+        # back with exactly these: two of a mirrored pod's four or five reconciles, which
+        # would decode, translate and compare both pods to do nothing.
+        self._in_step: dict[str, tuple[str, str]] = {}
         pods.add_handler(
             FunctionHandler(add=self._changed, update=self._changed, delete=self._deleted)
         )
@@ -116,11 +128,21 @@ class PodController:
         """Every upper pod reconciled again, as a kubelet's status manager does: after
         the lower cluster was unreachable, their statuses above are the node
         controller's (not ready), and no change of the pods themselves would wake them."""
+        self._in_step.clear()
         keys = self.pods.keys()
         for key in keys:
             self.queue.add(key)
 
     async def reconcile(self, key: str) -> None:
+        upper_version = self.pods.resource_version_of(key)
+        in_step = self._in_step.get(key)
+        if (
+            in_step is not None
+            and in_step[0] == upper_version
+            and in_step[1] == self.backend.mirror_version(key)
+        ):
+            return
+        self._in_step.pop(key, None)
         upper = self.pods.get(key)
         if upper is None:
             await self.backend.remove_orphan(key, self._deleted_grace.get(key))
@@ -133,8 +155,10 @@ class PodController:
             return
         result = await self.backend.sync(upper)
         match result:
-            case Mirrored(status):
-                await self._set_status(upper, status)
+            case Mirrored(status, version):
+                status_version = await self._set_status(upper, status)
+                if status_version is not None:
+                    self._in_step[key] = (status_version, version)
             case Vanished(message):
                 await self._lost(upper, message)
             case Rejected(reason, message):
@@ -148,19 +172,22 @@ class PodController:
             case Waiting():
                 pass
 
-    async def _set_status(self, upper: Mapping[str, Any], status: JSON) -> None:
+    async def _set_status(self, upper: Mapping[str, Any], status: JSON) -> str | None:
+        """The upper pod's resourceVersion once it has ``status``; None when the write
+        lost a race."""
         if upper.get("status") == status:
-            return
+            return resource_version(upper)
         body = {**upper, "status": status}
         try:
-            await self.upper.replace(
+            written = await self.upper.replace(
                 PODS, body, upper["metadata"]["namespace"], subresource="status"
             )
         except ApiError as error:
             if is_conflict(error) or is_not_found(error):
                 # The cache is behind; the watch event that follows brings the key back.
-                return
+                return None
             raise
+        return resource_version(written)
 
     async def _lost(self, upper: Mapping[str, Any], message: str) -> None:
         """A lower pod gone behind our back: a controlled pod is deleted so its owner

@@ -22,6 +22,9 @@ class RecordingBackend:
         self.synced.append(upper["metadata"]["name"])
         return Waiting()
 
+    def mirror_version(self, upper_key: str) -> str | None:
+        return None
+
     async def delete(self, upper: Mapping[str, Any]) -> bool:
         return False
 

@@ -5,6 +5,7 @@ an unreachable lower cluster, conflicts and a namespace deleted below."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,7 @@ from kubekit.workqueue import WorkQueue
 from tests.unit.fakeapi import FakeClient, not_found, status_error
 from virtual_node.lower import LowerCluster
 from virtual_node.naming import NamespaceMapping
-from virtual_node.podcontroller import PodController, RetryLater
+from virtual_node.podcontroller import PodController, RetryLater, SyncResult
 from virtual_node.translate import Ownership
 
 OWNER = Ownership(origin="upper-uid", node_name="vk-lower-1", cluster_id="lower-1")
@@ -148,6 +149,81 @@ async def test_a_status_conflict_waits_for_the_next_watch_event(mirroring: Mirro
     mirroring.upper.answer("PUT", UPPER_STATUS_PATH, status_error(409, "Conflict", "changed"))
     await mirroring.controller.reconcile("shop/web")  # no error: the newer pod comes back
     assert len(mirroring.upper_statuses()) == 1
+
+
+def count_syncs(mirroring: Mirroring, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The upper resourceVersion of each pod the controller hands its backend to sync."""
+    backend = mirroring.controller.backend
+    synced: list[str] = []
+    sync = backend.sync
+
+    async def counted(upper: Mapping[str, Any]) -> SyncResult:
+        synced.append(upper["metadata"]["resourceVersion"])
+        return await sync(upper)
+
+    monkeypatch.setattr(backend, "sync", counted)
+    return synced
+
+
+def with_version(pod: dict[str, Any], version: str, **fields: Any) -> dict[str, Any]:
+    return {**pod, **fields, "metadata": {**pod["metadata"], "resourceVersion": version}}
+
+
+async def test_the_watch_events_of_our_own_writes_sync_nothing_again(
+    mirroring: Mirroring, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced = count_syncs(mirroring, monkeypatch)
+    mirroring.above(upper_pod())
+    created = lower_pod(phase="Pending")
+    mirroring.lower.answer("POST", LOWER_POD_PATH, created)
+    await mirroring.controller.reconcile("shop/web")
+    mirroring.below(created)  # our create's own event
+    await mirroring.controller.reconcile("shop/web")
+    assert synced == ["7"]
+
+    running = with_version(lower_pod(phase="Running", podIP="10.241.0.7"), "4")
+    mirroring.below(running, "MODIFIED")
+    mirroring.upper.answer(
+        "PUT", UPPER_STATUS_PATH, with_version(upper_pod(), "8", status={"phase": "Running"})
+    )
+    await mirroring.controller.reconcile("shop/web")
+    (status,) = mirroring.upper_statuses()
+    mirroring.above(with_version(upper_pod(), "8", status=status), "MODIFIED")  # our status
+    await mirroring.controller.reconcile("shop/web")
+    assert synced == ["7", "7"]
+
+    relabelled = with_version(upper_pod(), "9", status=status)
+    relabelled["metadata"]["labels"] = {"app": "web", "tier": "front"}
+    mirroring.above(relabelled, "MODIFIED")  # someone else's change above
+    mirroring.lower.answer("PATCH", f"{LOWER_POD_PATH}/web", with_version(running, "5"))
+    await mirroring.controller.reconcile("shop/web")
+    assert synced == ["7", "7", "9"]
+    assert mirroring.lower.writes("PATCH") == [("PATCH", f"{LOWER_POD_PATH}/web")]
+    assert len(mirroring.upper_statuses()) == 1
+
+
+async def test_a_resync_or_a_lost_status_race_syncs_the_pod_again(
+    mirroring: Mirroring, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced = count_syncs(mirroring, monkeypatch)
+    mirroring.above(upper_pod())
+    mirroring.below(lower_pod(phase="Running"))
+    mirroring.upper.answer(
+        "PUT",
+        UPPER_STATUS_PATH,
+        status_error(409, "Conflict", "changed"),
+        with_version(upper_pod(), "8"),
+    )
+    await mirroring.controller.reconcile("shop/web")
+    await mirroring.controller.reconcile("shop/web")  # the race lost: not in step
+    assert synced == ["7", "7"] and len(mirroring.upper_statuses()) == 2
+    (_, status) = mirroring.upper_statuses()
+    mirroring.above(with_version(upper_pod(), "8", status=status), "MODIFIED")  # our status
+    await mirroring.controller.reconcile("shop/web")
+    assert synced == ["7", "7"]
+    mirroring.controller.resync()
+    await mirroring.controller.reconcile(await mirroring.controller.queue.get())
+    assert synced == ["7", "7", "8"]
 
 
 @pytest.mark.parametrize(
