@@ -72,7 +72,8 @@ class PodBackend(Protocol):
 
     def mirror_version(self, upper_key: str) -> str | None:
         """The version of what ``sync`` reads below for this upper pod (None: nothing).
-        While neither it nor the upper pod changes, ``sync`` has nothing new to do."""
+        Once a sync has left both sides in step, it has nothing new to do until this or
+        the upper pod's version changes."""
         ...
 
     async def delete(self, upper: Mapping[str, Any]) -> bool:
