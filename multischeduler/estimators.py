@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +28,7 @@ from kubekit.estimatorapi.estimator_pb2 import (
     DefragmentRequest,
     DefragmentResponse,
     EstimateRequest,
+    EstimateResponse,
     FitInTurnRequest,
     FitInTurnResponse,
     HoldRequest,
@@ -105,12 +108,102 @@ CHANNEL_OPTIONS = (
 )
 
 
+class AnswerStream:
+    """One EstimateStream call: requests written one at a time, answers read back in
+    the order asked. A request not answered in time ends the call (the answers behind
+    it would be as late), and so does any failure of the call; the requests then waiting
+    fail with it, as calls of their own would."""
+
+    def __init__(self, stub: EstimatorAsyncStub, metadata: Metadata) -> None:
+        self.metadata = metadata
+        self._call = stub.EstimateStream(metadata=metadata)
+        self._waiting: deque[asyncio.Future[EstimateResponse]] = deque()
+        # FIFO: whoever took this stream before finish() was asked for writes first.
+        self._writing = asyncio.Lock()
+        self._failure: grpc.aio.AioRpcError | None = None
+        self._reader = asyncio.create_task(self._read())
+
+    @property
+    def ended(self) -> bool:
+        return self._failure is not None or self._call.done()
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                response = await self._call.read()
+                if not isinstance(response, EstimateResponse):  # grpc.aio.EOF
+                    self._end(_failure(grpc.StatusCode.UNAVAILABLE, "the estimator ended the call"))
+                    return
+                if not self._waiting:
+                    self._end(_failure(grpc.StatusCode.INTERNAL, "an answer to no request"))
+                    return
+                # The answer of a request whose asker went away is dropped with it.
+                waiting = self._waiting.popleft()
+                if not waiting.done():
+                    waiting.set_result(response)
+        except grpc.aio.AioRpcError as error:
+            self._end(error)
+        except asyncio.CancelledError:
+            self._end(_failure(grpc.StatusCode.CANCELLED, "the call was closed"))
+            raise
+
+    def _end(self, failure: grpc.aio.AioRpcError) -> None:
+        if self._failure is None:
+            self._failure = failure
+        self._call.cancel()
+        while self._waiting:
+            waiting = self._waiting.popleft()
+            if not waiting.done():
+                waiting.set_exception(self._failure)
+
+    async def ask(self, request: EstimateRequest, timeout: float) -> EstimateResponse:
+        """The answer to ``request``; raises the call's failure as a unary call would."""
+        answer: asyncio.Future[EstimateResponse] = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(timeout):
+                async with self._writing:
+                    if self._failure is not None:
+                        raise self._failure
+                    self._waiting.append(answer)
+                    try:
+                        await self._call.write(request)
+                    except grpc.aio.AioRpcError as error:
+                        self._end(error)
+                    except asyncio.InvalidStateError:
+                        self._end(_failure(grpc.StatusCode.UNAVAILABLE, "the call has ended"))
+                return await answer
+        except TimeoutError:
+            late = _failure(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout:g} s")
+            self._end(late)
+            raise late from None
+        finally:
+            answer.cancel()
+
+    async def finish(self) -> None:
+        """No more requests: the answers still due are read, then the call ends."""
+        async with self._writing:
+            # A failure here is the call's, which the reader has.
+            if not self.ended:
+                with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                    await self._call.done_writing()
+
+    def close(self) -> None:
+        self._reader.cancel()
+
+
+def _failure(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
 @dataclass
 class _Estimator:
     address: str
     started: str
     channel: grpc.aio.Channel
     stub: EstimatorAsyncStub
+    stream: AnswerStream | None = None
+    # The estimator has no EstimateStream (a virtual node of an older version).
+    unary_only: bool = False
     # UIDs whose room is to be given back with the next call.
     releases: set[str] = field(default_factory=set)
     flush_timer: asyncio.TimerHandle | None = None
@@ -178,6 +271,8 @@ class EstimatorPool:
     def _close(self, estimator: _Estimator) -> None:
         if estimator.flush_timer is not None:
             estimator.flush_timer.cancel()
+        if estimator.stream is not None:
+            estimator.stream.close()
         self._spawn(estimator.channel.close())
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
@@ -224,7 +319,7 @@ class EstimatorPool:
         estimator.releases.clear()
         request = EstimateRequest(pods=[query], release_pod_uids=releases)
         try:
-            response = await estimator.stub.Estimate(request, timeout=timeout, metadata=metadata)
+            response = await self._ask(name, estimator, request, metadata, timeout)
         except grpc.aio.AioRpcError as error:
             # Given back again with the next call: a release is idempotent.
             self._queue_releases(name, estimator, releases)
@@ -242,6 +337,36 @@ class EstimatorPool:
             self._other_cluster(name, estimator.address, response.cluster_id)
             or response.estimates[0]
         )
+
+    async def _ask(
+        self,
+        name: str,
+        estimator: _Estimator,
+        request: EstimateRequest,
+        metadata: Metadata,
+        timeout: float,
+    ) -> EstimateResponse:
+        if not estimator.unary_only:
+            deadline = asyncio.get_running_loop().time() + timeout
+            try:
+                return await self._stream(estimator, metadata).ask(request, timeout)
+            except grpc.aio.AioRpcError as error:
+                if error.code() is not grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+            estimator.unary_only = True
+            log.info("%s: the estimator has no EstimateStream: one call per request", name)
+            timeout = max(0.0, deadline - asyncio.get_running_loop().time())
+        return await estimator.stub.Estimate(request, timeout=timeout, metadata=metadata)
+
+    def _stream(self, estimator: _Estimator, metadata: Metadata) -> AnswerStream:
+        stream = estimator.stream
+        if stream is not None and not stream.ended and stream.metadata == metadata:
+            return stream
+        if stream is not None:
+            # A rotated token: the answers still due on the old call are read first.
+            self._spawn(stream.finish())
+        estimator.stream = AnswerStream(estimator.stub, metadata)
+        return estimator.stream
 
     def _other_cluster(self, name: str, address: str, cluster_id: str) -> EstimatorFailure | None:
         """An address annotation pointing at another cluster's estimator would place

@@ -17,7 +17,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
@@ -412,6 +412,7 @@ def to_message(answer: Answer, with_node_names: bool) -> estimator_pb2.PodEstima
 
 
 _AUTH_CODES = {401: grpc.StatusCode.UNAUTHENTICATED, 403: grpc.StatusCode.PERMISSION_DENIED}
+_STREAMED = metrics.ESTIMATOR_REQUEST_DURATION.labels("EstimateStream")
 
 
 class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
@@ -459,6 +460,22 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> estimator_pb2.EstimateResponse:
         await self._check_caller(context)
+        return self._estimates(request)
+
+    async def EstimateStream(
+        self,
+        requests: AsyncIterator[estimator_pb2.EstimateRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[estimator_pb2.EstimateResponse]:
+        async for request in requests:
+            with _STREAMED.time():
+                # The token the call was opened with may have expired, or the caller lost
+                # its permission, since the last request: both are cached for a while.
+                await self._check_caller(context)
+                response = self._estimates(request)
+            yield response
+
+    def _estimates(self, request: estimator_pb2.EstimateRequest) -> estimator_pb2.EstimateResponse:
         self.estimator.release(list(request.release_pod_uids))
         estimates = []
         for query in request.pods:
@@ -642,22 +659,44 @@ class ParsedByTheService(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
+        if handler is None or handler.request_deserializer is None:
             return handler
         parse = handler.request_deserializer
-        # The aio server's behaviours are coroutine functions, which grpc's types miss.
-        behavior = cast(Callable[[Any, Any], Awaitable[Any]], handler.unary_unary)
 
         async def parsed(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             try:
-                message = parse(request)
+                return parse(request)
             except DecodeError as error:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {error}")
-            return await behavior(message, context)
 
-        return grpc.unary_unary_rpc_method_handler(
-            parsed, response_serializer=handler.response_serializer
-        )
+        # The aio server's behaviours are coroutine functions and async generator
+        # functions, which grpc's types miss.
+        if handler.unary_unary is not None:
+            behavior = cast(Callable[[Any, Any], Awaitable[Any]], handler.unary_unary)
+
+            async def unary(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+                return await behavior(await parsed(request, context), context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, response_serializer=handler.response_serializer
+            )
+        if handler.stream_stream is not None:
+            streamed = cast(Callable[[Any, Any], AsyncIterator[Any]], handler.stream_stream)
+
+            async def stream(
+                requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+            ) -> AsyncIterator[Any]:
+                async def messages() -> AsyncIterator[Any]:
+                    async for request in requests:
+                        yield await parsed(request, context)
+
+                async for response in streamed(messages(), context):
+                    yield response
+
+            return grpc.stream_stream_rpc_method_handler(
+                stream, response_serializer=handler.response_serializer
+            )
+        return handler
 
 
 async def _start(

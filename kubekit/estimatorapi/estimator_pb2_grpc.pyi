@@ -35,6 +35,12 @@ class EstimatorStub:
     def __new__(cls, channel: _aio.Channel) -> EstimatorAsyncStub: ...
     Estimate: _grpc.UnaryUnaryMultiCallable[_estimator_pb2.EstimateRequest, _estimator_pb2.EstimateResponse]
     """One answer per pod, in the order asked."""
+    EstimateStream: _grpc.StreamStreamMultiCallable[_estimator_pb2.EstimateRequest, _estimator_pb2.EstimateResponse]
+    """Estimate on one long-lived call: each request answered in turn, in the order asked.
+    A request on it costs both sides less CPU than a call of its own (the extender asks
+    every estimator at every decision). The caller is checked at every request, as at
+    every call.
+    """
     Release: _grpc.UnaryUnaryMultiCallable[_estimator_pb2.ReleaseRequest, _estimator_pb2.ReleaseResponse]
     """Gives back the room held for pods that went elsewhere or were given up."""
     Defragment: _grpc.UnaryUnaryMultiCallable[_estimator_pb2.DefragmentRequest, _estimator_pb2.DefragmentResponse]
@@ -69,6 +75,12 @@ class EstimatorAsyncStub(EstimatorStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Estimate: _aio.UnaryUnaryMultiCallable[_estimator_pb2.EstimateRequest, _estimator_pb2.EstimateResponse]  # type: ignore[assignment]
     """One answer per pod, in the order asked."""
+    EstimateStream: _aio.StreamStreamMultiCallable[_estimator_pb2.EstimateRequest, _estimator_pb2.EstimateResponse]  # type: ignore[assignment]
+    """Estimate on one long-lived call: each request answered in turn, in the order asked.
+    A request on it costs both sides less CPU than a call of its own (the extender asks
+    every estimator at every decision). The caller is checked at every request, as at
+    every call.
+    """
     Release: _aio.UnaryUnaryMultiCallable[_estimator_pb2.ReleaseRequest, _estimator_pb2.ReleaseResponse]  # type: ignore[assignment]
     """Gives back the room held for pods that went elsewhere or were given up."""
     Defragment: _aio.UnaryUnaryMultiCallable[_estimator_pb2.DefragmentRequest, _estimator_pb2.DefragmentResponse]  # type: ignore[assignment]
@@ -106,6 +118,18 @@ class EstimatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_estimator_pb2.EstimateResponse, _abc.Awaitable[_estimator_pb2.EstimateResponse]]:
         """One answer per pod, in the order asked."""
+
+    @_abc_1.abstractmethod
+    def EstimateStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_estimator_pb2.EstimateRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_estimator_pb2.EstimateResponse], _abc.AsyncIterator[_estimator_pb2.EstimateResponse]]:
+        """Estimate on one long-lived call: each request answered in turn, in the order asked.
+        A request on it costs both sides less CPU than a call of its own (the extender asks
+        every estimator at every decision). The caller is checked at every request, as at
+        every call.
+        """
 
     @_abc_1.abstractmethod
     def Release(

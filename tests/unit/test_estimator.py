@@ -4,12 +4,16 @@ reservations until bound, released or lapsed. Fed through real informers."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 
-from kubekit import keys
+from harness.localcluster import free_port
+from kubekit import keys, pki
 from kubekit.client import NODES, PODS
 from kubekit.clusterstate import ClusterState
 from kubekit.estimatorapi.estimator_pb2 import (
@@ -26,6 +30,7 @@ from virtual_node.estimator import (
     EstimatorService,
     FitEstimator,
     QueryError,
+    serve,
     to_message,
 )
 from virtual_node.kubeletapi.auth import Authorizer, User
@@ -242,6 +247,26 @@ class Admitting(Authorizer):
 
     async def authorize_node_access(self, user: User, verb: str, subresource: str) -> None:
         return None
+
+
+@asynccontextmanager
+async def served(
+    tmp_path: Path,
+    cluster: Cluster,
+    authorizer: Authorizer | None = None,
+    grace: float | None = None,
+) -> AsyncIterator[tuple[str, bytes]]:
+    """The cluster's estimator served as a virtual node serves it (own thread, TLS): its
+    address and the CA that signed its certificate; stopped with ``grace``."""
+    ca = pki.create_ca(tmp_path, "estimator-ca")
+    pair = pki.issue(ca, tmp_path / "estimator", "estimator", server_names=("127.0.0.1",))
+    port = free_port()
+    service = EstimatorService(cluster.estimator, authorizer or Admitting(), "lower-1")
+    server = await serve(service, "127.0.0.1", port, pair)
+    try:
+        yield f"127.0.0.1:{port}", ca.cert_path.read_bytes()
+    finally:
+        await server.stop(grace)
 
 
 class Context:

@@ -10,17 +10,14 @@ from pathlib import Path
 import grpc
 import orjson
 
-from harness.localcluster import free_port
-from kubekit import pki
 from kubekit.estimatorapi import estimator_pb2
 from kubekit.estimatorapi.estimator_pb2_grpc import EstimatorStub
-from tests.unit.test_estimator import Admitting, Cluster, landed, upper_pod
-from virtual_node.estimator import EstimatorService, serve
+from tests.unit.test_estimator import Cluster, landed, served, upper_pod
 
 
-async def ask(port: int, ca: bytes) -> estimator_pb2.EstimateResponse:
+async def ask(address: str, ca: bytes) -> estimator_pb2.EstimateResponse:
     credentials = grpc.ssl_channel_credentials(ca)
-    async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
+    async with grpc.aio.secure_channel(address, credentials) as channel:
         query = estimator_pb2.PodQuery(pod=orjson.dumps(upper_pod("web", "2")), replicas=10)
         response: estimator_pb2.EstimateResponse = await EstimatorStub(channel).Estimate(
             estimator_pb2.EstimateRequest(pods=[query]),
@@ -35,25 +32,16 @@ async def test_the_estimator_answers_while_the_virtual_node_s_loop_is_blocked(
 ) -> None:
     cluster = Cluster()
     landed(cluster, "a", "1", "big")
-    ca = pki.create_ca(tmp_path, "estimator-ca")
-    pair = pki.issue(ca, tmp_path / "estimator", "estimator", server_names=("127.0.0.1",))
-    port = free_port()
-    server = await serve(
-        EstimatorService(cluster.estimator, Admitting(), "lower-1"), "127.0.0.1", port, pair
-    )
     answers: list[estimator_pb2.EstimateResponse] = []
     answered = threading.Event()
-    authority = ca.cert_path.read_bytes()
+    async with served(tmp_path, cluster) as (address, ca):
 
-    def caller() -> None:
-        answers.append(asyncio.run(ask(port, authority)))
-        answered.set()
+        def caller() -> None:
+            answers.append(asyncio.run(ask(address, ca)))
+            answered.set()
 
-    try:
         threading.Thread(target=caller).start()
         # This loop is held until the answer has come: were the server on it, no answer.
         assert answered.wait(timeout=30)
-    finally:
-        await server.stop(None)
     [estimate] = answers[0].estimates
     assert estimate.max_replicas == 2, "big has 3 of its 4 cpu left, small 2"

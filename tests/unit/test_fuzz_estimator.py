@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -18,11 +17,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kubekit import keys, pki
+from kubekit import keys
 from kubekit.estimatorapi import estimator_pb2, estimator_pb2_grpc
 from tests.unit.jsonfuzz import edited, json_values
-from tests.unit.test_estimator import Admitting, Cluster, landed, upper_pod
-from virtual_node.estimator import EstimatorService, serve
+from tests.unit.test_estimator import Cluster, landed, served, upper_pod
 
 # One server across all examples: a fixture shared by examples is the intent.
 FUZZ = settings(
@@ -95,13 +93,6 @@ calls = st.one_of(
 )
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
-
-
 class Estimator:
     def __init__(self, channel: grpc.aio.Channel) -> None:
         self.stub = estimator_pb2_grpc.EstimatorStub(channel)
@@ -121,17 +112,11 @@ async def estimator(tmp_path: Path) -> AsyncIterator[Estimator]:
     cluster = Cluster()
     for name in ("a", "b"):
         landed(cluster, name, "1", "big")
-    ca = pki.create_ca(tmp_path, "estimator-ca")
-    pair = pki.issue(ca, tmp_path / "estimator", "estimator", server_names=("127.0.0.1",))
-    port = free_port()
-    service = EstimatorService(cluster.estimator, Admitting(), "lower-1")
-    server = await serve(service, "127.0.0.1", port, pair)
-    credentials = grpc.ssl_channel_credentials(ca.cert_path.read_bytes())
-    try:
-        async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
-            yield Estimator(channel)
-    finally:
-        await server.stop(None)
+    async with (
+        served(tmp_path, cluster) as (address, ca),
+        grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(ca)) as channel,
+    ):
+        yield Estimator(channel)
 
 
 async def still_answers(estimator: Estimator) -> None:
@@ -183,5 +168,29 @@ async def test_undecodable_messages_end_the_call_not_the_server(
         await call(body, metadata=METADATA, timeout=TIMEOUT)
     except grpc.aio.AioRpcError as error:
         assert error.code() in FINE, error
+    await still_answers(estimator)
+    assert server_errors(caplog) == []
+
+
+@FUZZ
+@given(body=st.binary())
+@example(body=b"\x00").via("an undecodable message on a stream, like one of a call")
+async def test_undecodable_messages_end_a_stream_not_the_server(
+    estimator: Estimator, caplog: pytest.LogCaptureFixture, body: bytes
+) -> None:
+    caplog.clear()
+    stream: grpc.aio.StreamStreamMultiCallable[bytes, bytes] = estimator.channel.stream_stream(
+        "/kubestrata.estimator.v1.Estimator/EstimateStream",
+        request_serializer=None,
+        response_deserializer=None,
+    )
+    call = stream(metadata=METADATA, timeout=TIMEOUT)
+    try:
+        await call.write(body)
+        await call.read()
+        await call.done_writing()
+    except grpc.aio.AioRpcError as error:
+        assert error.code() in FINE, error
+    assert await call.code() in FINE
     await still_answers(estimator)
     assert server_errors(caplog) == []

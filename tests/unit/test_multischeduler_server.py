@@ -61,6 +61,11 @@ class FakeEstimator(estimator_pb2_grpc.EstimatorServicer):
         self.answer = answer
         self.delay = delay
         self.estimates: list[EstimateRequest] = []
+        # EstimateStream calls opened, and unary Estimate calls.
+        self.streams = 0
+        # Answers after which it ends an EstimateStream call.
+        self.answers_per_call: int | None = None
+        self.unary_estimates = 0
         self.releases: list[list[str]] = []
         self.authorization: list[str] = []
 
@@ -68,13 +73,32 @@ class FakeEstimator(estimator_pb2_grpc.EstimatorServicer):
         metadata = dict(context.invocation_metadata() or ())
         self.authorization.append(str(metadata.get("authorization", "")))
 
-    async def Estimate(
+    async def _estimate(
         self, request: EstimateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> EstimateResponse:
         self._caller(context)
         self.estimates.append(request)
         await asyncio.sleep(self.delay)
         return EstimateResponse(cluster_id=self.cluster_id, estimates=[self.answer])
+
+    async def Estimate(
+        self, request: EstimateRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> EstimateResponse:
+        self.unary_estimates += 1
+        return await self._estimate(request, context)
+
+    async def EstimateStream(
+        self,
+        requests: AsyncIterator[EstimateRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[EstimateResponse]:
+        self.streams += 1
+        answered = 0
+        async for request in requests:
+            yield await self._estimate(request, context)
+            answered += 1
+            if answered == self.answers_per_call:
+                return
 
     async def Release(
         self, request: ReleaseRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -158,10 +182,13 @@ class Federation:
     bindings: list[BindingArgs] = field(default_factory=list)
     bind_error: Exception | None = None
 
-    async def serve(self, servicer: FakeEstimator) -> str:
+    async def serve(self, servicer: FakeEstimator, older: bool = False) -> str:
         """Starts an estimator on a free port; returns its address."""
         server = grpc.aio.server()
-        estimator_pb2_grpc.add_EstimatorServicer_to_server(servicer, server)
+        if older:
+            server.add_generic_rpc_handlers((older_estimator(servicer),))
+        else:
+            estimator_pb2_grpc.add_EstimatorServicer_to_server(servicer, server)
         pair = serving_pair(self.tmp_path)
         credentials = grpc.ssl_server_credentials(
             [(pair.key_path.read_bytes(), pair.cert_path.read_bytes())]
@@ -508,6 +535,8 @@ async def test_releases_of_a_failed_call_are_sent_again(federation: Federation) 
     (sent,) = await next_call(federation, "vk-b")
     # u2 too: the estimator may have held room for it before the deadline.
     assert list(sent.release_pod_uids) == ["u1", "u2"]
+    # The late answer ended the call it was due on: answers behind it would be as late.
+    assert federation.estimators["vk-b"].streams == 2
 
 
 async def test_bind_elsewhere_releases_the_room_kept_for_the_pod(federation: Federation) -> None:
@@ -642,3 +671,93 @@ async def test_the_pool_asks_for_slice_room_and_promises(federation: Federation)
     federation.virtual_node("vk-b", address)
     wrong = await pool.slice_room("vk-b", "team", 2.0)
     assert isinstance(wrong, EstimatorFailure) and "not 'b'" in wrong.message
+
+
+async def test_decisions_ask_each_estimator_over_one_long_lived_call(
+    federation: Federation,
+) -> None:
+    await federation.estimator("vk-a", fits(0.8))
+    for uid in ("u1", "u2", "u3"):
+        await federation.filter("vk-a", pod=named(uid, uid))
+    estimator = federation.estimators["vk-a"]
+    assert len(estimator.estimates) == 3
+    assert (estimator.streams, estimator.unary_estimates) == (1, 0)
+
+
+class Echo(FakeEstimator):
+    """Answers each pod with its own name, some slower than others."""
+
+    async def _estimate(
+        self, request: EstimateRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> EstimateResponse:
+        self.estimates.append(request)
+        name = orjson.loads(request.pods[0].pod)["metadata"]["name"]
+        await asyncio.sleep(self.delay if len(self.estimates) % 2 else 0.0)
+        return EstimateResponse(cluster_id=self.cluster_id, estimates=[PodEstimate(message=name)])
+
+
+async def estimated(pool: EstimatorPool, name: str, timeout: float = 5.0) -> str:
+    query = estimator_pb2.PodQuery(pod=orjson.dumps(named(name, name)))
+    answer = (await pool.estimate(["vk-a"], query, timeout))["vk-a"]
+    assert isinstance(answer, PodEstimate), answer
+    return answer.message
+
+
+async def test_each_asker_gets_its_own_answer_on_a_shared_call(federation: Federation) -> None:
+    echo = Echo("a", NO_ROOM, delay=0.01)
+    federation.virtual_node("vk-a", await federation.serve(echo))
+    pool = federation.extender.pool
+    names = [f"p{index}" for index in range(20)]
+    assert await asyncio.gather(*(estimated(pool, name) for name in names)) == names
+    # An asker that goes away before its answer leaves no answer to the next one.
+    echo.delay = 0.2
+    gone = asyncio.create_task(estimated(pool, "gone"))
+    await eventually(lambda: len(echo.estimates) == 21)
+    gone.cancel()
+    echo.delay = 0.0
+    assert await estimated(pool, "next") == "next"
+    assert echo.streams == 1
+
+
+def older_estimator(servicer: FakeEstimator) -> grpc.GenericRpcHandler:
+    """What a virtual node of the version before EstimateStream serves."""
+    estimate = grpc.unary_unary_rpc_method_handler(
+        servicer.Estimate,
+        request_deserializer=EstimateRequest.FromString,
+        response_serializer=EstimateResponse.SerializeToString,
+    )
+    return grpc.method_handlers_generic_handler(
+        "kubestrata.estimator.v1.Estimator", {"Estimate": estimate}
+    )
+
+
+async def test_an_estimator_without_the_stream_is_asked_one_call_at_a_time(
+    federation: Federation,
+) -> None:
+    older = FakeEstimator("a", fits(0.8))
+    federation.virtual_node("vk-a", await federation.serve(older, older=True))
+    for uid in ("u1", "u2"):
+        assert (await federation.filter("vk-a", pod=named(uid, uid)))["NodeNames"] == ["vk-a"]
+    assert (older.streams, older.unary_estimates) == (0, 2)
+
+
+async def test_a_call_the_estimator_ends_is_opened_again(federation: Federation) -> None:
+    estimator = FakeEstimator("a", fits(0.8))
+    estimator.answers_per_call = 1
+    federation.virtual_node("vk-a", await federation.serve(estimator))
+    pool = federation.extender.pool
+
+    async def answered_then_ended(uid: str) -> None:
+        assert (await federation.filter("vk-a", pod=named(uid, uid)))["NodeNames"] == ["vk-a"]
+        stream = pool._estimators["vk-a"].stream
+        assert stream is not None
+        await eventually(lambda: stream.ended)
+
+    await answered_then_ended("u1")
+    await answered_then_ended("u2")
+    assert estimator.streams == 2
+    # The estimator's server going away fails its node (a virtual node restarting).
+    for server in federation.servers:
+        await server.stop(None)
+    failed = (await federation.filter("vk-a"))["FailedAndUnresolvableNodes"]
+    assert "UNAVAILABLE" in failed["vk-a"]
