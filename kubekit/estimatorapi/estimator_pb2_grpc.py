@@ -93,9 +93,9 @@ class EstimatorServicer:
 
     def EstimateStream(self, request_iterator, context):
         """Estimate on one long-lived call: each request answered in turn, in the order asked.
-        A request on it costs both sides less CPU than a call of its own (the extender asks
-        every estimator at every decision). The caller is checked at every request, as at
-        every call.
+        A request on it costs the estimator less CPU than a call of its own (the extender
+        asks every estimator at every decision). The caller is checked at every request, as
+        at every call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

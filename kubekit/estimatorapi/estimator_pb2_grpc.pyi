@@ -37,9 +37,9 @@ class EstimatorStub:
     """One answer per pod, in the order asked."""
     EstimateStream: _grpc.StreamStreamMultiCallable[_estimator_pb2.EstimateRequest, _estimator_pb2.EstimateResponse]
     """Estimate on one long-lived call: each request answered in turn, in the order asked.
-    A request on it costs both sides less CPU than a call of its own (the extender asks
-    every estimator at every decision). The caller is checked at every request, as at
-    every call.
+    A request on it costs the estimator less CPU than a call of its own (the extender
+    asks every estimator at every decision). The caller is checked at every request, as
+    at every call.
     """
     Release: _grpc.UnaryUnaryMultiCallable[_estimator_pb2.ReleaseRequest, _estimator_pb2.ReleaseResponse]
     """Gives back the room held for pods that went elsewhere or were given up."""
@@ -77,9 +77,9 @@ class EstimatorAsyncStub(EstimatorStub):
     """One answer per pod, in the order asked."""
     EstimateStream: _aio.StreamStreamMultiCallable[_estimator_pb2.EstimateRequest, _estimator_pb2.EstimateResponse]  # type: ignore[assignment]
     """Estimate on one long-lived call: each request answered in turn, in the order asked.
-    A request on it costs both sides less CPU than a call of its own (the extender asks
-    every estimator at every decision). The caller is checked at every request, as at
-    every call.
+    A request on it costs the estimator less CPU than a call of its own (the extender
+    asks every estimator at every decision). The caller is checked at every request, as
+    at every call.
     """
     Release: _aio.UnaryUnaryMultiCallable[_estimator_pb2.ReleaseRequest, _estimator_pb2.ReleaseResponse]  # type: ignore[assignment]
     """Gives back the room held for pods that went elsewhere or were given up."""
@@ -126,9 +126,9 @@ class EstimatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_estimator_pb2.EstimateResponse], _abc.AsyncIterator[_estimator_pb2.EstimateResponse]]:
         """Estimate on one long-lived call: each request answered in turn, in the order asked.
-        A request on it costs both sides less CPU than a call of its own (the extender asks
-        every estimator at every decision). The caller is checked at every request, as at
-        every call.
+        A request on it costs the estimator less CPU than a call of its own (the extender
+        asks every estimator at every decision). The caller is checked at every request, as
+        at every call.
         """
 
     @_abc_1.abstractmethod
