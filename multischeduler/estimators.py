@@ -118,7 +118,8 @@ class AnswerStream:
         self.metadata = metadata
         self._call = stub.EstimateStream(metadata=metadata)
         self._waiting: deque[asyncio.Future[EstimateResponse]] = deque()
-        # FIFO: whoever took this stream before finish() was asked for writes first.
+        # asyncio's lock is fair: the requests of whoever took this stream before finish()
+        # was called are written before the call is half-closed.
         self._writing = asyncio.Lock()
         self._failure: grpc.aio.AioRpcError | None = None
         self._reader = asyncio.create_task(self._read())

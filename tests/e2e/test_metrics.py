@@ -67,7 +67,9 @@ def test_the_virtual_node_counts_its_queues_api_requests_pods_and_estimates(
     assert moved("workqueue_work_duration_seconds_count", name="pods") >= 3
     assert value(after, "workqueue_depth", name="pods") == 0
     # The multischeduler asked this cluster's estimator about each pod.
-    assert moved("kubestrata_estimator_request_duration_seconds_count", method="Estimate") >= 3
+    assert (
+        moved("kubestrata_estimator_request_duration_seconds_count", method="EstimateStream") >= 3
+    )
     assert value(after, "rest_client_requests_total", verb="WATCH", resource="pods", code="200")
     upper.kubectl("delete", "namespace", "counted", "--timeout=120s")
 
