@@ -63,9 +63,9 @@ class FakeEstimator(estimator_pb2_grpc.EstimatorServicer):
         self.estimates: list[EstimateRequest] = []
         # EstimateStream calls opened, and unary Estimate calls.
         self.streams = 0
+        self.unary_estimates = 0
         # Answers after which it ends an EstimateStream call.
         self.answers_per_call: int | None = None
-        self.unary_estimates = 0
         self.releases: list[list[str]] = []
         self.authorization: list[str] = []
 
