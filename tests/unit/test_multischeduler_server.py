@@ -404,11 +404,16 @@ async def test_nodes_that_change_or_go_are_followed(federation: Federation) -> N
 async def test_a_rotated_token_is_sent(federation: Federation) -> None:
     await federation.estimator("vk-a", fits(0.5))
     await federation.filter("vk-a")
+    opened_with_the_old_token = federation.extender.pool._estimators["vk-a"].stream
+    assert opened_with_the_old_token is not None
     replacement = federation.tmp_path / "token.new"
     replacement.write_text("rotated")
     os.replace(replacement, federation.tmp_path / "token")
     await federation.filter("vk-a")
     assert federation.estimators["vk-a"].authorization == ["Bearer sesame", "Bearer rotated"]
+    # The call opened with the old token is closed, not left open beside the new one.
+    await eventually(lambda: opened_with_the_old_token.ended)
+    assert federation.estimators["vk-a"].streams == 2
 
 
 @pytest.mark.parametrize(
