@@ -53,8 +53,8 @@ With ``--rounds N`` every figure is reported as median and min-max over the roun
 each target is judged on the median. Printed per round only, to show where a way's time
 goes: when the creates were done and when half, 90 % and all bound pods were bound; the
 CPU each process of the federation used during the way (settling included); the
-extender's bind p50 and p99 (``kubestrata_extender_bind_seconds``) and its calls by verb
-(``kubestrata_extender_decisions_total``).
+extender's calls by verb (``kubestrata_extender_decisions_total``) and, where the scheduler
+configuration names its bind, the bind p50 and p99 (``kubestrata_extender_bind_seconds``).
 """
 
 from __future__ import annotations

@@ -136,7 +136,6 @@ def scheduler_extender(url: str, ca_file: Path) -> dict[str, object]:
         "urlPrefix": url,
         "filterVerb": "filter",
         "prioritizeVerb": "prioritize",
-        "bindVerb": "bind",
         "weight": 5,
         "enableHTTPS": True,
         "nodeCacheCapable": True,

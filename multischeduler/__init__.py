@@ -11,7 +11,11 @@ kube-scheduler extender for the upper cluster.
 - `POST /prioritize`: 0..10 per candidate from filter's answers (`--score best-fit` or
   `least-allocated`, averaged with the pod's preferred node affinity); 0 for ordinary
   nodes. Called only while the scheduler has several candidates left.
-- `POST /bind`: creates the Binding, then gives back the room the other clusters held.
+- `POST /bind`, for a configuration that names it (`bindVerb: bind`, with
+  `--on-estimator-error ignore`): holds room on a cluster filter let through unchecked or
+  refuses, creates the Binding, then gives back the room the other clusters held. The
+  configuration below leaves binding to the scheduler: the chosen cluster's estimator
+  turns the room filter held into the pod on its way down when it sees the binding.
 - `GET /healthz` (probes; served once the Node, Namespace and ResourceQuota caches are
   filled), `GET /metrics` (Prometheus text: `kubestrata_extender_filter_seconds` and
   counters).
@@ -29,7 +33,6 @@ multischeduler/scheduler-config.yaml)::
     - urlPrefix: https://HOST:PORT
       filterVerb: filter
       prioritizeVerb: prioritize
-      bindVerb: bind
       weight: 5
       enableHTTPS: true
       nodeCacheCapable: true
