@@ -113,6 +113,10 @@ async def no_binding(_args: object) -> None:
     raise AssertionError("nothing is bound here")
 
 
+async def no_lookup(_namespace: str, _name: str) -> None:
+    raise AssertionError("no pod leaves a scheduler's queue here")
+
+
 async def decide(
     ca: Path, ports: dict[str, int], pods: list[dict[str, Any]], count: int, gap: float
 ) -> list[float]:
@@ -120,7 +124,7 @@ async def decide(
     for cluster_id, port in ports.items():
         pool.put(virtual_node_object(f"vk-{cluster_id}", cluster_id, port))
     names = sorted(pool.nodes)
-    extender = Extender(pool, no_binding)
+    extender = Extender(pool, no_binding, no_lookup)
     times: list[float] = []
     # The first calls open the channels: not a decision's cost.
     for index, pod in enumerate(itertools.islice(itertools.cycle(pods), count + 20)):

@@ -279,6 +279,18 @@ class _Decision:
     pod: bytes  # as the estimators were asked about it
 
 
+def room_to_give_back(reserved: Collection[str], uid: str, now: JSON | None) -> set[str]:
+    """Of the virtual nodes holding room for a pod that stopped waiting for a node, those
+    that must give it back, judged on the pod as read since (``now``; None: not found):
+    every one when the pod is gone (or another pod has its name now), every one but its
+    own when it was bound. A read that still shows it waiting lags behind the watch that
+    said otherwise: nothing is given back, and the room lapses on its own."""
+    if now is None or (now.get("metadata") or {}).get("uid") != uid:
+        return set(reserved)
+    node = (now.get("spec") or {}).get("nodeName")
+    return set(reserved) - {node} if node else set()
+
+
 class Decisions:
     """What each pod's filter learnt, by pod UID: the estimates prioritize scores right
     after, and the nodes holding room that bind must release. Forgotten after
@@ -383,6 +395,12 @@ class Metrics:
         self.bind_errors = Counter(
             "kubestrata_extender_bind_errors",
             "Bindings the apiserver refused.",
+            registry=self.registry,
+        )
+        self.room_given_back = Counter(
+            "kubestrata_extender_room_given_back",
+            "Virtual nodes told to give back the room filter kept for a pod that was then "
+            "bound elsewhere or deleted.",
             registry=self.registry,
         )
 

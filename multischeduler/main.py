@@ -14,10 +14,20 @@ from aiohttp import web
 
 from kubekit import keys, leader, logs
 from kubekit.certreload import start_https_site
-from kubekit.client import NAMESPACES, NODES, PODS, RESOURCEQUOTAS, ClientSettings, KubeClient
+from kubekit.client import (
+    JSON,
+    NAMESPACES,
+    NODES,
+    PODS,
+    RESOURCEQUOTAS,
+    ApiError,
+    ClientSettings,
+    KubeClient,
+    is_not_found,
+)
 from kubekit.component import run_component
 from kubekit.health import Health
-from kubekit.informer import Informer
+from kubekit.informer import FunctionHandler, Informer
 from kubekit.leader import ElectionSettings
 from kubekit.serving import (
     add_serving_arguments,
@@ -39,6 +49,9 @@ log = logging.getLogger("multischeduler")
 
 # Within the scheduler's httpTimeout (5 s) for the whole bind call.
 BIND_TIMEOUT = 4.0
+# Where a pod that left the scheduler's queue went: past this the room kept for it is left
+# to lapse, as when nothing asks.
+LOOKUP_TIMEOUT = 10.0
 
 
 @dataclass(frozen=True)
@@ -161,6 +174,16 @@ async def run(config: Config) -> None:
             path = PODS.path(args.pod_namespace, args.pod_name, "binding")
             await client.request("POST", path, body=binding_body(args), timeout=BIND_TIMEOUT)
 
+        async def lookup(namespace: str, name: str) -> JSON | None:
+            try:
+                return await client.request(
+                    "GET", PODS.path(namespace, name), timeout=LOOKUP_TIMEOUT
+                )
+            except ApiError as error:
+                if is_not_found(error):
+                    return None
+                raise
+
         pool = config.estimators.pool()
         nodes = Informer(
             client, NODES, label_selector=f"{keys.NODE_TYPE_LABEL}={keys.NODE_TYPE_VIRTUAL}"
@@ -177,24 +200,28 @@ async def run(config: Config) -> None:
             policy=config.slice_policy,
             timeout=config.slice_timeout,
         )
-        watching = [
-            asyncio.create_task(informer.run(), name=repr(informer))
-            for informer in (nodes, namespaces, quotas)
-        ]
         extender = Extender(
             pool,
             bind,
+            lookup,
             estimator_timeout=config.estimator_timeout,
             on_error=config.on_estimator_error,
             score=config.score,
             slices_of=slicing.placement_of,
         )
+        # The scheduler's queue: a pod leaves it when bound or deleted.
+        waiting = Informer(client, PODS, field_selector="spec.nodeName=")
+        waiting.add_handler(FunctionHandler(delete=extender.stopped_waiting))
+        informers = (nodes, namespaces, quotas, waiting)
+        watching = [
+            asyncio.create_task(informer.run(), name=repr(informer)) for informer in informers
+        ]
         runner = web.AppRunner(make_app(extender), access_log=None)
         reloading: asyncio.Task[None] | None = None
         try:
             # Before the caches are filled every virtual node would look ordinary and pass,
             # and every namespace unsliced.
-            await asyncio.gather(*(i.wait_synced() for i in (nodes, namespaces, quotas)))
+            await asyncio.gather(*(i.wait_synced() for i in informers))
             await runner.setup()
             reloading = await start_https_site(
                 runner, config.host, config.port, config.cert_file, config.key_file
@@ -211,6 +238,7 @@ async def run(config: Config) -> None:
             if reloading is not None:
                 reloading.cancel()
             await runner.cleanup()
+            await extender.stop()
             slicing.queue.shut_down()
             for task in watching:
                 task.cancel()

@@ -3,6 +3,7 @@ decisions of multischeduler.extender and the estimators of multischeduler.estima
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 import orjson
 from aiohttp import web
 
-from kubekit.client import JSON
+from kubekit.client import API_ERRORS, JSON
 from kubekit.estimatorapi.estimator_pb2 import PodEstimate, PodQuery
 from multischeduler.estimators import EstimatorPool
 from multischeduler.extender import (
@@ -30,6 +31,7 @@ from multischeduler.extender import (
     parse_binding_args,
     parse_extender_args,
     reserved_nodes,
+    room_to_give_back,
     scores,
 )
 
@@ -37,6 +39,8 @@ log = logging.getLogger("multischeduler")
 
 # Creates the Binding in the upper cluster; raises with a message for the scheduler.
 Binder = Callable[[BindingArgs], Awaitable[None]]
+# The pod (namespace, name) as the upper apiserver has it now; None when it is not found.
+PodLookup = Callable[[str, str], Awaitable[JSON | None]]
 
 # A pod is a few KiB; 3 MiB covers the largest object etcd stores.
 MAX_BODY = 3 * 1024 * 1024
@@ -46,6 +50,7 @@ MAX_BODY = 3 * 1024 * 1024
 class Extender:
     pool: EstimatorPool
     binder: Binder
+    lookup: PodLookup
     estimator_timeout: float = 0.5
     on_error: OnEstimatorError = OnEstimatorError.FAIL
     score: Score = Score.BEST_FIT
@@ -54,6 +59,7 @@ class Extender:
     decisions: Decisions = field(default_factory=Decisions)
     metrics: Metrics = field(default_factory=Metrics)
     clock: Callable[[], float] = time.monotonic
+    _giving_back: set[asyncio.Task[None]] = field(default_factory=set, init=False)
 
     async def _estimate(
         self, names: list[str], pod: bytes, pod_key: str, reserve: bool
@@ -140,6 +146,44 @@ class Extender:
         # The chosen estimator keeps its room until the lower pod lands.
         self.pool.release(reserved - {args.node}, args.pod_uid)
         return {"Error": ""}
+
+    def stopped_waiting(self, pod: JSON) -> None:
+        """The pod left the scheduler's queue: bound, or deleted. The scheduler binds, so
+        nothing else tells the extender where a pod went; room filter kept on a virtual node
+        for a pod the scheduler then put on an ordinary node (or one deleted while it
+        waited) would otherwise turn the next pods away from that cluster until it lapses."""
+        metadata = pod["metadata"]
+        uid = str(metadata["uid"])
+        reserved = self.decisions.take_reserved(uid, self.clock())
+        if not reserved:
+            return
+        # The watch that said so sends the pod as it was while waiting: where it went, or
+        # whether it is gone, takes a read.
+        namespace, name = str(metadata.get("namespace", "")), str(metadata["name"])
+        task = asyncio.create_task(self._give_back(namespace, name, uid, reserved))
+        self._giving_back.add(task)
+        task.add_done_callback(self._giving_back.discard)
+
+    async def _give_back(self, namespace: str, name: str, uid: str, reserved: set[str]) -> None:
+        try:
+            now = await self.lookup(namespace, name)
+        except API_ERRORS as error:
+            log.warning(
+                "pod %s/%s: not read (%s); the room kept for it lapses on its own",
+                namespace,
+                name,
+                error,
+            )
+            return
+        released = room_to_give_back(reserved, uid, now)
+        if released:
+            self.metrics.room_given_back.inc(len(released))
+            self.pool.release(released, uid)
+
+    async def stop(self) -> None:
+        for task in self._giving_back:
+            task.cancel()
+        await asyncio.gather(*self._giving_back, return_exceptions=True)
 
     async def _hold(self, args: BindingArgs, pod: bytes) -> str | None:
         key = f"{args.pod_namespace}/{args.pod_name}"

@@ -280,28 +280,138 @@ def test_a_cluster_whose_estimator_is_down_is_skipped_and_the_others_still_used(
         delete_pods(fragmented, "app in (only-lower-1, anywhere)")
 
 
+def estimator_address(federation: Federation, node: str) -> str:
+    annotations = get_json(federation.upper, "node", node)["metadata"]["annotations"]
+    return str(annotations[keys.ESTIMATOR_ADDRESS_ANNOTATION])
+
+
+def multischeduler_token(federation: Federation) -> str:
+    return (federation.state_dir / "multischeduler" / "upper.token").read_text()
+
+
+async def estimate(
+    federation: Federation, address: str, pod: dict[str, Any], token: str
+) -> estimator_pb2.PodEstimate:
+    """One Estimate call to a virtual node's estimator, holding nothing."""
+    credentials = grpc.ssl_channel_credentials(federation.upper.ca.cert_path.read_bytes())
+    async with grpc.aio.secure_channel(address, credentials) as channel:
+        stub = estimator_pb2_grpc.EstimatorStub(channel)
+        response = await stub.Estimate(
+            estimator_pb2.EstimateRequest(
+                pods=[estimator_pb2.PodQuery(pod=json.dumps(pod).encode())]
+            ),
+            metadata=[("authorization", f"Bearer {token}")] if token else [],
+            timeout=10,
+        )
+    (answer,) = response.estimates
+    return answer
+
+
+REFUSED = "kubestrata-e2e-bindings-refused"
+
+
+def bindings_refused(pod: str) -> list[dict[str, Any]]:
+    """A ValidatingAdmissionPolicy refusing every binding of pods named ``pod`` (the
+    scheduler's pods/binding and the older bindings resource): such a pod keeps waiting."""
+    return [
+        {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicy",
+            "metadata": {"name": REFUSED},
+            "spec": {
+                "failurePolicy": "Fail",
+                "matchConstraints": {
+                    "resourceRules": [
+                        {
+                            "apiGroups": [""],
+                            "apiVersions": ["v1"],
+                            "operations": ["CREATE"],
+                            "resources": ["pods/binding", "bindings"],
+                        }
+                    ]
+                },
+                "validations": [
+                    {
+                        "expression": f"object.metadata.name != '{pod}'",
+                        "message": "bindings refused by the test",
+                    }
+                ],
+            },
+        },
+        {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicyBinding",
+            "metadata": {"name": REFUSED},
+            "spec": {"policyName": REFUSED, "validationActions": ["Deny"]},
+        },
+    ]
+
+
+def binding_refused(federation: Federation, pod: str) -> bool:
+    """The policy is in force: a dry-run binding of ``pod`` is refused by it."""
+    binding = {
+        "apiVersion": "v1",
+        "kind": "Binding",
+        "metadata": {"name": pod, "namespace": NAMESPACE},
+        "target": {"kind": "Node", "name": "vk-lower-1"},
+    }
+    result = federation.upper.kubectl(
+        "create", "--dry-run=server", "-f", "-", input=json.dumps(binding), check=False
+    )
+    return "bindings refused by the test" in result.stderr
+
+
+def test_room_kept_for_a_pod_deleted_while_it_waited_comes_back_at_once(
+    fragmented: Federation,
+) -> None:
+    address = estimator_address(fragmented, "vk-lower-1")
+    token = multischeduler_token(fragmented)
+
+    def room_for_six() -> int:
+        probe = frag_pod("probe", "6")
+        probe["metadata"]["uid"] = "probe"
+        answer = asyncio.run(estimate(fragmented, address, probe, token))
+        assert not answer.error, answer.error
+        return int(answer.fitting_count)
+
+    assert room_for_six() == 1
+    apply(fragmented.upper, *bindings_refused("waiting"))
+    try:
+        wait_for(partial(binding_refused, fragmented, "waiting"), "the policy in force")
+        # Only lower-1's frag-a takes 6 cpu: each filter keeps that room for the pod, whose
+        # binding is then refused, so it waits and is tried again.
+        apply(fragmented.upper, frag_pod("waiting", "6"))
+        message = wait_for(lambda: failed_scheduling(fragmented, "waiting"), "the binding refused")
+        assert "bindings refused by the test" in message, message
+        assert room_for_six() == 0, "the room is kept for the waiting pod"
+        fragmented.upper.kubectl("delete", "pod", "-n", NAMESPACE, "waiting", "--wait")
+        # The estimators give such room back on their own 30 s after the last filter, at
+        # most 10 s (the scheduler's longest backoff) before the delete; it is back well
+        # before.
+        wait_for(room_for_six, "the room kept on lower-1 for the deleted pod back", timeout=15)
+        assert not lower_pods(fragmented, "app=waiting")
+    finally:
+        fragmented.upper.kubectl(
+            "delete",
+            "validatingadmissionpolicybinding,validatingadmissionpolicy",
+            REFUSED,
+            "--ignore-not-found",
+        )
+        delete_pods(fragmented, "app=waiting")
+
+
 def test_the_estimator_answers_only_callers_allowed_to_get_nodes_estimator(
     fragmented: Federation,
 ) -> None:
-    node = get_json(fragmented.upper, "node", "vk-lower-2")
-    address = node["metadata"]["annotations"][keys.ESTIMATOR_ADDRESS_ANNOTATION]
+    address = estimator_address(fragmented, "vk-lower-2")
     host, _, port = address.rpartition(":")
     assert host == "127.0.0.1" and int(port) > 0
 
     async def ask(token: str) -> grpc.StatusCode:
-        credentials = grpc.ssl_channel_credentials(fragmented.upper.ca.cert_path.read_bytes())
-        async with grpc.aio.secure_channel(address, credentials) as channel:
-            stub = estimator_pb2_grpc.EstimatorStub(channel)
-            try:
-                await stub.Estimate(
-                    estimator_pb2.EstimateRequest(
-                        pods=[estimator_pb2.PodQuery(pod=json.dumps(frag_pod("x", "1")).encode())]
-                    ),
-                    metadata=[("authorization", f"Bearer {token}")] if token else [],
-                    timeout=10,
-                )
-            except grpc.aio.AioRpcError as error:
-                return error.code()
+        try:
+            await estimate(fragmented, address, frag_pod("x", "1"), token)
+        except grpc.aio.AioRpcError as error:
+            return error.code()
         return grpc.StatusCode.OK
 
     assert asyncio.run(ask("")) == grpc.StatusCode.UNAUTHENTICATED
@@ -310,5 +420,4 @@ def test_the_estimator_answers_only_callers_allowed_to_get_nodes_estimator(
     stranger = fragmented.upper.kubectl("create", "token", "default", "-n", "default").stdout
     assert asyncio.run(ask(stranger.strip())) == grpc.StatusCode.PERMISSION_DENIED
     # The multischeduler's own token (its ServiceAccount may get nodes/estimator).
-    token = (fragmented.state_dir / "multischeduler" / "upper.token").read_text()
-    assert asyncio.run(ask(token)) == grpc.StatusCode.OK
+    assert asyncio.run(ask(multischeduler_token(fragmented))) == grpc.StatusCode.OK

@@ -31,6 +31,7 @@ from multischeduler.extender import (
     parse_binding_args,
     parse_extender_args,
     reserved_nodes,
+    room_to_give_back,
     scores,
     virtual_node,
 )
@@ -287,6 +288,29 @@ def test_decisions_are_forgotten_after_a_while() -> None:
     assert len(decisions) == 1
 
 
+def pod_read(uid: str = "u1", node: str | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {"containers": []}
+    if node is not None:
+        spec["nodeName"] = node
+    return {"metadata": {"name": "p", "namespace": "ns", "uid": uid}, "spec": spec}
+
+
+@pytest.mark.parametrize(
+    ("now", "given_back"),
+    [
+        (None, {"vk-a", "vk-b"}),  # deleted
+        (pod_read(uid="u2", node="vk-a"), {"vk-a", "vk-b"}),  # another pod of that name
+        (pod_read(node="worker"), {"vk-a", "vk-b"}),  # an ordinary node
+        (pod_read(node="vk-a"), {"vk-b"}),  # one of the nodes holding room keeps it
+        (pod_read(), set()),  # the read lags: still waiting, the room lapses
+    ],
+)
+def test_room_given_back_depends_on_where_the_pod_went(
+    now: dict[str, Any] | None, given_back: set[str]
+) -> None:
+    assert room_to_give_back({"vk-a", "vk-b"}, "u1", now) == given_back
+
+
 # -- metrics -----------------------------------------------------------------------------
 
 
@@ -459,7 +483,9 @@ def test_rbac_grants_exactly_what_the_extender_and_slicing_use() -> None:
         ("namespaces/status", "patch"),
         ("resourcequotas", "list"),
         ("resourcequotas", "watch"),
+        ("pods", "get"),
         ("pods", "list"),
+        ("pods", "watch"),
         ("events", "create"),
     }
     assert len(role["rules"]) == 8 and "*" not in str(role["rules"])

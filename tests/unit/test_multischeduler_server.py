@@ -17,7 +17,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from kubekit import keys, pki
-from kubekit.client import NODES, ApiError
+from kubekit.client import NODES, PODS, ApiError
 from kubekit.estimatorapi import estimator_pb2, estimator_pb2_grpc
 from kubekit.estimatorapi.estimator_pb2 import (
     EstimateRequest,
@@ -26,7 +26,7 @@ from kubekit.estimatorapi.estimator_pb2 import (
     ReleaseRequest,
     ReleaseResponse,
 )
-from kubekit.informer import Informer
+from kubekit.informer import FunctionHandler, Informer
 from multischeduler.estimators import EstimatorPool, TokenFile, channel_credentials
 from multischeduler.extender import BindingArgs, EstimatorFailure, OnEstimatorError
 from multischeduler.server import Extender, make_app
@@ -177,10 +177,16 @@ class Federation:
     extender: Extender
     nodes: Informer
     client: TestClient[Any, Any]
+    # The upper pods waiting for a node, as the extender's informer of them.
+    waiting: Informer
     estimators: dict[str, FakeEstimator] = field(default_factory=dict)
     servers: list[grpc.aio.Server] = field(default_factory=list)
     bindings: list[BindingArgs] = field(default_factory=list)
     bind_error: Exception | None = None
+    # The upper pods the extender reads (namespace, name), and the reads it made.
+    upper_pods: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    lookup_error: Exception | None = None
+    lookups: list[tuple[str, str]] = field(default_factory=list)
 
     async def serve(self, servicer: FakeEstimator, older: bool = False) -> str:
         """Starts an estimator on a free port; returns its address."""
@@ -224,6 +230,15 @@ class Federation:
         answer: dict[str, Any] = await self.post("filter", {"Pod": pod, "NodeNames": list(names)})
         return answer
 
+    def scheduled(self, node: str | None) -> None:
+        """The scheduler bound POD to ``node`` (None: it was deleted instead): it leaves the
+        queue, whose watch sends the pod as it was while waiting."""
+        if node is not None:
+            spec = {"containers": [{"name": "c", "image": "i"}], "nodeName": node}
+            self.upper_pods[("ns", "p")] = {**POD, "spec": spec}
+        self.waiting.apply({"type": "ADDED", "object": POD})
+        self.waiting.apply({"type": "DELETED", "object": POD})
+
     def estimate_calls(self) -> int:
         return sum(len(e.estimates) for e in self.estimators.values())
 
@@ -248,13 +263,23 @@ async def federation(tmp_path: Path) -> AsyncIterator[Federation]:
             raise world.bind_error
         world.bindings.append(args)
 
-    extender = Extender(pool, bind, estimator_timeout=0.3)
+    async def lookup(namespace: str, name: str) -> dict[str, Any] | None:
+        world.lookups.append((namespace, name))
+        if world.lookup_error is not None:
+            raise world.lookup_error
+        return world.upper_pods.get((namespace, name))
+
+    extender = Extender(pool, bind, lookup, estimator_timeout=0.3)
+    waiting = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
+    waiting.add_handler(FunctionHandler(delete=extender.stopped_waiting))
+    waiting.synced.set()
     client = TestClient(TestServer(make_app(extender)))
     await client.start_server()
-    world = Federation(tmp_path, extender, nodes, client)
+    world = Federation(tmp_path, extender, nodes, client, waiting)
     try:
         yield world
     finally:
+        await extender.stop()
         await client.close()
         await pool.close()
         for server in world.servers:
@@ -556,6 +581,61 @@ async def test_bind_elsewhere_releases_the_room_kept_for_the_pod(federation: Fed
     assert await federation.post("bind", binding("vk-b")) == {"Error": ""}
     await asyncio.sleep(0.1)
     assert estimators["vk-a"].releases == [["u1"]]
+
+
+async def test_a_pod_the_scheduler_put_on_an_ordinary_node_gives_its_room_back(
+    federation: Federation,
+) -> None:
+    await federation.estimator("vk-a", fits(0.9))
+    result = await federation.filter("worker", "vk-a")
+    assert result["NodeNames"] == ["worker", "vk-a"]
+    federation.scheduled("worker")
+    estimators = federation.estimators
+    await eventually(lambda: bool(estimators["vk-a"].releases))
+    assert estimators["vk-a"].releases == [["u1"]]
+    assert federation.lookups == [("ns", "p")]
+    assert sample(federation, "kubestrata_extender_room_given_back_total") == 1
+    assert len(federation.extender.decisions) == 0
+
+
+async def test_a_pod_bound_where_its_room_is_keeps_it(federation: Federation) -> None:
+    await federation.estimator("vk-a", fits(0.9))
+    await federation.filter("worker", "vk-a")
+    federation.scheduled("vk-a")
+    await eventually(lambda: bool(federation.lookups))
+    await asyncio.sleep(0.4)  # past the release delay
+    assert federation.estimators["vk-a"].releases == []
+    assert len(federation.extender.decisions) == 0, "the pod is forgotten once bound"
+
+
+async def test_a_pod_deleted_while_waiting_gives_its_room_back(federation: Federation) -> None:
+    await federation.estimator("vk-a", fits(0.9))
+    await federation.filter("vk-a")
+    federation.scheduled(None)
+    await eventually(lambda: bool(federation.estimators["vk-a"].releases))
+    assert federation.estimators["vk-a"].releases == [["u1"]]
+
+
+async def test_room_is_kept_when_where_the_pod_went_cannot_be_read(
+    federation: Federation,
+) -> None:
+    await federation.estimator("vk-a", fits(0.9))
+    await federation.filter("vk-a")
+    federation.lookup_error = ApiError(503, {"message": "unavailable"}, "GET", "/p")
+    federation.scheduled("worker")
+    await eventually(lambda: bool(federation.lookups))
+    await asyncio.sleep(0.4)
+    assert federation.estimators["vk-a"].releases == [], "it lapses on its own"
+
+
+async def test_a_pod_that_held_no_room_is_not_read(federation: Federation) -> None:
+    await federation.estimator("vk-a", NO_ROOM)
+    await federation.filter("worker", "vk-a")
+    await federation.filter("worker")
+    federation.scheduled("worker")
+    await asyncio.sleep(0.1)
+    assert federation.lookups == []
+    assert len(federation.extender.decisions) == 0
 
 
 async def test_bind_to_a_cluster_filled_since_filter_is_refused(federation: Federation) -> None:
