@@ -238,11 +238,17 @@ def reserved_nodes(answers: Mapping[str, Answer]) -> set[str]:
 
 
 def scores(
-    node_names: Sequence[str], estimates: Mapping[str, PodEstimate], score: Score
+    node_names: Sequence[str],
+    estimates: Mapping[str, PodEstimate],
+    score: Score,
+    ordinary: Collection[str] = (),
 ) -> list[JSON]:
-    """The HostPriorityList: the fit score of each candidate, averaged with its preferred
-    node-affinity weight (normalised so the best candidate has 1) when the pod prefers
-    anything; 0 for nodes without a fitting estimate (ordinary nodes)."""
+    """The HostPriorityList: the fit score of each virtual node, averaged with its
+    preferred node-affinity weight (normalised so the best candidate has 1) when the pod
+    prefers anything, 0 without a fitting estimate. ``ordinary`` nodes get the best score
+    given: the extender ranks them neither above nor below the cluster it would choose
+    (its weight would otherwise outweigh every score of the scheduler's own), so between
+    them the scheduler's own scores decide."""
     fitting = {n: estimates[n] for n in node_names if fits(estimates.get(n))}
     top_preferred = max((e.preferred for e in fitting.values()), default=0)
 
@@ -257,7 +263,9 @@ def scores(
         # Half up rather than Python's half to even: 0.25 is 3, like 0.35 is 4.
         return int(MAX_SCORE * value + 0.5)
 
-    return [{"Host": name, "Score": of(name)} for name in node_names]
+    virtual = {name: of(name) for name in node_names if name not in ordinary}
+    best = max(virtual.values(), default=0)
+    return [{"Host": name, "Score": virtual.get(name, best)} for name in node_names]
 
 
 def chosen_cluster(answers: Mapping[str, Answer], score: Score) -> str | None:

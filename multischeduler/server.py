@@ -110,7 +110,8 @@ class Extender:
             )
             known |= {n: a for n, a in answers.items() if isinstance(a, PodEstimate)}
         self.metrics.decisions.labels("prioritize").inc()
-        return scores(args.node_names, known, self.score)
+        ordinary = [n for n in args.node_names if not self.pool.is_virtual(n)]
+        return scores(args.node_names, known, self.score, ordinary)
 
     async def bind(self, args: BindingArgs) -> JSON:
         self.metrics.decisions.labels("bind").inc()

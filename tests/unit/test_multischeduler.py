@@ -217,7 +217,7 @@ def score_of(result: list[dict[str, Any]]) -> dict[str, int]:
                 "vk-b": fitting(best_fit=0.3, least_allocated=0.8),
             },
             Score.BEST_FIT,
-            {"worker": 0, "vk-a": 9, "vk-b": 3},
+            {"worker": 9, "vk-a": 9, "vk-b": 3},
         ),
         (
             {
@@ -225,7 +225,7 @@ def score_of(result: list[dict[str, Any]]) -> dict[str, int]:
                 "vk-b": fitting(best_fit=0.3, least_allocated=0.8),
             },
             Score.LEAST_ALLOCATED,
-            {"worker": 0, "vk-a": 2, "vk-b": 8},
+            {"worker": 8, "vk-a": 2, "vk-b": 8},
         ),
         # Preferred weights are normalised to the best candidate's and averaged in.
         (
@@ -234,22 +234,30 @@ def score_of(result: list[dict[str, Any]]) -> dict[str, int]:
                 "vk-b": fitting(best_fit=0.6, preferred=100),
             },
             Score.BEST_FIT,
-            {"worker": 0, "vk-a": 6, "vk-b": 8},
+            {"worker": 8, "vk-a": 6, "vk-b": 8},
         ),
-        # Half rounds up; out-of-range fits are clamped; a cluster without room scores 0.
+        # Half rounds up; out-of-range fits are clamped; a cluster without room scores 0;
+        # an ordinary node, the best score given (the extender ranks it neither way).
         (
             {"vk-a": fitting(best_fit=0.25), "vk-b": fitting(best_fit=1.7), "vk-c": NO_ROOM},
             Score.BEST_FIT,
-            {"worker": 0, "vk-a": 3, "vk-b": 10, "vk-c": 0},
+            {"worker": 10, "vk-a": 3, "vk-b": 10, "vk-c": 0},
         ),
         ({}, Score.BEST_FIT, {"worker": 0}),
     ],
 )
 def test_scores(estimates: dict[str, PodEstimate], score: Score, expected: dict[str, int]) -> None:
     names = ["worker", *estimates]
-    result = scores(names, estimates, score)
+    result = scores(names, estimates, score, ordinary=["worker"])
     assert [entry["Host"] for entry in result] == names
     assert score_of(result) == expected
+
+
+def test_an_ordinary_node_ranks_with_the_chosen_cluster_above_unchecked_ones() -> None:
+    # vk-x was let through without an estimate (--on-estimator-error ignore).
+    estimates = {"vk-a": fitting(best_fit=0.5)}
+    result = scores(["worker", "vk-a", "vk-x"], estimates, Score.BEST_FIT, ordinary=["worker"])
+    assert score_of(result) == {"worker": 5, "vk-a": 5, "vk-x": 0}
 
 
 def test_preferred_weights_count_only_among_the_candidates() -> None:

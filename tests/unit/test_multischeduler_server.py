@@ -465,8 +465,9 @@ async def test_prioritize_scores_from_the_filters_answers(federation: Federation
     scores = await federation.post(
         "prioritize", {"Pod": POD, "NodeNames": ["worker", "vk-a", "vk-b"]}
     )
+    # The ordinary node as the cluster ranked first: the scheduler's own scores decide.
     assert scores == [
-        {"Host": "worker", "Score": 0},
+        {"Host": "worker", "Score": 9},
         {"Host": "vk-a", "Score": 9},
         {"Host": "vk-b", "Score": 4},
     ]
