@@ -19,7 +19,7 @@ import ssl
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -51,13 +51,17 @@ USAGE_MEMORY_ANNOTATION = "kwok.x-k8s.io/usage-memory"
 DEFAULT_USAGE = {"cpu": "1m", "memory": "1Mi"}
 
 
+# kwok runs the Nodes that say so here.
+KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
+
+
 def kwok_resource_metrics_path(node: str) -> str:
     return f"/metrics/nodes/{node}/metrics/resource"
 
 
 @dataclass(frozen=True)
 class NodeSpec:
-    """A simulated Node of a lower cluster, run by kwok."""
+    """A Node simulated by kwok: of a lower cluster, or an ordinary Node of the upper one."""
 
     name: str
     cpu: str = "16"
@@ -85,7 +89,7 @@ class NodeSpec:
                 "name": self.name,
                 "labels": labels,
                 "annotations": {
-                    "kwok.x-k8s.io/node": "fake",
+                    KWOK_NODE_ANNOTATION: "fake",
                     # Where kwok serves this node's resource metrics; metrics-server reads it.
                     RESOURCE_METRICS_PATH_ANNOTATION: kwok_resource_metrics_path(self.name),
                 },
@@ -514,7 +518,12 @@ class LocalCluster(KubectlClient):
                 str(self.toolchain.kwok),
                 f"--kubeconfig={self.kubeconfig}",
                 f"--config={config_path}",
-                "--manage-all-nodes=true",
+                # Above, the virtual nodes are not kwok's: only the Nodes made here are.
+                *(
+                    ["--manage-all-nodes=true"]
+                    if self.spec.role == "lower"
+                    else [f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake"]
+                ),
                 # Without it kwok renews no Lease, and the controller-manager finds the
                 # simulated nodes silent after its grace period and marks their pods NotReady.
                 "--node-lease-duration-seconds=40",
@@ -657,9 +666,13 @@ class LocalCluster(KubectlClient):
         return "---\n".join(part if part.endswith("\n") else part + "\n" for part in parts)
 
     def add_nodes(self, nodes: Iterable[NodeSpec], timeout: float = READY_TIMEOUT_SECONDS) -> None:
+        """Nodes simulated by kwok; an upper cluster starts its kwok with its first (an
+        ordinary Node beside the virtual ones). Returns once they take pods."""
         manifests = [node.manifest() for node in nodes]
         if not manifests:
             return
+        if "kwok" not in self.processes:
+            self._start_kwok(timeout)
         self.kubectl(
             "apply",
             "-f",
@@ -680,6 +693,10 @@ class LocalCluster(KubectlClient):
                 f"--timeout={int(timeout)}s",
                 timeout=timeout + 10,
             )
+        # The controller-manager takes a new Node's not-ready taint off a moment after it
+        # is Ready: a pod made before then goes elsewhere.
+        added = {m["metadata"]["name"] for m in manifests}
+        self._wait(self.processes["kwok"], timeout, lambda: self._nodes_take_pods(added))
 
     def _wait_default_service_account(self, timeout: float) -> None:
         # Pods are refused until the controller-manager has made the default account.
@@ -763,11 +780,15 @@ class LocalCluster(KubectlClient):
                 raise ClusterError(f"node leases of {self.name} not released: {result.stderr}")
             time.sleep(0.5)
 
-    def _nodes_take_pods(self) -> bool:
+    def _nodes_take_pods(self, names: Collection[str] | None = None) -> bool:
+        """Every Node (of ``names``, when given) takes pods."""
         result = self.kubectl("get", "nodes", "-o", "json", check=False)
-        return result.returncode == 0 and all(
-            _node_takes_pods(node) for node in json.loads(result.stdout)["items"]
-        )
+        if result.returncode != 0:
+            return False
+        nodes = json.loads(result.stdout)["items"]
+        if names is not None:
+            nodes = [node for node in nodes if node["metadata"]["name"] in names]
+        return all(_node_takes_pods(node) for node in nodes)
 
     def stop_component(self, component: str) -> None:
         self.processes[component].stop()

@@ -307,6 +307,57 @@ async def estimate(
     return answer
 
 
+def room_for_six(federation: Federation) -> int:
+    """How many of lower-1's nodes its estimator finds room on for a 6-cpu pool pod (only
+    frag-a has that much free), holding nothing."""
+    probe = frag_pod("probe", "6")
+    probe["metadata"]["uid"] = "probe"
+    address = estimator_address(federation, "vk-lower-1")
+    answer = asyncio.run(estimate(federation, address, probe, multischeduler_token(federation)))
+    assert not answer.error, answer.error
+    return int(answer.fitting_count)
+
+
+@pytest.fixture
+def ordinary_node(fragmented: Federation) -> Iterator[str]:
+    """An ordinary upper Node beside the virtual ones, run by kwok, far larger than they
+    look to the upper scheduler, whose own scores then prefer it."""
+    name = "upper-big"
+    upper = fragmented.upper
+    assert isinstance(upper, LocalCluster)
+    upper.add_nodes([NodeSpec(name=name, cpu="1000", memory="4Ti", pods=1000)])
+    try:
+        yield name
+    finally:
+        upper.kubectl("delete", "node", name, "--ignore-not-found")
+
+
+def test_a_pod_the_scheduler_puts_on_an_ordinary_node_gives_back_the_room_kept_for_it(
+    fragmented: Federation, ordinary_node: str
+) -> None:
+    assert room_for_six(fragmented) == 1
+    # Filter keeps frag-a's room for the pod and passes the ordinary node untouched;
+    # prioritize ranks the two alike, and the scheduler's own scores choose the node.
+    apply(fragmented.upper, frag_pod("elsewhere", "6"))
+    try:
+        wait_for(
+            lambda: running_on(fragmented, "elsewhere", ordinary_node),
+            f"elsewhere Running on {ordinary_node}",
+        )
+        # The estimator gives such room back on its own 30 s after the filter.
+        wait_for(
+            lambda: room_for_six(fragmented),
+            "the room kept on lower-1 for the pod bound elsewhere back",
+            timeout=15,
+        )
+        fragmented.upper.kubectl("cordon", ordinary_node)
+        apply(fragmented.upper, frag_pod("after", "6"))
+        wait_for(lambda: running_on(fragmented, "after", "vk-lower-1"), "after on vk-lower-1")
+        assert not lower_pods(fragmented, "app=elsewhere")
+    finally:
+        delete_pods(fragmented, "app in (elsewhere, after)")
+
+
 REFUSED = "kubestrata-e2e-bindings-refused"
 
 
@@ -364,17 +415,7 @@ def binding_refused(federation: Federation, pod: str) -> bool:
 def test_room_kept_for_a_pod_deleted_while_it_waited_comes_back_at_once(
     fragmented: Federation,
 ) -> None:
-    address = estimator_address(fragmented, "vk-lower-1")
-    token = multischeduler_token(fragmented)
-
-    def room_for_six() -> int:
-        probe = frag_pod("probe", "6")
-        probe["metadata"]["uid"] = "probe"
-        answer = asyncio.run(estimate(fragmented, address, probe, token))
-        assert not answer.error, answer.error
-        return int(answer.fitting_count)
-
-    assert room_for_six() == 1
+    assert room_for_six(fragmented) == 1
     apply(fragmented.upper, *bindings_refused("waiting"))
     try:
         wait_for(partial(binding_refused, fragmented, "waiting"), "the policy in force")
@@ -383,12 +424,16 @@ def test_room_kept_for_a_pod_deleted_while_it_waited_comes_back_at_once(
         apply(fragmented.upper, frag_pod("waiting", "6"))
         message = wait_for(lambda: failed_scheduling(fragmented, "waiting"), "the binding refused")
         assert "bindings refused by the test" in message, message
-        assert room_for_six() == 0, "the room is kept for the waiting pod"
+        assert room_for_six(fragmented) == 0, "the room is kept for the waiting pod"
         fragmented.upper.kubectl("delete", "pod", "-n", NAMESPACE, "waiting", "--wait")
         # The estimators give such room back on their own 30 s after the last filter, at
         # most 10 s (the scheduler's longest backoff) before the delete; it is back well
         # before.
-        wait_for(room_for_six, "the room kept on lower-1 for the deleted pod back", timeout=15)
+        wait_for(
+            lambda: room_for_six(fragmented),
+            "the room kept on lower-1 for the deleted pod back",
+            timeout=15,
+        )
         assert not lower_pods(fragmented, "app=waiting")
     finally:
         fragmented.upper.kubectl(
