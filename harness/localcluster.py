@@ -768,24 +768,44 @@ class LocalCluster(KubectlClient):
     def _release_node_leases(self, timeout: float) -> None:
         # A new kwok holds under a new identity: it would wait out the leases of the one it
         # replaces (40 s), its Nodes NotReady and tainted meanwhile, and pods made then would
-        # wait for the lower scheduler's next retry (a minute more in one CI run).
+        # wait for the lower scheduler's next retry (a minute more in one CI run). Only its
+        # own: above, the virtual nodes' leases are theirs.
         deadline = time.monotonic() + timeout
         while True:
-            result = self.kubectl(
-                "delete", "leases", "--all", "-n", "kube-node-lease", "--wait=false", check=False
-            )
-            if result.returncode == 0:
+            nodes = self._kwok_nodes()
+            if nodes == []:
                 return
+            if nodes is None:
+                why = "its Nodes could not be listed"
+            else:
+                names = [node["metadata"]["name"] for node in nodes]
+                leases = ("leases", "-n", "kube-node-lease", *names)
+                result = self.kubectl(
+                    "delete", *leases, "--ignore-not-found", "--wait=false", check=False
+                )
+                if result.returncode == 0:
+                    return
+                why = result.stderr
             if time.monotonic() > deadline:
-                raise ClusterError(f"node leases of {self.name} not released: {result.stderr}")
+                raise ClusterError(f"node leases of {self.name} not released: {why}")
             time.sleep(0.5)
 
-    def _nodes_take_pods(self, names: Collection[str] | None = None) -> bool:
-        """Every Node (of ``names``, when given) takes pods."""
+    def _kwok_nodes(self) -> list[dict[str, Any]] | None:
+        """The Nodes kwok runs here (None: they could not be listed)."""
         result = self.kubectl("get", "nodes", "-o", "json", check=False)
         if result.returncode != 0:
+            return None
+        return [
+            node
+            for node in json.loads(result.stdout)["items"]
+            if (node["metadata"].get("annotations") or {}).get(KWOK_NODE_ANNOTATION) == "fake"
+        ]
+
+    def _nodes_take_pods(self, names: Collection[str] | None = None) -> bool:
+        """Every Node kwok runs here (of ``names``, when given) takes pods."""
+        nodes = self._kwok_nodes()
+        if nodes is None:
             return False
-        nodes = json.loads(result.stdout)["items"]
         if names is not None:
             nodes = [node for node in nodes if node["metadata"]["name"] in names]
         return all(_node_takes_pods(node) for node in nodes)
