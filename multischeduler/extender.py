@@ -301,9 +301,10 @@ def room_to_give_back(reserved: Collection[str], uid: str, now: JSON | None) -> 
 
 class Decisions:
     """What each pod's filter learnt, by pod UID: the estimates prioritize scores right
-    after, and the nodes holding room that bind must release. Forgotten after
-    ``reservations_for`` seconds (the estimators give such room back on their own then
-    too), so a pod never bound costs nothing for long."""
+    after, and the nodes holding room that bind, or the pod leaving the scheduler's queue,
+    must release. Forgotten then, or after ``reservations_for`` seconds (the estimators
+    give such room back on their own then too), so a pod never bound costs nothing for
+    long."""
 
     def __init__(self, *, scores_for: float = 5.0, reservations_for: float = 60.0) -> None:
         self.scores_for = scores_for
