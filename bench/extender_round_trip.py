@@ -113,8 +113,8 @@ async def no_binding(_args: object) -> None:
     raise AssertionError("nothing is bound here")
 
 
-async def no_lookup(_namespace: str, _name: str) -> None:
-    raise AssertionError("no pod leaves a scheduler's queue here")
+async def no_lookup(_resource: object, _namespace: str | None, _name: str) -> None:
+    raise AssertionError("no pod leaves a scheduler's queue here, no estimator fails")
 
 
 async def decide(

@@ -262,6 +262,21 @@ class EstimatorPool:
         else:
             log.warning("%s: no %s annotation", node.name, keys.ESTIMATOR_ADDRESS_ANNOTATION)
 
+    def renew(self, obj: JSON) -> bool:
+        """Takes a virtual Node read afresh, ahead of the watch; True when it names another
+        estimator than the one known (the virtual node restarted or moved)."""
+        node = virtual_node(obj)
+        if node is None:
+            return False
+        current = self._estimators.get(node.name)
+        if current is not None and (current.address, current.started) == (
+            node.address,
+            node.started,
+        ):
+            return False
+        self.put(obj)
+        return node.address is not None
+
     def remove(self, obj: JSON) -> None:
         name = str(obj["metadata"]["name"])
         self.nodes.pop(name, None)

@@ -23,6 +23,7 @@ from kubekit.client import (
     ApiError,
     ClientSettings,
     KubeClient,
+    Resource,
     is_not_found,
 )
 from kubekit.component import run_component
@@ -49,9 +50,10 @@ log = logging.getLogger("multischeduler")
 
 # Within the scheduler's httpTimeout (5 s) for the whole bind call.
 BIND_TIMEOUT = 4.0
-# Where a pod that left the scheduler's queue went: past this the room kept for it is left
-# to lapse, as when nothing asks.
-LOOKUP_TIMEOUT = 10.0
+# A read of a pod that left the scheduler's queue (past this the room kept for it is left
+# to lapse), or of a virtual Node whose estimator failed (within the scheduler's
+# httpTimeout of 5 s for the whole filter call).
+LOOKUP_TIMEOUT = 2.0
 
 
 @dataclass(frozen=True)
@@ -174,10 +176,10 @@ async def run(config: Config) -> None:
             path = PODS.path(args.pod_namespace, args.pod_name, "binding")
             await client.request("POST", path, body=binding_body(args), timeout=BIND_TIMEOUT)
 
-        async def lookup(namespace: str, name: str) -> JSON | None:
+        async def lookup(resource: Resource, namespace: str | None, name: str) -> JSON | None:
             try:
                 return await client.request(
-                    "GET", PODS.path(namespace, name), timeout=LOOKUP_TIMEOUT
+                    "GET", resource.path(namespace, name), timeout=LOOKUP_TIMEOUT
                 )
             except ApiError as error:
                 if is_not_found(error):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import orjson
 from aiohttp import web
 
-from kubekit.client import API_ERRORS, JSON
+from kubekit.client import API_ERRORS, JSON, NODES, PODS, Resource
 from kubekit.estimatorapi.estimator_pb2 import PodEstimate, PodQuery
 from multischeduler.estimators import EstimatorPool
 from multischeduler.extender import (
@@ -39,8 +39,9 @@ log = logging.getLogger("multischeduler")
 
 # Creates the Binding in the upper cluster; raises with a message for the scheduler.
 Binder = Callable[[BindingArgs], Awaitable[None]]
-# The pod (namespace, name) as the upper apiserver has it now; None when it is not found.
-PodLookup = Callable[[str, str], Awaitable[JSON | None]]
+# An object (resource, namespace, name) as the upper apiserver has it now; None when it
+# is not found.
+Lookup = Callable[[Resource, str | None, str], Awaitable[JSON | None]]
 
 # A pod is a few KiB; 3 MiB covers the largest object etcd stores.
 MAX_BODY = 3 * 1024 * 1024
@@ -50,7 +51,7 @@ MAX_BODY = 3 * 1024 * 1024
 class Extender:
     pool: EstimatorPool
     binder: Binder
-    lookup: PodLookup
+    lookup: Lookup
     estimator_timeout: float = 0.5
     on_error: OnEstimatorError = OnEstimatorError.FAIL
     score: Score = Score.BEST_FIT
@@ -88,6 +89,7 @@ class Extender:
         if virtual:
             pod = orjson.dumps(args.pod)
             answers |= await self._estimate(virtual, pod, args.pod_key, reserve=True)
+            answers |= await self._ask_restarted(answers, pod, args.pod_key)
             chosen = chosen_cluster(answers, self.score)
             # Room held elsewhere until the binding would turn the next pods of a burst
             # away from clusters that still have it.
@@ -98,6 +100,28 @@ class Extender:
         self.metrics.filter_seconds.observe(self.clock() - began)
         self.metrics.decisions.labels("filter").inc()
         return result
+
+    async def _ask_restarted(
+        self, answers: Mapping[str, Answer], pod: bytes, pod_key: str
+    ) -> dict[str, Answer]:
+        """Asks again, once, the virtual nodes whose estimator failed but has restarted
+        since the Node cache last heard. The Node change that tells of a restart makes the
+        scheduler try its waiting pods again, and may reach it before this process's
+        watch: asked through the old channel, the new estimator would fail them, and no
+        further change would bring them back for minutes."""
+        failed = [n for n, a in answers.items() if isinstance(a, EstimatorFailure)]
+        restarted = []
+        for name in failed:
+            try:
+                node = await self.lookup(NODES, None, name)
+            except API_ERRORS as error:
+                log.warning("%s: not read again (%s)", name, error)
+                continue
+            if node is not None and self.pool.renew(node):
+                restarted.append(name)
+        if not restarted:
+            return {}
+        return await self._estimate(restarted, pod, pod_key, reserve=True)
 
     async def prioritize(self, args: ExtenderArgs) -> list[JSON]:
         known = self.decisions.estimates(args.uid, self.clock())
@@ -167,7 +191,7 @@ class Extender:
 
     async def _give_back(self, namespace: str, name: str, uid: str, reserved: set[str]) -> None:
         try:
-            now = await self.lookup(namespace, name)
+            now = await self.lookup(PODS, namespace, name)
         except API_ERRORS as error:
             log.warning(
                 "pod %s/%s: not read (%s); the room kept for it lapses on its own",

@@ -17,7 +17,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from kubekit import keys, pki
-from kubekit.client import NODES, PODS, ApiError
+from kubekit.client import NODES, PODS, ApiError, Resource
 from kubekit.estimatorapi import estimator_pb2, estimator_pb2_grpc
 from kubekit.estimatorapi.estimator_pb2 import (
     EstimateRequest,
@@ -187,6 +187,8 @@ class Federation:
     upper_pods: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     lookup_error: Exception | None = None
     lookups: list[tuple[str, str]] = field(default_factory=list)
+    # The virtual Nodes as the upper apiserver has them, ahead of the Node cache.
+    upper_nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     async def serve(self, servicer: FakeEstimator, older: bool = False) -> str:
         """Starts an estimator on a free port; returns its address."""
@@ -213,13 +215,7 @@ class Federation:
         return address
 
     def virtual_node(self, name: str, address: str | None, event: str = "ADDED") -> None:
-        annotations = {keys.ESTIMATOR_ADDRESS_ANNOTATION: address} if address else {}
-        labels = {
-            keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL,
-            keys.CLUSTER_ID_LABEL: cluster_of(name),
-        }
-        metadata = {"name": name, "labels": labels, "annotations": annotations}
-        self.nodes.apply({"type": event, "object": {"metadata": metadata}})
+        self.nodes.apply({"type": event, "object": virtual_node_object(name, address)})
 
     async def post(self, verb: str, body: Any, status: int = 200) -> Any:
         response = await self.client.post(f"/{verb}", data=orjson.dumps(body))
@@ -243,6 +239,14 @@ class Federation:
         return sum(len(e.estimates) for e in self.estimators.values())
 
 
+def virtual_node_object(name: str, address: str | None, started: str = "") -> dict[str, Any]:
+    annotations = {keys.ESTIMATOR_ADDRESS_ANNOTATION: address} if address else {}
+    if started:
+        annotations[keys.ESTIMATOR_STARTED_ANNOTATION] = started
+    labels = {keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL, keys.CLUSTER_ID_LABEL: cluster_of(name)}
+    return {"metadata": {"name": name, "labels": labels, "annotations": annotations}}
+
+
 def serving_pair(tmp_path: Path) -> pki.KeyPair:
     return pki.serving_pair(tmp_path / "estimators", "estimator", ("127.0.0.1",))
 
@@ -263,7 +267,10 @@ async def federation(tmp_path: Path) -> AsyncIterator[Federation]:
             raise world.bind_error
         world.bindings.append(args)
 
-    async def lookup(namespace: str, name: str) -> dict[str, Any] | None:
+    async def lookup(resource: Resource, namespace: str | None, name: str) -> dict[str, Any] | None:
+        if resource is NODES:
+            return world.upper_nodes.get(name)
+        assert resource is PODS and namespace is not None
         world.lookups.append((namespace, name))
         if world.lookup_error is not None:
             raise world.lookup_error
@@ -582,6 +589,30 @@ async def test_bind_elsewhere_releases_the_room_kept_for_the_pod(federation: Fed
     assert await federation.post("bind", binding("vk-b")) == {"Error": ""}
     await asyncio.sleep(0.1)
     assert estimators["vk-a"].releases == [["u1"]]
+
+
+async def test_an_estimator_restarted_before_the_node_cache_heard_is_asked_again(
+    federation: Federation,
+) -> None:
+    # The Node cache still names an estimator that is gone (nothing listens there).
+    gone = FakeEstimator("a", fits(0.9))
+    old_address = await federation.serve(gone)
+    await federation.servers.pop().stop(None)
+    federation.virtual_node("vk-a", old_address)
+    # The apiserver already has the restarted one, which the scheduler's retry followed.
+    restarted = FakeEstimator("a", fits(0.9))
+    federation.estimators["vk-a"] = restarted
+    new_address = await federation.serve(restarted)
+    federation.upper_nodes["vk-a"] = virtual_node_object("vk-a", new_address, started="2")
+    result = await federation.filter("vk-a")
+    assert result["NodeNames"] == ["vk-a"], result
+    assert len(restarted.estimates) == 1
+    # A failure with nothing newer above stays a failure.
+    await federation.servers.pop().stop(None)
+    result = await federation.filter("vk-a")
+    assert result["NodeNames"] == []
+    failed = {**result["FailedNodes"], **result["FailedAndUnresolvableNodes"]}
+    assert "UNAVAILABLE" in failed["vk-a"], result
 
 
 async def test_a_pod_the_scheduler_put_on_an_ordinary_node_gives_its_room_back(
