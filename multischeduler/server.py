@@ -110,14 +110,17 @@ class Extender:
         watch: asked through the old channel, the new estimator would fail them, and no
         further change would bring them back for minutes."""
         failed = [n for n, a in answers.items() if isinstance(a, EstimatorFailure)]
+        # At once: the scheduler gives the whole call 5 s.
+        reads = await asyncio.gather(
+            *(self.lookup(NODES, None, name) for name in failed), return_exceptions=True
+        )
         restarted = []
-        for name in failed:
-            try:
-                node = await self.lookup(NODES, None, name)
-            except API_ERRORS as error:
-                log.warning("%s: not read again (%s)", name, error)
-                continue
-            if node is not None and self.pool.renew(node):
+        for name, node in zip(failed, reads, strict=True):
+            if isinstance(node, BaseException):
+                if not isinstance(node, API_ERRORS):
+                    raise node
+                log.warning("%s: not read again (%s)", name, node)
+            elif node is not None and self.pool.renew(node):
                 restarted.append(name)
         if not restarted:
             return {}
