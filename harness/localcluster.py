@@ -679,22 +679,10 @@ class LocalCluster(KubectlClient):
             "-",
             input=json.dumps({"apiVersion": "v1", "kind": "List", "items": manifests}),
         )
-        names = [f"node/{m['metadata']['name']}" for m in manifests]
-        # kwok may report Ready before the address: until it has one, the apiserver cannot
-        # reach the node's kubelet API (logs, exec) and says "no preferred addresses".
-        for condition in (
-            "condition=Ready",
-            f"jsonpath={{.status.addresses[0].address}}={LOOPBACK}",
-        ):
-            self.kubectl(
-                "wait",
-                f"--for={condition}",
-                *names,
-                f"--timeout={int(timeout)}s",
-                timeout=timeout + 10,
-            )
-        # The controller-manager takes a new Node's not-ready taint off a moment after it
-        # is Ready: a pod made before then goes elsewhere.
+        # kwok may report Ready before the address (until it has one, the apiserver cannot
+        # reach the node's kubelet API and says "no preferred addresses"), and the
+        # controller-manager takes a new Node's not-ready taint off a moment after it is
+        # Ready (a pod made before then goes elsewhere).
         added = {m["metadata"]["name"] for m in manifests}
         self._wait(self.processes["kwok"], timeout, lambda: self._nodes_take_pods(added))
 
@@ -808,6 +796,8 @@ class LocalCluster(KubectlClient):
             return False
         if names is not None:
             nodes = [node for node in nodes if node["metadata"]["name"] in names]
+            if len(nodes) != len(names):
+                return False
         return all(_node_takes_pods(node) for node in nodes)
 
     def stop_component(self, component: str) -> None:

@@ -78,12 +78,13 @@ class FunctionHandler:
     """An EventHandler from plain callables; the common case is one function that
     enqueues a key for any change."""
 
-    add: Callable[[JSON], None] | None = None
-    update: Callable[[JSON], None] | None = None
-    delete: Callable[[JSON], None] | None = None
+    # What they return is not read.
+    add: Callable[[JSON], object] | None = None
+    update: Callable[[JSON], object] | None = None
+    delete: Callable[[JSON], object] | None = None
 
     @classmethod
-    def on_any(cls, notify: Callable[[JSON], None]) -> FunctionHandler:
+    def on_any(cls, notify: Callable[[JSON], object]) -> FunctionHandler:
         return cls(add=notify, update=notify, delete=notify)
 
     def on_add(self, obj: JSON) -> None:

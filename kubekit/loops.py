@@ -1,6 +1,6 @@
-"""Work handed from one thread's event loop to another's: an API client's connections
+"""Work handed from one thread's event loop to another's (an API client's connections
 belong to the loop that opened them, so a caller on another thread has its requests run
-there."""
+there), and work a caller starts without awaiting it."""
 
 from __future__ import annotations
 
@@ -16,3 +16,25 @@ async def on_loop(home: asyncio.AbstractEventLoop | None, work: Coroutine[Any, A
     if home is None or home is asyncio.get_running_loop():
         return await work
     return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(work, home))
+
+
+class Background:
+    """Tasks started and not awaited by whoever started them, kept so that none is
+    collected mid-flight and all can be awaited, or ended, at shutdown."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def wait(self) -> None:
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def cancel(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await self.wait()

@@ -14,10 +14,10 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import grpc
 import grpc.aio
@@ -43,6 +43,7 @@ from kubekit.estimatorapi.estimator_pb2 import (
 )
 from kubekit.estimatorapi.estimator_pb2_grpc import EstimatorStub
 from kubekit.informer import FunctionHandler
+from kubekit.loops import Background
 from multischeduler.extender import Answer, EstimatorFailure, VirtualNode, virtual_node
 
 if TYPE_CHECKING:
@@ -228,9 +229,8 @@ class EstimatorPool:
         self.release_delay = release_delay
         self.nodes: dict[str, VirtualNode] = {}
         self._estimators: dict[str, _Estimator] = {}
-        # Fire-and-forget calls and channel closes, kept so they are not collected
-        # mid-flight and can be awaited at shutdown.
-        self._background: set[asyncio.Task[None]] = set()
+        # Fire-and-forget calls and channel closes.
+        self._background = Background()
 
     def handler(self) -> FunctionHandler:
         return FunctionHandler(add=self.put, update=self.put, delete=self.remove)
@@ -238,18 +238,20 @@ class EstimatorPool:
     def is_virtual(self, name: str) -> bool:
         return name in self.nodes
 
-    def put(self, obj: JSON) -> None:
+    def put(self, obj: JSON) -> bool:
+        """Takes a virtual Node (from the watch, or read afresh ahead of it); True when it
+        names another estimator than the one known (the virtual node restarted or moved)."""
         node = virtual_node(obj)
         if node is None:
             self.remove(obj)
-            return
+            return False
         self.nodes[node.name] = node
         current = self._estimators.get(node.name)
         if current is not None and (current.address, current.started) == (
             node.address,
             node.started,
         ):
-            return
+            return False
         if current is not None:
             del self._estimators[node.name]
             self._close(current)
@@ -259,23 +261,9 @@ class EstimatorPool:
                 node.address, node.started, channel, EstimatorStub(channel)
             )
             log.info("%s (cluster %s): estimator at %s", node.name, node.cluster_id, node.address)
-        else:
-            log.warning("%s: no %s annotation", node.name, keys.ESTIMATOR_ADDRESS_ANNOTATION)
-
-    def renew(self, obj: JSON) -> bool:
-        """Takes a virtual Node read afresh, ahead of the watch; True when it names another
-        estimator than the one known (the virtual node restarted or moved)."""
-        node = virtual_node(obj)
-        if node is None:
-            return False
-        current = self._estimators.get(node.name)
-        if current is not None and (current.address, current.started) == (
-            node.address,
-            node.started,
-        ):
-            return False
-        self.put(obj)
-        return node.address is not None
+            return True
+        log.warning("%s: no %s annotation", node.name, keys.ESTIMATOR_ADDRESS_ANNOTATION)
+        return False
 
     def remove(self, obj: JSON) -> None:
         name = str(obj["metadata"]["name"])
@@ -289,13 +277,7 @@ class EstimatorPool:
             estimator.flush_timer.cancel()
         if estimator.stream is not None:
             estimator.stream.close()
-        self._spawn(estimator.channel.close())
-
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        task = asyncio.create_task(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
+        self._background.spawn(estimator.channel.close())
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         if self.token is None:
@@ -380,7 +362,7 @@ class EstimatorPool:
             return stream
         if stream is not None:
             # A rotated token: the answers still due on the old call are read first.
-            self._spawn(stream.finish())
+            self._background.spawn(stream.finish())
         estimator.stream = AnswerStream(estimator.stub, metadata)
         return estimator.stream
 
@@ -513,7 +495,7 @@ class EstimatorPool:
             return
         uids = sorted(estimator.releases)
         estimator.releases.clear()
-        estimator.flushing = self._spawn(self._release(name, estimator, uids))
+        estimator.flushing = self._background.spawn(self._release(name, estimator, uids))
 
     async def _release(self, name: str, estimator: _Estimator, uids: list[str]) -> None:
         try:
@@ -531,7 +513,7 @@ class EstimatorPool:
         for estimator in self._estimators.values():
             self._close(estimator)
         self._estimators.clear()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await self._background.wait()
 
 
 def channel_credentials(ca_file: Path | None) -> grpc.ChannelCredentials:

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from kubekit.client import API_ERRORS, JSON, NODES, PODS, Resource
 from kubekit.estimatorapi.estimator_pb2 import PodEstimate, PodQuery
+from kubekit.loops import Background
 from multischeduler.estimators import EstimatorPool
 from multischeduler.extender import (
     Answer,
@@ -60,7 +61,7 @@ class Extender:
     decisions: Decisions = field(default_factory=Decisions)
     metrics: Metrics = field(default_factory=Metrics)
     clock: Callable[[], float] = time.monotonic
-    _giving_back: set[asyncio.Task[None]] = field(default_factory=set, init=False)
+    _giving_back: Background = field(default_factory=Background, init=False)
 
     async def _estimate(
         self, names: list[str], pod: bytes, pod_key: str, reserve: bool
@@ -110,6 +111,8 @@ class Extender:
         watch: asked through the old channel, the new estimator would fail them, and no
         further change would bring them back for minutes."""
         failed = [n for n, a in answers.items() if isinstance(a, EstimatorFailure)]
+        if not failed:
+            return {}
         # At once: the scheduler gives the whole call 5 s.
         reads = await asyncio.gather(
             *(self.lookup(NODES, None, name) for name in failed), return_exceptions=True
@@ -120,7 +123,7 @@ class Extender:
                 if not isinstance(node, API_ERRORS):
                     raise node
                 log.warning("%s: not read again (%s)", name, node)
-            elif node is not None and self.pool.renew(node):
+            elif node is not None and self.pool.put(node):
                 restarted.append(name)
         if not restarted:
             return {}
@@ -188,9 +191,7 @@ class Extender:
         # The watch that said so sends the pod as it was while waiting: where it went, or
         # whether it is gone, takes a read.
         namespace, name = str(metadata.get("namespace", "")), str(metadata["name"])
-        task = asyncio.create_task(self._give_back(namespace, name, uid, reserved))
-        self._giving_back.add(task)
-        task.add_done_callback(self._giving_back.discard)
+        self._giving_back.spawn(self._give_back(namespace, name, uid, reserved))
 
     async def _give_back(self, namespace: str, name: str, uid: str, reserved: set[str]) -> None:
         try:
@@ -209,9 +210,7 @@ class Extender:
             self.pool.release(released, uid)
 
     async def stop(self) -> None:
-        for task in self._giving_back:
-            task.cancel()
-        await asyncio.gather(*self._giving_back, return_exceptions=True)
+        await self._giving_back.cancel()
 
     async def _hold(self, args: BindingArgs, pod: bytes) -> str | None:
         key = f"{args.pod_namespace}/{args.pod_name}"

@@ -1,7 +1,7 @@
 import asyncio
 import threading
 
-from kubekit.loops import on_loop
+from kubekit.loops import Background, on_loop
 
 
 async def running_thread() -> threading.Thread:
@@ -25,3 +25,15 @@ def test_work_runs_on_its_home_loop_whichever_loop_awaits_it() -> None:
 async def test_work_for_the_caller_s_own_loop_runs_there() -> None:
     home = asyncio.get_running_loop()
     assert await on_loop(home, running_thread()) is threading.current_thread()
+
+
+async def test_background_tasks_are_awaited_or_ended_together() -> None:
+    background = Background()
+    finished = background.spawn(asyncio.sleep(0, result="done"))
+    await background.wait()
+    assert finished.result() == "done"
+    forever = background.spawn(asyncio.Event().wait())
+    await asyncio.sleep(0)
+    assert not forever.done()
+    await background.cancel()
+    assert forever.cancelled()
