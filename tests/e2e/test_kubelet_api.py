@@ -297,6 +297,7 @@ def kubelet_url(federation: Federation, path: str) -> str:
 def call_kubelet(
     url: str, *, token: str | None = None, cert: pki.KeyPair | None = None
 ) -> tuple[int, Any]:
+    """The status and the decoded JSON answer, or for an error its plain-text message."""
     context = ssl.create_default_context()
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
@@ -309,7 +310,7 @@ def call_kubelet(
         ) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
+        return error.code, error.read().decode()
 
 
 def test_unauthenticated_and_unauthorized_callers_are_refused(
@@ -323,7 +324,7 @@ def test_unauthenticated_and_unauthorized_callers_are_refused(
     token = upper.kubectl("create", "token", "nobody", "-n", NS).stdout.strip()
     status, body = call_kubelet(url, token=token)
     assert status == 403
-    assert "subresource=proxy" in body["message"] and body["kind"] == "Status"
+    assert body.startswith("Forbidden (") and "subresource=proxy" in body
     stranger = pki.issue(upper.ca, tmp_path / "stranger", "stranger", client=True)
     assert call_kubelet(url, cert=stranger)[0] == 403
     admin_status, pods = call_kubelet(kubelet_url(federation, "/pods"), cert=upper.admin_cert)
@@ -352,22 +353,35 @@ def test_running_pods_lists_the_pod_as_a_kubelet_does(federation: Federation, po
     ]
 
 
-def test_bad_requests_get_clear_statuses(federation: Federation, pod: str) -> None:
+def test_bad_requests_get_clear_messages(federation: Federation, pod: str) -> None:
     admin = federation.upper.admin_cert
     status, body = call_kubelet(
         kubelet_url(federation, f"/containerLogs/{NS}/nope/app"), cert=admin
     )
-    assert (status, body["reason"]) == (404, "NotFound")
+    assert status == 404 and f"pod {NS}/nope not found" in body
     status, body = call_kubelet(
         kubelet_url(federation, f"/containerLogs/{NS}/{POD}/nope"), cert=admin
     )
-    assert status == 404 and "container 'nope'" in body["message"]
+    assert status == 404 and "container 'nope'" in body
     status, body = call_kubelet(
         kubelet_url(federation, f"/containerLogs/{NS}/{POD}/app?tailLines=-3"), cert=admin
     )
-    assert status == 400 and body["message"].startswith("tailLines")
+    assert status == 400 and body.startswith("tailLines")
     result = federation.upper.kubectl("logs", "-n", NS, POD, "-c", "nope", check=False)
     assert result.returncode != 0 and "nope" in result.stderr
+
+
+def test_a_log_the_lower_cluster_refuses_reads_as_its_refusal(
+    federation: Federation, pod: str
+) -> None:
+    """The apiserver gives kubectl a refused log's body as the message: through the
+    virtual node it reads as the lower cluster's words, not as a JSON document."""
+    args = ("logs", "-n", NS, POD, "-c", "app", "--previous")
+    direct = lower(federation).kubectl(*args, check=False)
+    via = federation.upper.kubectl(*args, check=False)
+    assert direct.returncode != 0 and via.returncode != 0
+    refusal = direct.stderr.strip().removeprefix("Error from server (BadRequest): ")
+    assert via.stderr.strip() == f"Error from server (BadRequest): lower cluster: {refusal}"
 
 
 def test_stats_summary_names_each_pod_by_its_upper_uid(federation: Federation, pod: str) -> None:
@@ -397,7 +411,7 @@ def test_without_a_metrics_api_below_the_stats_say_so(federation: Federation) ->
             status, body = call_kubelet(
                 kubelet_url(federation, path), cert=federation.upper.admin_cert
             )
-            assert status == 503 and "metrics.k8s.io" in body["message"], body
+            assert status == 503 and "metrics.k8s.io" in body, body
     finally:
         cluster.register_metrics_api()
 

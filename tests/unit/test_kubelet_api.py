@@ -29,11 +29,11 @@ from virtual_node.kubeletapi.metrics import (
 from virtual_node.kubeletapi.provider import ExecOptions, LogOptions
 from virtual_node.kubeletapi.server import (
     BadParameter,
+    error_response,
     parse_exec_options,
     parse_log_options,
     parse_ports,
     running_pods,
-    status_response,
 )
 from virtual_node.kubeletstreams import container_starts, exec_status
 
@@ -183,23 +183,10 @@ def test_bad_port_is_named(value: str) -> None:
         parse_ports(MultiDict(port=value))
 
 
-def test_status_response_is_a_kubernetes_status() -> None:
-    response = status_response(404, "pod default/x not found on this node")
-    assert response.status == 404
-    assert response.content_type == "application/json"
-    assert isinstance(response.body, bytes)
-    assert json.loads(response.body) == {
-        "kind": "Status",
-        "apiVersion": "v1",
-        "metadata": {},
-        "status": "Failure",
-        "message": "pod default/x not found on this node",
-        "reason": "NotFound",
-        "code": 404,
-    }
-    unknown = status_response(418, "odd").body
-    assert isinstance(unknown, bytes)
-    assert json.loads(unknown)["reason"] == "InternalError"
+def test_an_error_is_its_message_in_plain_text_as_the_kubelet_writes_it() -> None:
+    response = error_response(404, "pod default/x not found on this node")
+    assert (response.status, response.content_type) == (404, "text/plain")
+    assert response.body == b"pod default/x not found on this node"
 
 
 # --- authorization attributes and certificate users --------------------------------------------

@@ -4,7 +4,6 @@ WebSocket and SPDY/3.1 streaming protocols, and what hostile SPDY peers get."""
 from __future__ import annotations
 
 import asyncio
-import json
 import struct
 import zlib
 
@@ -26,7 +25,7 @@ from tests.unit.fakekubelet import (
 )
 from virtual_node.kubeletapi import channels
 from virtual_node.kubeletapi import server as server_module
-from virtual_node.kubeletapi.provider import JSON, LogOptions
+from virtual_node.kubeletapi.provider import LogOptions
 from virtual_node.kubeletapi.spdy import (
     HEADER_DICTIONARY,
     GoAwayReceived,
@@ -36,11 +35,10 @@ from virtual_node.kubeletapi.spdy import (
 )
 
 
-async def status_of(response: ClientResponse) -> tuple[int, JSON]:
-    body: JSON = await response.json()
-    assert body["kind"] == "Status" and body["status"] == "Failure"
-    assert body["code"] == response.status
-    return response.status, body
+async def error_of(response: ClientResponse) -> tuple[int, str]:
+    """An error answered as the kubelet answers it: its message in plain text."""
+    assert response.content_type == "text/plain"
+    return response.status, await response.text()
 
 
 # --- plain HTTP ------------------------------------------------------------------------------
@@ -48,8 +46,8 @@ async def status_of(response: ClientResponse) -> tuple[int, JSON]:
 
 async def test_no_credentials_is_401_before_anything_else(kubelet: Kubelet) -> None:
     for path in ("/pods", "/containerLogs/default/p/app", "/no/such/route"):
-        code, body = await status_of(await kubelet.client.get(path))
-        assert (code, body["reason"]) == (401, "Unauthorized")
+        code, message = await error_of(await kubelet.client.get(path))
+        assert code == 401 and message.startswith("Unauthorized")
     assert kubelet.authorizer.checks == []
     assert kubelet.provider.log_requests == []
 
@@ -58,9 +56,8 @@ async def test_forbidden_user_is_403_and_reaches_no_pod(kubelet: Kubelet) -> Non
     response = await kubelet.client.get(
         "/containerLogs/default/p/app", headers={"Authorization": "Bearer mallory"}
     )
-    code, body = await status_of(response)
-    assert (code, body["reason"]) == (403, "Forbidden")
-    assert "user=mallory" in body["message"]
+    code, message = await error_of(response)
+    assert code == 403 and message.startswith("Forbidden") and "user=mallory" in message
     assert kubelet.authorizer.checks == [("mallory", "GET", "/containerLogs/default/p/app")]
     assert kubelet.provider.log_requests == []
 
@@ -156,9 +153,7 @@ async def test_logs_of_an_init_container(kubelet: Kubelet) -> None:
 
 async def test_logs_failure_before_the_first_chunk_is_a_status(kubelet: Kubelet) -> None:
     response = await kubelet.client.get("/containerLogs/default/p/broken", headers=AUTH)
-    code, body = await status_of(response)
-    assert (code, body["reason"]) == (502, "InternalError")
-    assert body["message"] == "lower cluster: the log stream broke"
+    assert await error_of(response) == (502, "lower cluster: the log stream broke")
 
 
 @pytest.mark.parametrize(
@@ -177,14 +172,14 @@ async def test_logs_failure_before_the_first_chunk_is_a_status(kubelet: Kubelet)
         ("/portForward/default/nope", 404, "pod default/nope not found"),
     ],
 )
-async def test_bad_requests_are_statuses(
+async def test_bad_requests_are_refused_with_a_message(
     kubelet: Kubelet, path: str, code: int, words: str
 ) -> None:
     method = "POST" if path.startswith(("/exec", "/attach", "/portForward")) else "GET"
     response = await kubelet.client.request(method, path, headers=AUTH)
-    got, body = await status_of(response)
+    got, message = await error_of(response)
     assert got == code
-    assert words in body["message"]
+    assert words in message
     assert kubelet.provider.log_requests == []
     assert kubelet.provider.processes == []
 
@@ -245,8 +240,8 @@ async def test_websocket_exec_without_a_channel_protocol_is_refused(kubelet: Kub
     )
     assert response.status == 400
     assert kubelet.provider.processes == []
-    _code, body = await status_of(response)
-    assert body["message"].startswith("Sec-WebSocket-Protocol")
+    _code, message = await error_of(response)
+    assert message.startswith("Sec-WebSocket-Protocol")
 
 
 async def test_websocket_port_forward_announces_and_echoes(kubelet: Kubelet) -> None:
@@ -274,8 +269,8 @@ async def test_websocket_port_forward_closes_opened_ports_when_one_fails(kubelet
             "Sec-WebSocket-Protocol": channels.V4_PROTOCOL,
         },
     )
-    code, body = await status_of(response)
-    assert code == 502 and "port 81" in body["message"]
+    code, message = await error_of(response)
+    assert code == 502 and "port 81" in message
     [opened] = kubelet.provider.connections
     assert opened.closed.is_set()
 
@@ -356,10 +351,8 @@ async def test_spdy_without_a_common_protocol_is_403(kubelet: Kubelet, path: str
     finally:
         writer.close()
     assert status == 403
-    assert headers["content-type"].startswith("application/json")
-    status_body = json.loads(body)
-    assert status_body["reason"] == "Forbidden"
-    assert "offered foo" in status_body["message"]
+    assert headers["content-type"].startswith("text/plain")
+    assert "offered foo" in body.decode()
     assert kubelet.provider.processes == []
 
 

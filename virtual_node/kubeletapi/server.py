@@ -40,14 +40,6 @@ PORT_FORWARD_SPDY_PROTOCOL = "portforward.k8s.io"
 # The apiserver creates every stream right after the upgrade; 30 s is the kubelet's limit.
 STREAM_CREATION_TIMEOUT = 30.0
 _RFC3339 = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?(Z|[+-]\d{2}:\d{2})$")
-_REASONS = {
-    400: "BadRequest",
-    401: "Unauthorized",
-    403: "Forbidden",
-    404: "NotFound",
-    502: "InternalError",
-    503: "ServiceUnavailable",
-}
 
 
 class BadParameter(ValueError):
@@ -91,17 +83,12 @@ def pod_list(items: list[JSON]) -> web.Response:
     )
 
 
-def status_response(code: int, message: str) -> web.Response:
-    body = {
-        "kind": "Status",
-        "apiVersion": "v1",
-        "metadata": {},
-        "status": "Failure",
-        "message": message,
-        "reason": _REASONS.get(code, "InternalError"),
-        "code": code,
-    }
-    return web.json_response(body, status=code)
+def error_response(code: int, message: str) -> web.Response:
+    """An error as the kubelet answers it: the message in plain text. The apiserver takes
+    a pods/log error's body as the message it gives kubectl, which would show a JSON
+    Status verbatim; client-go reads a refused upgrade's text as "unable to upgrade
+    connection: <message>", as with a kubelet."""
+    return web.Response(status=code, text=message)
 
 
 def _boolean(query: Mapping[str, str], name: str) -> bool:
@@ -229,13 +216,13 @@ class KubeletServer:
             )
             await self.authorizer.authorize(user, request.method, request.path)
         except AuthError as error:
-            return status_response(error.status, error.message)
+            return error_response(error.status, error.message)
         try:
             response: web.StreamResponse = await handler(request)
         except BadParameter as error:
-            return status_response(400, str(error))
+            return error_response(400, str(error))
         except ProviderError as error:
-            return status_response(error.status, error.message)
+            return error_response(error.status, error.message)
         except ConnectionError:
             # The client left before the answer: nobody to tell, nothing to log as an
             # error (aiohttp drops the connection when this goes unsent).
@@ -411,7 +398,7 @@ def _negotiated(socket: web.WebSocketResponse, request: web.Request) -> str | No
 
 def _no_common_protocol(request: web.Request, supported: tuple[str, ...]) -> web.Response:
     offered = ", ".join(offered_protocols(request)) or "none"
-    return status_response(
+    return error_response(
         403,
         f"unable to upgrade: no common stream protocol (offered {offered}; "
         f"supported {', '.join(supported)})",
