@@ -71,6 +71,22 @@ FEDERATION_DISABLED = "disabled"
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 ENDPOINT_SLICE_MANAGED_BY_LABEL = "endpointslice.kubernetes.io/managed-by"
 
+# Kubernetes' own annotations on a claim, written by the cluster that binds it: its
+# PersistentVolume controller's (bound, by whom, which provisioner, which plugin it moved
+# to) and its scheduler's (the node a WaitForFirstConsumer volume is made for). The upper
+# cluster's mean nothing below (bind-completed without a volume makes the claim Lost), and
+# the lower cluster's are its own.
+CLAIM_BINDING_ANNOTATIONS = frozenset(
+    {
+        "pv.kubernetes.io/bind-completed",
+        "pv.kubernetes.io/bound-by-controller",
+        "pv.kubernetes.io/migrated-to",
+        "volume.beta.kubernetes.io/storage-provisioner",
+        "volume.kubernetes.io/storage-provisioner",
+        "volume.kubernetes.io/selected-node",
+    }
+)
+
 # On virtual Nodes: where the fit estimator of the lower cluster listens (host:port, gRPC
 # over TLS with the kubelet API's serving certificate).
 ESTIMATOR_ADDRESS_ANNOTATION = f"{PREFIX}/estimator-address"

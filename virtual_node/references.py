@@ -201,7 +201,16 @@ def desired_copy(upper: Mapping[str, Any], mapping: NamespaceMapping, owner: Own
     if "spec" in upper:
         # A claim is bound below, to the lower cluster's own volumes.
         copy["spec"] = {k: v for k, v in upper["spec"].items() if k != "volumeName"}
+        copy["metadata"]["annotations"] = _without_binding(copy["metadata"]["annotations"])
     return copy
+
+
+def _is_claim(obj: Mapping[str, Any]) -> bool:
+    return obj.get("kind") == "PersistentVolumeClaim"
+
+
+def _without_binding(annotations: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in annotations.items() if k not in keys.CLAIM_BINDING_ANNOTATIONS}
 
 
 def desired_service_account(
@@ -270,7 +279,28 @@ def copy_differs(lower: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
         lower_spec = lower.get("spec") or {}
         if any(lower_spec.get(k) != v for k, v in desired["spec"].items()):
             return True
-    return any(
-        (lower["metadata"].get(part) or {}) != desired["metadata"][part]
-        for part in ("labels", "annotations")
-    )
+    labels: Mapping[str, str] = lower["metadata"].get("labels") or {}
+    annotations: Mapping[str, str] = lower["metadata"].get("annotations") or {}
+    if _is_claim(desired):
+        annotations = _without_binding(annotations)
+    wanted = desired["metadata"]
+    return bool(labels != wanted["labels"] or annotations != wanted["annotations"])
+
+
+def replacement(lower: Mapping[str, Any], desired: Mapping[str, Any]) -> JSON:
+    """The body that brings ``lower`` to ``desired`` in one update, keeping what the lower
+    cluster owns: the version it is at, and of a claim its spec (fixed once created; its
+    volume is the lower cluster's) and the annotations that say how it was bound there.
+    Replaced with the copy's own spec, a bound claim would be refused, and dropping its
+    binding annotations would undo the binding's bookkeeping."""
+    metadata = {**desired["metadata"], "resourceVersion": lower["metadata"]["resourceVersion"]}
+    body = {**desired, "metadata": metadata}
+    if _is_claim(desired):
+        bound_below = {
+            k: v
+            for k, v in (lower["metadata"].get("annotations") or {}).items()
+            if k in keys.CLAIM_BINDING_ANNOTATIONS
+        }
+        metadata["annotations"] = {**metadata["annotations"], **bound_below}
+        body["spec"] = lower.get("spec") or desired.get("spec") or {}
+    return body

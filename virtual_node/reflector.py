@@ -44,6 +44,7 @@ from virtual_node.references import (
     desired_service_account,
     referenced_objects,
     reflectable,
+    replacement,
     selector_matches,
     service_of_slice,
     service_selector,
@@ -324,15 +325,8 @@ class Reflector:
     async def _replace(
         self, resource: Resource, lower: Mapping[str, Any], desired: dict[str, Any], namespace: str
     ) -> None:
-        body = {
-            **desired,
-            "metadata": {
-                **desired["metadata"],
-                "resourceVersion": lower["metadata"]["resourceVersion"],
-            },
-        }
         try:
-            await self.lower.replace(resource, body, namespace)
+            await self.lower.replace(resource, replacement(lower, desired), namespace)
         except ApiError as error:
             if error.status != 422:
                 raise

@@ -603,6 +603,80 @@ def test_a_pods_service_account_and_priority_class_follow_it_down_and_away(
     upper.kubectl("delete", "priorityclass", "kubestrata-e2e-high")
 
 
+def manual_volume(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": name},
+        "spec": {
+            "storageClassName": "kubestrata-e2e-manual",
+            "capacity": {"storage": "1Gi"},
+            "accessModes": ["ReadWriteOnce"],
+            "hostPath": {"path": f"/tmp/{name}"},
+        },
+    }
+
+
+def test_a_claim_bound_above_is_bound_below_to_a_lower_volume_and_stays(
+    federation: Federation,
+) -> None:
+    upper, lower = federation.upper, federation.clusters["lower-2"]
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "data", "namespace": "claims"},
+        "spec": {
+            "storageClassName": "kubestrata-e2e-manual",
+            "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": "1Gi"}},
+        },
+    }
+    apply(upper, namespace("claims"), manual_volume("kubestrata-e2e-upper"), claim)
+    apply(lower, manual_volume("kubestrata-e2e-lower"))
+    wait_for(
+        lambda: get_json(upper, "pvc", "-n", "claims", "data")["status"].get("phase") == "Bound",
+        "the claim to be bound above",
+    )
+    wait_for_default_account(upper, "claims")
+    volumes = [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]
+    apply(upper, bound_pod("stateful", "claims", "vk-lower-2", volumes=volumes))
+    wait_for(
+        lambda: (
+            get_json(upper, "pod", "-n", "claims", "stateful")["status"].get("phase") == "Running"
+        ),
+        "the pod with a claim to run below",
+    )
+    copy = get_json(lower, "pvc", "-n", "claims", "data")
+    assert (copy["status"]["phase"], copy["spec"]["volumeName"]) == (
+        "Bound",
+        "kubestrata-e2e-lower",
+    )
+
+    upper.kubectl("label", "pvc", "data", "-n", "claims", "tier=gold")
+    wait_for(
+        lambda: (
+            get_json(lower, "pvc", "-n", "claims", "data")["metadata"]["labels"].get("tier")
+            == "gold"
+        ),
+        "the claim's new label to reach its copy",
+    )
+    relabelled = get_json(lower, "pvc", "-n", "claims", "data")
+    assert relabelled["metadata"]["uid"] == copy["metadata"]["uid"]
+    assert "deletionTimestamp" not in relabelled["metadata"]
+    assert (relabelled["status"]["phase"], relabelled["spec"]["volumeName"]) == (
+        "Bound",
+        "kubestrata-e2e-lower",
+    )
+
+    upper.kubectl("delete", "namespace", "claims", "--wait=false")
+    upper.kubectl("delete", "pv", "kubestrata-e2e-upper", "--wait=false")
+    wait_for(
+        lambda: lower.kubectl("get", "pvc", "-n", "claims", "data", check=False).returncode != 0,
+        "the copy to go with its pod",
+    )
+    lower.kubectl("delete", "pv", "kubestrata-e2e-lower", "--wait=false")
+
+
 def test_a_pod_using_the_lower_nodes_host_fails_above_and_is_not_created_below(
     federation: Federation,
 ) -> None:

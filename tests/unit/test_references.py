@@ -9,6 +9,7 @@ from virtual_node.references import (
     desired_service,
     referenced_objects,
     reflectable,
+    replacement,
     selector_matches,
     service_of_slice,
     service_selector,
@@ -114,6 +115,91 @@ def test_claim_copy_is_unbound_below() -> None:
     assert copy["spec"] == {
         "accessModes": ["ReadWriteOnce"],
         "resources": {"requests": {"storage": "1Gi"}},
+    }
+
+
+UPPER_BINDING = {
+    "pv.kubernetes.io/bind-completed": "yes",
+    "pv.kubernetes.io/bound-by-controller": "yes",
+    "volume.kubernetes.io/storage-provisioner": "upper.example/disk",
+    "volume.beta.kubernetes.io/storage-provisioner": "upper.example/disk",
+    "volume.kubernetes.io/selected-node": "vk-a",
+}
+BOUND_CLAIM: dict[str, Any] = {
+    "kind": "PersistentVolumeClaim",
+    "metadata": {
+        "name": "data",
+        "namespace": "db",
+        "uid": "u",
+        "resourceVersion": "7",
+        "labels": {"app": "db"},
+        "annotations": {**UPPER_BINDING, "team": "storage"},
+    },
+    "spec": {
+        "accessModes": ["ReadWriteOnce"],
+        "storageClassName": "manual",
+        "volumeName": "pv-upper",
+        "resources": {"requests": {"storage": "1Gi"}},
+    },
+}
+
+
+def bound_below(copy: dict[str, Any]) -> dict[str, Any]:
+    """The copy as the lower cluster has it once its own controllers bound it."""
+    return {
+        **copy,
+        "metadata": {
+            **copy["metadata"],
+            "resourceVersion": "42",
+            "annotations": {
+                **copy["metadata"]["annotations"],
+                "pv.kubernetes.io/bind-completed": "yes",
+                "volume.kubernetes.io/selected-node": "lower-node-3",
+            },
+        },
+        "spec": {**copy["spec"], "volumeName": "pv-lower"},
+    }
+
+
+def test_a_claim_bound_above_goes_down_without_the_upper_binding() -> None:
+    # bind-completed without a volume would make the lower PV controller call it Lost.
+    copy = desired_copy(BOUND_CLAIM, MAPPING, OWNER)
+    annotations = copy["metadata"]["annotations"]
+    assert not set(UPPER_BINDING) & set(annotations)
+    assert annotations["team"] == "storage"
+    assert "volumeName" not in copy["spec"]
+
+
+def test_a_claim_bound_below_is_in_step_with_its_upper_claim() -> None:
+    copy = desired_copy(BOUND_CLAIM, MAPPING, OWNER)
+    assert not copy_differs(bound_below(copy), copy)
+
+
+def test_a_claim_copy_takes_new_labels_and_keeps_its_binding_below() -> None:
+    lower = bound_below(desired_copy(BOUND_CLAIM, MAPPING, OWNER))
+    relabelled = {
+        **BOUND_CLAIM,
+        "metadata": {**BOUND_CLAIM["metadata"], "labels": {"app": "db", "tier": "gold"}},
+    }
+    desired = desired_copy(relabelled, MAPPING, OWNER)
+    assert copy_differs(lower, desired)
+    body = replacement(lower, desired)
+    assert body["metadata"]["labels"]["tier"] == "gold"
+    assert body["metadata"]["resourceVersion"] == "42"
+    assert body["spec"] == lower["spec"]
+    assert body["metadata"]["annotations"] == lower["metadata"]["annotations"]
+    assert not copy_differs(body, desired)
+
+
+def test_a_copy_other_than_a_claim_is_replaced_by_the_desired_one() -> None:
+    desired: dict[str, Any] = {
+        "kind": "ConfigMap",
+        "metadata": {"name": "c", "labels": {}, "annotations": {}},
+    }
+    lower = {**desired, "metadata": {**desired["metadata"], "resourceVersion": "3"}, "data": {}}
+    assert replacement(lower, desired) == {
+        "kind": "ConfigMap",
+        "metadata": {"name": "c", "labels": {}, "annotations": {}, "resourceVersion": "3"},
     }
 
 
