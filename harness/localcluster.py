@@ -656,7 +656,11 @@ class LocalCluster(KubectlClient):
                 "spec": {"execs": [{"local": {"workDir": str(self.exec_dir)}}]},
             },
         ]
-        documents += [_KWOK_EPHEMERAL_CONTAINERS_RUNNING, _KWOK_PODS_READY_AGAIN]
+        documents += [
+            _KWOK_EPHEMERAL_CONTAINERS_RUNNING,
+            _KWOK_PODS_READY_AGAIN,
+            _KWOK_CONTAINER_RESOURCES,
+        ]
         if self.spec.metrics_server:
             documents += _kwok_resource_metrics()
         parts = [yaml.safe_dump(d) for d in documents]
@@ -894,6 +898,30 @@ _KWOK_EPHEMERAL_CONTAINERS_RUNNING = _running_pod_stage(
     "  state:\n"
     "    running:\n"
     "      startedAt: {{ $now | Quote }}\n"
+    "{{ end }}\n",
+)
+
+# A kubelet of Kubernetes 1.35 reports the resources each running container has (the
+# apiserver refuses to resize a pod whose container statuses have none) and applies an
+# in-place resize; kwok's stages do neither. This one reports a container's requests and
+# limits as its spec has them, once they differ from what its status says. The list of
+# statuses is replaced whole (it has no merge key), so each is written back as it was.
+_KWOK_CONTAINER_RESOURCES = _running_pod_stage(
+    "pod-container-resources",
+    {
+        "key": "[.spec.containers[] | .resources // {}]"
+        " != [.status.containerStatuses // [] | .[] | .resources // {}]",
+        "operator": "In",
+        "values": ["true"],
+    },
+    "containerStatuses:\n"
+    "{{ range $status := .status.containerStatuses }}\n"
+    '{{ $entry := omit $status "resources" "allocatedResources" }}\n'
+    "{{ range $.spec.containers }}{{ if eq .name $status.name }}{{ with .resources }}\n"
+    '{{ $_ := set $entry "resources" . }}\n'
+    '{{ with .requests }}{{ $_ := set $entry "allocatedResources" . }}{{ end }}\n'
+    "{{ end }}{{ end }}{{ end }}\n"
+    "- {{ toJson $entry }}\n"
     "{{ end }}\n",
 )
 

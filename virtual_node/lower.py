@@ -47,6 +47,7 @@ from virtual_node.translate import (
     host_access,
     lower_pod_patch,
     pinned_to,
+    resize_patch,
     upper_status,
     uses_unmodelled_filters,
 )
@@ -273,6 +274,7 @@ class LowerCluster:
                 debug = None
             for patch, subresource in (
                 (lower_pod_patch(lower, desired), ""),
+                (resize_patch(lower, desired), "resize"),
                 (debug, "ephemeralcontainers"),
             ):
                 if patch is not None:
@@ -302,7 +304,9 @@ class LowerCluster:
                 PODS, name, patch, namespace, subresource=subresource, patch_type=_SMP
             )
         except ApiError as error:
-            if error.status not in _PERMANENT:
+            # A subresource an older lower apiserver does not serve is as final as a
+            # refusal (a 404 of the pod itself comes with the watch event of its removal).
+            if error.status not in _PERMANENT and not (subresource and error.status == 404):
                 raise
             log.warning(
                 "update of lower pod %s/%s%s refused: %s",

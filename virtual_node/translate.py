@@ -336,6 +336,39 @@ def lower_pod_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> J
     return patch or None
 
 
+def resize_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> JSON | None:
+    """A strategic merge patch for the lower pod's resize subresource bringing the
+    requests and limits of its containers and sidecars to the desired ones (an in-place
+    resize above, `kubectl patch --subresource resize`), or None when they match. The
+    upper apiserver has judged the resize already (QoS class kept, only what may change);
+    the lower kubelet carries it out and reports it in the container statuses and
+    conditions that come up with the lower pod's status."""
+    spec: JSON = {}
+    for kind in ("containers", "initContainers"):
+        have = {c["name"]: c.get("resources") or {} for c in current["spec"].get(kind) or []}
+        changed = []
+        for container in desired["spec"].get(kind) or []:
+            if kind == "initContainers" and container.get("restartPolicy") != "Always":
+                continue  # runs to completion before the others: nothing to resize
+            name = container["name"]
+            if name not in have:
+                continue
+            want = container.get("resources") or {}
+            parts: JSON = {}
+            for part in ("requests", "limits"):
+                below = have[name].get(part) or {}
+                # Only values set above: a resize never removes one, and a default the
+                # lower cluster's LimitRange added is its own.
+                change = {k: v for k, v in (want.get(part) or {}).items() if below.get(k) != v}
+                if change:
+                    parts[part] = change
+            if parts:
+                changed.append({"name": name, "resources": parts})
+        if changed:
+            spec[kind] = changed
+    return {"spec": spec} if spec else None
+
+
 def upper_status(lower: Mapping[str, Any], upper: Mapping[str, Any], host_ip: str) -> JSON:
     """The upper pod's status as the lower pod reports it. The host is the virtual node,
     from when a node below has taken the pod (a kubelet sets hostIP when it admits one).

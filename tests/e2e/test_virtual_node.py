@@ -603,6 +603,38 @@ def test_a_pods_service_account_and_priority_class_follow_it_down_and_away(
     upper.kubectl("delete", "priorityclass", "kubestrata-e2e-high")
 
 
+def test_an_in_place_resize_above_resizes_the_pod_below(federation: Federation) -> None:
+    upper, lower = federation.upper, federation.clusters["lower-2"]
+    apply(upper, namespace("resized"))
+    wait_for_default_account(upper, "resized")
+    before = {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"cpu": "200m"}}
+    pod = bound_pod("resized", "resized", "vk-lower-2")
+    pod["spec"]["containers"][0]["resources"] = before
+
+    def reported(cluster: LocalCluster) -> Any:
+        statuses = get_json(cluster, "pod", "-n", "resized", "resized")["status"]
+        return [c.get("resources") for c in statuses.get("containerStatuses") or []]
+
+    apply(upper, pod)
+    # The upper apiserver resizes only a pod whose statuses report resources: those of
+    # the lower kubelet, mirrored up.
+    wait_for(lambda: reported(upper) == [before], "the pod's resources to be reported above")
+    after = {"requests": {"cpu": "150m", "memory": "64Mi"}, "limits": {"cpu": "300m"}}
+    upper.kubectl(
+        "patch", "pod", "resized", "-n", "resized", "--subresource", "resize",
+        "-p", json.dumps({"spec": {"containers": [{"name": "app", "resources": after}]}}),
+    )  # fmt: skip
+    wait_for(
+        lambda: (
+            get_json(lower, "pod", "-n", "resized", "resized")["spec"]["containers"][0]["resources"]
+            == after
+        ),
+        "the resize to reach the lower pod",
+    )
+    wait_for(lambda: reported(upper) == [after], "the resize to be reported above")
+    upper.kubectl("delete", "namespace", "resized", "--wait=false")
+
+
 def manual_volume(name: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",

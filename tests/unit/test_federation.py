@@ -122,8 +122,13 @@ def test_kwok_simulates_usage_and_serves_resource_metrics_only_when_asked(
 
     plain = kinds(False)
     assert "Metric" not in plain and "ClusterResourceUsage" not in plain
-    # Always: kwok runs no ephemeral container by itself, nor makes a pod Ready twice.
-    assert stages() == ["pod-ephemeral-containers-running", "pod-ready-again"]
+    # Always: kwok runs no ephemeral container by itself, nor makes a pod Ready twice, nor
+    # reports a container's resources.
+    assert stages() == [
+        "pod-ephemeral-containers-running",
+        "pod-ready-again",
+        "pod-container-resources",
+    ]
     served = kinds(True)
     metric = served["Metric"]["spec"]
     assert isinstance(metric, dict)

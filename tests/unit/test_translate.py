@@ -17,6 +17,7 @@ from virtual_node.translate import (
     host_access,
     lower_pod_patch,
     pinned_to,
+    resize_patch,
     upper_status,
     uses_unmodelled_filters,
 )
@@ -368,6 +369,65 @@ def test_an_ephemeral_container_already_below_is_never_changed() -> None:
     lower = {"spec": {"ephemeralContainers": [debugger("d1")]}}
     assert ephemeral_containers_patch(upper, lower) is None
     assert ephemeral_containers_patch({"spec": {}}, lower) is None
+
+
+def sized(cpu: str, memory: str = "64Mi", **container: Any) -> dict[str, Any]:
+    return {
+        "name": "app",
+        "resources": {"requests": {"cpu": cpu, "memory": memory}, "limits": {"memory": memory}},
+        **container,
+    }
+
+
+def test_a_resize_above_is_a_resize_below() -> None:
+    resized = upper_pod(containers=[sized("250m", "128Mi")])
+    desired = desired_lower_pod(resized, NamespaceMapping(), OWNER)
+    lower = desired_lower_pod(upper_pod(containers=[sized("100m")]), NamespaceMapping(), OWNER)
+    assert resize_patch(lower, desired) == {
+        "spec": {
+            "containers": [
+                {
+                    "name": "app",
+                    "resources": {
+                        "requests": {"cpu": "250m", "memory": "128Mi"},
+                        "limits": {"memory": "128Mi"},
+                    },
+                }
+            ]
+        }
+    }
+    assert resize_patch(desired, desired) is None
+    # Resources are not among the fields a plain update may change.
+    assert lower_pod_patch(lower, desired) is None
+
+
+def test_only_sidecars_among_init_containers_are_resized() -> None:
+    def pod(cpu: str) -> dict[str, Any]:
+        return {
+            "spec": {
+                "containers": [sized("100m")],
+                "initContainers": [
+                    sized(cpu, name="setup"),
+                    sized(cpu, name="proxy", restartPolicy="Always"),
+                ],
+            }
+        }
+
+    assert resize_patch(pod("100m"), pod("200m")) == {
+        "spec": {"initContainers": [{"name": "proxy", "resources": {"requests": {"cpu": "200m"}}}]}
+    }
+
+
+def test_a_value_only_the_lower_cluster_set_is_left_alone() -> None:
+    # A LimitRange below may have added a default the upper pod never asked for.
+    lower = {"spec": {"containers": [sized("100m")]}}
+    lower["spec"]["containers"][0]["resources"]["limits"]["cpu"] = "1"
+    upper = {"spec": {"containers": [sized("100m")]}}
+    assert resize_patch(lower, upper) is None
+    upper["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "300m"
+    assert resize_patch(lower, upper) == {
+        "spec": {"containers": [{"name": "app", "resources": {"requests": {"cpu": "300m"}}}]}
+    }
 
 
 CLUSTER = keys.CLUSTER_ID_LABEL
