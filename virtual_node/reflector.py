@@ -330,6 +330,15 @@ class Reflector:
         except ApiError as error:
             if error.status != 422:
                 raise
+            if resource is PERSISTENTVOLUMECLAIMS:
+                # Never made again: a claim deleted below may take its volume's data along.
+                log.warning(
+                    "claim %s/%s: update refused below, left as it is: %s",
+                    namespace,
+                    desired["metadata"]["name"],
+                    error.message,
+                )
+                return
             # An immutable copy cannot change: it is made again.
             await self.lower.delete_exact(resource, lower)
             await self._create(resource, desired, namespace)

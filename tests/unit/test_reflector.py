@@ -10,7 +10,7 @@ from typing import Any
 from kubekit.client import PODS
 from kubekit.informer import Informer
 from kubekit.workqueue import WorkQueue
-from tests.unit.fakeapi import FakeClient
+from tests.unit.fakeapi import FakeClient, status_error
 from virtual_node.naming import NamespaceMapping
 from virtual_node.references import Kind
 from virtual_node.reflector import RESOURCES, Key, Reflector
@@ -274,3 +274,39 @@ async def test_a_namespace_holding_slices_has_everything_copied_before_any_pod()
         ("DELETE", "/api/v1/namespaces/shop/secrets/token"),
         ("DELETE", "/api/v1/namespaces/shop/services/api"),
     ]
+
+
+async def test_a_claim_the_lower_cluster_bound_is_updated_in_place_and_never_made_again() -> None:
+    claims = "/api/v1/namespaces/shop/persistentvolumeclaims"
+    claim: dict[str, Any] = {
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "data", "namespace": "shop", "uid": "claim-uid", "labels": {}},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}},
+    }
+    r = reflecting()
+    r.above("persistentvolumeclaims", claim)
+    r.above(None, pod(volumes=[{"name": "d", "persistentVolumeClaim": {"claimName": "data"}}]))
+    await r.drain()
+    (copy,) = r.created(claims)
+    bound = {
+        **copy,
+        "metadata": {
+            **copy["metadata"],
+            "resourceVersion": "9",
+            "annotations": {
+                **copy["metadata"]["annotations"],
+                "pv.kubernetes.io/bind-completed": "yes",
+            },
+        },
+        "spec": {**copy["spec"], "volumeName": "pv-below"},
+    }
+    r.below("persistentvolumeclaims", bound)
+    r.lower.requests.clear()
+    relabelled = {**claim, "metadata": {**claim["metadata"], "labels": {"tier": "gold"}}}
+    r.lower.answer("PUT", f"{claims}/data", status_error(422, "Invalid", "refused"))
+    r.above("persistentvolumeclaims", relabelled, "MODIFIED")
+    await r.drain()
+    (replace,) = [q for q in r.lower.requests if q.method == "PUT"]
+    assert replace.body["spec"]["volumeName"] == "pv-below"
+    assert replace.body["metadata"]["annotations"]["pv.kubernetes.io/bind-completed"] == "yes"
+    assert r.lower.writes() == [("PUT", f"{claims}/data")]
