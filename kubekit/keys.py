@@ -71,6 +71,20 @@ FEDERATION_DISABLED = "disabled"
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 ENDPOINT_SLICE_MANAGED_BY_LABEL = "endpointslice.kubernetes.io/managed-by"
 
+# The provisioner name a StorageClass of the upper cluster gives for volumes the lower
+# clusters make: a claim of such a class that waits for its first consumer gets, once the
+# upper scheduler has put its pod on a virtual node, an upper volume from that virtual node
+# standing for the lower cluster's, which binds below with the pod.
+LOWER_CLUSTER_PROVISIONER = f"{PREFIX}/lower-cluster"
+# The CSI driver such a volume names (a DNS subdomain, as the API wants); nothing above
+# mounts it: the virtual node's pods mount the lower cluster's volume.
+LOWER_CLUSTER_CSI_DRIVER = f"lower-cluster.{PREFIX}"
+# Kubernetes' own: the node the upper scheduler chose for a claim, the provisioner the PV
+# controller expects to act, and the one a volume was made by.
+SELECTED_NODE_ANNOTATION = "volume.kubernetes.io/selected-node"
+STORAGE_PROVISIONER_ANNOTATION = "volume.kubernetes.io/storage-provisioner"
+PROVISIONED_BY_ANNOTATION = "pv.kubernetes.io/provisioned-by"
+
 # Kubernetes' own annotations on a claim, written by the cluster that binds it: its
 # PersistentVolume controller's (bound, by whom, which provisioner, which plugin it moved
 # to) and its scheduler's (the node a WaitForFirstConsumer volume is made for). The upper
@@ -82,8 +96,8 @@ CLAIM_BINDING_ANNOTATIONS = frozenset(
         "pv.kubernetes.io/bound-by-controller",
         "pv.kubernetes.io/migrated-to",
         "volume.beta.kubernetes.io/storage-provisioner",
-        "volume.kubernetes.io/storage-provisioner",
-        "volume.kubernetes.io/selected-node",
+        STORAGE_PROVISIONER_ANNOTATION,
+        SELECTED_NODE_ANNOTATION,
     }
 )
 

@@ -22,6 +22,8 @@ from kubekit.client import (
     EVENTS,
     NAMESPACES,
     NODES,
+    PERSISTENTVOLUMECLAIMS,
+    PERSISTENTVOLUMES,
     PODS,
     ClientSettings,
     KubeClient,
@@ -51,6 +53,7 @@ from virtual_node.promises import SlicePromises
 from virtual_node.reflector import RESOURCES as REFLECTED
 from virtual_node.reflector import Reflector
 from virtual_node.translate import Ownership
+from virtual_node.volumes import ClaimVolumes
 
 log = logging.getLogger("virtual_node")
 
@@ -357,6 +360,13 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             WorkQueue("events"),
         )
         pods = PodController(upper, upper_pods, backend, config.name, queue)
+        volumes = ClaimVolumes(
+            upper,
+            upper_informers.informer(PERSISTENTVOLUMECLAIMS),
+            upper_informers.informer(PERSISTENTVOLUMES, label_selector=owner.selector()),
+            owner,
+            WorkQueue("volumes"),
+        )
 
         def lower_reachable_again() -> None:
             lower_informers.resume()
@@ -446,6 +456,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             nodes.run(),
             pods.run(config.workers),
             reflector.run(config.workers),
+            volumes.run(1),
             events.run(max(1, config.workers // 4)),
             _sweep_orphans(backend, upper_pods.keys, queue, reflector),
             *([keep_renewed(upper, config.name, [config.address], pair)] if renewable else []),

@@ -223,7 +223,8 @@ class Reflector:
         key = reflected_key(kind, metadata.get("namespace") or "", metadata["name"])
         if kind == "services":
             self._service_changed(key[1], key[2])
-        if self._wanted(key):
+        # A deleted claim is no longer wanted, and its copy goes with it.
+        if self._wanted(key) or kind == "persistentvolumeclaims":
             self.queue.add(key)
 
     def sync_namespaces(self, namespaces: Iterable[str]) -> None:
@@ -246,12 +247,27 @@ class Reflector:
 
     def _wanted(self, key: Key) -> bool:
         kind, namespace, name = key
+        if kind == "persistentvolumeclaims" and self._claim_kept(namespace, name):
+            return True
         if kind != "endpointslices":
             return key in self._users or (
                 namespace in self._synced and synced_namespace_wide(kind, name)
             )
         upper = self.upper_objects[kind].get(f"{namespace}/{name}")
         return upper is not None and self._wanted(("services", namespace, service_of_slice(upper)))
+
+    def _claim_kept(self, namespace: str, name: str) -> bool:
+        """A claim's copy, once made, stays as long as its upper claim: gone with its last
+        pod, it would take the volume's data along, and a StatefulSet deletes and makes
+        its pods again on every update."""
+        if self.upper_objects["persistentvolumeclaims"].get(f"{namespace}/{name}") is None:
+            return False
+        try:
+            lower_namespace = self.mapping.lower(namespace)
+        except NamingError:
+            return False
+        copies = self.lower_copies["persistentvolumeclaims"]
+        return copies.get(f"{lower_namespace}/{name}") is not None
 
     def _lower_changed(self, kind: Kind, obj: Mapping[str, Any]) -> None:
         key = self._key_of_copy(kind, obj)

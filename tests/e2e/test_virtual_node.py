@@ -18,6 +18,7 @@ from kubekit.quantity import parse_quantity
 from .helpers import (
     apply,
     bound_pod,
+    cluster_pod,
     federated_deployment,
     get_json,
     namespace,
@@ -649,20 +650,24 @@ def manual_volume(name: str) -> dict[str, Any]:
     }
 
 
-def test_a_claim_bound_above_is_bound_below_to_a_lower_volume_and_stays(
-    federation: Federation,
-) -> None:
-    upper, lower = federation.upper, federation.clusters["lower-2"]
-    claim = {
+def data_claim(namespace_name: str, storage_class_name: str) -> dict[str, Any]:
+    return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": {"name": "data", "namespace": "claims"},
+        "metadata": {"name": "data", "namespace": namespace_name},
         "spec": {
-            "storageClassName": "kubestrata-e2e-manual",
+            "storageClassName": storage_class_name,
             "accessModes": ["ReadWriteOnce"],
             "resources": {"requests": {"storage": "1Gi"}},
         },
     }
+
+
+def test_a_claim_bound_above_is_bound_below_to_a_lower_volume_and_stays(
+    federation: Federation,
+) -> None:
+    upper, lower = federation.upper, federation.clusters["lower-2"]
+    claim = data_claim("claims", "kubestrata-e2e-manual")
     apply(upper, namespace("claims"), manual_volume("kubestrata-e2e-upper"), claim)
     apply(lower, manual_volume("kubestrata-e2e-lower"))
     wait_for(
@@ -671,13 +676,18 @@ def test_a_claim_bound_above_is_bound_below_to_a_lower_volume_and_stays(
     )
     wait_for_default_account(upper, "claims")
     volumes = [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]
-    apply(upper, bound_pod("stateful", "claims", "vk-lower-2", volumes=volumes))
-    wait_for(
-        lambda: (
-            get_json(upper, "pod", "-n", "claims", "stateful")["status"].get("phase") == "Running"
-        ),
-        "the pod with a claim to run below",
-    )
+
+    def run_stateful_pod(description: str) -> None:
+        apply(upper, bound_pod("stateful", "claims", "vk-lower-2", volumes=volumes))
+        wait_for(
+            lambda: (
+                get_json(upper, "pod", "-n", "claims", "stateful")["status"].get("phase")
+                == "Running"
+            ),
+            description,
+        )
+
+    run_stateful_pod("the pod with a claim to run below")
     copy = get_json(lower, "pvc", "-n", "claims", "data")
     assert (copy["status"]["phase"], copy["spec"]["volumeName"]) == (
         "Bound",
@@ -700,13 +710,90 @@ def test_a_claim_bound_above_is_bound_below_to_a_lower_volume_and_stays(
         "kubestrata-e2e-lower",
     )
 
+    # A StatefulSet deletes and makes its pods again: the copy, and its volume, outlive them.
+    upper.kubectl("delete", "pod", "stateful", "-n", "claims")
+    run_stateful_pod("the pod made again to run below")
+    kept = get_json(lower, "pvc", "-n", "claims", "data")
+    assert kept["metadata"]["uid"] == copy["metadata"]["uid"]
+    assert "deletionTimestamp" not in kept["metadata"]
+
     upper.kubectl("delete", "namespace", "claims", "--wait=false")
     upper.kubectl("delete", "pv", "kubestrata-e2e-upper", "--wait=false")
     wait_for(
         lambda: lower.kubectl("get", "pvc", "-n", "claims", "data", check=False).returncode != 0,
-        "the copy to go with its pod",
+        "the copy to go with its upper claim",
     )
     lower.kubectl("delete", "pv", "kubestrata-e2e-lower", "--wait=false")
+
+
+def storage_class(name: str, provisioner: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "storage.k8s.io/v1",
+        "kind": "StorageClass",
+        "metadata": {"name": name},
+        "provisioner": provisioner,
+        "volumeBindingMode": "WaitForFirstConsumer",
+    }
+
+
+def test_a_claim_waiting_for_its_first_consumer_binds_above_and_below_and_keeps_its_cluster(
+    federation: Federation,
+) -> None:
+    upper, lower = federation.upper, federation.clusters["lower-2"]
+    wffc = "kubestrata-e2e-wffc"
+    below = manual_volume("kubestrata-e2e-wffc-lower")
+    below["spec"]["storageClassName"] = wffc
+    apply(upper, storage_class(wffc, keys.LOWER_CLUSTER_PROVISIONER), namespace("wffc"))
+    apply(lower, storage_class(wffc, "kubernetes.io/no-provisioner"), below)
+    apply(upper, data_claim("wffc", wffc))
+    wait_for_default_account(upper, "wffc")
+    volumes = [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]
+
+    def stateful() -> dict[str, Any]:
+        pod = cluster_pod("stateful", "wffc", "lower-2")
+        pod["spec"]["volumes"] = volumes
+        return pod
+
+    def runs_on() -> str | None:
+        pod = get_json(upper, "pod", "-n", "wffc", "stateful")
+        return pod["spec"].get("nodeName") if pod["status"].get("phase") == "Running" else None
+
+    apply(upper, stateful())
+    wait_for(lambda: runs_on() == "vk-lower-2", "the pod of a waiting claim to run below")
+    above = get_json(upper, "pvc", "-n", "wffc", "data")
+    assert above["status"]["phase"] == "Bound"
+    assert above["spec"]["volumeName"] == f"pvc-{above['metadata']['uid']}"
+    copy = get_json(lower, "pvc", "-n", "wffc", "data")
+    assert (copy["status"]["phase"], copy["spec"]["volumeName"]) == (
+        "Bound",
+        below["metadata"]["name"],
+    )
+
+    # Made again without any cluster named, the pod goes where its claim's data is.
+    upper.kubectl("delete", "pod", "stateful", "-n", "wffc")
+    again = stateful()
+    del again["spec"]["nodeSelector"]
+    apply(upper, again)
+    wait_for(lambda: runs_on() == "vk-lower-2", "the pod made again to run in the same cluster")
+    assert (
+        get_json(lower, "pvc", "-n", "wffc", "data")["metadata"]["uid"] == copy["metadata"]["uid"]
+    )
+
+    upper.kubectl("delete", "pod", "stateful", "-n", "wffc")
+    upper.kubectl("delete", "pvc", "data", "-n", "wffc")
+    volume = above["spec"]["volumeName"]
+    wait_for(
+        lambda: upper.kubectl("get", "pv", volume, check=False).returncode != 0,
+        "the upper volume to go with its claim",
+    )
+    wait_for(
+        lambda: lower.kubectl("get", "pvc", "-n", "wffc", "data", check=False).returncode != 0,
+        "the copy to go with its upper claim",
+    )
+    upper.kubectl("delete", "namespace", "wffc", "--wait=false")
+    upper.kubectl("delete", "storageclass", wffc)
+    lower.kubectl("delete", "storageclass", wffc)
+    lower.kubectl("delete", "pv", below["metadata"]["name"], "--wait=false")
 
 
 def test_a_pod_using_the_lower_nodes_host_fails_above_and_is_not_created_below(

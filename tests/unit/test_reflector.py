@@ -310,3 +310,33 @@ async def test_a_claim_the_lower_cluster_bound_is_updated_in_place_and_never_mad
     assert replace.body["spec"]["volumeName"] == "pv-below"
     assert replace.body["metadata"]["annotations"]["pv.kubernetes.io/bind-completed"] == "yes"
     assert r.lower.writes() == [("PUT", f"{claims}/data")]
+
+
+async def test_a_claim_copy_outlives_its_pods_and_goes_with_its_upper_claim() -> None:
+    # Deleted with the pod, the copy would take the volume's data along.
+    claims = "/api/v1/namespaces/shop/persistentvolumeclaims"
+    claim: dict[str, Any] = {
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "data", "namespace": "shop", "uid": "claim-uid"},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}},
+    }
+    stateful = pod(volumes=[{"name": "d", "persistentVolumeClaim": {"claimName": "data"}}])
+    r = reflecting()
+    r.above("persistentvolumeclaims", claim)
+    r.above(None, stateful)
+    await r.drain()
+    (copy,) = r.created(claims)
+    r.below(
+        "persistentvolumeclaims",
+        {**copy, "metadata": {**copy["metadata"], "resourceVersion": "3", "uid": "below"}},
+    )
+    r.lower.requests.clear()
+
+    r.above(None, stateful, "DELETED")
+    await r.drain()
+    assert r.lower.writes() == []
+    assert r.reflector.orphan_keys() == []
+
+    r.above("persistentvolumeclaims", claim, "DELETED")
+    await r.drain()
+    assert r.lower.writes() == [("DELETE", f"{claims}/data")]

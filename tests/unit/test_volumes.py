@@ -1,0 +1,128 @@
+"""Upper volumes for claims waiting for their first consumer: the volume a claim gets
+(pure), and the controller over informers fed by hand and a fake upper apiserver."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from kubekit import keys
+from kubekit.client import PERSISTENTVOLUMECLAIMS, PERSISTENTVOLUMES
+from kubekit.informer import Informer
+from kubekit.workqueue import WorkQueue
+from tests.unit.fakeapi import FakeClient
+from virtual_node.translate import Ownership
+from virtual_node.volumes import ClaimVolumes, outlived, provisioned_volume
+
+OWNER = Ownership(origin="upper-uid", node_name="vk-lower-1", cluster_id="lower-1")
+VOLUMES = "/api/v1/persistentvolumes"
+
+
+def claim(
+    uid: str = "c-1",
+    node: str | None = "vk-lower-1",
+    provisioner: str = keys.LOWER_CLUSTER_PROVISIONER,
+    **spec: Any,
+) -> dict[str, Any]:
+    annotations = {keys.STORAGE_PROVISIONER_ANNOTATION: provisioner}
+    if node is not None:
+        annotations[keys.SELECTED_NODE_ANNOTATION] = node
+    return {
+        "metadata": {"name": "data", "namespace": "db", "uid": uid, "annotations": annotations},
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "storageClassName": "fast",
+            "resources": {"requests": {"storage": "5Gi"}},
+            **spec,
+        },
+    }
+
+
+def test_a_claim_placed_on_this_virtual_node_gets_a_volume_bound_to_it_and_to_the_node() -> None:
+    volume = provisioned_volume(claim(), OWNER)
+    assert volume is not None
+    assert volume["metadata"]["name"] == "pvc-c-1"
+    assert volume["metadata"]["labels"] == OWNER.labels()
+    spec = volume["spec"]
+    assert spec["claimRef"] == {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "namespace": "db",
+        "name": "data",
+        "uid": "c-1",
+    }
+    assert (spec["capacity"], spec["accessModes"], spec["storageClassName"]) == (
+        {"storage": "5Gi"},
+        ["ReadWriteOnce"],
+        "fast",
+    )
+    assert spec["volumeMode"] == "Filesystem"
+    assert spec["csi"]["volumeHandle"] == "lower-1/db/data"
+    # The API takes only a DNS subdomain for a CSI driver's name.
+    assert re.fullmatch(
+        r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*", spec["csi"]["driver"]
+    )
+    # Later pods of the claim go back to this cluster, where its data is.
+    (term,) = spec["nodeAffinity"]["required"]["nodeSelectorTerms"]
+    assert term["matchExpressions"] == [
+        {"key": keys.HOSTNAME_LABEL, "operator": "In", "values": ["vk-lower-1"]}
+    ]
+
+
+def test_only_claims_of_our_provisioner_placed_here_and_unbound_get_one() -> None:
+    assert provisioned_volume(claim(node="vk-lower-2"), OWNER) is None
+    assert provisioned_volume(claim(node=None), OWNER) is None
+    assert provisioned_volume(claim(provisioner="ebs.csi.aws.com"), OWNER) is None
+    assert provisioned_volume(claim(volumeName="pv-9"), OWNER) is None
+    going = claim()
+    going["metadata"]["deletionTimestamp"] = "2026-11-26T00:00:00Z"
+    assert provisioned_volume(going, OWNER) is None
+
+
+def test_a_volume_outlives_its_claim_when_the_claim_is_gone_or_made_again() -> None:
+    volume = provisioned_volume(claim(), OWNER)
+    assert volume is not None
+    assert not outlived(volume, claim())
+    assert outlived(volume, None)
+    assert outlived(volume, claim(uid="c-2"))
+
+
+def controller() -> tuple[ClaimVolumes, FakeClient, Informer, Informer, WorkQueue[str]]:
+    upper = FakeClient()
+    claims = Informer(client=None, resource=PERSISTENTVOLUMECLAIMS)  # type: ignore[arg-type]
+    volumes = Informer(client=None, resource=PERSISTENTVOLUMES)  # type: ignore[arg-type]
+    queue: WorkQueue[str] = WorkQueue("volumes")
+    return ClaimVolumes(upper, claims, volumes, OWNER, queue), upper, claims, volumes, queue
+
+
+async def drain(volumes: ClaimVolumes, queue: WorkQueue[str]) -> None:
+    while len(queue):
+        key = await queue.get()
+        try:
+            await volumes.reconcile(key)
+        finally:
+            queue.done(key)
+
+
+async def test_the_controller_makes_the_volume_once_and_removes_it_with_its_claim() -> None:
+    made, upper, claims, volumes, queue = controller()
+    claims.apply({"type": "ADDED", "object": claim(node=None)})
+    await drain(made, queue)
+    assert upper.writes() == []
+
+    claims.apply({"type": "MODIFIED", "object": claim()})
+    await drain(made, queue)
+    assert upper.writes() == [("POST", VOLUMES)]
+    (created,) = [r.body for r in upper.requests if r.method == "POST"]
+    volumes.apply(
+        {"type": "ADDED", "object": {**created, "metadata": {**created["metadata"], "uid": "v-1"}}}
+    )
+    bound = claim(volumeName="pvc-c-1")
+    claims.apply({"type": "MODIFIED", "object": bound})
+    await drain(made, queue)
+    assert upper.writes() == [("POST", VOLUMES)]
+
+    upper.requests.clear()
+    claims.apply({"type": "DELETED", "object": bound})
+    await drain(made, queue)
+    assert upper.writes() == [("DELETE", f"{VOLUMES}/pvc-c-1")]

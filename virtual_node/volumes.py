@@ -1,0 +1,158 @@
+"""Upper volumes for claims that wait for their first consumer.
+
+A claim of a WaitForFirstConsumer class is bound above only once the upper scheduler has
+chosen its pod's node: it names the node on the claim and waits, in the pod's binding,
+for a volume. The lower cluster makes the real volume, but only once the pod is below,
+which needs the binding first. So for a claim of a class whose provisioner is
+`kubestrata.io/lower-cluster` and whose chosen node is this virtual node, the virtual
+node acts as that provisioner above: it makes an upper PersistentVolume bound to the
+claim, standing for the lower cluster's (whose claim, a copy of the upper one, binds
+below with the pod). The volume's node affinity names this virtual node, so the upper
+scheduler sends every later pod of the claim back to the cluster holding its data. The
+volume goes when its claim does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from kubekit import keys
+from kubekit.client import PERSISTENTVOLUMES, ApiError, KubeClient
+from kubekit.informer import FunctionHandler, Informer, object_key
+from kubekit.workqueue import WorkQueue
+from virtual_node.translate import Ownership
+
+log = logging.getLogger(__name__)
+
+JSON = dict[str, Any]
+
+
+def volume_name(claim: Mapping[str, Any]) -> str:
+    # An external provisioner's convention: one volume per claim UID.
+    return f"pvc-{claim['metadata']['uid']}"
+
+
+def provisioned_volume(claim: Mapping[str, Any], owner: Ownership) -> JSON | None:
+    """The upper volume to make for ``claim`` (pure), or None when the claim is not this
+    virtual node's to provision: not of our provisioner, placed on another node, already
+    bound, or going away."""
+    metadata = claim["metadata"]
+    annotations = metadata.get("annotations") or {}
+    spec = claim.get("spec") or {}
+    if (
+        annotations.get(keys.STORAGE_PROVISIONER_ANNOTATION) != keys.LOWER_CLUSTER_PROVISIONER
+        or annotations.get(keys.SELECTED_NODE_ANNOTATION) != owner.node_name
+        or spec.get("volumeName")
+        or metadata.get("deletionTimestamp")
+    ):
+        return None
+    storage = ((spec.get("resources") or {}).get("requests") or {}).get("storage")
+    if storage is None:
+        return None
+    namespace, name = metadata["namespace"], metadata["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {
+            "name": volume_name(claim),
+            "labels": owner.labels(),
+            "annotations": {keys.PROVISIONED_BY_ANNOTATION: keys.LOWER_CLUSTER_PROVISIONER},
+        },
+        "spec": {
+            "capacity": {"storage": storage},
+            "accessModes": list(spec.get("accessModes") or []),
+            "volumeMode": spec.get("volumeMode") or "Filesystem",
+            "storageClassName": spec.get("storageClassName") or "",
+            "persistentVolumeReclaimPolicy": "Delete",
+            "claimRef": {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "namespace": namespace,
+                "name": name,
+                "uid": metadata["uid"],
+            },
+            # Nothing above reads it: the handle says where the volume is.
+            "csi": {
+                "driver": keys.LOWER_CLUSTER_CSI_DRIVER,
+                "volumeHandle": f"{owner.cluster_id}/{namespace}/{name}",
+            },
+            "nodeAffinity": {
+                "required": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchExpressions": [
+                                {
+                                    "key": keys.HOSTNAME_LABEL,
+                                    "operator": "In",
+                                    "values": [owner.node_name],
+                                }
+                            ]
+                        }
+                    ]
+                }
+            },
+        },
+    }
+
+
+def claim_key(volume: Mapping[str, Any]) -> str | None:
+    ref = (volume.get("spec") or {}).get("claimRef") or {}
+    return f"{ref['namespace']}/{ref['name']}" if ref.get("namespace") and ref.get("name") else None
+
+
+def outlived(volume: Mapping[str, Any], claim: Mapping[str, Any] | None) -> bool:
+    """Whether one of our upper volumes stands for a claim that is gone (or was made
+    again under its name: another UID)."""
+    ref = (volume.get("spec") or {}).get("claimRef") or {}
+    return claim is None or claim["metadata"].get("uid") != ref.get("uid")
+
+
+class ClaimVolumes:
+    """Makes and removes this virtual node's upper volumes, keyed by claim."""
+
+    def __init__(
+        self,
+        upper: KubeClient,
+        claims: Informer,
+        volumes: Informer,
+        owner: Ownership,
+        queue: WorkQueue[str],
+    ) -> None:
+        self.upper = upper
+        self.claims = claims
+        self.volumes = volumes  # ours only: selected by our labels
+        self.owner = owner
+        self.queue = queue
+        claims.add_handler(FunctionHandler.on_any(lambda claim: queue.add(object_key(claim))))
+        volumes.add_handler(FunctionHandler.on_any(self._volume_changed))
+
+    def _volume_changed(self, volume: JSON) -> None:
+        key = claim_key(volume)
+        if key is not None:
+            self.queue.add(key)
+
+    async def run(self, workers: int) -> None:
+        await self.queue.run_workers(workers, self.reconcile)
+
+    async def reconcile(self, key: str) -> None:
+        claim = self.claims.get(key)
+        ours = [v for v in self.volumes.items() if claim_key(v) == key]
+        for volume in ours:
+            if outlived(volume, claim):
+                await self.upper.delete_exact(PERSISTENTVOLUMES, volume)
+        desired = provisioned_volume(claim, self.owner) if claim is not None else None
+        if desired is None or any(
+            v["metadata"]["name"] == desired["metadata"]["name"] for v in ours
+        ):
+            return
+        try:
+            await self.upper.create(PERSISTENTVOLUMES, desired)
+        except ApiError as error:
+            if error.status != 409:
+                raise
+            # Already there (the cache lags behind our own create), or someone else's.
+            log.info("volume %s exists already", desired["metadata"]["name"])
+            return
+        log.info("claim %s: volume %s made for it", key, desired["metadata"]["name"])
