@@ -198,6 +198,10 @@ def test_pods_left_alone() -> None:
         pod("waiting-without-a-verdict", unschedulable_for=None),
         pod("daemon", ownerReferences=[DAEMON_SET_OWNER]),
     ]
+    # Its data is in the cluster it was placed in.
+    stateful = pod("stateful")
+    stateful["spec"]["volumes"] = [{"name": "d", "persistentVolumeClaim": {"claimName": "d"}}]
+    pods.append(stateful)
     assert stuck_pods(pods, NODES_UP, NOW, Policy()) == []
 
 
@@ -643,6 +647,9 @@ def test_movable_pods_are_running_controller_pods_of_no_higher_priority() -> Non
         pod("never", phase="Running", annotations={keys.DESCHEDULER_ANNOTATION: "never"}),
         pod("daemon", phase="Running", ownerReferences=[DAEMON_SET_OWNER]),
     ]
+    stateful = running("stateful")
+    stateful["spec"]["volumes"] = [{"name": "d", "persistentVolumeClaim": {"claimName": "d"}}]
+    pods.append(stateful)
     found = movable_pods(pods, waiting, ["vk-lower-1", "vk-lower-2"], [])
     assert {node: [p["metadata"]["name"] for p in ps] for node, ps in found.items()} == {
         "vk-lower-1": ["ok", "equal"],
