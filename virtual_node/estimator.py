@@ -39,6 +39,7 @@ from virtual_node.kubeletapi.auth import AuthError, Authorizer
 from virtual_node.naming import NamespaceMapping, NamingError
 from virtual_node.promises import PromiseRefused, SliceBudgets, SlicePromises, requested
 from virtual_node.translate import Ownership, desired_lower_pod
+from virtual_node.volumes import unbound_class, volume_refusal
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +82,9 @@ class QueryError(ValueError):
 class Answer:
     estimate: Estimate
     reserved_node: str | None
-    # Why the namespace's quota slices here take no copy of the pod, whatever the nodes.
-    over_budget: str = ""
+    # Why this cluster takes no copy of the pod, whatever its nodes: the namespace's quota
+    # slices here, or a volume of the pod's it cannot make.
+    refusal: str = ""
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,10 @@ class FitEstimator:
         self._lower_keys: dict[str, str] = {}
         self._upper_keys: dict[str, str] = {}
         self._upper_pods: Informer | None = None
+        # {namespace/claim: class} of the upper claims still waiting for a volume, and the
+        # lower cluster's StorageClasses; None until their caches are watched.
+        self._waiting_claims: dict[str, str] = {}
+        self._storage_classes: set[str] | None = None
         self.lock = threading.RLock()
 
     def watch(self, lower_nodes: Informer, lower_pods: Informer, upper_pods: Informer) -> None:
@@ -146,7 +152,52 @@ class FitEstimator:
             )
         )
 
+    def watch_volumes(self, upper_claims: Informer, lower_classes: Informer) -> None:
+        self._storage_classes = set()
+        upper_claims.add_handler(
+            FunctionHandler(
+                add=self._claim_changed, update=self._claim_changed, delete=self._claim_deleted
+            )
+        )
+        lower_classes.add_handler(
+            FunctionHandler(
+                add=self._class_changed, update=self._class_changed, delete=self._class_deleted
+            )
+        )
+
     # -- what the caches say ---------------------------------------------------------------
+
+    @_exclusive
+    def _claim_changed(self, claim: JSON) -> None:
+        wanted = unbound_class(claim)
+        if wanted is None:
+            self._waiting_claims.pop(object_key(claim), None)
+        else:
+            self._waiting_claims[object_key(claim)] = wanted
+
+    @_exclusive
+    def _claim_deleted(self, claim: JSON) -> None:
+        self._waiting_claims.pop(object_key(claim), None)
+
+    @_exclusive
+    def _class_changed(self, storage_class: JSON) -> None:
+        if self._storage_classes is not None:
+            self._storage_classes.add(storage_class["metadata"]["name"])
+
+    @_exclusive
+    def _class_deleted(self, storage_class: JSON) -> None:
+        if self._storage_classes is not None:
+            self._storage_classes.discard(storage_class["metadata"]["name"])
+
+    def _volume_refusal(self, lower: Mapping[str, Any]) -> str | None:
+        if self._storage_classes is None or not self._waiting_claims:
+            return None
+        namespace = (lower["metadata"].get("annotations") or {}).get(
+            keys.UPPER_NAMESPACE_ANNOTATION, ""
+        )
+        return volume_refusal(
+            lower, namespace, self._waiting_claims, self._storage_classes, self.owner.cluster_id
+        )
 
     @_exclusive
     def _node_changed(self, node: JSON) -> None:
@@ -287,9 +338,10 @@ class FitEstimator:
             if amount is not None
             else (max(1, replicas), "")
         )
-        if over_budget:
+        refusal = over_budget or self._volume_refusal(lower)
+        if refusal:
             nothing = Estimate(self.state.node_count(), (), {}, 0, 0.0, 0.0, 0)
-            return Answer(nothing, None, over_budget)
+            return Answer(nothing, None, refusal)
         # A pod asked about again is judged without the room it already holds.
         held_on = self.state.forget(uid) if uid in self._reserved else None
         estimate = self.state.estimate(facts, max(1, replicas))
@@ -393,10 +445,8 @@ class FitEstimator:
 
 def to_message(answer: Answer, with_node_names: bool) -> estimator_pb2.PodEstimate:
     estimate = answer.estimate
-    if answer.over_budget:
-        return estimator_pb2.PodEstimate(
-            total_nodes=estimate.total_nodes, message=answer.over_budget
-        )
+    if answer.refusal:
+        return estimator_pb2.PodEstimate(total_nodes=estimate.total_nodes, message=answer.refusal)
     return estimator_pb2.PodEstimate(
         total_nodes=estimate.total_nodes,
         fitting_count=len(estimate.fitting),

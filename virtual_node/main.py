@@ -25,6 +25,7 @@ from kubekit.client import (
     PERSISTENTVOLUMECLAIMS,
     PERSISTENTVOLUMES,
     PODS,
+    STORAGECLASSES,
     ClientSettings,
     KubeClient,
     shrink_tls_read_buffers,
@@ -408,6 +409,10 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
         )
         if config.estimator_port:
             estimator.watch(backend.nodes, backend.pods, upper_pods)
+            estimator.watch_volumes(
+                upper_informers.informer(PERSISTENTVOLUMECLAIMS),
+                lower_informers.informer(STORAGECLASSES),
+            )
             ledger.add_handler(
                 FunctionHandler(
                     add=estimator.ledger_changed,

@@ -15,7 +15,7 @@ volume goes when its claim does.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from kubekit import keys
@@ -95,6 +95,33 @@ def provisioned_volume(claim: Mapping[str, Any], owner: Ownership) -> JSON | Non
             },
         },
     }
+
+
+def unbound_class(claim: Mapping[str, Any]) -> str | None:
+    """The storage class a claim still waits for a volume of, or None: bound, or of no
+    class (a claim for a volume made by hand)."""
+    spec = claim.get("spec") or {}
+    return None if spec.get("volumeName") else spec.get("storageClassName") or None
+
+
+def volume_refusal(
+    pod: Mapping[str, Any],
+    namespace: str,
+    waiting_for: Mapping[str, str],
+    classes: Collection[str],
+    cluster_id: str,
+) -> str | None:
+    """Why a lower cluster cannot make a volume the pod still waits for (pure), or None:
+    a claim of the pod's (in ``namespace`` above) waits for a volume of a class the lower
+    cluster has no StorageClass of. ``waiting_for``: {namespace/claim: class} of the
+    unbound claims above. A claim bound above decides nothing here: its volume, if it is
+    one of ours, holds the pod to its cluster already."""
+    for volume in (pod.get("spec") or {}).get("volumes") or []:
+        name = (volume.get("persistentVolumeClaim") or {}).get("claimName")
+        wanted = waiting_for.get(f"{namespace}/{name}") if name else None
+        if wanted is not None and wanted not in classes:
+            return f"lower cluster {cluster_id} has no storage class {wanted} (claim {name})"
+    return None
 
 
 def claim_key(volume: Mapping[str, Any]) -> str | None:

@@ -749,14 +749,38 @@ def test_a_claim_waiting_for_its_first_consumer_binds_above_and_below_and_keeps_
     wait_for_default_account(upper, "wffc")
     volumes = [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]
 
-    def stateful() -> dict[str, Any]:
-        pod = cluster_pod("stateful", "wffc", "lower-2")
+    def stateful(name: str = "stateful", cluster: str | None = None) -> dict[str, Any]:
+        pod = cluster_pod(name, "wffc", cluster or "")
+        if cluster is None:
+            del pod["spec"]["nodeSelector"]
         pod["spec"]["volumes"] = volumes
         return pod
 
     def runs_on() -> str | None:
         pod = get_json(upper, "pod", "-n", "wffc", "stateful")
         return pod["spec"].get("nodeName") if pod["status"].get("phase") == "Running" else None
+
+    def refused(name: str, words: str) -> bool:
+        events = get_json(
+            upper,
+            "events",
+            "-n",
+            "wffc",
+            "--field-selector",
+            f"involvedObject.name={name},reason=FailedScheduling",
+        )["items"]
+        return any(words in str(event["message"]) for event in events)
+
+    # Only lower-2 has the class: lower-1's estimator refuses the pod (the scheduler's
+    # first try may come before its cache has the upper class, and say so instead).
+    apply(upper, stateful("misplaced", "lower-1"))
+    wait_for(
+        lambda: refused(
+            "misplaced", f"vk-lower-1: lower cluster lower-1 has no storage class {wffc}"
+        ),
+        "the pod held to lower-1 to be refused for the class lower-1 lacks",
+    )
+    upper.kubectl("delete", "pod", "misplaced", "-n", "wffc")
 
     apply(upper, stateful())
     wait_for(lambda: runs_on() == "vk-lower-2", "the pod of a waiting claim to run below")
@@ -769,11 +793,12 @@ def test_a_claim_waiting_for_its_first_consumer_binds_above_and_below_and_keeps_
         below["metadata"]["name"],
     )
 
-    # Made again without any cluster named, the pod goes where its claim's data is.
+    # Made again, with lower-1 now able to make such volumes too, the pod goes where its
+    # claim's data is.
+    other = federation.clusters["lower-1"]
+    apply(other, storage_class(wffc, "kubernetes.io/no-provisioner"))
     upper.kubectl("delete", "pod", "stateful", "-n", "wffc")
-    again = stateful()
-    del again["spec"]["nodeSelector"]
-    apply(upper, again)
+    apply(upper, stateful())
     wait_for(lambda: runs_on() == "vk-lower-2", "the pod made again to run in the same cluster")
     assert (
         get_json(lower, "pvc", "-n", "wffc", "data")["metadata"]["uid"] == copy["metadata"]["uid"]
@@ -793,6 +818,7 @@ def test_a_claim_waiting_for_its_first_consumer_binds_above_and_below_and_keeps_
     upper.kubectl("delete", "namespace", "wffc", "--wait=false")
     upper.kubectl("delete", "storageclass", wffc)
     lower.kubectl("delete", "storageclass", wffc)
+    other.kubectl("delete", "storageclass", wffc)
     lower.kubectl("delete", "pv", below["metadata"]["name"], "--wait=false")
 
 

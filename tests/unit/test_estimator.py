@@ -14,7 +14,7 @@ import pytest
 
 from harness.localcluster import free_port
 from kubekit import keys, pki
-from kubekit.client import NODES, PODS
+from kubekit.client import NODES, PERSISTENTVOLUMECLAIMS, PODS, STORAGECLASSES
 from kubekit.clusterstate import ClusterState
 from kubekit.estimatorapi.estimator_pb2 import (
     DefragmentRequest,
@@ -406,7 +406,7 @@ def test_a_sliced_namespace_s_pods_stay_within_its_slices_here() -> None:
     cluster.upper_pods.apply({"type": "ADDED", "object": bound})
     assert cluster.fits("1", replicas=5) == 1, "1.5 cpu left of the slices, nodes take more"
     answer = cluster.estimator.answer(orjson.dumps(upper_pod("big", "2")))
-    assert answer.estimate.max_replicas == 0 and answer.over_budget == (
+    assert answer.estimate.max_replicas == 0 and answer.refusal == (
         "namespace ns's quota slices here (2 of cpu 1) have cpu 1500m left, the pod asks cpu 2"
     )
     # A reservation counts against the slices at once: a burst cannot overspend them.
@@ -465,4 +465,31 @@ def test_an_unreadable_ledger_entry_holds_its_namespace_to_nothing() -> None:
     cluster.estimator.ledger_changed(ledger)
     answer = cluster.estimator.answer(orjson.dumps(upper_pod("p", "1")))
     assert answer.estimate.max_replicas == 0
-    assert answer.over_budget == "the slice ledger's entry for ns here cannot be read"
+    assert answer.refusal == "the slice ledger's entry for ns here cannot be read"
+
+
+def test_a_pod_whose_claim_waits_for_a_class_the_cluster_lacks_fits_nowhere_here() -> None:
+    cluster = Cluster()
+    claims = Informer(client=None, resource=PERSISTENTVOLUMECLAIMS)  # type: ignore[arg-type]
+    classes = Informer(client=None, resource=STORAGECLASSES)  # type: ignore[arg-type]
+    cluster.estimator.watch_volumes(claims, classes)
+    claim: dict[str, Any] = {
+        "metadata": {"name": "data", "namespace": "ns"},
+        "spec": {"storageClassName": "fast", "accessModes": ["ReadWriteOnce"]},
+    }
+    claims.apply({"type": "ADDED", "object": claim})
+    pod = upper_pod("stateful", "1")
+    pod["spec"]["volumes"] = [{"name": "d", "persistentVolumeClaim": {"claimName": "data"}}]
+    answer = cluster.estimator.answer(orjson.dumps(pod), reserve=True)
+    assert (answer.estimate.max_replicas, answer.reserved_node) == (0, None)
+    assert answer.refusal == "lower cluster lower-1 has no storage class fast (claim data)"
+    assert to_message(answer, False).message == answer.refusal
+
+    classes.apply({"type": "ADDED", "object": {"metadata": {"name": "fast"}}})
+    assert cluster.estimator.answer(orjson.dumps(pod)).estimate.max_replicas == 1
+    classes.apply({"type": "DELETED", "object": {"metadata": {"name": "fast"}}})
+    # Bound above, the claim decides nothing here: its volume says where the pod goes.
+    claims.apply(
+        {"type": "MODIFIED", "object": {**claim, "spec": {**claim["spec"], "volumeName": "v"}}}
+    )
+    assert cluster.estimator.answer(orjson.dumps(pod)).estimate.max_replicas == 1

@@ -12,7 +12,13 @@ from kubekit.informer import Informer
 from kubekit.workqueue import WorkQueue
 from tests.unit.fakeapi import FakeClient
 from virtual_node.translate import Ownership
-from virtual_node.volumes import ClaimVolumes, outlived, provisioned_volume
+from virtual_node.volumes import (
+    ClaimVolumes,
+    outlived,
+    provisioned_volume,
+    unbound_class,
+    volume_refusal,
+)
 
 OWNER = Ownership(origin="upper-uid", node_name="vk-lower-1", cluster_id="lower-1")
 VOLUMES = "/api/v1/persistentvolumes"
@@ -126,3 +132,28 @@ async def test_the_controller_makes_the_volume_once_and_removes_it_with_its_clai
     claims.apply({"type": "DELETED", "object": bound})
     await drain(made, queue)
     assert upper.writes() == [("DELETE", f"{VOLUMES}/pvc-c-1")]
+
+
+def test_a_claim_waits_for_its_class_until_bound() -> None:
+    assert unbound_class(claim()) == "fast"
+    assert unbound_class(claim(volumeName="pv-9")) is None
+    assert unbound_class(claim(storageClassName="")) is None
+
+
+def test_a_cluster_without_the_class_a_claim_waits_for_is_refused() -> None:
+    pod = {
+        "spec": {
+            "volumes": [
+                {"name": "scratch", "emptyDir": {}},
+                {"name": "d", "persistentVolumeClaim": {"claimName": "data"}},
+            ]
+        }
+    }
+    waiting = {"db/data": "fast"}
+    assert volume_refusal(pod, "db", waiting, {"fast"}, "lower-1") is None
+    assert volume_refusal(pod, "db", waiting, {"slow"}, "lower-1") == (
+        "lower cluster lower-1 has no storage class fast (claim data)"
+    )
+    # Another namespace's claim of that name, or a claim not waiting: nothing to refuse.
+    assert volume_refusal(pod, "web", waiting, set(), "lower-1") is None
+    assert volume_refusal(pod, "db", {}, set(), "lower-1") is None
