@@ -123,9 +123,9 @@ class FitEstimator:
         self._upper_keys: dict[str, str] = {}
         self._upper_pods: Informer | None = None
         # {namespace/claim: class} of the upper claims still waiting for a volume, and the
-        # lower cluster's StorageClasses; None until their caches are watched.
+        # lower cluster's StorageClasses (both empty until their caches are watched).
         self._waiting_claims: dict[str, str] = {}
-        self._storage_classes: set[str] | None = None
+        self._storage_classes: set[str] = set()
         self.lock = threading.RLock()
 
     def watch(self, lower_nodes: Informer, lower_pods: Informer, upper_pods: Informer) -> None:
@@ -153,7 +153,6 @@ class FitEstimator:
         )
 
     def watch_volumes(self, upper_claims: Informer, lower_classes: Informer) -> None:
-        self._storage_classes = set()
         upper_claims.add_handler(
             FunctionHandler(
                 add=self._claim_changed, update=self._claim_changed, delete=self._claim_deleted
@@ -181,16 +180,14 @@ class FitEstimator:
 
     @_exclusive
     def _class_changed(self, storage_class: JSON) -> None:
-        if self._storage_classes is not None:
-            self._storage_classes.add(storage_class["metadata"]["name"])
+        self._storage_classes.add(storage_class["metadata"]["name"])
 
     @_exclusive
     def _class_deleted(self, storage_class: JSON) -> None:
-        if self._storage_classes is not None:
-            self._storage_classes.discard(storage_class["metadata"]["name"])
+        self._storage_classes.discard(storage_class["metadata"]["name"])
 
     def _volume_refusal(self, lower: Mapping[str, Any]) -> str | None:
-        if self._storage_classes is None or not self._waiting_claims:
+        if not self._waiting_claims:
             return None
         namespace = (lower["metadata"].get("annotations") or {}).get(
             keys.UPPER_NAMESPACE_ANNOTATION, ""

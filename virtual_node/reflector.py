@@ -223,8 +223,8 @@ class Reflector:
         key = reflected_key(kind, metadata.get("namespace") or "", metadata["name"])
         if kind == "services":
             self._service_changed(key[1], key[2])
-        # A deleted claim is no longer wanted, and its copy goes with it.
-        if self._wanted(key) or kind == "persistentvolumeclaims":
+        # Every claim: a deleted one is no longer wanted, and its copy goes with it.
+        if kind == "persistentvolumeclaims" or self._wanted(key):
             self.queue.add(key)
 
     def sync_namespaces(self, namespaces: Iterable[str]) -> None:
