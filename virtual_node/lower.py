@@ -336,7 +336,7 @@ class LowerCluster:
                 raise  # exists after all: the next round sees it in the cache
             if namespace_is_gone(error):
                 # Deleted below since we made it: made again on the retry.
-                self._forget_namespace(namespace)
+                self.forget_namespace(namespace)
             message = f"lower cluster {self.owner.cluster_id} refused the pod: {error.message}"
             if error.status in _PERMANENT:
                 return Rejected("LowerClusterRejected", message)
@@ -354,10 +354,7 @@ class LowerCluster:
             "kind": "Namespace",
             "metadata": {
                 "name": namespace,
-                "labels": {
-                    keys.MANAGED_BY_LABEL: keys.MANAGED_BY_VALUE,
-                    keys.ORIGIN_LABEL: self.owner.origin,
-                },
+                "labels": self.owner.namespace_labels(),
             },
         }
         try:
@@ -384,11 +381,12 @@ class LowerCluster:
             await self.client.create(SERVICEACCOUNTS, body, namespace)
         except ApiError as error:
             if namespace_is_gone(error):
-                self._forget_namespace(namespace)
+                self.forget_namespace(namespace)
             if error.status != 409:
                 raise
 
-    def _forget_namespace(self, namespace: str) -> None:
+    def forget_namespace(self, namespace: str) -> None:
+        """A namespace made here is gone: the next pod in it makes it again."""
         self._namespaces.pop(namespace, None)
         self._default_accounts.pop(namespace, None)
 

@@ -46,6 +46,7 @@ from virtual_node.kubeletapi.certificates import keep_renewed, serving_certifica
 from virtual_node.kubeletapi.server import STREAMING_IDLE_TIMEOUT, KubeletServer
 from virtual_node.kubeletstreams import LowerKubelet
 from virtual_node.lower import LowerCluster
+from virtual_node.namespaces import LowerNamespaces
 from virtual_node.naming import NamespaceMapping, Strategy
 from virtual_node.node import NodeIdentity
 from virtual_node.nodecontroller import NodeController
@@ -361,6 +362,17 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             WorkQueue("events"),
         )
         pods = PodController(upper, upper_pods, backend, config.name, queue)
+        lower_namespaces = LowerNamespaces(
+            upper,
+            upper_informers.informer(NAMESPACES),
+            lower,
+            lower_informers.informer(NAMESPACES, label_selector=owner.namespace_selector()),
+            backend.pods,
+            mapping,
+            owner,
+            backend.forget_namespace,
+            WorkQueue("namespaces"),
+        )
         volumes = ClaimVolumes(
             upper,
             upper_informers.informer(PERSISTENTVOLUMECLAIMS),
@@ -462,6 +474,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             pods.run(config.workers),
             reflector.run(config.workers),
             volumes.run(1),
+            lower_namespaces.run(1),
             events.run(max(1, config.workers // 4)),
             _sweep_orphans(backend, upper_pods.keys, queue, reflector),
             *([keep_renewed(upper, config.name, [config.address], pair)] if renewable else []),

@@ -45,18 +45,25 @@ class Ownership:
     cluster_id: str  # the lower cluster's, which only its virtual node is labelled with
 
     def labels(self) -> dict[str, str]:
-        return {
-            keys.MANAGED_BY_LABEL: keys.MANAGED_BY_VALUE,
-            keys.ORIGIN_LABEL: self.origin,
-            keys.VIRTUAL_NODE_LABEL: self.node_name,
-        }
+        return {**self.namespace_labels(), keys.VIRTUAL_NODE_LABEL: self.node_name}
 
     def selector(self) -> str:
-        return ",".join(f"{k}={v}" for k, v in self.labels().items())
+        return _selector(self.labels())
+
+    def namespace_labels(self) -> dict[str, str]:
+        """A lower namespace is this upper cluster's, not any one virtual node's."""
+        return {keys.MANAGED_BY_LABEL: keys.MANAGED_BY_VALUE, keys.ORIGIN_LABEL: self.origin}
+
+    def namespace_selector(self) -> str:
+        return _selector(self.namespace_labels())
 
     def owns(self, lower: Mapping[str, Any]) -> bool:
         labels = lower.get("metadata", {}).get("labels") or {}
         return all(labels.get(k) == v for k, v in self.labels().items())
+
+
+def _selector(labels: Mapping[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in labels.items())
 
 
 class TranslationError(ValueError):

@@ -540,6 +540,38 @@ def test_config_maps_and_secrets_follow_their_pods_down_and_away(federation: Fed
     upper.kubectl("delete", "namespace", "config", "--wait=false")
 
 
+def test_a_namespace_deleted_above_goes_below_unless_made_by_someone_else(
+    federation: Federation,
+) -> None:
+    upper, lower = federation.upper, federation.clusters["lower-2"]
+    # The lower cluster's own namespace of that name, there before any pod of ours.
+    apply(lower, namespace("theirs"))
+    for name in ("emptied", "theirs"):
+        apply(upper, namespace(name))
+        apply(
+            upper,
+            federated_deployment("app", name, 1, node_selector={keys.CLUSTER_ID_LABEL: "lower-2"}),
+        )
+        rollout(upper, "app", name)
+    made = get_json(lower, "namespace", "emptied")["metadata"]["labels"]
+    assert made[keys.MANAGED_BY_LABEL] == keys.MANAGED_BY_VALUE
+    assert keys.MANAGED_BY_LABEL not in (
+        get_json(lower, "namespace", "theirs")["metadata"].get("labels") or {}
+    )
+
+    upper.kubectl("delete", "namespace", "emptied", "theirs", "--timeout=120s")
+
+    def lower_namespaces() -> set[str]:
+        return set(lower.kubectl("get", "namespaces", "-o", "name").stdout.split())
+
+    wait_for(
+        lambda: "namespace/emptied" not in lower_namespaces(),
+        "the lower namespace made for the deleted upper one to go",
+    )
+    assert "namespace/theirs" in lower_namespaces()
+    assert lower.kubectl("get", "pods", "-n", "theirs", "-o", "name").stdout.strip() == ""
+
+
 def test_a_pods_service_account_and_priority_class_follow_it_down_and_away(
     federation: Federation,
 ) -> None:

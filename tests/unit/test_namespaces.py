@@ -1,0 +1,133 @@
+"""Lower namespaces deleted with their upper namespace: the controller over informers fed
+by hand and fake apiservers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kubekit import keys
+from kubekit.client import NAMESPACES, PODS
+from kubekit.informer import Informer
+from kubekit.workqueue import WorkQueue
+from tests.unit.fakeapi import FakeClient, not_found
+from virtual_node.namespaces import LowerNamespaces, others_pods
+from virtual_node.naming import NamespaceMapping
+from virtual_node.translate import Ownership
+
+OWNER = Ownership(origin="upper-uid", node_name="vk-lower-1", cluster_id="lower-1")
+SAME = NamespaceMapping()
+
+
+def namespace(name: str, **metadata: Any) -> dict[str, Any]:
+    return {"metadata": {"name": name, "uid": f"uid-{name}", **metadata}}
+
+
+def pod(name: str, origin: str | None) -> dict[str, Any]:
+    labels = {keys.ORIGIN_LABEL: origin} if origin else {}
+    return {"metadata": {"name": name, "namespace": "shop", "uid": name, "labels": labels}}
+
+
+class Harness:
+    def __init__(self, mapping: NamespaceMapping = SAME) -> None:
+        self.upper = FakeClient()
+        self.lower = FakeClient()
+        self.upper_namespaces = Informer(client=None, resource=NAMESPACES)  # type: ignore[arg-type]
+        self.lower_namespaces = Informer(client=None, resource=NAMESPACES)  # type: ignore[arg-type]
+        self.lower_pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
+        self.forgotten: list[str] = []
+        self.queue: WorkQueue[str] = WorkQueue("namespaces")
+        self.controller = LowerNamespaces(
+            self.upper,
+            self.upper_namespaces,
+            self.lower,
+            self.lower_namespaces,
+            self.lower_pods,
+            mapping,
+            OWNER,
+            self.forgotten.append,
+            self.queue,
+        )
+
+    async def drain(self) -> None:
+        while len(self.queue):
+            key = await self.queue.get()
+            try:
+                await self.controller.reconcile(key)
+            finally:
+                self.queue.done(key)
+
+
+async def test_a_lower_namespace_goes_once_its_upper_namespace_is_gone() -> None:
+    world = Harness()
+    world.upper_namespaces.apply({"type": "ADDED", "object": namespace("shop")})
+    world.lower_namespaces.apply({"type": "ADDED", "object": namespace("shop")})
+    await world.drain()
+    assert world.lower.writes() == []
+
+    # Terminating above: its pods are still being deleted below.
+    terminating = namespace("shop", deletionTimestamp="2026-11-27T01:00:00Z")
+    world.upper_namespaces.apply({"type": "MODIFIED", "object": terminating})
+    await world.drain()
+    assert world.lower.writes() == []
+
+    world.upper.answer("GET", "/api/v1/namespaces/shop", not_found("namespaces", "shop"))
+    world.upper_namespaces.apply({"type": "DELETED", "object": terminating})
+    await world.drain()
+    assert world.lower.writes() == [("DELETE", "/api/v1/namespaces/shop")]
+    (deleted,) = [r for r in world.lower.requests if r.method == "DELETE"]
+    assert deleted.body["preconditions"] == {"uid": "uid-shop"}
+    assert world.forgotten == ["shop"]
+
+
+async def test_a_namespace_the_upper_cache_has_not_heard_of_yet_is_asked_for_and_kept() -> None:
+    world = Harness()
+    world.upper.answer("GET", "/api/v1/namespaces/shop", namespace("shop"))
+    world.lower_namespaces.apply({"type": "ADDED", "object": namespace("shop")})
+    await world.drain()
+    assert [(r.method, r.path) for r in world.upper.requests] == [
+        ("GET", "/api/v1/namespaces/shop")
+    ]
+    assert world.lower.writes() == []
+
+
+async def test_one_gone_above_while_the_virtual_node_was_away_goes_at_start() -> None:
+    world = Harness()
+    world.lower_namespaces.apply({"type": "ADDED", "object": namespace("shop")})
+    await world.drain()
+    assert world.lower.writes() == [("DELETE", "/api/v1/namespaces/shop")]
+
+
+async def test_a_namespace_holding_pods_of_others_is_kept() -> None:
+    world = Harness()
+    world.lower_pods.apply({"type": "ADDED", "object": pod("theirs", "another-upper")})
+    world.lower_pods.apply({"type": "ADDED", "object": pod("ours", OWNER.origin)})
+    world.lower_namespaces.apply({"type": "ADDED", "object": namespace("shop")})
+    await world.drain()
+    assert world.lower.writes() == []
+
+    world.lower_pods.apply({"type": "DELETED", "object": pod("theirs", "another-upper")})
+    world.lower_namespaces.apply(
+        {"type": "MODIFIED", "object": namespace("shop", resourceVersion="2")}
+    )
+    await world.drain()
+    assert world.lower.writes() == [("DELETE", "/api/v1/namespaces/shop")]
+
+
+def test_others_pods_are_those_of_another_upper_cluster_or_of_none() -> None:
+    pods = [pod("ours", OWNER.origin), pod("theirs", "another-upper"), pod("local", None)]
+    assert others_pods(pods, OWNER) == ["shop/theirs", "shop/local"]
+
+
+async def test_with_a_prefix_only_the_prefixed_namespace_is_ours_to_delete() -> None:
+    world = Harness(NamespaceMapping("prefix", "t1"))
+    world.upper_namespaces.apply({"type": "ADDED", "object": namespace("shop")})
+    world.lower_namespaces.apply({"type": "ADDED", "object": namespace("t1-shop")})
+    # Labelled as ours, but no upper namespace maps to it.
+    world.lower_namespaces.apply({"type": "ADDED", "object": namespace("shop")})
+    await world.drain()
+    assert world.lower.writes() == []
+
+    world.upper.answer("GET", "/api/v1/namespaces/shop", not_found("namespaces", "shop"))
+    world.upper_namespaces.apply({"type": "DELETED", "object": namespace("shop")})
+    await world.drain()
+    assert world.lower.writes() == [("DELETE", "/api/v1/namespaces/t1-shop")]

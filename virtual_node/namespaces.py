@@ -1,0 +1,104 @@
+"""Lower namespaces removed with their upper namespace.
+
+The virtual node makes a lower namespace for the first pod (or quota slice) of an upper
+namespace. Deleting the upper namespace deletes its pods, and each goes below first, but
+the lower namespace stayed: every namespace ever used above left an empty one (its
+ServiceAccount, root CA ConfigMap and events) in every lower cluster. It is deleted once
+the upper namespace is gone, and only then: while the upper one terminates, its pods are
+still being deleted below with their grace periods.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from kubekit import keys
+from kubekit.client import NAMESPACES, ApiError, KubeClient, is_not_found
+from kubekit.informer import FunctionHandler, Informer, object_key
+from kubekit.workqueue import WorkQueue
+from virtual_node.naming import NamespaceMapping, NamingError
+from virtual_node.translate import Ownership
+
+log = logging.getLogger(__name__)
+
+
+def others_pods(pods: Iterable[Mapping[str, Any]], owner: Ownership) -> list[str]:
+    """The pods of a lower namespace that are not this upper cluster's: another upper
+    cluster's mirrored pods, or the lower cluster's own. A namespace holding any is left."""
+    return [
+        object_key(pod)
+        for pod in pods
+        if (pod["metadata"].get("labels") or {}).get(keys.ORIGIN_LABEL) != owner.origin
+    ]
+
+
+class LowerNamespaces:
+    """Deletes the lower namespaces this upper cluster made whose upper namespace is gone;
+    keyed by lower namespace."""
+
+    def __init__(
+        self,
+        upper: KubeClient,
+        upper_namespaces: Informer,
+        lower: KubeClient,
+        lower_namespaces: Informer,
+        lower_pods: Informer,
+        mapping: NamespaceMapping,
+        owner: Ownership,
+        forget: Callable[[str], None],
+        queue: WorkQueue[str],
+    ) -> None:
+        self.upper = upper
+        self.upper_namespaces = upper_namespaces
+        self.lower = lower
+        self.lower_namespaces = lower_namespaces  # ours only: selected by our labels
+        self.lower_pods = lower_pods
+        self.mapping = mapping
+        self.owner = owner
+        # Tells the pod mirror that a namespace it made is gone, so it makes it again.
+        self.forget = forget
+        self.queue = queue
+        lower_namespaces.add_handler(
+            FunctionHandler(
+                add=lambda namespace: queue.add(namespace["metadata"]["name"]),
+                update=lambda namespace: queue.add(namespace["metadata"]["name"]),
+            )
+        )
+        upper_namespaces.add_handler(FunctionHandler(delete=self._upper_deleted))
+
+    def _upper_deleted(self, namespace: Mapping[str, Any]) -> None:
+        # A name too long to map had no lower namespace made for it.
+        with contextlib.suppress(NamingError):
+            self.queue.add(self.mapping.lower(namespace["metadata"]["name"]))
+
+    async def run(self, workers: int) -> None:
+        await self.queue.run_workers(workers, self.reconcile)
+
+    async def reconcile(self, name: str) -> None:
+        namespace = self.lower_namespaces.get(name)
+        if namespace is None or namespace["metadata"].get("deletionTimestamp"):
+            return
+        upper_name = self.mapping.upper(name)
+        if upper_name is None or self.upper_namespaces.get(upper_name) is not None:
+            return
+        try:
+            # The cache may not have heard of a namespace made a moment ago.
+            await self.upper.get(NAMESPACES, upper_name)
+            return
+        except ApiError as error:
+            if not is_not_found(error):
+                raise
+        others = others_pods(self.lower_pods.items(name), self.owner)
+        if others:
+            log.warning(
+                "namespace %s: gone above, kept below for pods not of this upper cluster (%s)",
+                name,
+                ", ".join(sorted(others)[:3]),
+            )
+            return
+        await self.lower.delete_exact(NAMESPACES, namespace)
+        self.forget(name)
+        log.info("namespace %s: gone above, deleted below", name)
