@@ -19,8 +19,28 @@ JSON = dict[str, Any]
 # Set by the upper apiserver's admission from the PriorityClass; the lower apiserver
 # computes its own and refuses a pod that brings a different one.
 _ADMISSION_COMPUTED = ("priority", "preemptionPolicy")
-# Never valid on create, or meaningful only to the upper cluster.
-_UPPER_ONLY = ("nodeName", "ephemeralContainers", "schedulerName", "schedulingGates")
+# Never valid on create, or meaningful only to the upper cluster (a readiness gate's
+# condition is set by a controller above: nobody below would set it).
+_UPPER_ONLY = (
+    "nodeName",
+    "ephemeralContainers",
+    "schedulerName",
+    "schedulingGates",
+    "readinessGates",
+)
+# The pod condition types a kubelet writes. Any other on the upper pod is a controller's
+# above (a readiness gate's, DisruptionTarget) and is kept as it is.
+_KUBELET_CONDITIONS = frozenset(
+    {
+        "PodScheduled",
+        "Ready",
+        "ContainersReady",
+        "Initialized",
+        "PodReadyToStartContainers",
+        "PodResizePending",
+        "PodResizeInProgress",
+    }
+)
 _STATUS_FIELDS = (
     "phase",
     "conditions",
@@ -390,9 +410,10 @@ def upper_status(lower: Mapping[str, Any], upper: Mapping[str, Any], host_ip: st
     for field in _STATUS_FIELDS:
         if field in lower_status:
             status[field] = json_copy(lower_status[field])
-    conditions = _with_upper_scheduling(
-        status.get("conditions") or [], upper_status.get("conditions") or []
-    )
+    upper_conditions = upper_status.get("conditions") or []
+    gates = [g["conditionType"] for g in upper.get("spec", {}).get("readinessGates") or []]
+    conditions = _with_upper_scheduling(status.get("conditions") or [], upper_conditions)
+    conditions = _with_upper_owned(conditions, upper_conditions, gates)
     if conditions:
         status["conditions"] = conditions
     else:
@@ -417,6 +438,70 @@ def _with_upper_scheduling(
         c for c in lower_conditions if c.get("type") == "PodScheduled" and c.get("status") != "True"
     ]
     return conditions + (failed_below or [json_copy(dict(scheduled_above))])
+
+
+def _with_upper_owned(
+    conditions: list[JSON], upper_conditions: list[Mapping[str, Any]], gates: list[str]
+) -> list[JSON]:
+    """The lower pod's conditions, with those of the upper pod that no kubelet writes (its
+    readiness gates' above all) kept, and Ready as a kubelet judges it from the gates:
+    containers ready below and every gate's condition True above."""
+    owned_above = [
+        json_copy(dict(c))
+        for c in upper_conditions
+        if c.get("type") not in _KUBELET_CONDITIONS
+        and (c.get("type") in gates or not any(d.get("type") == c.get("type") for d in conditions))
+    ]
+    kept = {c["type"] for c in owned_above}
+    merged = [c for c in conditions if c.get("type") not in kept and c.get("type") not in gates]
+    merged += owned_above
+    if gates:
+        merged = [_gated_ready(c, gates, owned_above, upper_conditions) for c in merged]
+    return merged
+
+
+def _gated_ready(
+    condition: JSON,
+    gates: list[str],
+    owned_above: list[JSON],
+    upper_conditions: list[Mapping[str, Any]],
+) -> JSON:
+    if condition.get("type") != "Ready" or condition.get("status") != "True":
+        return condition  # not ready below: the containers' reason stands, as a kubelet's
+    by_type = {c["type"]: c for c in owned_above}
+    unready = []
+    for gate in gates:
+        gate_condition = by_type.get(gate)
+        if gate_condition is None:
+            unready.append(
+                f'corresponding condition of pod readiness gate "{gate}" does not exist.'
+            )
+        elif gate_condition.get("status") != "True":
+            unready.append(
+                f'the status of pod readiness gate "{gate}" is not "True", but '
+                f"{gate_condition.get('status')}"
+            )
+    if not unready:
+        # Ready since the last of the containers below and the gates above was.
+        since = max(
+            [condition.get("lastTransitionTime") or ""]
+            + [by_type[g].get("lastTransitionTime") or "" for g in gates]
+        )
+        return {**condition, "lastTransitionTime": since} if since else condition
+    was = next((c for c in upper_conditions if c.get("type") == "Ready"), None)
+    since = (
+        was.get("lastTransitionTime")
+        if was is not None and was.get("status") == "False"
+        else condition.get("lastTransitionTime")
+    )
+    return {
+        "type": "Ready",
+        "status": "False",
+        "lastProbeTime": None,
+        "lastTransitionTime": since,
+        "reason": "ReadinessGatesNotReady",
+        "message": ", ".join(unready),
+    }
 
 
 def failed_status(upper: Mapping[str, Any], reason: str, message: str) -> JSON:

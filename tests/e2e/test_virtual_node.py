@@ -194,6 +194,55 @@ def test_pod_bound_by_node_name_runs_with_the_conditions_a_kubelet_reports(
     upper.kubectl("delete", "namespace", "bound", "--wait=false")
 
 
+def test_a_readiness_gate_is_judged_above_where_its_controller_sets_it(
+    federation: Federation,
+) -> None:
+    upper, lower = federation.upper, federation.clusters["lower-2"]
+    gate = "example.com/load-balancer"
+    apply(
+        upper,
+        namespace("gated"),
+        bound_pod("web", "gated", "vk-lower-2", readinessGates=[{"conditionType": gate}]),
+    )
+
+    def conditions() -> dict[str, dict[str, Any]]:
+        pod = get_json(upper, "pod", "-n", "gated", "web")
+        return {c["type"]: c for c in pod["status"].get("conditions") or []}
+
+    def held_by_its_gate() -> dict[str, dict[str, Any]]:
+        now = conditions()
+        return now if now.get("Ready", {}).get("reason") == "ReadinessGatesNotReady" else {}
+
+    held = wait_for(held_by_its_gate, "the pod to run above, not ready for want of its gate")
+    assert held["Ready"]["status"] == "False"
+    assert held["ContainersReady"]["status"] == "True"
+    below = get_json(lower, "pod", "-n", "gated", "web")
+    assert "readinessGates" not in below["spec"], "nobody below would ever set it"
+    assert {c["type"]: c["status"] for c in below["status"]["conditions"]}["Ready"] == "True"
+
+    # What a load-balancer controller above does once the pod takes traffic.
+    upper.kubectl(
+        "patch",
+        "pod",
+        "web",
+        "-n",
+        "gated",
+        "--subresource=status",
+        "-p",
+        json.dumps({"status": {"conditions": [{"type": gate, "status": "True"}]}}),
+    )
+    wait_for(lambda: conditions()["Ready"]["status"] == "True", "the pod to be ready with its gate")
+    # A later sync (a label pushed down) keeps the controller's condition.
+    upper.kubectl("label", "pod", "web", "-n", "gated", "synced=again")
+    wait_for(
+        lambda: get_json(lower, "pod", "-n", "gated", "web")["metadata"]["labels"].get("synced"),
+        "the label to reach the lower pod",
+    )
+    after = conditions()
+    assert after[gate]["status"] == after["Ready"]["status"] == "True"
+    upper.kubectl("delete", "namespace", "gated", "--wait=false")
+
+
 def test_lower_pod_deleted_behind_our_back_is_replaced(federation: Federation) -> None:
     upper, lower = federation.upper, federation.clusters["lower-1"]
     apply(

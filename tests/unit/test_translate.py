@@ -275,6 +275,87 @@ def test_lower_scheduling_failure_of_a_pod_bound_by_node_name_comes_up() -> None
     assert upper_status(lower, upper, host_ip="127.0.0.2")["conditions"] == [unschedulable]
 
 
+def gated_pod(*conditions: dict[str, Any]) -> dict[str, Any]:
+    pod = bound_upper_pod()
+    pod["spec"]["readinessGates"] = [{"conditionType": "example.com/lb"}]
+    pod["status"]["conditions"] = [SCHEDULED_ABOVE, *conditions]
+    return pod
+
+
+RUNNING_BELOW = {
+    "status": {
+        "phase": "Running",
+        "hostIP": "192.168.1.5",
+        "conditions": [
+            {"type": "Ready", "status": "True", "lastTransitionTime": "2026-01-01T00:00:05Z"},
+            {"type": "PodScheduled", "status": "True"},
+        ],
+    }
+}
+
+
+def test_a_readiness_gate_stays_above_and_is_not_asked_of_the_lower_cluster() -> None:
+    assert "readinessGates" not in desired_lower_pod(gated_pod(), NamespaceMapping(), OWNER)["spec"]
+
+
+def test_a_pod_ready_below_is_not_ready_above_until_its_gate_is_true() -> None:
+    status = upper_status(RUNNING_BELOW, gated_pod(), host_ip="127.0.0.2")
+    assert status["conditions"] == [
+        {
+            "type": "Ready",
+            "status": "False",
+            "lastProbeTime": None,
+            "lastTransitionTime": "2026-01-01T00:00:05Z",
+            "reason": "ReadinessGatesNotReady",
+            "message": 'corresponding condition of pod readiness gate "example.com/lb" does '
+            "not exist.",
+        },
+        SCHEDULED_ABOVE,
+    ]
+
+    gate_false = {"type": "example.com/lb", "status": "False"}
+    status = upper_status(RUNNING_BELOW, gated_pod(gate_false), host_ip="127.0.0.2")
+    ready, _, gate = status["conditions"]
+    assert ready["message"] == (
+        'the status of pod readiness gate "example.com/lb" is not "True", but False'
+    )
+    assert gate == gate_false, "the controller's condition above is kept"
+
+    gate_true = {
+        "type": "example.com/lb",
+        "status": "True",
+        "lastTransitionTime": "2026-01-01T00:00:09Z",
+    }
+    status = upper_status(RUNNING_BELOW, gated_pod(gate_true), host_ip="127.0.0.2")
+    assert status["conditions"] == [
+        {"type": "Ready", "status": "True", "lastTransitionTime": "2026-01-01T00:00:09Z"},
+        SCHEDULED_ABOVE,
+        gate_true,
+    ]
+
+
+def test_a_gate_set_below_does_not_count_and_not_ready_below_keeps_its_reason() -> None:
+    gate_below = {"type": "example.com/lb", "status": "True"}
+    not_ready = {"type": "Ready", "status": "False", "reason": "ContainersNotReady"}
+    lower = {"status": {"phase": "Running", "conditions": [not_ready, gate_below]}}
+    status = upper_status(lower, gated_pod(), host_ip="127.0.0.2")
+    assert status["conditions"] == [not_ready, SCHEDULED_ABOVE]
+
+
+def test_conditions_of_controllers_above_are_kept_and_the_lower_ones_win_for_the_rest() -> None:
+    disruption = {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}
+    custom_below = {"type": "example.com/checked", "status": "True"}
+    upper = bound_upper_pod()
+    upper["status"]["conditions"] = [
+        SCHEDULED_ABOVE,
+        disruption,
+        {**custom_below, "status": "False"},
+    ]
+    lower = {"status": {"phase": "Running", "conditions": [custom_below]}}
+    status = upper_status(lower, upper, host_ip="127.0.0.2")
+    assert status["conditions"] == [custom_below, SCHEDULED_ABOVE, disruption]
+
+
 def test_labels_and_annotations_added_below_are_left_alone() -> None:
     desired = desired_lower_pod(upper_pod(), NamespaceMapping(), OWNER)
     current = json.loads(json.dumps(desired))
