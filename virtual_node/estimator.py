@@ -38,6 +38,7 @@ from virtual_node.capacity import pod_holds_resources
 from virtual_node.kubeletapi.auth import AuthError, Authorizer
 from virtual_node.naming import NamespaceMapping, NamingError
 from virtual_node.promises import PromiseRefused, SliceBudgets, SlicePromises, requested
+from virtual_node.runtimes import pod_fixed, runtime_refusal, with_class_overhead
 from virtual_node.translate import Ownership, desired_lower_pod
 from virtual_node.volumes import unbound_class, volume_refusal
 
@@ -126,6 +127,9 @@ class FitEstimator:
         # lower cluster's StorageClasses (both empty until their caches are watched).
         self._waiting_claims: dict[str, str] = {}
         self._storage_classes: set[str] = set()
+        # The lower cluster's RuntimeClasses: a pod of a class it lacks fits nowhere here,
+        # and takes its class's overhead.
+        self._runtime_classes: dict[str, dict[str, str] | None] = {}
         self.lock = threading.RLock()
 
     def watch(self, lower_nodes: Informer, lower_pods: Informer, upper_pods: Informer) -> None:
@@ -164,6 +168,15 @@ class FitEstimator:
             )
         )
 
+    def watch_runtime_classes(self, lower_classes: Informer) -> None:
+        lower_classes.add_handler(
+            FunctionHandler(
+                add=self._runtime_class_changed,
+                update=self._runtime_class_changed,
+                delete=self._runtime_class_deleted,
+            )
+        )
+
     # -- what the caches say ---------------------------------------------------------------
 
     @_exclusive
@@ -185,6 +198,14 @@ class FitEstimator:
     @_exclusive
     def _class_deleted(self, storage_class: JSON) -> None:
         self._storage_classes.discard(storage_class["metadata"]["name"])
+
+    @_exclusive
+    def _runtime_class_changed(self, runtime_class: JSON) -> None:
+        self._runtime_classes[runtime_class["metadata"]["name"]] = pod_fixed(runtime_class)
+
+    @_exclusive
+    def _runtime_class_deleted(self, runtime_class: JSON) -> None:
+        self._runtime_classes.pop(runtime_class["metadata"]["name"], None)
 
     def _volume_refusal(self, lower: Mapping[str, Any]) -> str | None:
         if not self._waiting_claims:
@@ -296,7 +317,9 @@ class FitEstimator:
         so that no room is taken or given back for a pod that then cannot be judged (the
         apiserver validated what it sends; a caller may send anything)."""
         try:
-            lower = desired_lower_pod(upper, self.mapping, self.owner)
+            lower = with_class_overhead(
+                desired_lower_pod(upper, self.mapping, self.owner), self._runtime_classes
+            )
             return lower, PodFacts.of(lower)
         # TranslationError and NamingError are ValueErrors; the others, parts of the pod
         # that are not what they should be.
@@ -335,7 +358,11 @@ class FitEstimator:
             if amount is not None
             else (max(1, replicas), "")
         )
-        refusal = over_budget or self._volume_refusal(lower)
+        refusal = (
+            over_budget
+            or self._volume_refusal(lower)
+            or runtime_refusal(lower, self._runtime_classes, self.owner.cluster_id)
+        )
         if refusal:
             nothing = Estimate(self.state.node_count(), (), {}, 0, 0.0, 0.0, 0)
             return Answer(nothing, None, refusal)

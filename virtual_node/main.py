@@ -25,6 +25,7 @@ from kubekit.client import (
     PERSISTENTVOLUMECLAIMS,
     PERSISTENTVOLUMES,
     PODS,
+    RUNTIMECLASSES,
     STORAGECLASSES,
     ClientSettings,
     KubeClient,
@@ -425,6 +426,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
                 upper_informers.informer(PERSISTENTVOLUMECLAIMS),
                 lower_informers.informer(STORAGECLASSES),
             )
+            estimator.watch_runtime_classes(lower_informers.informer(RUNTIMECLASSES))
             ledger.add_handler(
                 FunctionHandler(
                     add=estimator.ledger_changed,

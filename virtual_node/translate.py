@@ -16,9 +16,10 @@ from virtual_node.naming import NamespaceMapping
 
 JSON = dict[str, Any]
 
-# Set by the upper apiserver's admission from the PriorityClass; the lower apiserver
-# computes its own and refuses a pod that brings a different one.
-_ADMISSION_COMPUTED = ("priority", "preemptionPolicy")
+# Set by the upper apiserver's admission from the PriorityClass and the RuntimeClass; the
+# lower apiserver computes its own from its classes and refuses a pod that brings a
+# different one.
+_ADMISSION_COMPUTED = ("priority", "preemptionPolicy", "overhead")
 # Never valid on create, or meaningful only to the upper cluster (a readiness gate's
 # condition is set by a controller above: nobody below would set it).
 _UPPER_ONLY = (

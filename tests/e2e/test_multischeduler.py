@@ -254,6 +254,48 @@ def test_a_stashed_node_selector_only_lower_2_matches_sends_the_pod_there(
         delete_pods(fragmented, "app=ssd")
 
 
+def runtime_class(name: str, overhead_cpu: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "node.k8s.io/v1",
+        "kind": "RuntimeClass",
+        "metadata": {"name": name},
+        "handler": "runsc",
+        "overhead": {"podFixed": {"cpu": overhead_cpu}},
+    }
+
+
+def test_a_runtime_class_only_lower_2_has_sends_the_pod_there_with_lower_2_s_overhead(
+    fragmented: Federation,
+) -> None:
+    lower_2 = fragmented.clusters["lower-2"]
+    apply(fragmented.upper, runtime_class("e2e-sandbox", "500m"), runtime_class("e2e-none", "1"))
+    apply(lower_2, runtime_class("e2e-sandbox", "250m"))
+    sandboxed, nowhere = frag_pod("sandboxed", "1"), frag_pod("nowhere", "1")
+    sandboxed["spec"]["runtimeClassName"] = "e2e-sandbox"
+    nowhere["spec"]["runtimeClassName"] = "e2e-none"
+    apply(fragmented.upper, sandboxed, nowhere)
+    try:
+        wait_for(
+            lambda: running_on(fragmented, "sandboxed", "vk-lower-2"),
+            "the pod of a class only lower-2 has Running there",
+        )
+        assert upper_pod(fragmented, "sandboxed")["spec"]["overhead"] == {"cpu": "500m"}
+        below = lower_pods(fragmented, "app=sandboxed")
+        assert below["lower-2/sandboxed"]["spec"]["overhead"] == {"cpu": "250m"}
+
+        message = wait_for(
+            lambda: failed_scheduling(fragmented, "nowhere"), "a FailedScheduling event"
+        )
+        for cluster in TAKEN:
+            reason = f"vk-{cluster}: lower cluster {cluster} has no runtime class e2e-none"
+            assert reason in message, message
+        assert not upper_pod(fragmented, "nowhere")["spec"].get("nodeName")
+    finally:
+        delete_pods(fragmented, "app in (sandboxed, nowhere)")
+        fragmented.upper.kubectl("delete", "runtimeclass", "e2e-sandbox", "e2e-none")
+        lower_2.kubectl("delete", "runtimeclass", "e2e-sandbox")
+
+
 def test_a_cluster_whose_estimator_is_down_is_skipped_and_the_others_still_used(
     fragmented: Federation,
 ) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from harness.localcluster import free_port
 from kubekit import keys, pki
-from kubekit.client import NODES, PERSISTENTVOLUMECLAIMS, PODS, STORAGECLASSES
+from kubekit.client import NODES, PERSISTENTVOLUMECLAIMS, PODS, RUNTIMECLASSES, STORAGECLASSES
 from kubekit.clusterstate import ClusterState
 from kubekit.estimatorapi.estimator_pb2 import (
     DefragmentRequest,
@@ -493,3 +493,35 @@ def test_a_pod_whose_claim_waits_for_a_class_the_cluster_lacks_fits_nowhere_here
         {"type": "MODIFIED", "object": {**claim, "spec": {**claim["spec"], "volumeName": "v"}}}
     )
     assert cluster.estimator.answer(orjson.dumps(pod)).estimate.max_replicas == 1
+
+
+def test_a_runtime_class_the_cluster_lacks_fits_nowhere_one_it_has_brings_its_overhead() -> None:
+    cluster = Cluster()
+    classes = Informer(client=None, resource=RUNTIMECLASSES)  # type: ignore[arg-type]
+    cluster.estimator.watch_runtime_classes(classes)
+    # As the upper apiserver admits it: the upper class's overhead written into the pod.
+    pod = upper_pod("sandboxed", "3")
+    pod["spec"]["runtimeClassName"] = "gvisor"
+    pod["spec"]["overhead"] = {"cpu": "2"}
+    answer = cluster.estimator.answer(orjson.dumps(pod), reserve=True)
+    assert (answer.estimate.max_replicas, answer.reserved_node) == (0, None)
+    assert answer.refusal == "lower cluster lower-1 has no runtime class gvisor"
+
+    # The lower class has no overhead: 3 cpu fit the 4-cpu node, the upper overhead aside.
+    classes.apply({"type": "ADDED", "object": {"metadata": {"name": "gvisor"}, "handler": "runsc"}})
+    assert cluster.estimator.answer(orjson.dumps(pod)).estimate.max_replicas == 1
+    # Its own overhead of 1.5 cpu makes 4.5: more than any node here.
+    classes.apply(
+        {
+            "type": "MODIFIED",
+            "object": {
+                "metadata": {"name": "gvisor"},
+                "handler": "runsc",
+                "overhead": {"podFixed": {"cpu": "1500m"}},
+            },
+        }
+    )
+    answer = cluster.estimator.answer(orjson.dumps(pod))
+    assert (answer.estimate.max_replicas, answer.refusal) == (0, "")
+    classes.apply({"type": "DELETED", "object": {"metadata": {"name": "gvisor"}}})
+    assert cluster.estimator.answer(orjson.dumps(pod)).refusal.endswith("runtime class gvisor")

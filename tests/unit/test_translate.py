@@ -275,6 +275,14 @@ def test_lower_scheduling_failure_of_a_pod_bound_by_node_name_comes_up() -> None
     assert upper_status(lower, upper, host_ip="127.0.0.2")["conditions"] == [unschedulable]
 
 
+def test_the_overhead_is_left_to_the_lower_cluster_s_runtime_class() -> None:
+    pod = upper_pod()
+    pod["spec"].update({"runtimeClassName": "gvisor", "overhead": {"cpu": "250m"}})
+    spec = desired_lower_pod(pod, NamespaceMapping(), OWNER)["spec"]
+    assert spec["runtimeClassName"] == "gvisor"
+    assert "overhead" not in spec
+
+
 def gated_pod(*conditions: dict[str, Any]) -> dict[str, Any]:
     pod = bound_upper_pod()
     pod["spec"]["readinessGates"] = [{"conditionType": "example.com/lb"}]
