@@ -16,6 +16,7 @@ from harness.process import ProcessError
 from harness.state import UPPER, ClusterError, default_state_dir, kubeconfig_path
 from harness.toolchain import Toolchain, ToolchainError
 from kubekit.cli import COMPONENTS
+from kubekit.quantity import QuantityError, parse_quantity
 
 
 def _add_state_dir(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +41,18 @@ def _non_negative(value: str) -> int:
     if number < 0:
         raise argparse.ArgumentTypeError(f"must be at least 0, not {number}")
     return number
+
+
+def _amount(value: str) -> str:
+    """A node's cpu or memory: told at once rather than by the apiserver refusing the
+    Node once every control plane has started."""
+    try:
+        amount = parse_quantity(value)
+    except QuantityError as error:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a Kubernetes quantity") from error
+    if amount <= 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, not {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,9 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=3,
         help="simulated nodes per lower cluster (default 3)",
     )
-    up.add_argument("--node-cpu", default="16", help="cpu of each simulated node (default 16)")
     up.add_argument(
-        "--node-memory", default="64Gi", help="memory of each simulated node (default 64Gi)"
+        "--node-cpu", type=_amount, default="16", help="cpu of each simulated node (default 16)"
+    )
+    up.add_argument(
+        "--node-memory",
+        type=_amount,
+        default="64Gi",
+        help="memory of each simulated node (default 64Gi)",
     )
     up.add_argument(
         "--node-pods",

@@ -204,6 +204,11 @@ def test_cli_rejects_bad_counts() -> None:
     assert parser.parse_args(["up", "--tenants", "2"]).tenants == 2
     args = parser.parse_args(["up", "--lower", "3", "--nodes", "0", "--detach"])
     assert (args.lower, args.nodes, args.detach) == (3, 0, True)
+    for bad in (["--node-cpu", "abc"], ["--node-memory", "12Q"], ["--node-cpu", "0"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["up", *bad])
+    args = parser.parse_args(["up", "--node-cpu", "1500m", "--node-memory", "8Gi"])
+    assert (args.node_cpu, args.node_memory) == ("1500m", "8Gi")
 
 
 def test_k3s_lowers_are_containers_and_need_the_foreground() -> None:
