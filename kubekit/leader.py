@@ -51,6 +51,10 @@ class LeadershipLost(Exception):
     hold it now, so this one must stop writing."""
 
 
+class WorkCancelled(RuntimeError):
+    """The work ended with a cancellation nobody asked of it."""
+
+
 def default_identity() -> str:
     """The host (a pod's name) and a random part, as client-go makes it: two processes on
     one host are two candidates."""
@@ -198,6 +202,11 @@ class LeaderElector:
             while True:
                 await asyncio.wait({task}, timeout=settings.retry_period)
                 if task.done():
+                    if task.cancelled():
+                        # Not by us: a cancellation of something it awaited escaped it.
+                        # Said as a failure; as a CancelledError it would end the
+                        # component as a signal does, silently and with status 0.
+                        raise WorkCancelled("the leader's work ended cancelled")
                     return task.result()
                 left = renewed_at + settings.renew_deadline - self._clock()
                 try:

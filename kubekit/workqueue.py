@@ -179,25 +179,14 @@ class WorkQueue(Generic[Key]):
                 started = time.perf_counter()
                 try:
                     await reconcile(key)
-                except asyncio.CancelledError:
-                    raise
+                except asyncio.CancelledError as cancelled:
+                    if _being_cancelled():
+                        raise
+                    # Something the reconcile awaited was cancelled, not this worker (a
+                    # gRPC call whose channel closed raises so): a failure of this key.
+                    self._failed(key, cancelled, max_retries)
                 except Exception as error:
-                    metrics.RECONCILE_ERRORS.labels(self.name, _reason(error)).inc()
-                    retries = self.retries(key)
-                    if max_retries is not None and retries >= max_retries:
-                        log.exception(
-                            "%s: giving up on %s after %d retries", self.name, key, retries
-                        )
-                        self.forget(key)
-                    else:
-                        log.warning(
-                            "%s: reconcile of %s failed (retry %d)",
-                            self.name,
-                            key,
-                            retries + 1,
-                            exc_info=True,
-                        )
-                        self.add_rate_limited(key)
+                    self._failed(key, error, max_retries)
                 else:
                     self.forget(key)
                 finally:
@@ -206,8 +195,35 @@ class WorkQueue(Generic[Key]):
 
         await asyncio.gather(*(worker() for _ in range(workers)))
 
+    def _failed(self, key: Key, error: BaseException, max_retries: int | None) -> None:
+        metrics.RECONCILE_ERRORS.labels(self.name, _reason(error)).inc()
+        retries = self.retries(key)
+        if max_retries is not None and retries >= max_retries:
+            log.error(
+                "%s: giving up on %s after %d retries",
+                self.name,
+                key,
+                retries,
+                exc_info=error,
+            )
+            self.forget(key)
+        else:
+            log.warning(
+                "%s: reconcile of %s failed (retry %d)",
+                self.name,
+                key,
+                retries + 1,
+                exc_info=error,
+            )
+            self.add_rate_limited(key)
 
-def _reason(error: Exception) -> str:
+
+def _being_cancelled() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+def _reason(error: BaseException) -> str:
     """An API refusal's reason (Conflict, NotFound, ...), else the error's type."""
     if isinstance(error, ApiError) and error.reason:
         return error.reason

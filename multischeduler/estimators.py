@@ -197,6 +197,21 @@ def _failure(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
+async def _unless_closed(call: Awaitable[Response]) -> Response:
+    """Awaits a gRPC call. Closing its channel (its estimator moved or restarted: see
+    ``EstimatorPool.put``) cancels it, and grpc.aio raises that as asyncio.CancelledError
+    in whoever awaits it: unless that task is being cancelled itself, it is this call's
+    failure. Raised as such, it had ended the slicing leader's work, and with it the
+    whole multischeduler, silently (a CI run)."""
+    try:
+        return await call
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        raise _failure(grpc.StatusCode.CANCELLED, "its channel closed during the call") from None
+
+
 @dataclass
 class _Estimator:
     address: str
@@ -347,14 +362,16 @@ class EstimatorPool:
         if not estimator.unary_only:
             deadline = asyncio.get_running_loop().time() + timeout
             try:
-                return await self._stream(estimator, metadata).ask(request, timeout)
+                return await _unless_closed(self._stream(estimator, metadata).ask(request, timeout))
             except grpc.aio.AioRpcError as error:
                 if error.code() is not grpc.StatusCode.UNIMPLEMENTED:
                     raise
             estimator.unary_only = True
             log.info("%s: the estimator has no EstimateStream: one call per request", name)
             timeout = max(0.0, deadline - asyncio.get_running_loop().time())
-        return await estimator.stub.Estimate(request, timeout=timeout, metadata=metadata)
+        return await _unless_closed(
+            estimator.stub.Estimate(request, timeout=timeout, metadata=metadata)
+        )
 
     def _stream(self, estimator: _Estimator, metadata: Metadata) -> AnswerStream:
         stream = estimator.stream
@@ -392,7 +409,7 @@ class EstimatorPool:
         except OSError as error:
             return EstimatorFailure(f"cannot read the token: {error}")
         try:
-            return await call(estimator.stub, metadata)
+            return await _unless_closed(call(estimator.stub, metadata))
         except grpc.aio.AioRpcError as error:
             code = error.code()
             return EstimatorFailure(
@@ -499,8 +516,12 @@ class EstimatorPool:
 
     async def _release(self, name: str, estimator: _Estimator, uids: list[str]) -> None:
         try:
-            await estimator.stub.Release(
-                ReleaseRequest(pod_uids=uids), timeout=RELEASE_TIMEOUT, metadata=self._metadata()
+            await _unless_closed(
+                estimator.stub.Release(
+                    ReleaseRequest(pod_uids=uids),
+                    timeout=RELEASE_TIMEOUT,
+                    metadata=self._metadata(),
+                )
             )
         except (grpc.aio.AioRpcError, OSError) as error:
             log.warning("%s: releasing the room of pods %s: %s", name, ", ".join(uids), error)

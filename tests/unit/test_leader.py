@@ -10,6 +10,7 @@ from kubekit.leader import (
     LeaderElector,
     LeadershipLost,
     LeaseObserver,
+    WorkCancelled,
     claim,
     keep_working,
     released,
@@ -239,6 +240,20 @@ async def test_work_that_ends_ends_the_leadership_with_its_result() -> None:
 
     with pytest.raises(RuntimeError, match="the work failed"):
         await leader.run(failing)
+    assert store.holder() is None
+
+
+async def test_work_ended_by_a_cancellation_it_did_not_catch_is_a_failure() -> None:
+    store = LeaseStore()
+    leader = LeaderElector(store, settings("a", **FAST))  # type: ignore[arg-type]
+
+    async def cut() -> None:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        future.cancel()
+        await future
+
+    with pytest.raises(WorkCancelled):
+        await leader.run(cut)
     assert store.holder() is None
 
 

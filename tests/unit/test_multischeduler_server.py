@@ -140,6 +140,7 @@ class FakeEstimator(estimator_pb2_grpc.EstimatorServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> estimator_pb2.SliceRoomResponse:
         self._caller(context)
+        await asyncio.sleep(self.delay)
         node = estimator_pb2.Resources(cpu_millis=8000, memory_bytes=2**35)
         return estimator_pb2.SliceRoomResponse(
             cluster_id=self.cluster_id, nodes=[node], held=len(request.namespace)
@@ -789,6 +790,21 @@ async def test_the_pool_asks_for_slice_room_and_promises(federation: Federation)
     federation.virtual_node("vk-b", address)
     wrong = await pool.slice_room("vk-b", "team", 2.0)
     assert isinstance(wrong, EstimatorFailure) and "not 'b'" in wrong.message
+
+
+async def test_a_call_cut_by_its_estimator_moving_is_a_failure_and_its_caller_goes_on(
+    federation: Federation,
+) -> None:
+    pool = federation.extender.pool
+    await federation.estimator("vk-slow", NO_ROOM, delay=2.0)
+    asking = asyncio.create_task(pool.slice_room("vk-slow", "team", 5.0))
+    await asyncio.sleep(0.3)
+    # Its virtual node restarted elsewhere: the old channel closes with the call on it.
+    federation.virtual_node("vk-slow", await federation.serve(FakeEstimator("slow", NO_ROOM)))
+    answer = await asyncio.wait_for(asking, 5)
+    assert isinstance(answer, EstimatorFailure)
+    assert "CANCELLED: its channel closed during the call" in answer.message
+    assert answer.maybe_reserved
 
 
 async def test_decisions_ask_each_estimator_over_one_long_lived_call(

@@ -105,6 +105,32 @@ async def test_workers_retry_failures_with_backoff_and_forget_on_success() -> No
     await asyncio.wait_for(workers, 1)
 
 
+async def test_a_cancellation_of_what_a_reconcile_awaited_is_its_failure_not_the_worker_s() -> None:
+    queue: WorkQueue[str] = WorkQueue(backoff=ItemBackoff(base=0.001))
+    attempts = 0
+    retried = asyncio.Event()
+
+    async def reconcile(_key: str) -> None:
+        nonlocal attempts
+        attempts += 1
+        if attempts == 1:
+            # As a gRPC call cancelled by its channel's close raises in its caller.
+            cut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            cut.cancel()
+            await cut
+        retried.set()
+
+    queue.add("key")
+    workers = asyncio.create_task(queue.run_workers(1, reconcile))
+    await asyncio.wait_for(retried.wait(), 2)
+    assert attempts == 2
+    assert not workers.done()
+    # Cancelled itself, a worker still stops.
+    workers.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await workers
+
+
 async def test_workers_give_up_after_max_retries() -> None:
     queue: WorkQueue[str] = WorkQueue(backoff=ItemBackoff(base=0.001))
     attempts = 0
