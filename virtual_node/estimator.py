@@ -84,7 +84,7 @@ class Answer:
     estimate: Estimate
     reserved_node: str | None
     # Why this cluster takes no copy of the pod, whatever its nodes: the namespace's quota
-    # slices here, or a volume of the pod's it cannot make.
+    # slices here, a volume of the pod's it cannot make, or a runtime class it lacks.
     refusal: str = ""
 
 
