@@ -23,7 +23,7 @@ from kubekit import keys
 from kubekit.estimatorapi.estimator_pb2 import PodEstimate
 from kubekit.informer import object_key
 from kubekit.jsonvalue import json_copy
-from kubekit.moves import controller_reference, controller_uid
+from kubekit.moves import controller_uid, is_daemon_pod
 from kubekit.timestamps import parse_time
 
 JSON = dict[str, Any]
@@ -55,8 +55,7 @@ def hands_off(pod: Mapping[str, Any]) -> bool:
         return True
     if any("persistentVolumeClaim" in v for v in (pod.get("spec") or {}).get("volumes") or []):
         return True
-    controller = controller_reference(pod)
-    return controller is not None and controller.get("kind") == "DaemonSet"
+    return is_daemon_pod(pod)
 
 
 @dataclass(frozen=True)

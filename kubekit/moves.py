@@ -61,6 +61,12 @@ def controller_reference(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return next((ref for ref in references if ref.get("controller")), None)
 
 
+def is_daemon_pod(pod: Mapping[str, Any]) -> bool:
+    """Whether a DaemonSet made the pod for one node, which it pins the pod to by name."""
+    controller = controller_reference(pod)
+    return controller is not None and controller.get("kind") == "DaemonSet"
+
+
 def controller_uid(pod: Mapping[str, Any]) -> str | None:
     reference = controller_reference(pod)
     return None if reference is None else str(reference["uid"])

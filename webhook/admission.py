@@ -2,8 +2,11 @@
 
 The webhook answers with a JSONPatch that stashes the scheduling fields (kubekit.stash),
 keeping a controller's new pod off the virtual nodes the descheduler moved its pods off
-(kubekit.moves), or allows the object unchanged; it refuses only a pod that arrives with
-a stash annotation the virtual node could not read. A body it cannot read is a
+(kubekit.moves), or allows the object unchanged (a DaemonSet's pod among them: its
+controller pins it to one node by name, and moved off that pin it would be bound
+elsewhere, deleted by its controller as on the wrong node, and made again without end);
+it refuses only a pod that arrives with a stash annotation the virtual node could not
+read. A body it cannot read is a
 ``BadReview``, which the server turns into a 400 naming what is wrong: not only what is
 not JSON or not a review, but a pod whose scheduling fields do not have the types the
 apiserver's own decoding would have given them (only a client that is not an apiserver
@@ -22,7 +25,7 @@ from typing import Any
 import orjson
 
 from kubekit import keys, stash
-from kubekit.moves import Moves, kept_off
+from kubekit.moves import Moves, is_daemon_pod, kept_off
 
 JSON = dict[str, Any]
 
@@ -72,6 +75,9 @@ def parse_review(body: bytes) -> JSON:
             isinstance(annotations, dict) and all(isinstance(v, str) for v in annotations.values())
         ):
             raise BadReview("request.object.metadata.annotations must map strings to strings")
+        _check_shape(
+            metadata.get("ownerReferences"), [{}], "request.object.metadata.ownerReferences"
+        )
     return request
 
 
@@ -215,6 +221,8 @@ def review_response(
                 }
                 return _review(response)
         pod = request["object"]
+        if is_daemon_pod(pod):
+            return _review(response)
         avoided = kept_off(moves, pod, now or datetime.now(UTC)) if moves else []
         patch = stash_patch(pod, keep, avoided)
         if patch:

@@ -132,6 +132,10 @@ def test_a_pod_with_a_stash_is_left_alone_and_a_bad_stash_is_refused() -> None:
             json.dumps(review(pod({}, {"a": 1}))).encode(),  # type: ignore[dict-item]
             "annotations must map strings to strings",
         ),
+        (
+            json.dumps(review({**pod({}), "metadata": {"ownerReferences": ["x"]}})).encode(),
+            r"ownerReferences\[0\] must be a JSON object",
+        ),
     ],
 )
 def test_unreadable_reviews_say_what_is_wrong(body: bytes, message: str) -> None:
@@ -161,6 +165,27 @@ def controlled_pod(owner: str) -> dict[str, Any]:
     made = pod({"nodeSelector": {"disk": "ssd"}})
     made["metadata"]["ownerReferences"] = [{"uid": owner, "controller": True, "kind": "ReplicaSet"}]
     return made
+
+
+def test_a_daemonsets_pod_keeps_its_pin_to_one_node() -> None:
+    """Stashed, the pin would go, the pod would be bound to another node, its DaemonSet
+    would delete it there and make another, without end."""
+    name_pin = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["a"]}]}
+    daemon = pod(
+        {
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [name_pin]
+                    }
+                }
+            },
+            "tolerations": [{"operator": "Exists"}],
+        }
+    )
+    assert answer(review(daemon))["patch"]  # a bare pod of that spec is stashed
+    daemon["metadata"]["ownerReferences"] = [{"uid": "d", "controller": True, "kind": "DaemonSet"}]
+    assert answer(review(daemon)) == {"uid": "d2c1", "allowed": True}
 
 
 def moves_config_map(data: dict[str, str]) -> dict[str, Any]:
