@@ -39,7 +39,7 @@ from virtual_node.kubeletapi.auth import AuthError, Authorizer
 from virtual_node.naming import NamespaceMapping, NamingError
 from virtual_node.promises import PromiseRefused, SliceBudgets, SlicePromises, requested
 from virtual_node.runtimes import pod_fixed, runtime_refusal, with_class_overhead
-from virtual_node.translate import Ownership, desired_lower_pod
+from virtual_node.translate import Ownership, desired_lower_pod, host_access_refusal
 from virtual_node.volumes import unbound_class, volume_refusal
 
 log = logging.getLogger(__name__)
@@ -107,8 +107,11 @@ class FitEstimator:
         owner: Ownership,
         clock: Callable[[], float] = time.monotonic,
         budgets: SliceBudgets | None = None,
+        host_access_namespaces: frozenset[str] = frozenset(),
     ) -> None:
         self.state = state
+        # A pod the virtual node would refuse to create below fits nowhere here.
+        self.host_access_namespaces = host_access_namespaces
         self.budgets = budgets or SliceBudgets(owner.origin)
         self.mapping = mapping
         self.owner = owner
@@ -360,6 +363,12 @@ class FitEstimator:
         )
         refusal = (
             over_budget
+            or host_access_refusal(
+                lower["spec"],
+                lower["metadata"]["annotations"][keys.UPPER_NAMESPACE_ANNOTATION],
+                self.host_access_namespaces,
+                self.owner.cluster_id,
+            )
             or self._volume_refusal(lower)
             or runtime_refusal(lower, self._runtime_classes, self.owner.cluster_id)
         )

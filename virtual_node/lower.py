@@ -44,7 +44,7 @@ from virtual_node.translate import (
     TranslationError,
     desired_lower_pod,
     ephemeral_containers_patch,
-    host_access,
+    host_access_refusal,
     lower_pod_patch,
     pinned_to,
     resize_patch,
@@ -282,18 +282,13 @@ class LowerCluster:
         return Mirrored(upper_status(lower, upper, self.host_ip), resource_version(lower))
 
     def _refused_host_access(self, upper: Mapping[str, Any], desired: JSON) -> Rejected | None:
-        """A lower cluster runs other tenants' pods too: a pod that would reach into its
-        nodes is not created there unless its namespace is allowed to."""
-        namespace = upper["metadata"]["namespace"]
-        asked = host_access(desired["spec"])
-        if not asked or namespace in self.host_access_namespaces:
-            return None
-        return Rejected(
-            "HostAccessRefused",
-            f"lower cluster {self.owner.cluster_id} runs no pod that uses its nodes' host "
-            f"({'; '.join(asked)}) unless the virtual node allows namespace {namespace} "
-            "(--allow-host-access)",
+        why = host_access_refusal(
+            desired["spec"],
+            upper["metadata"]["namespace"],
+            self.host_access_namespaces,
+            self.owner.cluster_id,
         )
+        return None if why is None else Rejected("HostAccessRefused", why)
 
     async def _patch(self, lower: JSON, patch: JSON, subresource: str) -> JSON:
         """The lower pod patched, or as it was when the lower apiserver refuses the change

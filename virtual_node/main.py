@@ -339,7 +339,12 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             owner,
             WorkQueue("reflected"),
         )
-        estimator = FitEstimator(ClusterState(), mapping, owner)
+        estimator = FitEstimator(
+            ClusterState(),
+            mapping,
+            owner,
+            host_access_namespaces=frozenset(config.host_access_namespaces),
+        )
         backend = LowerCluster(
             lower,
             lower_informers.informer(PODS),
@@ -351,7 +356,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             estimator.held_node if config.estimator_port else None,
             estimator.largest_free_slot if config.estimator_port else None,
             frozenset(config.counted_taint_keys),
-            frozenset(config.host_access_namespaces),
+            estimator.host_access_namespaces,
         )
         backend.watch_mirrored_pods(queue)
         events = EventReflector(

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,7 +128,9 @@ def desired_lower_pod(
                 else:
                     container.pop("volumeMounts", None)
 
-    spec = _without_virtual_node_terms(spec, {keys.CLUSTER_ID_LABEL: owner.cluster_id})
+    spec = _without_virtual_node_terms(
+        spec, {keys.CLUSTER_ID_LABEL: owner.cluster_id}, owner.node_name
+    )
 
     upper_labels = metadata.get("labels") or {}
     annotations[keys.UPPER_KEYS_ANNOTATION] = json.dumps(
@@ -173,6 +175,22 @@ def host_access(spec: Mapping[str, Any]) -> list[str]:
     return found
 
 
+def host_access_refusal(
+    spec: Mapping[str, Any], namespace: str, allowed: Collection[str], cluster_id: str
+) -> str | None:
+    """Why the lower cluster does not take a pod of upper ``namespace`` (None: it does). A
+    lower cluster runs other tenants' pods too: a pod that would reach into its nodes is
+    not created there unless its namespace is ``allowed`` to."""
+    asked = host_access(spec)
+    if not asked or namespace in allowed:
+        return None
+    return (
+        f"lower cluster {cluster_id} runs no pod that uses its nodes' host "
+        f"({'; '.join(asked)}) unless the virtual node allows namespace {namespace} "
+        "(--allow-host-access)"
+    )
+
+
 def uses_unmodelled_filters(spec: Mapping[str, Any]) -> bool:
     """Volumes bound to zones and claimed devices are not in the fit estimator's model."""
     return bool(spec.get("resourceClaims")) or any(
@@ -196,12 +214,15 @@ def pinned_to(lower: JSON, node_name: str) -> JSON:
     return lower
 
 
-def _without_virtual_node_terms(spec: JSON, cluster_labels: Mapping[str, str]) -> JSON:
+def _without_virtual_node_terms(
+    spec: JSON, cluster_labels: Mapping[str, str], node_name: str
+) -> JSON:
     """Drops what only the upper scheduler could satisfy: the toleration of the virtual
     node's taint, and every term about keys that only virtual nodes carry (their values
     on this virtual node are ``cluster_labels``), since no lower node has those keys: a
     spread constraint or a required pod affinity on one would never let the pod schedule
-    below. A node term on them is decided here, against this virtual node; a node
+    below. A node term on them, or on this virtual node's name (``node_name``, as a
+    DaemonSet pins its pods), is decided here, against this virtual node; a node
     selector or required node affinity it fails is a TranslationError, as a kubelet
     refuses a pod whose node selector its node does not match."""
     tolerations = [
@@ -229,7 +250,8 @@ def _without_virtual_node_terms(spec: JSON, cluster_labels: Mapping[str, str]) -
     required = node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution")
     if required:
         terms = [
-            _lower_node_term(t, cluster_labels) for t in required.get("nodeSelectorTerms") or []
+            _lower_node_term(t, cluster_labels, node_name)
+            for t in required.get("nodeSelectorTerms") or []
         ]
         kept = [t for t in terms if t is not None]
         if not kept:
@@ -239,7 +261,7 @@ def _without_virtual_node_terms(spec: JSON, cluster_labels: Mapping[str, str]) -
         _set_or_drop(node_affinity, "requiredDuringSchedulingIgnoredDuringExecution", required)
     preferred = []
     for entry in node_affinity.get("preferredDuringSchedulingIgnoredDuringExecution") or []:
-        term = _lower_node_term(entry.get("preference") or {}, cluster_labels)
+        term = _lower_node_term(entry.get("preference") or {}, cluster_labels, node_name)
         if term:
             preferred.append({**entry, "preference": term})
     _set_or_drop(node_affinity, "preferredDuringSchedulingIgnoredDuringExecution", preferred)
@@ -269,11 +291,14 @@ def _without_virtual_node_terms(spec: JSON, cluster_labels: Mapping[str, str]) -
     return spec
 
 
-def _lower_node_term(term: Mapping[str, Any], cluster_labels: Mapping[str, str]) -> JSON | None:
-    """A node selector term without its expressions on virtual-node-only keys, or None
-    when one of those does not hold for this virtual node, or would not parse (the term
-    selects none of its lower nodes). Expressions on other keys are left as they are, for
-    the lower apiserver to judge."""
+def _lower_node_term(
+    term: Mapping[str, Any], cluster_labels: Mapping[str, str], node_name: str
+) -> JSON | None:
+    """A node selector term without its expressions on virtual-node-only keys and its
+    field requirements naming this virtual node, or None when one of those does not hold
+    for this virtual node, or would not parse (the term selects none of its lower nodes).
+    Expressions on other keys, and names of other nodes (a lower node's, perhaps), are
+    left as they are, for the lower apiserver to judge."""
     kept = []
     for expression in term.get("matchExpressions") or []:
         key = expression.get("key")
@@ -283,9 +308,17 @@ def _lower_node_term(term: Mapping[str, Any], cluster_labels: Mapping[str, str])
         parsed = requirement(expression, NODE_OPERATORS)
         if parsed is None or not parsed.accepts(cluster_labels[key]):
             return None
-    lowered = {k: v for k, v in term.items() if k != "matchExpressions"}
+    kept_fields = []
+    for field in term.get("matchFields") or []:
+        if field.get("key") != "metadata.name" or node_name not in (field.get("values") or []):
+            kept_fields.append(field)
+        elif field.get("operator") != "In":
+            return None
+    lowered = {k: v for k, v in term.items() if k not in ("matchExpressions", "matchFields")}
     if kept:
         lowered["matchExpressions"] = kept
+    if kept_fields:
+        lowered["matchFields"] = kept_fields
     return lowered
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from harness.federation import Federation
+from harness.localcluster import LocalCluster, NodeSpec
 from kubekit import keys, stash
 
 from .helpers import apply, federated_namespace, get_json, pods_by_name, rollout, wait_for
@@ -220,3 +221,125 @@ def test_malformed_admission_reviews_get_400(
         urllib.request.urlopen(request, context=context, timeout=10)
     assert raised.value.code == 400
     assert message in json.loads(raised.value.read())["message"]
+
+
+def daemonset(name: str, ns: str, **spec: Any) -> dict[str, Any]:
+    """A DaemonSet whose pods tolerate every taint, as node agents' often do."""
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name}},
+                "spec": {
+                    "tolerations": [{"operator": "Exists"}],
+                    "terminationGracePeriodSeconds": 0,
+                    "containers": [container()],
+                    **spec,
+                },
+            },
+        },
+    }
+
+
+# What docs/virtual-node.md tells a DaemonSet that should stay off virtual nodes to say.
+OFF_VIRTUAL_NODES = {
+    "nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [
+                {"matchExpressions": [{"key": keys.CLUSTER_ID_LABEL, "operator": "DoesNotExist"}]}
+            ]
+        }
+    }
+}
+
+
+def pinned_node(pod: dict[str, Any]) -> str | None:
+    """The node a DaemonSet's pod is pinned to by name (None: the pin is not there)."""
+    required = (
+        (pod["spec"].get("affinity") or {})
+        .get("nodeAffinity", {})
+        .get("requiredDuringSchedulingIgnoredDuringExecution", {})
+    )
+    for term in required.get("nodeSelectorTerms") or []:
+        for field in term.get("matchFields") or []:
+            if field["key"] == "metadata.name" and field["operator"] == "In":
+                return str(field["values"][0])
+    return None
+
+
+def test_a_daemonset_runs_a_pod_per_ordinary_node_and_per_lower_cluster_without_churn(
+    federation: Federation,
+) -> None:
+    """Its pods keep their pins to one node each (stashed, a pod for one node was bound to
+    another, deleted there by its DaemonSet and made again without end); a pod pinned to a
+    virtual node runs somewhere in its cluster, and one the lower clusters refuse (it asks
+    for their hosts' network) stays unbound above with the reason, never made and failed.
+    One whose affinity keeps it off virtual nodes runs on the ordinary node only."""
+    upper = federation.upper
+    assert isinstance(upper, LocalCluster)
+    apply(upper, federated_namespace("daemons"))
+    plain = "upper-plain"
+    upper.add_nodes([NodeSpec(name=plain, cpu="4", memory="8Gi", pods=110)])
+    try:
+        apply(
+            upper,
+            daemonset("agents", "daemons"),
+            daemonset("host-agents", "daemons", hostNetwork=True),
+            daemonset("plain-agents", "daemons", affinity=OFF_VIRTUAL_NODES),
+        )
+        upper.kubectl("rollout", "status", "-n", "daemons", "ds/agents", "--timeout=90s")
+        agents = pods_by_name(upper, "daemons", "app=agents")
+        assert sorted(p["spec"]["nodeName"] for p in agents.values()) == [
+            plain,
+            "vk-lower-1",
+            "vk-lower-2",
+        ]
+        for cluster in ("lower-1", "lower-2"):
+            (name,) = [n for n, p in agents.items() if p["spec"]["nodeName"] == f"vk-{cluster}"]
+            lower_pod(federation, cluster, "daemons", name)
+
+        refusal = "runs no pod that uses its nodes' host (spec.hostNetwork)"
+
+        def refused_in_each_cluster() -> bool:
+            pods = pods_by_name(upper, "daemons", "app=host-agents").values()
+            pins = {
+                p["metadata"]["name"]: pinned_node(p) for p in pods if not p["spec"].get("nodeName")
+            }
+            events = get_json(
+                upper, "events", "-n", "daemons", "--field-selector", "reason=FailedScheduling"
+            )["items"]
+            said = {
+                (e["involvedObject"]["name"], node)
+                for e in events
+                for node in ("vk-lower-1", "vk-lower-2")
+                if f"{node}: lower cluster {node[3:]} {refusal}" in e["message"]
+            }
+            return (
+                sorted(str(n) for n in pins.values()) == ["vk-lower-1", "vk-lower-2"]
+                and set(pins.items()) <= said
+            )
+
+        wait_for(refused_in_each_cluster, "the host agents' pods for virtual nodes to be refused")
+        (on_plain,) = [
+            p
+            for p in pods_by_name(upper, "daemons", "app=host-agents").values()
+            if p["spec"].get("nodeName") == plain
+        ]
+        assert on_plain["metadata"]["name"]
+        upper.kubectl("rollout", "status", "-n", "daemons", "ds/plain-agents", "--timeout=60s")
+        plain_agents = pods_by_name(upper, "daemons", "app=plain-agents").values()
+        assert [p["spec"]["nodeName"] for p in plain_agents] == [plain]
+        for cluster in ("lower-1", "lower-2"):
+            below = get_json(federation.clusters[cluster], "pods", "-n", "daemons")["items"]
+            assert [p["metadata"]["labels"]["app"] for p in below] == ["agents"]
+        assert set(pods_by_name(upper, "daemons", "app=agents")) == set(agents)
+        deleted = get_json(
+            upper, "events", "-n", "daemons", "--field-selector", "reason=SuccessfulDelete"
+        )["items"]
+        assert deleted == [], [e["message"] for e in deleted]
+    finally:
+        upper.kubectl("delete", "namespace", "daemons", "--wait=false")
+        upper.kubectl("delete", "node", plain, "--ignore-not-found")

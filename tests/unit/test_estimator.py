@@ -525,3 +525,21 @@ def test_a_runtime_class_the_cluster_lacks_fits_nowhere_one_it_has_brings_its_ov
     assert (answer.estimate.max_replicas, answer.refusal) == (0, "")
     classes.apply({"type": "DELETED", "object": {"metadata": {"name": "gvisor"}}})
     assert cluster.estimator.answer(orjson.dumps(pod)).refusal.endswith("runtime class gvisor")
+
+
+def test_a_pod_the_virtual_node_would_not_create_below_fits_nowhere_here() -> None:
+    """Refused here, it stays unbound above with the reason, rather than bound and failed
+    (a DaemonSet would make it again and again)."""
+    cluster = Cluster()
+    pod = upper_pod("agent", "1")
+    pod["spec"]["hostNetwork"] = True
+    answer = cluster.estimator.answer(orjson.dumps(pod), reserve=True)
+    assert (answer.estimate.max_replicas, answer.reserved_node) == (0, None)
+    assert answer.refusal.startswith("lower cluster lower-1 runs no pod that uses its nodes' host")
+    assert "(spec.hostNetwork)" in answer.refusal
+    assert "namespace ns " in answer.refusal
+    allowed = FitEstimator(
+        ClusterState(), NamespaceMapping(), OWNER, host_access_namespaces=frozenset({"ns"})
+    )
+    allowed.state.set_node(node("big", "4"))
+    assert allowed.answer(orjson.dumps(pod)).estimate.max_replicas == 1

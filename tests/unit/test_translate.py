@@ -570,6 +570,30 @@ def test_node_terms_no_lower_node_can_match_fail_the_pod() -> None:
         desired_lower_pod(upper_pod(nodeSelector={CLUSTER: "lower-2"}), NamespaceMapping(), OWNER)
 
 
+def name_term(operator: str, *names: str) -> dict[str, Any]:
+    return {"matchFields": [{"key": "metadata.name", "operator": operator, "values": list(names)}]}
+
+
+def test_a_pin_to_this_virtual_node_by_name_holds_of_every_lower_node() -> None:
+    """A DaemonSet pins each pod to its node by name: on a virtual node, that name is
+    the cluster, and no lower node carries it."""
+    assert lower_affinity(required_terms(name_term("In", "vk-lower-1"))) is None
+    assert lower_affinity(
+        required_terms(
+            {**name_term("In", "vk-lower-2", "vk-lower-1"), **node_term(("d", "In", ["s"]))}
+        )
+    ) == required_terms(node_term(("d", "In", ["s"])))
+
+
+def test_other_names_go_down_and_keeping_off_this_virtual_node_fails_the_term() -> None:
+    lower_node = required_terms(name_term("In", "lower-1-node-0"))
+    assert lower_affinity(lower_node) == lower_node
+    affinity = required_terms(name_term("NotIn", "vk-lower-1"), node_term(("d", "In", ["s"])))
+    assert lower_affinity(affinity) == required_terms(node_term(("d", "In", ["s"])))
+    with pytest.raises(TranslationError, match="node affinity"):
+        lower_affinity(required_terms(name_term("NotIn", "vk-lower-1")))
+
+
 def test_preferred_node_terms_on_the_cluster_are_decided_here() -> None:
     affinity = {
         "nodeAffinity": {
