@@ -130,12 +130,12 @@ def _project_affinity(affinity: Mapping[str, Any], keep: Collection[str]) -> JSO
 
 def _project_tolerations(tolerations: list[JSON]) -> list[JSON]:
     kept = [t for t in tolerations if t.get("key") in UPPER_TAINT_KEYS]
-    if not any(_tolerates_provider_taint(t) for t in kept):
+    if not any(tolerates_provider_taint(t) for t in kept):
         kept.append(dict(PROVIDER_TOLERATION))
     return kept
 
 
-def _tolerates_provider_taint(toleration: Mapping[str, Any]) -> bool:
+def tolerates_provider_taint(toleration: Mapping[str, Any]) -> bool:
     if toleration.get("key") != keys.PROVIDER_TAINT_KEY:
         return False
     if toleration.get("effect") not in (None, "", "NoSchedule"):

@@ -1,17 +1,17 @@
 """AdmissionReview v1 in, AdmissionReview v1 out (pure functions).
 
-The webhook answers with a JSONPatch that stashes the scheduling fields (kubekit.stash),
-keeping a controller's new pod off the virtual nodes the descheduler moved its pods off
-(kubekit.moves), or allows the object unchanged (a DaemonSet's pod among them: its
-controller pins it to one node by name, and moved off that pin it would be bound
-elsewhere, deleted by its controller as on the wrong node, and made again without end);
-it refuses only a pod that arrives with a stash annotation the virtual node could not
-read. A body it cannot read is a
+For a pod, the webhook answers with a JSONPatch that stashes the scheduling fields
+(kubekit.stash), keeping a controller's new pod off the virtual nodes the descheduler
+moved its pods off (kubekit.moves), or allows the pod unchanged (a DaemonSet's pod among
+them: its controller pins it to one node by name, and moved off that pin it would be
+bound elsewhere, deleted by its controller as on the wrong node, and made again without
+end); it refuses only a pod that arrives with a stash annotation the virtual node could
+not read. For a DaemonSet whose pods tolerate every taint, it answers with the affinity
+that keeps them off virtual nodes (webhook.daemonsets). A body it cannot read is a
 ``BadReview``, which the server turns into a 400 naming what is wrong: not only what is
-not JSON or not a review, but a pod whose scheduling fields do not have the types the
-apiserver's own decoding would have given them (only a client that is not an apiserver
-sends those).
-"""
+not JSON or not a review, but an object whose scheduling fields do not have the types
+the apiserver's own decoding would have given them (only a client that is not an
+apiserver sends those)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import orjson
 
 from kubekit import keys, stash
 from kubekit.moves import Moves, is_daemon_pod, kept_off
+from webhook.daemonsets import off_virtual_nodes
 
 JSON = dict[str, Any]
 
@@ -63,6 +64,19 @@ def parse_review(body: bytes) -> JSON:
     uid = request.get("uid")
     if not isinstance(uid, str) or not uid:
         raise BadReview("request.uid must be a non-empty string")
+    if request.get("operation") in ("CREATE", "UPDATE") and _is_daemonset(request):
+        daemonset = _object(request.get("object"), "request.object")
+        spec = _object(daemonset.get("spec"), "request.object.spec")
+        template = _object(spec.get("template"), "request.object.spec.template")
+        template_spec = _object(template.get("spec"), "request.object.spec.template.spec")
+        _check_shape(template_spec, _SCHEDULING, "request.object.spec.template.spec")
+        if not _depth_at_most(template_spec, MAX_SPEC_DEPTH):
+            raise BadReview(
+                f"request.object.spec.template.spec is nested deeper than {MAX_SPEC_DEPTH}"
+            )
+        if request["operation"] == "UPDATE":
+            old = _object(request.get("oldObject"), "request.oldObject")
+            _object(old.get("spec"), "request.oldObject.spec")
     if request.get("operation") == "CREATE" and _is_pod(request):
         pod = _object(request.get("object"), "request.object")
         spec = _object(pod.get("spec"), "request.object.spec")
@@ -147,14 +161,39 @@ def _depth_at_most(value: Any, limit: int) -> bool:
     return False
 
 
-def _is_pod(request: Mapping[str, Any]) -> bool:
-    kind = request.get("kind") or {}
+def _is_kind(request: Mapping[str, Any], group: str, kind: str) -> bool:
+    """Whether the request is about an object of ``kind`` itself, not a subresource."""
+    asked = request.get("kind") or {}
     return (
-        isinstance(kind, dict)
-        and kind.get("group") == ""
-        and kind.get("kind") == "Pod"
+        isinstance(asked, dict)
+        and asked.get("group") == group
+        and asked.get("kind") == kind
         and not request.get("subResource")
     )
+
+
+def _is_pod(request: Mapping[str, Any]) -> bool:
+    return _is_kind(request, "", "Pod")
+
+
+def _is_daemonset(request: Mapping[str, Any]) -> bool:
+    return _is_kind(request, "apps", "DaemonSet")
+
+
+def daemonset_patch(request: Mapping[str, Any]) -> list[JSON]:
+    """The JSONPatch keeping a DaemonSet's pods off virtual nodes (webhook.daemonsets). An
+    update that leaves the pod template as it was is not touched: a new template rolls
+    every pod of the DaemonSet, which a label put on it should not do."""
+    template = request["object"]["spec"]["template"]
+    if request["operation"] == "UPDATE" and template == request["oldObject"]["spec"].get(
+        "template"
+    ):
+        return []
+    affinity = off_virtual_nodes(template["spec"])
+    if affinity is None:
+        return []
+    operation = "replace" if "affinity" in template["spec"] else "add"
+    return [{"op": operation, "path": "/spec/template/spec/affinity", "value": affinity}]
 
 
 def _pointer(*segments: str) -> str:
@@ -205,6 +244,8 @@ def review_response(
     left (``moves`` as of ``now``). dryRun requests get the same answer: the webhook has
     no side effects to hold back."""
     response: JSON = {"uid": request["uid"], "allowed": True}
+    if request.get("operation") in ("CREATE", "UPDATE") and _is_daemonset(request):
+        return _review(_with_patch(response, daemonset_patch(request)))
     if request.get("operation") == "CREATE" and _is_pod(request):
         existing = ((request["object"].get("metadata") or {}).get("annotations") or {}).get(
             keys.STASH_ANNOTATION
@@ -224,13 +265,15 @@ def review_response(
         if is_daemon_pod(pod):
             return _review(response)
         avoided = kept_off(moves, pod, now or datetime.now(UTC)) if moves else []
-        patch = stash_patch(pod, keep, avoided)
-        if patch:
-            response["patchType"] = "JSONPatch"
-            response["patch"] = base64.b64encode(
-                json.dumps(patch, separators=(",", ":")).encode()
-            ).decode()
+        response = _with_patch(response, stash_patch(pod, keep, avoided))
     return _review(response)
+
+
+def _with_patch(response: JSON, patch: list[JSON]) -> JSON:
+    if not patch:
+        return response
+    encoded = base64.b64encode(json.dumps(patch, separators=(",", ":")).encode()).decode()
+    return {**response, "patchType": "JSONPatch", "patch": encoded}
 
 
 def _review(response: JSON) -> JSON:

@@ -1,4 +1,5 @@
-"""The MutatingWebhookConfiguration that routes federated pods to the webhook (pure).
+"""The MutatingWebhookConfiguration that routes federated pods and DaemonSets to the
+webhook (pure).
 
 One definition serves both deployments: ``kubestrata webhook --register-url`` applies it
 for a local federation, and ``manifests/webhook/`` carries the same rules (a unit test
@@ -16,6 +17,7 @@ JSON = dict[str, Any]
 
 CONFIGURATION_NAME = "kubestrata-webhook"
 WEBHOOK_NAME = "stash.kubestrata.io"
+DAEMONSETS_WEBHOOK_NAME = "daemonsets.kubestrata.io"
 PATH = "/mutate"
 # Never federated, whatever their labels say: the cluster's own and ours.
 PROTECTED_NAMESPACES = (
@@ -83,6 +85,39 @@ def stash_webhook(client_config: JSON) -> JSON:
     }
 
 
+def daemonsets_webhook(client_config: JSON) -> JSON:
+    """The entry for DaemonSets (webhook.daemonsets), different in three policies:
+
+    - failurePolicy Ignore: a DaemonSet admitted as it is puts pods on virtual nodes, as
+      it would without kubestrata; refusing would block every DaemonSet write of the
+      cluster, kube-system's own, while the webhook is away.
+    - every namespace: node agents live in kube-system first, and federation is about
+      pods, not about the namespaces their node agents run in.
+    - UPDATE too: an existing DaemonSet is kept off virtual nodes with its next change of
+      pod template (``kubectl rollout restart`` makes one); the webhook leaves updates
+      that keep the template alone, so no update rolls the pods for our sake.
+    """
+    return {
+        "name": DAEMONSETS_WEBHOOK_NAME,
+        "admissionReviewVersions": ["v1"],
+        "clientConfig": client_config,
+        "rules": [
+            {
+                "apiGroups": ["apps"],
+                "apiVersions": ["v1"],
+                "operations": ["CREATE", "UPDATE"],
+                "resources": ["daemonsets"],
+                "scope": "Namespaced",
+            }
+        ],
+        "failurePolicy": "Ignore",
+        "matchPolicy": "Equivalent",
+        "sideEffects": "None",
+        "timeoutSeconds": TIMEOUT_SECONDS,
+        "reinvocationPolicy": "Never",
+    }
+
+
 def url_configuration(url: str, ca_bundle: bytes = b"") -> JSON:
     """The configuration for a webhook reached by URL (a local federation); without
     ``ca_bundle``, for a webhook that puts its CA in itself."""
@@ -96,5 +131,5 @@ def url_configuration(url: str, ca_bundle: bytes = b"") -> JSON:
             "name": CONFIGURATION_NAME,
             "labels": {keys.MANAGED_BY_LABEL: keys.MANAGED_BY_VALUE},
         },
-        "webhooks": [stash_webhook(client_config)],
+        "webhooks": [stash_webhook(client_config), daemonsets_webhook(client_config)],
     }

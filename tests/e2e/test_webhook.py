@@ -223,8 +223,12 @@ def test_malformed_admission_reviews_get_400(
     assert message in json.loads(raised.value.read())["message"]
 
 
-def daemonset(name: str, ns: str, **spec: Any) -> dict[str, Any]:
-    """A DaemonSet whose pods tolerate every taint, as node agents' often do."""
+EVERY_TAINT = [{"operator": "Exists"}]
+# The virtual nodes' taint by its key: a DaemonSet that means virtual nodes.
+VIRTUAL_NODES_TAINT = [{"key": keys.PROVIDER_TAINT_KEY, "operator": "Exists"}]
+
+
+def daemonset(name: str, ns: str, tolerations: list[Any], **spec: Any) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
@@ -234,7 +238,7 @@ def daemonset(name: str, ns: str, **spec: Any) -> dict[str, Any]:
             "template": {
                 "metadata": {"labels": {"app": name}},
                 "spec": {
-                    "tolerations": [{"operator": "Exists"}],
+                    "tolerations": tolerations,
                     "terminationGracePeriodSeconds": 0,
                     "containers": [container()],
                     **spec,
@@ -242,18 +246,6 @@ def daemonset(name: str, ns: str, **spec: Any) -> dict[str, Any]:
             },
         },
     }
-
-
-# What docs/virtual-node.md tells a DaemonSet that should stay off virtual nodes to say.
-OFF_VIRTUAL_NODES = {
-    "nodeAffinity": {
-        "requiredDuringSchedulingIgnoredDuringExecution": {
-            "nodeSelectorTerms": [
-                {"matchExpressions": [{"key": keys.CLUSTER_ID_LABEL, "operator": "DoesNotExist"}]}
-            ]
-        }
-    }
-}
 
 
 def pinned_node(pod: dict[str, Any]) -> str | None:
@@ -270,35 +262,47 @@ def pinned_node(pod: dict[str, Any]) -> str | None:
     return None
 
 
-def test_a_daemonset_runs_a_pod_per_ordinary_node_and_per_lower_cluster_without_churn(
+def nodes_of(upper: LocalCluster, name: str) -> list[str]:
+    pods = pods_by_name(upper, "daemons", f"app={name}").values()
+    return sorted(str(p["spec"].get("nodeName") or pinned_node(p)) for p in pods)
+
+
+def lower_apps(federation: Federation, cluster: str) -> list[str]:
+    below = get_json(federation.clusters[cluster], "pods", "-n", "daemons")["items"]
+    return sorted(p["metadata"]["labels"]["app"] for p in below)
+
+
+def test_daemonsets_on_virtual_nodes_only_when_they_mean_them_and_without_churn(
     federation: Federation,
 ) -> None:
-    """Its pods keep their pins to one node each (stashed, a pod for one node was bound to
-    another, deleted there by its DaemonSet and made again without end); a pod pinned to a
-    virtual node runs somewhere in its cluster, and one the lower clusters refuse (it asks
-    for their hosts' network) stays unbound above with the reason, never made and failed.
-    One whose affinity keeps it off virtual nodes runs on the ordinary node only."""
+    """Node agents tolerating every taint are kept off virtual nodes, also once a
+    DaemonSet's template comes to tolerate every taint; one tolerating the virtual nodes'
+    taint by its key runs once in each lower cluster (its pods keep their pins to one node
+    each: stashed, a pod for one node was bound to another, deleted there by its DaemonSet
+    and made again without end), and one the lower clusters refuse (it asks for their
+    hosts' network) stays unbound above with the reason, never made and failed."""
     upper = federation.upper
     assert isinstance(upper, LocalCluster)
     apply(upper, federated_namespace("daemons"))
     plain = "upper-plain"
     upper.add_nodes([NodeSpec(name=plain, cpu="4", memory="8Gi", pods=110)])
+    everywhere = sorted([plain, "vk-lower-1", "vk-lower-2"])
     try:
         apply(
             upper,
-            daemonset("agents", "daemons"),
-            daemonset("host-agents", "daemons", hostNetwork=True),
-            daemonset("plain-agents", "daemons", affinity=OFF_VIRTUAL_NODES),
+            daemonset("node-agents", "daemons", EVERY_TAINT),
+            daemonset("cluster-agents", "daemons", VIRTUAL_NODES_TAINT),
+            daemonset("host-agents", "daemons", VIRTUAL_NODES_TAINT, hostNetwork=True),
         )
-        upper.kubectl("rollout", "status", "-n", "daemons", "ds/agents", "--timeout=90s")
-        agents = pods_by_name(upper, "daemons", "app=agents")
-        assert sorted(p["spec"]["nodeName"] for p in agents.values()) == [
-            plain,
-            "vk-lower-1",
-            "vk-lower-2",
-        ]
+        for name in ("node-agents", "cluster-agents"):
+            upper.kubectl("rollout", "status", "-n", "daemons", f"ds/{name}", "--timeout=90s")
+        assert nodes_of(upper, "node-agents") == [plain]
+        assert nodes_of(upper, "cluster-agents") == everywhere
+        cluster_agents = pods_by_name(upper, "daemons", "app=cluster-agents")
         for cluster in ("lower-1", "lower-2"):
-            (name,) = [n for n, p in agents.items() if p["spec"]["nodeName"] == f"vk-{cluster}"]
+            (name,) = [
+                n for n, p in cluster_agents.items() if p["spec"]["nodeName"] == f"vk-{cluster}"
+            ]
             lower_pod(federation, cluster, "daemons", name)
 
         refusal = "runs no pod that uses its nodes' host (spec.hostNetwork)"
@@ -323,23 +327,34 @@ def test_a_daemonset_runs_a_pod_per_ordinary_node_and_per_lower_cluster_without_
             )
 
         wait_for(refused_in_each_cluster, "the host agents' pods for virtual nodes to be refused")
-        (on_plain,) = [
-            p
-            for p in pods_by_name(upper, "daemons", "app=host-agents").values()
-            if p["spec"].get("nodeName") == plain
-        ]
-        assert on_plain["metadata"]["name"]
-        upper.kubectl("rollout", "status", "-n", "daemons", "ds/plain-agents", "--timeout=60s")
-        plain_agents = pods_by_name(upper, "daemons", "app=plain-agents").values()
-        assert [p["spec"]["nodeName"] for p in plain_agents] == [plain]
+        assert nodes_of(upper, "host-agents") == everywhere
         for cluster in ("lower-1", "lower-2"):
-            below = get_json(federation.clusters[cluster], "pods", "-n", "daemons")["items"]
-            assert [p["metadata"]["labels"]["app"] for p in below] == ["agents"]
-        assert set(pods_by_name(upper, "daemons", "app=agents")) == set(agents)
+            assert lower_apps(federation, cluster) == ["cluster-agents"]
+        assert set(pods_by_name(upper, "daemons", "app=cluster-agents")) == set(cluster_agents)
         deleted = get_json(
             upper, "events", "-n", "daemons", "--field-selector", "reason=SuccessfulDelete"
         )["items"]
         assert deleted == [], [e["message"] for e in deleted]
+
+        # Its template changed to tolerate every taint, a DaemonSet leaves the virtual nodes.
+        upper.kubectl(
+            "patch",
+            "-n",
+            "daemons",
+            "ds/cluster-agents",
+            "--type=json",
+            "-p",
+            json.dumps(
+                [{"op": "replace", "path": "/spec/template/spec/tolerations", "value": EVERY_TAINT}]
+            ),
+        )
+        wait_for(
+            lambda: (
+                nodes_of(upper, "cluster-agents") == [plain]
+                and not any(lower_apps(federation, c) for c in ("lower-1", "lower-2"))
+            ),
+            "the DaemonSet's pods to leave the virtual nodes and the lower clusters",
+        )
     finally:
         upper.kubectl("delete", "namespace", "daemons", "--wait=false")
         upper.kubectl("delete", "node", plain, "--ignore-not-found")

@@ -82,6 +82,7 @@ def secret_files(federation: Federation, directory: Path) -> dict[str, bytes]:
 def configuration(url: str) -> dict[str, Any]:
     config = url_configuration(url)
     config["metadata"]["name"] = CONFIGURATION
+    config["webhooks"] = config["webhooks"][:1]  # pods' only: DaemonSets are not the subject
     config["webhooks"][0]["namespaceSelector"] = {"matchLabels": {NAMESPACE_LABEL: "yes"}}
     return config
 

@@ -15,7 +15,8 @@ from hypothesis import given
 from kubekit import keys, pki, stash
 from tests.unit.test_stash import specs
 from webhook.admission import BadReview, parse_review, review_response
-from webhook.configuration import stash_webhook, url_configuration
+from webhook.configuration import daemonsets_webhook, stash_webhook, url_configuration
+from webhook.daemonsets import off_virtual_nodes
 from webhook.server import MovesFollower, make_app
 
 MANIFESTS = Path(__file__).parents[2] / "manifests"
@@ -56,6 +57,27 @@ def patched(original: dict[str, Any], response: dict[str, Any]) -> dict[str, Any
     operations = json.loads(base64.b64decode(response["patch"]))
     result: dict[str, Any] = jsonpatch.apply_patch(original, operations)
     return result
+
+
+def daemonset_review(
+    template_spec: dict[str, Any], old_template_spec: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    def daemonset(spec: dict[str, Any]) -> dict[str, Any]:
+        template = {"metadata": {"labels": {"app": "a"}}, "spec": spec}
+        return {
+            "metadata": {"name": "a", "namespace": "kube-system"},
+            "spec": {"template": template},
+        }
+
+    body = review(
+        daemonset(template_spec),
+        operation="CREATE" if old_template_spec is None else "UPDATE",
+        kind={"group": "apps", "version": "v1", "kind": "DaemonSet"},
+        resource={"group": "apps", "version": "v1", "resource": "daemonsets"},
+    )
+    if old_template_spec is not None:
+        body["request"]["oldObject"] = daemonset(old_template_spec)
+    return body
 
 
 @given(specs)
@@ -133,6 +155,24 @@ def test_a_pod_with_a_stash_is_left_alone_and_a_bad_stash_is_refused() -> None:
             "annotations must map strings to strings",
         ),
         (
+            json.dumps(
+                {
+                    **daemonset_review({}),
+                    "request": {**daemonset_review({})["request"], "object": {"spec": {}}},
+                }
+            ).encode(),
+            "request.object.spec.template must be a JSON object",
+        ),
+        (
+            json.dumps(
+                {
+                    **daemonset_review({}, {}),
+                    "request": {**daemonset_review({}, {})["request"], "oldObject": None},
+                }
+            ).encode(),
+            "request.oldObject must be a JSON object",
+        ),
+        (
             json.dumps(review({**pod({}), "metadata": {"ownerReferences": ["x"]}})).encode(),
             r"ownerReferences\[0\] must be a JSON object",
         ),
@@ -188,6 +228,99 @@ def test_a_daemonsets_pod_keeps_its_pin_to_one_node() -> None:
     assert answer(review(daemon)) == {"uid": "d2c1", "allowed": True}
 
 
+EVERY_TAINT = [{"operator": "Exists"}]
+OFF = {"key": keys.CLUSTER_ID_LABEL, "operator": "DoesNotExist"}
+
+
+def required(*terms: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": list(terms)}
+        }
+    }
+
+
+def test_a_daemonset_tolerating_every_taint_is_kept_off_virtual_nodes_in_every_term() -> None:
+    assert off_virtual_nodes({"tolerations": EVERY_TAINT}) == required({"matchExpressions": [OFF]})
+    disk = {"key": "disk", "operator": "In", "values": ["ssd"]}
+    by_name = {"key": "metadata.name", "operator": "In", "values": ["n"]}
+    spec = {
+        "tolerations": EVERY_TAINT,
+        "affinity": {
+            **required({"matchExpressions": [disk]}, {"matchFields": [by_name]}),
+            "podAntiAffinity": {"x": 1},
+        },
+    }
+    kept_off = off_virtual_nodes(spec)
+    assert kept_off == {
+        **required(
+            {"matchExpressions": [disk, OFF]}, {"matchFields": [by_name], "matchExpressions": [OFF]}
+        ),
+        "podAntiAffinity": {"x": 1},
+    }
+    assert spec["affinity"] == {
+        **required({"matchExpressions": [disk]}, {"matchFields": [by_name]}),
+        "podAntiAffinity": {"x": 1},
+    }, "the template is not changed in place"
+    assert off_virtual_nodes({**spec, "affinity": kept_off}) is None, "already kept off"
+    assert kept_off is not None
+    terms = kept_off["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    terms["nodeSelectorTerms"].append({"matchExpressions": [disk]})
+    assert off_virtual_nodes({**spec, "affinity": kept_off}) == required(
+        {"matchExpressions": [disk, OFF]},
+        {"matchFields": [by_name], "matchExpressions": [OFF]},
+        {"matchExpressions": [disk, OFF]},
+    ) | {"podAntiAffinity": {"x": 1}}, "a term added later is kept off too"
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {},
+        {"tolerations": [{"key": "gpu", "operator": "Exists"}]},
+        {"tolerations": [{"operator": "Exists", "effect": "NoExecute"}]},
+        {"tolerations": [*EVERY_TAINT, {"key": keys.PROVIDER_TAINT_KEY, "operator": "Exists"}]},
+        {"tolerations": EVERY_TAINT, "nodeSelector": {keys.CLUSTER_ID_LABEL: "lower-1"}},
+        {
+            "tolerations": EVERY_TAINT,
+            "affinity": required(
+                {"matchExpressions": [{"key": keys.CLUSTER_ID_LABEL, "operator": "Exists"}]}
+            ),
+        },
+    ],
+    ids=[
+        "no-toleration",
+        "keyed-toleration",
+        "no-execute-only",
+        "tolerates-the-provider-by-key",
+        "selects-a-cluster",
+        "requires-virtual-nodes",
+    ],
+)
+def test_a_daemonset_that_stays_off_or_means_virtual_nodes_is_left_alone(
+    spec: dict[str, Any],
+) -> None:
+    assert off_virtual_nodes(spec) is None
+
+
+def test_a_daemonset_is_kept_off_when_made_and_when_its_template_changes_only() -> None:
+    agent = {"tolerations": EVERY_TAINT, "containers": [{"name": "a", "image": "i"}]}
+    made = daemonset_review(agent)
+    kept_off = patched(made["request"]["object"], answer(made))["spec"]["template"]["spec"]
+    assert kept_off["affinity"] == required({"matchExpressions": [OFF]})
+    # A label on it, no new template: nothing, or every pod of it would be made again.
+    assert "patch" not in answer(daemonset_review(agent, agent))
+    # Applied again from a manifest without the affinity: put back, the template as it was.
+    applied = daemonset_review(agent, kept_off)
+    assert patched(applied["request"]["object"], answer(applied))["spec"]["template"]["spec"] == (
+        kept_off
+    )
+    new_image = {**agent, "containers": [{"name": "a", "image": "j"}]}
+    assert "patch" in answer(daemonset_review(new_image, agent))
+    with_affinity = {**agent, "affinity": required({"matchExpressions": [OFF]})}
+    assert "patch" not in answer(daemonset_review(with_affinity))
+
+
 def moves_config_map(data: dict[str, str]) -> dict[str, Any]:
     metadata = {"name": keys.MOVES_CONFIGMAP, "namespace": keys.SYSTEM_NAMESPACE}
     return {"metadata": {**metadata, "resourceVersion": "1"}, "data": data}
@@ -237,9 +370,12 @@ def test_the_manifest_configuration_has_the_same_rules_as_the_code() -> None:
     )
     local = url_configuration("https://127.0.0.1:1/mutate", b"ca")
     assert manifest["metadata"]["name"] == local["metadata"]["name"]
-    [in_manifest] = manifest["webhooks"]
-    assert in_manifest == stash_webhook(in_manifest["clientConfig"])
-    assert in_manifest["clientConfig"]["service"]["path"] == "/mutate"
+    pods, daemonsets = manifest["webhooks"]
+    assert pods == stash_webhook(pods["clientConfig"])
+    assert daemonsets == daemonsets_webhook(daemonsets["clientConfig"])
+    assert [w["name"] for w in local["webhooks"]] == [pods["name"], daemonsets["name"]]
+    for webhook in (pods, daemonsets):
+        assert webhook["clientConfig"]["service"]["path"] == "/mutate"
 
 
 def test_a_serving_pair_is_reused_while_it_covers_the_names(tmp_path: Path) -> None:

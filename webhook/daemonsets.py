@@ -1,0 +1,70 @@
+"""Which DaemonSets are kept off virtual nodes, and the affinity that keeps them off (pure).
+
+A DaemonSet makes a pod for every node its pods tolerate. Node agents tolerate every taint
+(a toleration with no key), so the virtual nodes' too, where an agent has no node of its
+own: its pod would run once somewhere in each lower cluster or, asking for the host as
+most agents do, wait above for good, and the DaemonSet never be complete. Such a
+DaemonSet gets a required node affinity on the key only virtual nodes carry. One that
+tolerates the virtual nodes' taint by its key, or selects on that key, means virtual
+nodes and is left as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kubekit import keys
+from kubekit.jsonvalue import json_copy
+from kubekit.stash import tolerates_provider_taint
+
+JSON = dict[str, Any]
+
+OFF_VIRTUAL_NODES: JSON = {"key": keys.CLUSTER_ID_LABEL, "operator": "DoesNotExist"}
+
+
+def _tolerates_every_taint(toleration: Mapping[str, Any]) -> bool:
+    return (
+        not toleration.get("key")
+        and toleration.get("operator") == "Exists"
+        and toleration.get("effect") in (None, "", "NoSchedule")
+    )
+
+
+def off_virtual_nodes(template_spec: Mapping[str, Any]) -> JSON | None:
+    """The affinity of a DaemonSet's pod template with every required term kept off
+    virtual nodes, or None when the template is left as it is (it is already kept off,
+    or its pods never land on virtual nodes, or it means them)."""
+    tolerations = template_spec.get("tolerations") or []
+    if not any(_tolerates_every_taint(t) for t in tolerations) or any(
+        tolerates_provider_taint(t) for t in tolerations
+    ):
+        return None
+    if keys.CLUSTER_ID_LABEL in (template_spec.get("nodeSelector") or {}):
+        return None
+    affinity: JSON = json_copy(dict(template_spec.get("affinity") or {}))
+    node_affinity = affinity.setdefault("nodeAffinity", {})
+    required = node_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.get("nodeSelectorTerms") or [{}]
+    on_the_key = [
+        expression
+        for term in terms
+        for expression in term.get("matchExpressions") or []
+        if expression.get("key") == keys.CLUSTER_ID_LABEL
+    ]
+    if any(expression != OFF_VIRTUAL_NODES for expression in on_the_key):
+        return None
+    # Terms are ORed: each one must keep off virtual nodes.
+    kept_off = [
+        term
+        if OFF_VIRTUAL_NODES in (term.get("matchExpressions") or [])
+        else {
+            **term,
+            "matchExpressions": [*(term.get("matchExpressions") or []), OFF_VIRTUAL_NODES],
+        }
+        for term in terms
+    ]
+    if kept_off == terms:
+        return None
+    required["nodeSelectorTerms"] = kept_off
+    return affinity
