@@ -63,6 +63,7 @@ def exec_status(error_channel: bytes, command: tuple[str, ...]) -> bytes:
         found = _GO_EXIT_STATUS.search(failure.message)
         if found and 0 < int(found.group(1)) <= 255:
             return channels.exit_code_status(int(found.group(1)), command)
+        return channels.unwrapped_internal_error(error_channel)
     except channels.ChannelProtocolError:
         pass
     return error_channel

@@ -384,6 +384,18 @@ def test_a_log_the_lower_cluster_refuses_reads_as_its_refusal(
     assert via.stderr.strip() == f"Error from server (BadRequest): lower cluster: {refusal}"
 
 
+def test_a_command_that_cannot_start_fails_with_the_words_it_fails_with_directly(
+    federation: Federation, pod: str
+) -> None:
+    """Each apiserver wraps a kubelet's internal error once more; through the virtual
+    node there is one apiserver more, whose wrapping is taken off again."""
+    args = ("exec", "-n", NS, POD, "--", "no-such-command")
+    direct = lower(federation).kubectl(*args, check=False)
+    via = federation.upper.kubectl(*args, check=False)
+    assert "executable file not found" in direct.stderr
+    assert (via.returncode, via.stderr) == (direct.returncode, direct.stderr)
+
+
 def test_stats_summary_names_each_pod_by_its_upper_uid(federation: Federation, pod: str) -> None:
     uid = get_json(federation.upper, "pod", "-n", NS, POD)["metadata"]["uid"]
 

@@ -26,6 +26,7 @@ from virtual_node.kubeletapi.channels import (
     exit_code_status,
     parse_exec_status,
     success_status,
+    unwrapped_internal_error,
 )
 
 FAST = settings(max_examples=200, deadline=None)
@@ -328,3 +329,32 @@ def test_arbitrary_statuses_only_raise_documented_errors(payload: bytes) -> None
     except (ChannelProtocolError, ExecFailure):
         return
     assert exit_code is None or 0 <= exit_code <= 255
+
+
+def internal_error(message: str) -> dict[str, Any]:
+    """An apiserver's Status for an error it did not expect (apimachinery's wording)."""
+    return {
+        "metadata": {},
+        "status": "Failure",
+        "code": 500,
+        "reason": "InternalError",
+        "message": f"Internal error occurred: {message}",
+        "details": {"causes": [{"message": message}]},
+    }
+
+
+def test_an_apiservers_wrapping_of_the_kubelets_internal_error_comes_off() -> None:
+    kubelets = internal_error("error executing command in container: not found")
+    wrapped = json.dumps(internal_error(kubelets["message"])).encode()
+    assert json.loads(unwrapped_internal_error(wrapped)) == kubelets
+    refused = internal_error("container x is not valid")
+    refused["details"]["causes"][0]["message"] = "something else"
+    for payload in (
+        json.dumps(refused).encode(),
+        json.dumps({**kubelets, "reason": "BadRequest"}).encode(),
+        json.dumps({**kubelets, "details": {"causes": []}}).encode(),
+        json.dumps({**kubelets, "details": "x"}).encode(),
+        b"not json",
+        b"[]",
+    ):
+        assert unwrapped_internal_error(payload) == payload

@@ -67,6 +67,9 @@ _MAX_BASE64_CHANNELS = 0x80 - _BASE64_CHANNEL_ORIGIN
 _MAX_BINARY_CHANNELS = CLOSE
 
 NON_ZERO_EXIT_CODE_REASON = "NonZeroExitCode"
+# How an apiserver words an error it did not expect (apimachinery's NewInternalError).
+INTERNAL_ERROR_REASON = "InternalError"
+INTERNAL_ERROR_PREFIX = "Internal error occurred: "
 EXIT_CODE_CAUSE = "ExitCode"
 _MAX_EXIT_CODE = 255
 
@@ -233,6 +236,34 @@ def exit_code_status(exit_code: int, command: Sequence[str]) -> bytes:
             "message": f"command terminated with non-zero exit code: {runtime_error}",
             "reason": NON_ZERO_EXIT_CODE_REASON,
             "details": {"causes": [{"reason": EXIT_CODE_CAUSE, "message": str(exit_code)}]},
+        }
+    )
+
+
+def unwrapped_internal_error(payload: bytes) -> bytes:
+    """The error-channel Status as the kubelet below sent it, when an apiserver wrapped it
+    as an internal error of its own (``Internal error occurred: <its message>``, the
+    message its one cause): the apiserver above wraps it again, and with the lower
+    apiserver's wrapping left on, kubectl would read one more than directly. Any other
+    payload is returned as it is."""
+    try:
+        status: Any = json.loads(payload)
+    except (ValueError, RecursionError):
+        return payload
+    if not isinstance(status, dict) or status.get("reason") != INTERNAL_ERROR_REASON:
+        return payload
+    details = status.get("details")
+    causes = details.get("causes") if isinstance(details, dict) else None
+    if not (isinstance(causes, list) and len(causes) == 1 and isinstance(causes[0], dict)):
+        return payload
+    inner = causes[0].get("message")
+    if not isinstance(inner, str) or status.get("message") != INTERNAL_ERROR_PREFIX + inner:
+        return payload
+    return _encode_status(
+        {
+            **status,
+            "message": inner,
+            "details": {"causes": [{"message": inner.removeprefix(INTERNAL_ERROR_PREFIX)}]},
         }
     )
 
