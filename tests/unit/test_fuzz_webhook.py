@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from kubekit import keys, stash
 from tests.unit.jsonfuzz import edited, json_values
 from tests.unit.test_stash import specs
-from tests.unit.test_webhook import pod, review
+from tests.unit.test_webhook import daemonset_review, pod, review
 from webhook.server import MAX_BODY, make_app
 
 # One server across all examples: a fixture shared by examples is the intent.
@@ -39,6 +39,19 @@ stash_annotations = st.sampled_from(
 mutated_reviews = edited(
     st.builds(lambda spec, notes: review(pod(spec, notes)), specs, stash_annotations)
 )
+
+
+def owned_pod_review(spec: dict[str, Any], kind: str) -> dict[str, Any]:
+    made = pod(spec)
+    made["metadata"]["ownerReferences"] = [{"uid": "o", "controller": True, "kind": kind}]
+    return review(made)
+
+
+# Pods a controller owns, DaemonSet creations and updates, each with a few values edited.
+mutated_owned_reviews = edited(
+    st.builds(owned_pod_review, specs, st.sampled_from(["DaemonSet", "ReplicaSet"]))
+)
+mutated_daemonset_reviews = edited(st.builds(daemonset_review, specs, st.one_of(st.none(), specs)))
 raw_bodies = st.one_of(
     st.binary(max_size=64),
     st.sampled_from(
@@ -84,7 +97,11 @@ async def still_answers(client: TestClient[Any, Any]) -> None:
 
 
 @FUZZ
-@given(document=st.one_of(mutated_reviews, json_values))
+@given(
+    document=st.one_of(
+        mutated_reviews, mutated_owned_reviews, mutated_daemonset_reviews, json_values
+    )
+)
 @example(document=review(pod({"nodeSelector": ["disk"]}))).via("a list for a map was a 500")
 @example(document=review(pod({"tolerations": [{"key": ["a"]}]}))).via("unhashable key: 500")
 @example(document=review(pod({"nodeSelector": {"a": 2**70}}))).via("orjson cannot copy it")
