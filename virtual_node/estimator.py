@@ -38,7 +38,12 @@ from virtual_node.capacity import pod_holds_resources
 from virtual_node.kubeletapi.auth import AuthError, Authorizer
 from virtual_node.naming import NamespaceMapping, NamingError
 from virtual_node.promises import PromiseRefused, SliceBudgets, SlicePromises, requested
-from virtual_node.runtimes import pod_fixed, runtime_refusal, with_class_overhead
+from virtual_node.runtimes import (
+    RuntimeClassFacts,
+    runtime_class_facts,
+    runtime_refusal,
+    with_runtime_class,
+)
 from virtual_node.translate import Ownership, desired_lower_pod, host_access_refusal
 from virtual_node.volumes import unbound_class, volume_refusal
 
@@ -131,8 +136,8 @@ class FitEstimator:
         self._waiting_claims: dict[str, str] = {}
         self._storage_classes: set[str] = set()
         # The lower cluster's RuntimeClasses: a pod of a class it lacks fits nowhere here,
-        # and takes its class's overhead.
-        self._runtime_classes: dict[str, dict[str, str] | None] = {}
+        # and takes its class's overhead and scheduling.
+        self._runtime_classes: dict[str, RuntimeClassFacts] = {}
         self.lock = threading.RLock()
 
     def watch(self, lower_nodes: Informer, lower_pods: Informer, upper_pods: Informer) -> None:
@@ -204,7 +209,9 @@ class FitEstimator:
 
     @_exclusive
     def _runtime_class_changed(self, runtime_class: JSON) -> None:
-        self._runtime_classes[runtime_class["metadata"]["name"]] = pod_fixed(runtime_class)
+        self._runtime_classes[runtime_class["metadata"]["name"]] = runtime_class_facts(
+            runtime_class
+        )
 
     @_exclusive
     def _runtime_class_deleted(self, runtime_class: JSON) -> None:
@@ -320,7 +327,7 @@ class FitEstimator:
         so that no room is taken or given back for a pod that then cannot be judged (the
         apiserver validated what it sends; a caller may send anything)."""
         try:
-            lower = with_class_overhead(
+            lower = with_runtime_class(
                 desired_lower_pod(upper, self.mapping, self.owner), self._runtime_classes
             )
             return lower, PodFacts.of(lower)

@@ -264,16 +264,23 @@ def runtime_class(name: str, overhead_cpu: str) -> dict[str, Any]:
     }
 
 
+def class_pod(name: str, runtime_class_name: str) -> dict[str, Any]:
+    pod = frag_pod(name, "1")
+    pod["spec"]["runtimeClassName"] = runtime_class_name
+    return pod
+
+
 def test_a_runtime_class_only_lower_2_has_sends_the_pod_there_with_lower_2_s_overhead(
     fragmented: Federation,
 ) -> None:
     lower_2 = fragmented.clusters["lower-2"]
     apply(fragmented.upper, runtime_class("e2e-sandbox", "500m"), runtime_class("e2e-none", "1"))
     apply(lower_2, runtime_class("e2e-sandbox", "250m"))
-    sandboxed, nowhere = frag_pod("sandboxed", "1"), frag_pod("nowhere", "1")
-    sandboxed["spec"]["runtimeClassName"] = "e2e-sandbox"
-    nowhere["spec"]["runtimeClassName"] = "e2e-none"
-    apply(fragmented.upper, sandboxed, nowhere)
+    apply(
+        fragmented.upper,
+        class_pod("sandboxed", "e2e-sandbox"),
+        class_pod("nowhere", "e2e-none"),
+    )
     try:
         wait_for(
             lambda: running_on(fragmented, "sandboxed", "vk-lower-2"),
@@ -294,6 +301,52 @@ def test_a_runtime_class_only_lower_2_has_sends_the_pod_there_with_lower_2_s_ove
         delete_pods(fragmented, "app in (sandboxed, nowhere)")
         fragmented.upper.kubectl("delete", "runtimeclass", "e2e-sandbox", "e2e-none")
         lower_2.kubectl("delete", "runtimeclass", "e2e-sandbox")
+
+
+def test_a_runtime_class_s_node_selector_decides_where_its_pods_fit(
+    fragmented: Federation,
+) -> None:
+    """The lower apiserver merges its class's scheduling into the pod: a class whose
+    runtime is only on ssd nodes runs its pods on one of those; where no node has the
+    label, the pod fits nowhere (it used to be sent there and stay Pending below)."""
+    lower_1, lower_2 = fragmented.clusters["lower-1"], fragmented.clusters["lower-2"]
+    on_ssd = {
+        **runtime_class("e2e-on-ssd", "0"),
+        "scheduling": {"nodeSelector": {"kubestrata.io/e2e-disk": "ssd"}},
+    }
+    only_lower_1 = {**on_ssd, "metadata": {"name": "e2e-ssd-in-lower-1"}}
+    apply(
+        fragmented.upper,
+        runtime_class("e2e-on-ssd", "0"),
+        runtime_class("e2e-ssd-in-lower-1", "0"),
+    )
+    apply(lower_1, on_ssd, only_lower_1)
+    apply(lower_2, on_ssd)
+    apply(
+        fragmented.upper,
+        class_pod("on-ssd", "e2e-on-ssd"),
+        class_pod("ssd-nowhere", "e2e-ssd-in-lower-1"),
+    )
+    try:
+        wait_for(
+            lambda: running_on(fragmented, "on-ssd", "vk-lower-2"),
+            "the pod of the ssd-only class Running in lower-2",
+        )
+        below = lower_pods(fragmented, "app=on-ssd")["lower-2/on-ssd"]
+        assert below["spec"]["nodeSelector"]["kubestrata.io/e2e-disk"] == "ssd"
+
+        message = wait_for(
+            lambda: failed_scheduling(fragmented, "ssd-nowhere"), "a FailedScheduling event"
+        )
+        assert "vk-lower-1: 0/" in message and "didn't match Pod's node affinity" in message
+        assert "vk-lower-2: lower cluster lower-2 has no runtime class" in message, message
+        assert not upper_pod(fragmented, "ssd-nowhere")["spec"].get("nodeName")
+        assert not lower_pods(fragmented, "app=ssd-nowhere")
+    finally:
+        delete_pods(fragmented, "app in (on-ssd, ssd-nowhere)")
+        fragmented.upper.kubectl("delete", "runtimeclass", "e2e-on-ssd", "e2e-ssd-in-lower-1")
+        lower_1.kubectl("delete", "runtimeclass", "e2e-on-ssd", "e2e-ssd-in-lower-1")
+        lower_2.kubectl("delete", "runtimeclass", "e2e-on-ssd")
 
 
 def test_a_cluster_whose_estimator_is_down_is_skipped_and_the_others_still_used(

@@ -543,3 +543,36 @@ def test_a_pod_the_virtual_node_would_not_create_below_fits_nowhere_here() -> No
     )
     allowed.state.set_node(node("big", "4"))
     assert allowed.answer(orjson.dumps(pod)).estimate.max_replicas == 1
+
+
+def test_a_runtime_class_s_scheduling_limits_the_nodes_its_pods_fit() -> None:
+    """The lower apiserver merges the class's node selector into the pod: only the small
+    node carries its runtime here, so 3 cpu fit nowhere, though the big node has room."""
+    cluster = Cluster()
+    classes = Informer(client=None, resource=RUNTIMECLASSES)  # type: ignore[arg-type]
+    cluster.estimator.watch_runtime_classes(classes)
+    small = node("small", "2")
+    small["metadata"]["labels"]["sandbox"] = "gvisor"
+    cluster.lower_nodes.apply({"type": "MODIFIED", "object": small})
+    scheduling = {"nodeSelector": {"sandbox": "gvisor"}}
+    classes.apply(
+        {
+            "type": "ADDED",
+            "object": {
+                "metadata": {"name": "gvisor"},
+                "handler": "runsc",
+                "scheduling": scheduling,
+            },
+        }
+    )
+    pod = upper_pod("sandboxed", "3")
+    pod["spec"]["runtimeClassName"] = "gvisor"
+    answer = cluster.estimator.answer(orjson.dumps(pod))
+    assert (answer.estimate.max_replicas, answer.refusal) == (0, "")
+    pod["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "1"
+    assert cluster.estimator.answer(orjson.dumps(pod), replicas=5).estimate.max_replicas == 2
+    pod["spec"]["nodeSelector"] = {"sandbox": "kata"}
+    assert cluster.estimator.answer(orjson.dumps(pod)).refusal == (
+        "lower cluster lower-1's runtime class gvisor runs on sandbox=gvisor, "
+        "the pod asks for sandbox=kata"
+    )
