@@ -60,7 +60,7 @@ def off_virtual_nodes(template_spec: Mapping[str, Any]) -> JSON | None:
         if OFF_VIRTUAL_NODES in (term.get("matchExpressions") or [])
         else {
             **term,
-            "matchExpressions": [*(term.get("matchExpressions") or []), OFF_VIRTUAL_NODES],
+            "matchExpressions": [*(term.get("matchExpressions") or []), dict(OFF_VIRTUAL_NODES)],
         }
         for term in terms
     ]
