@@ -18,6 +18,14 @@ async def on_loop(home: asyncio.AbstractEventLoop | None, work: Coroutine[Any, A
     return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(work, home))
 
 
+def being_cancelled() -> bool:
+    """Whether the running task is being cancelled itself. A CancelledError raised in a
+    task that is not (grpc.aio raises one in the caller of a call whose channel closed)
+    is a failure of what it awaited, not a request to stop."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class Background:
     """Tasks started and not awaited by whoever started them, kept so that none is
     collected mid-flight and all can be awaited, or ended, at shutdown."""

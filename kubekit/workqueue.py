@@ -16,6 +16,7 @@ from typing import Generic, TypeVar
 
 from kubekit import metrics
 from kubekit.client import ApiError
+from kubekit.loops import being_cancelled
 from kubekit.ratelimit import ItemBackoff, TokenBucket
 
 Key = TypeVar("Key", bound=Hashable)
@@ -180,7 +181,7 @@ class WorkQueue(Generic[Key]):
                 try:
                     await reconcile(key)
                 except asyncio.CancelledError as cancelled:
-                    if _being_cancelled():
+                    if being_cancelled():
                         raise
                     # Something the reconcile awaited was cancelled, not this worker (a
                     # gRPC call whose channel closed raises so): a failure of this key.
@@ -216,11 +217,6 @@ class WorkQueue(Generic[Key]):
                 exc_info=error,
             )
             self.add_rate_limited(key)
-
-
-def _being_cancelled() -> bool:
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
 
 
 def _reason(error: BaseException) -> str:

@@ -43,7 +43,7 @@ from kubekit.estimatorapi.estimator_pb2 import (
 )
 from kubekit.estimatorapi.estimator_pb2_grpc import EstimatorStub
 from kubekit.informer import FunctionHandler
-from kubekit.loops import Background
+from kubekit.loops import Background, being_cancelled
 from multischeduler.extender import Answer, EstimatorFailure, VirtualNode, virtual_node
 
 if TYPE_CHECKING:
@@ -206,8 +206,7 @@ async def _unless_closed(call: Awaitable[Response]) -> Response:
     try:
         return await call
     except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
+        if being_cancelled():
             raise
         raise _failure(grpc.StatusCode.CANCELLED, "its channel closed during the call") from None
 

@@ -89,7 +89,8 @@ class Answer:
     estimate: Estimate
     reserved_node: str | None
     # Why this cluster takes no copy of the pod, whatever its nodes: the namespace's quota
-    # slices here, a volume of the pod's it cannot make, or a runtime class it lacks.
+    # slices here, the host access it asks for, a volume of the pod's it cannot make, or a
+    # runtime class it lacks or conflicts with.
     refusal: str = ""
 
 
