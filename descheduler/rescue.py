@@ -45,13 +45,13 @@ def owned(pod: Mapping[str, Any]) -> bool:
 
 def hands_off(pod: Mapping[str, Any]) -> bool:
     """A pod the descheduler neither moves nor makes room for: opted out by its
-    annotation; a DaemonSet's, which its controller makes again for the same node
-    (moving it would free nothing and place nothing elsewhere); or one with a
-    PersistentVolumeClaim, whose data is in the cluster it was placed in (moved, it would
+    annotation (whatever its value); a DaemonSet's, which its controller makes again for
+    the same node (moving it would free nothing and place nothing elsewhere); or one with
+    a PersistentVolumeClaim, whose data is in the cluster it was placed in (moved, it would
     find an empty volume elsewhere, or, its claim's volume bound to that cluster, fit
     nowhere else)."""
     annotations = pod["metadata"].get("annotations") or {}
-    if annotations.get(keys.DESCHEDULER_ANNOTATION) == keys.DESCHEDULER_NEVER:
+    if keys.DESCHEDULER_ANNOTATION in annotations:
         return True
     if any("persistentVolumeClaim" in v for v in (pod.get("spec") or {}).get("volumes") or []):
         return True

@@ -116,7 +116,8 @@ LOWER_NODES_ANNOTATION = f"{PREFIX}/lower-nodes"
 # ({"node": ..., "cpu": ..., "memory": ...}); what fragmentation leaves of the total.
 LARGEST_FREE_SLOT_ANNOTATION = f"{PREFIX}/largest-free-slot"
 
-# On upper pods: "never" keeps the descheduler's hands off the pod.
+# On upper pods: "never" keeps the descheduler's hands off the pod. Any other value does
+# too (a user who wrote "Never" or "false" meant it), and the webhook warns of it.
 DESCHEDULER_ANNOTATION = f"{PREFIX}/descheduler"
 DESCHEDULER_NEVER = "never"
 # The ConfigMap (in SYSTEM_NAMESPACE) where the descheduler records, per controller UID,

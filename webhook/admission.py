@@ -233,6 +233,20 @@ def stash_patch(
     return patch
 
 
+def descheduler_annotation_warning(pod: Mapping[str, Any]) -> str | None:
+    """What ``kubectl`` should say of a descheduler annotation whose value is not the one
+    it takes; the descheduler reads any value as that one (descheduler.rescue.hands_off)."""
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    value = annotations.get(keys.DESCHEDULER_ANNOTATION)
+    if value is None or value == keys.DESCHEDULER_NEVER:
+        return None
+    return (
+        f"annotation {keys.DESCHEDULER_ANNOTATION}={value!r} is read as "
+        f"{keys.DESCHEDULER_NEVER!r}, the only value it takes: the descheduler will not move "
+        "this pod or evict it to make room"
+    )
+
+
 def review_response(
     request: Mapping[str, Any],
     keep: Collection[str],
@@ -262,6 +276,9 @@ def review_response(
                 }
                 return _review(response)
         pod = request["object"]
+        warning = descheduler_annotation_warning(pod)
+        if warning:
+            response["warnings"] = [warning]
         if is_daemon_pod(pod):
             return _review(response)
         avoided = kept_off(moves, pod, now or datetime.now(UTC)) if moves else []

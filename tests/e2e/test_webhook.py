@@ -195,6 +195,22 @@ def test_server_side_dry_run_shows_the_stash(federation: Federation) -> None:
     assert upper.kubectl("get", "pod", "-n", "wh-dry", "dry", check=False).returncode != 0
 
 
+def test_kubectl_warns_of_a_descheduler_annotation_it_reads_as_never(
+    federation: Federation,
+) -> None:
+    upper = federation.upper
+    apply(upper, federated_namespace("wh-warn"))
+    pod = ssd_pod("warned", "wh-warn")
+    pod["metadata"]["annotations"] = {keys.DESCHEDULER_ANNOTATION: "false"}
+    created = upper.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(pod))
+    assert (
+        "Warning: annotation kubestrata.io/descheduler='false' is read as 'never'" in created.stderr
+    )
+    pod["metadata"]["annotations"] = {keys.DESCHEDULER_ANNOTATION: "never"}
+    created = upper.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(pod))
+    assert "Warning" not in created.stderr
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [

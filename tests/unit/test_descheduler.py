@@ -194,6 +194,9 @@ def test_pods_left_alone() -> None:
         pod("ordinary-node", node="worker-1"),
         pod("deleting", deletionTimestamp=stamp(1)),
         pod("opted-out", annotations={keys.DESCHEDULER_ANNOTATION: keys.DESCHEDULER_NEVER}),
+        # Any value: a user who wrote it meant the pod to stay (the webhook warns).
+        pod("opted-out-otherwise", annotations={keys.DESCHEDULER_ANNOTATION: "Never"}),
+        pod("opted-out-falsely", annotations={keys.DESCHEDULER_ANNOTATION: "false"}),
         pod("running", phase="Running"),
         pod("waiting-without-a-verdict", unschedulable_for=None),
         pod("daemon", ownerReferences=[DAEMON_SET_OWNER]),
@@ -645,6 +648,7 @@ def test_movable_pods_are_running_controller_pods_of_no_higher_priority() -> Non
         running("system")
         | {"metadata": {**running("system")["metadata"], "namespace": "kube-system"}},
         pod("never", phase="Running", annotations={keys.DESCHEDULER_ANNOTATION: "never"}),
+        pod("no", phase="Running", annotations={keys.DESCHEDULER_ANNOTATION: "no"}),
         pod("daemon", phase="Running", ownerReferences=[DAEMON_SET_OWNER]),
     ]
     stateful = running("stateful")

@@ -114,6 +114,24 @@ def test_dry_run_gets_the_same_answer() -> None:
     assert answer(review(pod(spec), dryRun=True)) == answer(review(pod(spec)))
 
 
+@pytest.mark.parametrize("value", ["Never", "false", "", "no"])
+def test_a_descheduler_annotation_other_than_never_is_warned_of(value: str) -> None:
+    spec = {"containers": [{"name": "c", "image": "i"}]}
+    response = answer(review(pod(spec, {keys.DESCHEDULER_ANNOTATION: value})))
+    assert response["warnings"] == [
+        f"annotation kubestrata.io/descheduler={value!r} is read as 'never', the only value "
+        "it takes: the descheduler will not move this pod or evict it to make room"
+    ]
+    assert "patch" in response
+    daemon = pod(spec, {keys.DESCHEDULER_ANNOTATION: value})
+    daemon["metadata"]["ownerReferences"] = [
+        {"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "d", "uid": "u", "controller": True}
+    ]
+    assert answer(review(daemon))["warnings"] == response["warnings"]
+    never = answer(review(pod(spec, {keys.DESCHEDULER_ANNOTATION: "never"})))
+    assert "warnings" not in never
+
+
 @pytest.mark.parametrize(
     "body",
     [
