@@ -43,6 +43,14 @@ def container_starts(pod: Mapping[str, Any]) -> tuple[tuple[str, float], ...]:
     return tuple(starts)
 
 
+def container_images(pod: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """Each container's image as its status reports it (the image the runtime runs)."""
+    return tuple(
+        (str(status.get("name", "")), str(status.get("image", "")))
+        for status in (pod.get("status") or {}).get("containerStatuses") or []
+    )
+
+
 def _unavailable(error: Exception) -> ProviderError:
     return ProviderError(503, f"the lower cluster is unreachable: {error}")
 
@@ -277,6 +285,11 @@ class LowerKubelet:
             await self._metrics("pods"), self._mirrored_by_lower_key(), self._cpu_counters
         )
 
+    async def cadvisor_metrics(self) -> str:
+        return metrics.cadvisor_text(
+            await self._metrics("pods"), self._mirrored_by_lower_key(), self._cpu_counters
+        )
+
     def _mirrored_by_lower_key(self) -> dict[str, metrics.UpperPod]:
         """lower namespace/name → the upper pod, of the pods we mirror."""
         mirrored = {}
@@ -288,5 +301,6 @@ class LowerKubelet:
                 metadata["name"],
                 metadata.get("uid", ""),
                 container_starts(pod),
+                container_images(pod),
             )
         return mirrored

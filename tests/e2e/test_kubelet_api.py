@@ -297,7 +297,8 @@ def kubelet_url(federation: Federation, path: str) -> str:
 def call_kubelet(
     url: str, *, token: str | None = None, cert: pki.KeyPair | None = None
 ) -> tuple[int, Any]:
-    """The status and the decoded JSON answer, or for an error its plain-text message."""
+    """The status and the decoded JSON answer (a text one as it is), or for an error its
+    plain-text message."""
     context = ssl.create_default_context()
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
@@ -308,7 +309,10 @@ def call_kubelet(
         with urllib.request.urlopen(
             urllib.request.Request(url, headers=headers), context=context, timeout=30
         ) as response:
-            return response.status, json.loads(response.read())
+            body = response.read()
+            if response.headers.get_content_type() != "application/json":
+                return response.status, body.decode()
+            return response.status, json.loads(body)
     except urllib.error.HTTPError as error:
         return error.code, error.read().decode()
 
@@ -415,11 +419,40 @@ def test_stats_summary_names_each_pod_by_its_upper_uid(federation: Federation, p
     }
 
 
+def test_cadvisor_metrics_name_each_container_by_its_upper_pod_and_image(
+    federation: Federation, pod: str
+) -> None:
+    """What Prometheus scrapes of every node (kubelet job, /metrics/cadvisor and
+    /metrics) answers for a virtual node too, in the labels dashboards select on."""
+    series = (
+        'container_memory_working_set_bytes{container="app",'
+        f'image="registry.k8s.io/pause:3.10",namespace="{NS}",pod="{POD}"}}'
+    )
+
+    def scraped() -> str:
+        status, text = call_kubelet(
+            kubelet_url(federation, "/metrics/cadvisor"), cert=federation.upper.admin_cert
+        )
+        assert status == 200, text
+        return str(text) if series in text else ""
+
+    # The lower metrics-server has the pod after its first scrapes.
+    text = wait_for(scraped, "the pod's container in /metrics/cadvisor", timeout=120, interval=5)
+    assert "# TYPE container_cpu_usage_seconds_total counter" in text
+    cpu = series.replace("container_memory_working_set_bytes{", "")
+    cpu = cpu.replace('container="app",', 'container="app",cpu="total",')
+    assert f"container_cpu_usage_seconds_total{{{cpu}" in text
+    status, own = call_kubelet(
+        kubelet_url(federation, "/metrics"), cert=federation.upper.admin_cert
+    )
+    assert status == 200 and "# TYPE workqueue_adds_total counter" in own
+
+
 def test_without_a_metrics_api_below_the_stats_say_so(federation: Federation) -> None:
     cluster = lower(federation)
     cluster.kubectl("delete", "apiservice", "v1beta1.metrics.k8s.io")
     try:
-        for path in ("/stats/summary", "/metrics/resource"):
+        for path in ("/stats/summary", "/metrics/resource", "/metrics/cadvisor"):
             status, body = call_kubelet(
                 kubelet_url(federation, path), cert=federation.upper.admin_cert
             )

@@ -147,6 +147,9 @@ class FakeProvider:
     async def resource_metrics(self) -> str:
         return "# TYPE node_cpu_usage_seconds_total counter\nnode_cpu_usage_seconds_total 1 2\n"
 
+    async def cadvisor_metrics(self) -> str:
+        return "# TYPE container_cpu_usage_seconds_total counter\n"
+
 
 class FakeAuthorizer(Authorizer):
     """Bearer <name> is user <name>; mallory may do nothing, stats-reader only stats."""

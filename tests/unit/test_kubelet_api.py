@@ -22,6 +22,7 @@ from virtual_node.kubeletapi.certificates import SIGNER, USAGES, approvable, sig
 from virtual_node.kubeletapi.metrics import (
     CpuCounters,
     UpperPod,
+    cadvisor_text,
     mirrored_pod_metrics,
     prometheus_text,
     summary,
@@ -461,6 +462,47 @@ def test_cpu_counters_forget_pods_that_are_gone() -> None:
     assert counters.advance("team/q/main", 1.0, 1030.0) == pytest.approx(30.0)
     # The node's counter survives the pod going away.
     assert later[NODE] == pytest.approx(13.75 + 10.0)
+
+
+def test_cadvisor_text_names_containers_with_cadvisor_s_labels() -> None:
+    p = P._replace(container_images=(("app", "registry.example/app:1.2"),))
+    text = cadvisor_text(LOWER_METRICS, {**MIRRORED, "lower-default/p": p}, CpuCounters(), 1.0)
+    assert text.endswith("\n")
+    families = [line.split()[2:] for line in text.splitlines() if line.startswith("# TYPE ")]
+    assert families == [
+        ["container_cpu_usage_seconds_total", "counter"],
+        ["container_memory_working_set_bytes", "gauge"],
+        ["container_start_time_seconds", "gauge"],
+    ]
+    app = 'container="app",image="registry.example/app:1.2",namespace="default",pod="p"'
+    side = 'container="side",image="",namespace="default",pod="p"'
+    assert _samples(text) == {
+        'container_cpu_usage_seconds_total{container="app",cpu="total",'
+        'image="registry.example/app:1.2",namespace="default",pod="p"}': 0.0,
+        'container_cpu_usage_seconds_total{container="side",cpu="total",image="",'
+        'namespace="default",pod="p"}': 0.0,
+        'container_cpu_usage_seconds_total{container="main",cpu="total",image="",'
+        'namespace="team",pod="q"}': 0.0,
+        f"container_memory_working_set_bytes{{{app}}}": 64 * 2**20,
+        f"container_memory_working_set_bytes{{{side}}}": 1024,
+        'container_memory_working_set_bytes{container="main",image="",namespace="team",pod="q"}': 2
+        ** 30,
+        f"container_start_time_seconds{{{app}}}": 1764000000.5,
+    }
+
+
+def test_every_metrics_endpoint_reads_one_cpu_counter_per_container() -> None:
+    """A kubelet reads one cgroup for both endpoints; scraped in turn, neither sees the
+    other's counter go back, and a container's counter is the same in both."""
+    counters = CpuCounters()
+    prometheus_text(LOWER_METRICS, MIRRORED, counters, now=1000.0)
+    cadvisor = _samples(cadvisor_text(LOWER_METRICS, MIRRORED, counters, now=1004.0))
+    resource = _samples(prometheus_text(LOWER_METRICS, MIRRORED, counters, now=1008.0))
+    main = 'container="main",cpu="total",image="",namespace="team",pod="q"'
+    assert cadvisor[f"container_cpu_usage_seconds_total{{{main}}}"] == pytest.approx(4.0)
+    assert resource[MAIN] == pytest.approx(8.0)
+    assert resource[POD_Q] == pytest.approx(8.0)
+    assert resource[NODE] == pytest.approx(1.375 * 8)
 
 
 def test_cpu_counter_ignores_a_clock_going_back() -> None:

@@ -129,6 +129,16 @@ async def test_pods_healthz_and_metrics(kubelet: Kubelet) -> None:
     metrics = await kubelet.client.get("/metrics/resource", headers=AUTH)
     assert metrics.content_type == "text/plain"
     assert "node_cpu_usage_seconds_total 1 2" in await metrics.text()
+    cadvisor = await kubelet.client.get("/metrics/cadvisor", headers=AUTH)
+    assert cadvisor.content_type == "text/plain"
+    assert await cadvisor.text() == "# TYPE container_cpu_usage_seconds_total counter\n"
+    own = await kubelet.client.get("/metrics", headers=AUTH)
+    assert "# TYPE workqueue_adds_total counter" in await own.text()
+    # The kubelet's authorizer calls every /metrics path nodes/metrics.
+    for path in ("/metrics", "/metrics/cadvisor"):
+        denied = await kubelet.client.get(path, headers={"Authorization": "Bearer stats-reader"})
+        assert denied.status == 403
+        assert ("stats-reader", "GET", path) in kubelet.authorizer.checks
 
 
 async def test_logs_stream_the_chunks_with_the_options(kubelet: Kubelet) -> None:

@@ -1,4 +1,5 @@
-"""/stats/summary and /metrics/resource from the lower cluster's metrics.k8s.io API.
+"""/stats/summary, /metrics/resource and /metrics/cadvisor from the lower cluster's
+metrics.k8s.io API.
 
 The metrics API gives usage rates over a window; the kubelet's resource metrics give a
 monotonic CPU counter (metrics-server derives the rate from two scrapes). ``CpuCounters``
@@ -19,12 +20,14 @@ JSON = dict[str, Any]
 
 class UpperPod(NamedTuple):
     """The upper pod a lower pod's metrics are reported as, with when each of its running
-    containers started (seconds since the epoch, as its status says)."""
+    containers started (seconds since the epoch, as its status says) and their images."""
 
     namespace: str
     name: str
     uid: str
     container_starts: tuple[tuple[str, float], ...] = ()
+    # Each container's image, as its status reports it.
+    container_images: tuple[tuple[str, str], ...] = ()
 
 
 def _cores(usage: Mapping[str, Any]) -> Fraction:
@@ -71,6 +74,76 @@ def mirrored_pod_metrics(
     return found
 
 
+class ContainerUsage(NamedTuple):
+    name: str
+    cores: Fraction
+    memory: int
+    # Cumulative, when counters are kept.
+    cpu_seconds: float = 0.0
+
+
+class PodUsage(NamedTuple):
+    upper: UpperPod
+    containers: list[ContainerUsage]
+    cores: Fraction
+    memory: int
+    cpu_seconds: float = 0.0
+
+
+class NodeUsage(NamedTuple):
+    pods: list[PodUsage]
+    cores: Fraction
+    memory: int
+    cpu_seconds: float = 0.0
+
+
+def node_usage(
+    pod_metrics: Iterable[JSON],
+    mirrored: Mapping[str, UpperPod],
+    counters: CpuCounters | None = None,
+    now: float = 0.0,
+) -> NodeUsage:
+    """Our mirrored pods' CPU and memory, their containers' and the node's (what our pods
+    use). With ``counters``, each CPU counter is advanced to ``now`` (one set for every
+    endpoint, as a kubelet reads one cgroup for each) and those of pods gone dropped."""
+
+    def advanced(key: str, cores: Fraction) -> float:
+        return counters.advance(key, float(cores), now) if counters is not None else 0.0
+
+    pods = []
+    node_cores, node_memory = Fraction(0), 0
+    for upper, item in mirrored_pod_metrics(pod_metrics, mirrored):
+        containers = []
+        for container in item.get("containers") or []:
+            usage = container.get("usage") or {}
+            name = str(container.get("name", ""))
+            cores = _cores(usage)
+            key = f"{upper.namespace}/{upper.name}/{name}"
+            containers.append(ContainerUsage(name, cores, _bytes(usage), advanced(key, cores)))
+        pod_cores = sum((c.cores for c in containers), Fraction(0))
+        pod_memory = sum(c.memory for c in containers)
+        pod_key = f"{upper.namespace}/{upper.name}"
+        pods.append(
+            PodUsage(upper, containers, pod_cores, pod_memory, advanced(pod_key, pod_cores))
+        )
+        node_cores += pod_cores
+        node_memory += pod_memory
+    node = NodeUsage(pods, node_cores, node_memory, advanced("", node_cores))
+    if counters is not None:
+        counters.forget_except(
+            [
+                "",
+                *(f"{p.upper.namespace}/{p.upper.name}" for p in pods),
+                *(
+                    f"{p.upper.namespace}/{p.upper.name}/{c.name}"
+                    for p in pods
+                    for c in p.containers
+                ),
+            ]
+        )
+    return node
+
+
 def summary(
     node_name: str,
     pod_metrics: Iterable[JSON],
@@ -78,40 +151,30 @@ def summary(
     timestamp: str,
 ) -> JSON:
     """A kubelet Summary: the node is what our mirrored pods use."""
-    pods = []
-    node_cores, node_memory = Fraction(0), 0
-    for upper, item in mirrored_pod_metrics(pod_metrics, mirrored):
-        containers = []
-        pod_cores, pod_memory = Fraction(0), 0
-        for container in item.get("containers") or []:
-            usage = container.get("usage") or {}
-            cores, memory = _cores(usage), _bytes(usage)
-            pod_cores += cores
-            pod_memory += memory
-            containers.append(
-                {
-                    "name": container.get("name", ""),
-                    "cpu": {"time": timestamp, "usageNanoCores": _nanocores(cores)},
-                    "memory": {"time": timestamp, "workingSetBytes": memory},
-                }
-            )
-        node_cores += pod_cores
-        node_memory += pod_memory
-        pods.append(
-            {
-                "podRef": {"name": upper.name, "namespace": upper.namespace, "uid": upper.uid},
-                "containers": containers,
-                "cpu": {"time": timestamp, "usageNanoCores": _nanocores(pod_cores)},
-                "memory": {"time": timestamp, "workingSetBytes": pod_memory},
-            }
-        )
+
+    def figures(cores: Fraction, memory: int) -> JSON:
+        return {
+            "cpu": {"time": timestamp, "usageNanoCores": _nanocores(cores)},
+            "memory": {"time": timestamp, "workingSetBytes": memory},
+        }
+
+    usage = node_usage(pod_metrics, mirrored)
     return {
-        "node": {
-            "nodeName": node_name,
-            "cpu": {"time": timestamp, "usageNanoCores": _nanocores(node_cores)},
-            "memory": {"time": timestamp, "workingSetBytes": node_memory},
-        },
-        "pods": pods,
+        "node": {"nodeName": node_name, **figures(usage.cores, usage.memory)},
+        "pods": [
+            {
+                "podRef": {
+                    "name": p.upper.name,
+                    "namespace": p.upper.namespace,
+                    "uid": p.upper.uid,
+                },
+                "containers": [
+                    {"name": c.name, **figures(c.cores, c.memory)} for c in p.containers
+                ],
+                **figures(p.cores, p.memory),
+            }
+            for p in usage.pods
+        ],
     }
 
 
@@ -119,8 +182,12 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+def _labels(**labels: str) -> str:
+    return ",".join(f'{name}="{_label(value)}"' for name, value in sorted(labels.items()))
+
+
 def _family(name: str, kind: str, help_text: str, samples: list[str]) -> list[str]:
-    return [f"# HELP {name} [STABLE] {help_text}", f"# TYPE {name} {kind}", *samples]
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples]
 
 
 def prometheus_text(
@@ -133,91 +200,136 @@ def prometheus_text(
     v1.35 kubelet writes them: families sorted by name, labels sorted by name."""
     now = time.time() if now is None else now
     stamp = int(now * 1000)
-    node_cores, node_memory = Fraction(0), 0
+    usage = node_usage(pod_metrics, mirrored, counters, now)
     container_cpu, container_memory, container_start, pod_cpu, pod_memory = [], [], [], [], []
-    keys = []
-    for upper, item in mirrored_pod_metrics(pod_metrics, mirrored):
-        pod_labels = f'namespace="{_label(upper.namespace)}",pod="{_label(upper.name)}"'
-        pod_cores, pod_bytes = Fraction(0), 0
+    for pod in usage.pods:
+        upper = pod.upper
+        pod_labels = _labels(namespace=upper.namespace, pod=upper.name)
         starts = dict(upper.container_starts)
-        for container in item.get("containers") or []:
-            usage = container.get("usage") or {}
-            cores, memory = _cores(usage), _bytes(usage)
-            pod_cores += cores
-            pod_bytes += memory
-            key = f"{upper.namespace}/{upper.name}/{container.get('name', '')}"
-            keys.append(key)
-            labels = f'container="{_label(container.get("name", ""))}",{pod_labels}'
-            total = counters.advance(key, float(cores), now)
+        for container in pod.containers:
+            labels = _labels(container=container.name, namespace=upper.namespace, pod=upper.name)
             container_cpu.append(
-                f"container_cpu_usage_seconds_total{{{labels}}} {total:.9f} {stamp}"
+                f"container_cpu_usage_seconds_total{{{labels}}} {container.cpu_seconds:.9f} {stamp}"
             )
             container_memory.append(
-                f"container_memory_working_set_bytes{{{labels}}} {memory} {stamp}"
+                f"container_memory_working_set_bytes{{{labels}}} {container.memory} {stamp}"
             )
-            started = starts.get(container.get("name", ""))
+            started = starts.get(container.name)
             if started is not None:
                 container_start.append(
                     f"container_start_time_seconds{{{labels}}} {started!r} {stamp}"
                 )
-        key = f"{upper.namespace}/{upper.name}"
-        keys.append(key)
-        pod_total = counters.advance(key, float(pod_cores), now)
-        pod_cpu.append(f"pod_cpu_usage_seconds_total{{{pod_labels}}} {pod_total:.9f} {stamp}")
-        pod_memory.append(f"pod_memory_working_set_bytes{{{pod_labels}}} {pod_bytes} {stamp}")
-        node_cores += pod_cores
-        node_memory += pod_bytes
-    keys.append("")
-    node_total = counters.advance("", float(node_cores), now)
-    counters.forget_except(keys)
+        pod_cpu.append(f"pod_cpu_usage_seconds_total{{{pod_labels}}} {pod.cpu_seconds:.9f} {stamp}")
+        pod_memory.append(f"pod_memory_working_set_bytes{{{pod_labels}}} {pod.memory} {stamp}")
     lines = [
         *_family(
             "container_cpu_usage_seconds_total",
             "counter",
-            "Cumulative cpu time consumed by the container in core-seconds",
+            "[STABLE] Cumulative cpu time consumed by the container in core-seconds",
             container_cpu,
         ),
         *_family(
             "container_memory_working_set_bytes",
             "gauge",
-            "Current working set of the container in bytes",
+            "[STABLE] Current working set of the container in bytes",
             container_memory,
         ),
         *_family(
             "container_start_time_seconds",
             "gauge",
-            "Start time of the container since unix epoch in seconds",
+            "[STABLE] Start time of the container since unix epoch in seconds",
             container_start,
         ),
         *_family(
             "node_cpu_usage_seconds_total",
             "counter",
-            "Cumulative cpu time consumed by the node in core-seconds",
-            [f"node_cpu_usage_seconds_total {node_total:.9f} {stamp}"],
+            "[STABLE] Cumulative cpu time consumed by the node in core-seconds",
+            [f"node_cpu_usage_seconds_total {usage.cpu_seconds:.9f} {stamp}"],
         ),
         *_family(
             "node_memory_working_set_bytes",
             "gauge",
-            "Current working set of the node in bytes",
-            [f"node_memory_working_set_bytes {node_memory} {stamp}"],
+            "[STABLE] Current working set of the node in bytes",
+            [f"node_memory_working_set_bytes {usage.memory} {stamp}"],
         ),
         *_family(
             "pod_cpu_usage_seconds_total",
             "counter",
-            "Cumulative cpu time consumed by the pod in core-seconds",
+            "[STABLE] Cumulative cpu time consumed by the pod in core-seconds",
             pod_cpu,
         ),
         *_family(
             "pod_memory_working_set_bytes",
             "gauge",
-            "Current working set of the pod in bytes",
+            "[STABLE] Current working set of the pod in bytes",
             pod_memory,
         ),
         *_family(
             "resource_scrape_error",
             "gauge",
-            "1 if there was an error while getting container metrics, 0 otherwise",
+            "[STABLE] 1 if there was an error while getting container metrics, 0 otherwise",
             ["resource_scrape_error 0"],
+        ),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def cadvisor_text(
+    pod_metrics: Iterable[JSON],
+    mirrored: Mapping[str, UpperPod],
+    counters: CpuCounters,
+    now: float | None = None,
+) -> str:
+    """The kubelet's /metrics/cadvisor families the lower metrics API can fill, for our
+    mirrored pods' containers, with cAdvisor's labels that dashboards and recording rules
+    select on (container, image, namespace, pod; cpu="total"). Not written: the labels
+    naming the lower node's cgroup and runtime container (id, name), and the families the
+    metrics API has no figures for (network, filesystem, throttling...)."""
+    now = time.time() if now is None else now
+    stamp = int(now * 1000)
+    cpu, memory, start = [], [], []
+    for pod in node_usage(pod_metrics, mirrored, counters, now).pods:
+        upper = pod.upper
+        images = dict(upper.container_images)
+        starts = dict(upper.container_starts)
+        for container in pod.containers:
+            common = {
+                "container": container.name,
+                "image": images.get(container.name, ""),
+                "namespace": upper.namespace,
+                "pod": upper.name,
+            }
+            cpu.append(
+                f"container_cpu_usage_seconds_total{{{_labels(cpu='total', **common)}}} "
+                f"{container.cpu_seconds:.9f} {stamp}"
+            )
+            memory.append(
+                f"container_memory_working_set_bytes{{{_labels(**common)}}} "
+                f"{container.memory} {stamp}"
+            )
+            started = starts.get(container.name)
+            if started is not None:
+                start.append(
+                    f"container_start_time_seconds{{{_labels(**common)}}} {started!r} {stamp}"
+                )
+    lines = [
+        *_family(
+            "container_cpu_usage_seconds_total",
+            "counter",
+            "Cumulative cpu time consumed in seconds.",
+            cpu,
+        ),
+        *_family(
+            "container_memory_working_set_bytes",
+            "gauge",
+            "Current working set in bytes.",
+            memory,
+        ),
+        *_family(
+            "container_start_time_seconds",
+            "gauge",
+            "Start time of the container since unix epoch in seconds.",
+            start,
         ),
     ]
     return "\n".join(lines) + "\n"

@@ -13,6 +13,7 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
+from kubekit.health import serve_metrics
 from virtual_node.kubeletapi import channels
 from virtual_node.kubeletapi.auth import AuthError, Authorizer
 from virtual_node.kubeletapi.provider import (
@@ -204,6 +205,9 @@ class KubeletServer:
             app.router.add_route(method, "/portForward/{namespace}/{pod}", self._port_forward)
         app.router.add_get("/stats/summary", self._stats_summary)
         app.router.add_get("/metrics/resource", self._resource_metrics)
+        app.router.add_get("/metrics/cadvisor", self._cadvisor_metrics)
+        # The process's own metrics, as a kubelet serves its own here.
+        app.router.add_get("/metrics", serve_metrics)
         return app
 
     @web.middleware
@@ -366,6 +370,9 @@ class KubeletServer:
 
     async def _resource_metrics(self, _request: web.Request) -> web.Response:
         return web.Response(text=await self.provider.resource_metrics(), content_type="text/plain")
+
+    async def _cadvisor_metrics(self, _request: web.Request) -> web.Response:
+        return web.Response(text=await self.provider.cadvisor_metrics(), content_type="text/plain")
 
 
 @contextlib.asynccontextmanager
