@@ -14,8 +14,9 @@ from typing import Any, Protocol
 from kubekit.client import PODS, ApiError, KubeClient, is_conflict, is_not_found
 from kubekit.informer import FunctionHandler, Informer, object_key, resource_version
 from kubekit.podevents import record_pod_event
+from kubekit.timestamps import now_rfc3339
 from kubekit.workqueue import WorkQueue
-from virtual_node.translate import failed_status
+from virtual_node.translate import failed_status, refused_status
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +170,7 @@ class PodController:
             case Refused(reason, message):
                 if self.queue.retries(key) == 0:
                     await self.event(upper, "Warning", reason, message)
+                await self._set_status(upper, refused_status(upper, reason, message, now_rfc3339()))
                 raise RetryLater(message)
             case Waiting():
                 pass

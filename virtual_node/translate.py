@@ -468,10 +468,15 @@ def _with_upper_scheduling(
         )
         return [] if only_bound_below else lower_conditions
     conditions = [c for c in lower_conditions if c.get("type") != "PodScheduled"]
-    failed_below = [
-        c for c in lower_conditions if c.get("type") == "PodScheduled" and c.get("status") != "True"
-    ]
-    return conditions + (failed_below or [json_copy(dict(scheduled_above))])
+    scheduled_below = [c for c in lower_conditions if c.get("type") == "PodScheduled"]
+    failed_below = [c for c in scheduled_below if c.get("status") != "True"]
+    if failed_below:
+        return conditions + failed_below
+    if scheduled_above.get("status") != "True" and scheduled_below:
+        # A bound pod's False above is ours (the binding made it True): a failure below or a
+        # refusal, now over.
+        return conditions + scheduled_below
+    return [*conditions, json_copy(dict(scheduled_above))]
 
 
 def _with_upper_owned(
@@ -536,6 +541,27 @@ def _gated_ready(
         "reason": "ReadinessGatesNotReady",
         "message": ", ".join(unready),
     }
+
+
+def refused_status(upper: Mapping[str, Any], reason: str, message: str, now: str) -> JSON:
+    """The upper pod's status while its lower cluster refuses it for now (a quota or an
+    admission webhook below): PodScheduled False saying why, as the lower scheduler's
+    failure is reported, so `kubectl describe` shows it and the descheduler moves a pod
+    that waits so for long. Its transition time is kept while the pod stays refused."""
+    status: JSON = json_copy(upper.get("status") or {})
+    conditions = status.get("conditions") or []
+    before = next((c for c in conditions if c.get("type") == "PodScheduled"), None)
+    since = before.get("lastTransitionTime") if before and before.get("status") == "False" else None
+    refused = {
+        "type": "PodScheduled",
+        "status": "False",
+        "lastProbeTime": None,
+        "lastTransitionTime": since or now,
+        "reason": reason,
+        "message": message,
+    }
+    status["conditions"] = [c for c in conditions if c.get("type") != "PodScheduled"] + [refused]
+    return status
 
 
 def failed_status(upper: Mapping[str, Any], reason: str, message: str) -> JSON:

@@ -25,6 +25,7 @@ from .helpers import (
     bound_pod,
     federated_namespace,
     get_json,
+    namespace,
     node_ready,
     pods_by_name,
     wait_for,
@@ -218,6 +219,24 @@ def test_a_bare_pod_stuck_below_is_re_created_in_a_cluster_that_fits_it(
     assert [p["spec"]["nodeName"] for p in below.values()] == [move_node("lower-2")]
     (said,) = events(descheduling, "solo", "Rescheduled")
     assert "unschedulable in vk-lower-1" in said and copy["metadata"]["name"] in said
+
+
+def test_a_bare_pod_its_lower_cluster_refuses_is_re_created_in_another(
+    descheduling: Federation,
+) -> None:
+    """Room on lower-1's node, but a quota of lower-1's own refuses the pod there."""
+    lower_1 = descheduling.clusters["lower-1"]
+    apply(lower_1, namespace(NAMESPACE))
+    lower_1.kubectl("create", "quota", "no-pods", "-n", NAMESPACE, "--hard=pods=0")
+    try:
+        apply(descheduling.upper, stuck_pod("capped", "1"))
+        uid = get_json(descheduling.upper, "pod", "-n", NAMESPACE, "capped")["metadata"]["uid"]
+        copy = wait_for(partial(running_copy, descheduling, uid), "the copy Running", timeout=120)
+        assert copy is not None and copy["spec"]["nodeName"] == "vk-lower-2"
+        (said,) = events(descheduling, "capped", "Rescheduled")
+        assert "unschedulable in vk-lower-1" in said and "exceeded quota: no-pods" in said
+    finally:
+        lower_1.kubectl("delete", "quota", "no-pods", "-n", NAMESPACE)
 
 
 def test_a_pod_no_cluster_can_run_is_left_where_it_is_with_an_event(

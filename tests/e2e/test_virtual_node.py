@@ -926,6 +926,36 @@ def test_a_pod_using_the_lower_nodes_host_fails_above_and_is_not_created_below(
     upper.kubectl("delete", "namespace", "hostile", "--wait=false")
 
 
+def test_a_pod_a_lower_quota_refuses_waits_saying_why_and_runs_once_it_is_let_in(
+    federation: Federation,
+) -> None:
+    upper, lower = federation.upper, federation.clusters["lower-1"]
+    apply(upper, namespace("capped"))
+    wait_for_default_account(upper, "capped")
+    apply(lower, namespace("capped"))
+    lower.kubectl("create", "quota", "full", "-n", "capped", "--hard=pods=0")
+    apply(upper, bound_pod("refused", "capped", "vk-lower-1"))
+
+    def scheduled() -> dict[str, Any]:
+        status = get_json(upper, "pod", "-n", "capped", "refused")["status"]
+        found = [c for c in status.get("conditions") or [] if c["type"] == "PodScheduled"]
+        return {"phase": status.get("phase"), **(found[0] if found else {})}
+
+    def refusal() -> dict[str, Any]:
+        now = scheduled()
+        return now if now.get("reason") == "LowerClusterRefused" else {}
+
+    refused = wait_for(refusal, "the refusal below on the upper pod")
+    assert (refused["phase"], refused["status"]) == ("Pending", "False")
+    assert refused["message"].startswith("lower cluster lower-1 refused the pod: ")
+    assert "exceeded quota: full" in refused["message"]
+
+    lower.kubectl("delete", "quota", "full", "-n", "capped")
+    wait_for(lambda: scheduled()["phase"] == "Running", "the pod to run once let in", timeout=120)
+    assert (scheduled()["status"], scheduled().get("reason")) == ("True", None)
+    upper.kubectl("delete", "namespace", "capped", "--wait=false")
+
+
 # Last: after its lower apiserver restarts, kwok's simulated nodes miss heartbeats and the
 # lower controller-manager marks new pods there NotReady, which the virtual node reports.
 def reflected_endpoints(lower: LocalCluster) -> list[str] | None:

@@ -50,6 +50,7 @@ from kubekit.informer import Informer
 from kubekit.moves import parse_moves
 from multischeduler.extender import Answer, EstimatorFailure
 from tests.unit.test_multischeduler import core_grants
+from virtual_node.translate import refused_status
 
 NOW = datetime(2026, 11, 23, 12, 0, 0, tzinfo=UTC)
 
@@ -166,6 +167,20 @@ def test_a_pod_unschedulable_below_past_the_timeout_is_stuck() -> None:
     assert stuck.describe() == (
         "unschedulable in vk-lower-1 for 61 s: 0/3 nodes are available: 3 Insufficient cpu."
     )
+
+
+def test_a_pod_its_lower_cluster_refuses_past_the_timeout_is_stuck() -> None:
+    """The virtual node reports a refusal below (a quota, an admission webhook) as the
+    lower scheduler's failure: PodScheduled False since it began."""
+    refused = pod("refused", unschedulable_for=None)
+    message = 'lower cluster lower-1 refused the pod: exceeded quota: "compute"'
+    since = NOW - timedelta(seconds=61)
+    refused["status"] = refused_status(
+        refused, "LowerClusterRefused", message, since.strftime("%Y-%m-%dT%H:%M:%SZ")
+    )
+    (stuck,) = stuck_pods([refused], NODES_UP, NOW, Policy())
+    assert (stuck.key, stuck.why) == ("apps/refused", Why.UNSCHEDULABLE)
+    assert stuck.describe() == f"unschedulable in vk-lower-1 for 61 s: {message}"
 
 
 def test_pods_of_a_cluster_down_past_the_timeout_are_stuck_whatever_their_phase() -> None:

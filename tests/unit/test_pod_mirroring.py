@@ -276,7 +276,14 @@ async def test_an_admission_refusal_is_an_event_and_a_retry(mirroring: Mirroring
     with pytest.raises(RetryLater, match="exceeded quota"):
         await mirroring.controller.reconcile("shop/web")
     assert mirroring.upper_event_reasons() == ["LowerClusterRefused"]
-    assert mirroring.upper_statuses() == [], "a refusal for now fails nothing"
+    # Nothing failed: the pod waits, saying why where `kubectl describe` and the
+    # descheduler look.
+    (status,) = mirroring.upper_statuses()
+    assert status.get("phase") != "Failed"
+    (scheduled,) = [c for c in status["conditions"] if c["type"] == "PodScheduled"]
+    assert (scheduled["status"], scheduled["reason"]) == ("False", "LowerClusterRefused")
+    assert scheduled["message"].startswith("lower cluster lower-1 refused the pod: ")
+    assert 'exceeded quota: "compute"' in scheduled["message"]
 
 
 @pytest.mark.parametrize("controlled", [True, False])

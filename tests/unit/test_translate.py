@@ -17,6 +17,7 @@ from virtual_node.translate import (
     host_access,
     lower_pod_patch,
     pinned_to,
+    refused_status,
     resize_patch,
     upper_status,
     uses_unmodelled_filters,
@@ -245,6 +246,50 @@ def test_lower_scheduling_failure_comes_up() -> None:
     assert status["conditions"] == [unschedulable]
     assert status["phase"] == "Pending"
     assert "hostIP" not in status
+
+
+def test_a_pod_scheduled_below_at_last_is_scheduled_above_again() -> None:
+    """A failure below, or a refusal, was written over the binding's PodScheduled True
+    above; once the lower scheduler places the pod, it is True again."""
+    ready = {"type": "Ready", "status": "True"}
+    placed = {"type": "PodScheduled", "status": "True", "lastTransitionTime": "2026-01-01T00:01Z"}
+    running = {
+        "status": {"phase": "Running", "hostIP": "192.168.1.5", "conditions": [ready, placed]}
+    }
+    unschedulable = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}
+    upper = {**upper_pod(), "status": {"phase": "Pending", "conditions": [unschedulable]}}
+    assert upper_status(running, upper, host_ip="127.0.0.2")["conditions"] == [ready, placed]
+    refused = refused_status(bound_upper_pod(), "LowerClusterRefused", "quota", "2026-01-01T00:00Z")
+    upper["status"] = refused
+    assert upper_status(running, upper, host_ip="127.0.0.2")["conditions"] == [ready, placed]
+    # Created below but not placed yet: the refusal is what the pod still says.
+    just_made = {"status": {"phase": "Pending", "qosClass": "BestEffort"}}
+    assert (
+        upper_status(just_made, upper, host_ip="127.0.0.2")["conditions"] == refused["conditions"]
+    )
+
+
+def test_a_refusal_below_is_scheduled_false_since_it_began() -> None:
+    first = refused_status(bound_upper_pod(), "LowerClusterRefused", "quota q", "2026-01-01T00:05Z")
+    assert first["phase"] == "Pending"
+    assert first["conditions"] == [
+        {
+            "type": "PodScheduled",
+            "status": "False",
+            "lastProbeTime": None,
+            "lastTransitionTime": "2026-01-01T00:05Z",
+            "reason": "LowerClusterRefused",
+            "message": "quota q",
+        }
+    ]
+    pod = {**bound_upper_pod(), "status": first}
+    again = refused_status(pod, "LowerClusterRefused", "quota q, used 2", "2026-01-01T00:09Z")
+    (condition,) = again["conditions"]
+    assert (condition["lastTransitionTime"], condition["message"]) == (
+        "2026-01-01T00:05Z",
+        "quota q, used 2",
+    )
+    assert refused_status(pod, "LowerClusterRefused", "quota q", "2026-01-01T00:09Z") == first
 
 
 def test_pod_bound_by_node_name_shows_lower_scheduling_with_the_first_kubelet_status() -> None:
