@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, NamedTuple
@@ -103,31 +103,55 @@ def _requests(container: JSON) -> Resources:
     return _parsed(resources.get("requests") or resources.get("limits") or {})
 
 
-def pod_requests(pod: JSON) -> Resources:
-    """What the scheduler reserves for a pod: the larger of the app containers' sum
-    (restartable init containers, i.e. sidecars, included) and each init container's
-    peak, plus the pod overhead; ``pods`` counts one."""
+def _limits(container: JSON) -> Resources:
+    return _parsed((container.get("resources") or {}).get("limits") or {})
+
+
+def _pod_total(pod: JSON, of_container: Callable[[JSON], Resources]) -> Resources:
+    """The larger of the app containers' sum (restartable init containers, i.e. sidecars,
+    included) and each init container's peak."""
     spec = pod.get("spec") or {}
     total: Resources = {}
     for container in spec.get("containers") or []:
-        add(total, _requests(container))
+        add(total, of_container(container))
     sidecars: Resources = {}
     init_peak: Resources = {}
     for container in spec.get("initContainers") or []:
-        requests = _requests(container)
+        resources = of_container(container)
         if container.get("restartPolicy") == "Always":
-            add(sidecars, requests)
+            add(sidecars, resources)
             continue
         # A plain init container runs beside the sidecars started before it.
-        for name, value in requests.items():
+        for name, value in resources.items():
             init_peak[name] = max(
                 init_peak.get(name, Fraction(0)), value + sidecars.get(name, Fraction(0))
             )
     add(total, sidecars)
     for name, value in init_peak.items():
         total[name] = max(total.get(name, Fraction(0)), value)
-    add(total, _parsed(spec.get("overhead") or {}))
+    return total
+
+
+def _overhead(pod: JSON) -> Resources:
+    return _parsed((pod.get("spec") or {}).get("overhead") or {})
+
+
+def pod_requests(pod: JSON) -> Resources:
+    """What the scheduler reserves for a pod: ``_pod_total`` of the requests plus the pod
+    overhead; ``pods`` counts one."""
+    total = _pod_total(pod, _requests)
+    add(total, _overhead(pod))
     total["pods"] = Fraction(1)
+    return total
+
+
+def pod_limits(pod: JSON) -> Resources:
+    """A pod's limits as a ResourceQuota counts them: ``_pod_total`` of the limits, the
+    overhead added to those it has (a resource without a limit stays without)."""
+    total = _pod_total(pod, _limits)
+    for name, value in _overhead(pod).items():
+        if name in total:
+            total[name] += value
     return total
 
 

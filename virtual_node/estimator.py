@@ -38,6 +38,7 @@ from virtual_node.capacity import pod_holds_resources
 from virtual_node.kubeletapi.auth import AuthError, Authorizer
 from virtual_node.naming import NamespaceMapping, NamingError
 from virtual_node.promises import PromiseRefused, SliceBudgets, SlicePromises, requested
+from virtual_node.quotas import QuotaBook, quota_usage
 from virtual_node.runtimes import (
     RuntimeClassFacts,
     runtime_class_facts,
@@ -139,6 +140,8 @@ class FitEstimator:
         # The lower cluster's RuntimeClasses: a pod of a class it lacks fits nowhere here,
         # and takes its class's overhead and scheduling.
         self._runtime_classes: dict[str, RuntimeClassFacts] = {}
+        # The lower namespaces' ResourceQuotas and the pods not yet in their usage.
+        self.quotas = QuotaBook()
         self.lock = threading.RLock()
 
     def watch(self, lower_nodes: Informer, lower_pods: Informer, upper_pods: Informer) -> None:
@@ -189,6 +192,40 @@ class FitEstimator:
     # -- what the caches say ---------------------------------------------------------------
 
     @_exclusive
+    def watch_quotas(self, lower_quotas: Informer) -> None:
+        lower_quotas.add_handler(
+            FunctionHandler(
+                add=self._quota_changed,
+                update=self._quota_changed,
+                delete=self._quota_deleted,
+            )
+        )
+
+    @_exclusive
+    def _quota_changed(self, quota: JSON) -> None:
+        if not self.quotas.quota_changed(quota) or self._upper_pods is None:
+            return
+        # A namespace newly held to a quota: its pods not yet made below count from now.
+        upper_namespace = self.mapping.upper(str(quota["metadata"].get("namespace", "")))
+        if upper_namespace is None:
+            return
+        for pod in self._upper_pods.items(upper_namespace):
+            uid = pod["metadata"]["uid"]
+            if (uid in self._in_flight or uid in self._reserved) and uid not in self._lower_keys:
+                self._count_against_quota(uid, pod)
+
+    @_exclusive
+    def _quota_deleted(self, quota: JSON) -> None:
+        self.quotas.quota_deleted(quota)
+
+    def _count_against_quota(self, uid: str, upper: Mapping[str, Any]) -> None:
+        try:
+            lower = self._lower_form(upper)[0]
+        except QueryError as error:
+            log.debug("pod %s not counted against its quota: %s", object_key(upper), error)
+            return
+        self.quotas.count(uid, str(lower["metadata"]["namespace"]), quota_usage(lower))
+
     def _claim_changed(self, claim: JSON) -> None:
         wanted = unbound_class(claim)
         if wanted is None:
@@ -248,6 +285,8 @@ class FitEstimator:
         if uid is None:
             return
         self._lower_keys[uid] = object_key(pod)
+        # Made below: its quota's usage has it now.
+        self.quotas.uncount(uid)
         if pod_holds_resources(pod):
             self._landed.add(uid)
             self._drop_assumption(uid)
@@ -281,9 +320,13 @@ class FitEstimator:
         # A reservation becomes the in-flight assumption where it stands.
         if self._reserved.pop(uid, None) is None:
             try:
-                self.state.assume(uid, self._lower_form(pod)[1])
+                lower, facts = self._lower_form(pod)
             except QueryError as error:
                 log.debug("pod %s not assumed: %s", object_key(pod), error)
+                return
+            self.state.assume(uid, facts)
+            if uid not in self._lower_keys and self.quotas.holds(lower["metadata"]["namespace"]):
+                self.quotas.count(uid, lower["metadata"]["namespace"], quota_usage(lower))
 
     @_exclusive
     def ledger_changed(self, ledger: JSON) -> None:
@@ -303,6 +346,7 @@ class FitEstimator:
 
     def _drop(self, uid: str) -> None:
         self.budgets.uncount(uid)
+        self.quotas.uncount(uid)
         self._landed.discard(uid)
         self._upper_keys.pop(uid, None)
         self._drop_assumption(uid)
@@ -369,6 +413,11 @@ class FitEstimator:
             if amount is not None
             else (max(1, replicas), "")
         )
+        usage = quota_usage(lower) if self.quotas.holds(namespace) else None
+        if usage is not None and not over_budget:
+            copies, over_budget = self.quotas.room_for(
+                namespace, uid, usage, copies, self.owner.cluster_id
+            )
         refusal = (
             over_budget
             or host_access_refusal(
@@ -395,6 +444,8 @@ class FitEstimator:
             self._reserved[uid] = self.clock() + RESERVATION_SECONDS
             if amount is not None:
                 self.budgets.count(uid, namespace, amount)
+            if usage is not None:
+                self.quotas.count(uid, namespace, usage)
             return Answer(estimate, room)
         if held_on is not None:
             # Kept until it lapses: room held while evicted pods go fits the pod only
@@ -421,10 +472,17 @@ class FitEstimator:
             _, over_budget = self.budgets.room_for(namespace, uid, amount)
             if over_budget:
                 raise QueryError(over_budget)
+        usage = quota_usage(lower) if self.quotas.holds(namespace) else None
+        if usage is not None:
+            _, over_quota = self.quotas.room_for(namespace, uid, usage, 1, self.owner.cluster_id)
+            if over_quota:
+                raise QueryError(over_quota)
         self.state.assume(uid, facts, node)
         self._reserved[uid] = self.clock() + seconds
         if amount is not None:
             self.budgets.count(uid, namespace, amount)
+        if usage is not None:
+            self.quotas.count(uid, namespace, usage)
 
     @_exclusive
     def fit_in_turn(self, pods_json: list[bytes]) -> list[str | None]:
@@ -470,8 +528,7 @@ class FitEstimator:
         released = 0
         for uid in uids:
             if self._reserved.pop(uid, None) is not None:
-                self.state.forget(uid)
-                self.budgets.uncount(uid)
+                self._unreserve(uid)
                 released += 1
         return released
 
@@ -480,8 +537,12 @@ class FitEstimator:
         now = self.clock()
         for uid in [uid for uid, until in self._reserved.items() if until <= now]:
             del self._reserved[uid]
-            self.state.forget(uid)
-            self.budgets.uncount(uid)
+            self._unreserve(uid)
+
+    def _unreserve(self, uid: str) -> None:
+        self.state.forget(uid)
+        self.budgets.uncount(uid)
+        self.quotas.uncount(uid)
 
 
 def to_message(answer: Answer, with_node_names: bool) -> estimator_pb2.PodEstimate:

@@ -25,6 +25,7 @@ from kubekit.client import (
     PERSISTENTVOLUMECLAIMS,
     PERSISTENTVOLUMES,
     PODS,
+    RESOURCEQUOTAS,
     RUNTIMECLASSES,
     STORAGECLASSES,
     ClientSettings,
@@ -432,6 +433,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
                 lower_informers.informer(STORAGECLASSES),
             )
             estimator.watch_runtime_classes(lower_informers.informer(RUNTIMECLASSES))
+            estimator.watch_quotas(lower_informers.informer(RESOURCEQUOTAS))
             ledger.add_handler(
                 FunctionHandler(
                     add=estimator.ledger_changed,

@@ -27,7 +27,15 @@ from harness.localcluster import LocalCluster, NodeSpec
 from kubekit import keys
 from kubekit.estimatorapi import estimator_pb2, estimator_pb2_grpc
 
-from .helpers import apply, bound_pod, federated_namespace, get_json, pods_by_name, wait_for
+from .helpers import (
+    apply,
+    bound_pod,
+    federated_namespace,
+    get_json,
+    namespace,
+    pods_by_name,
+    wait_for,
+)
 
 NAMESPACE = "frag"
 POOL = {"kubestrata.io/e2e-pool": "frag"}
@@ -301,6 +309,31 @@ def test_a_runtime_class_only_lower_2_has_sends_the_pod_there_with_lower_2_s_ove
         delete_pods(fragmented, "app in (sandboxed, nowhere)")
         fragmented.upper.kubectl("delete", "runtimeclass", "e2e-sandbox", "e2e-none")
         lower_2.kubectl("delete", "runtimeclass", "e2e-sandbox")
+
+
+def test_a_lower_quota_that_would_refuse_the_pod_counts_its_cluster_out(
+    fragmented: Federation,
+) -> None:
+    """Only lower-1's node fits the pod, but lower-1's own quota lets no pod into the
+    namespace there: the pod waits above with the quota named, never refused below."""
+    lower_1 = fragmented.clusters["lower-1"]
+    apply(lower_1, namespace(NAMESPACE))
+    lower_1.kubectl("create", "quota", "e2e-no-pods", "-n", NAMESPACE, "--hard=pods=0")
+    apply(fragmented.upper, frag_pod("over-quota", "5"))
+    try:
+        message = wait_for(
+            lambda: failed_scheduling(fragmented, "over-quota"), "a FailedScheduling event"
+        )
+        assert (
+            "vk-lower-1: lower cluster lower-1: quota e2e-no-pods of namespace frag has pods 0 "
+            "left of 0, the pod asks 1" in message
+        ), message
+        assert "vk-lower-2: 0/" in message and "Insufficient cpu" in message, message
+        assert not upper_pod(fragmented, "over-quota")["spec"].get("nodeName")
+        assert not lower_pods(fragmented, "app=over-quota")
+    finally:
+        delete_pods(fragmented, "app=over-quota")
+        lower_1.kubectl("delete", "quota", "e2e-no-pods", "-n", NAMESPACE)
 
 
 def test_a_runtime_class_s_node_selector_decides_where_its_pods_fit(

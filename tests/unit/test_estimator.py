@@ -14,7 +14,14 @@ import pytest
 
 from harness.localcluster import free_port
 from kubekit import keys, pki
-from kubekit.client import NODES, PERSISTENTVOLUMECLAIMS, PODS, RUNTIMECLASSES, STORAGECLASSES
+from kubekit.client import (
+    NODES,
+    PERSISTENTVOLUMECLAIMS,
+    PODS,
+    RESOURCEQUOTAS,
+    RUNTIMECLASSES,
+    STORAGECLASSES,
+)
 from kubekit.clusterstate import ClusterState
 from kubekit.estimatorapi.estimator_pb2 import (
     DefragmentRequest,
@@ -456,6 +463,62 @@ def test_a_hold_past_the_namespace_s_slices_is_refused() -> None:
     cluster.clock.now += 31
     cluster.estimator.expire()
     assert cluster.fits("1") == 1
+
+
+def lower_quota(hard: dict[str, str], used: dict[str, str]) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "compute", "namespace": "ns"},
+        "spec": {"hard": hard},
+        "status": {"hard": hard, "used": used},
+    }
+
+
+def quota_watched(cluster: Cluster, quota: dict[str, Any]) -> Informer:
+    quotas = Informer(client=None, resource=RESOURCEQUOTAS)  # type: ignore[arg-type]
+    cluster.estimator.watch_quotas(quotas)
+    quotas.apply({"type": "ADDED", "object": quota})
+    return quotas
+
+
+def test_a_lower_quota_holds_its_namespace_and_a_burst_cannot_pass_it() -> None:
+    cluster = Cluster()
+    quotas = quota_watched(cluster, lower_quota({"requests.cpu": "3"}, {"requests.cpu": "1"}))
+    assert cluster.fits("1", replicas=10) == 2, "the nodes take 6, the quota 2 more"
+    answer = cluster.estimator.answer(orjson.dumps(upper_pod("big", "3")))
+    assert (answer.estimate.max_replicas, answer.refusal) == (
+        0,
+        "lower cluster lower-1: quota compute of namespace ns has requests.cpu 2 left of 3, "
+        "the pod asks 3",
+    )
+    # Reserved, then bound: counted once until the lower copy is made.
+    assert cluster.estimator.answer(orjson.dumps(upper_pod("r", "1")), reserve=True).reserved_node
+    assert cluster.fits("1") == 1
+    bound = upper_pod("r", "1")
+    cluster.upper_pods.apply({"type": "ADDED", "object": bound})
+    assert cluster.fits("1") == 1
+    cluster.upper_pods.apply({"type": "ADDED", "object": upper_pod("b", "1")})
+    assert cluster.fits("1") == 0
+    # Made below: the quota's usage has it from then on, and no longer the estimator.
+    cluster.lower_pods.apply({"type": "ADDED", "object": lower_copy(bound, None)})
+    assert cluster.fits("1") == 1
+    quotas.apply(
+        {"type": "MODIFIED", "object": lower_quota({"requests.cpu": "3"}, {"requests.cpu": "2"})}
+    )
+    assert cluster.fits("1") == 0
+    with pytest.raises(QueryError, match="quota compute of namespace ns"):
+        cluster.estimator.hold(orjson.dumps(upper_pod("h", "1")), "big", 30)
+    quotas.apply({"type": "DELETED", "object": lower_quota({}, {})})
+    assert cluster.fits("1", replicas=10) == 4, "the nodes' 6 alone, less the two bound here"
+
+
+def test_pods_bound_before_their_namespace_s_quota_is_seen_count_once_it_is() -> None:
+    cluster = Cluster()
+    cluster.upper_pods.apply({"type": "ADDED", "object": upper_pod("early", "1")})
+    made = upper_pod("made", "1")
+    cluster.upper_pods.apply({"type": "ADDED", "object": made})
+    cluster.lower_pods.apply({"type": "ADDED", "object": lower_copy(made, None)})
+    quota_watched(cluster, lower_quota({"pods": "3"}, {"pods": "1"}))
+    assert cluster.fits("100m", replicas=10) == 1, "3 less the one made, less the one not yet"
 
 
 def test_an_unreadable_ledger_entry_holds_its_namespace_to_nothing() -> None:
