@@ -112,6 +112,10 @@ ESTIMATOR_STARTED_ANNOTATION = f"{PREFIX}/estimator-started"
 # readiness. The upper scheduler retries a pod the extender failed only on a cluster event;
 # a lower node labelled or uncordoned changes no capacity above, but changes this.
 LOWER_NODES_ANNOTATION = f"{PREFIX}/lower-nodes"
+# On virtual Nodes: a digest of what the lower cluster's ResourceQuotas cap (not their
+# usage). The estimator holds pods to them; a quota raised or removed below changes no
+# capacity above, but changes this, so the upper scheduler retries the pods it held back.
+LOWER_QUOTAS_ANNOTATION = f"{PREFIX}/lower-quotas"
 # On virtual Nodes: the roomiest lower node and what it has left, as JSON quantities
 # ({"node": ..., "cpu": ..., "memory": ...}); what fragmentation leaves of the total.
 LARGEST_FREE_SLOT_ANNOTATION = f"{PREFIX}/largest-free-slot"

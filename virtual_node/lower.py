@@ -38,6 +38,7 @@ from virtual_node.podcontroller import (
     Vanished,
     Waiting,
 )
+from virtual_node.quotas import quota_caps, quotas_digest
 from virtual_node.references import DEFAULT_SERVICE_ACCOUNT
 from virtual_node.translate import (
     Ownership,
@@ -140,6 +141,29 @@ class LowerCluster:
             )
         )
         nodes.add_handler(FunctionHandler.on_any(lambda _node: self.changed.set()))
+        # quota key -> what it caps (quotas.quota_caps), once the quotas are watched.
+        self._quota_caps: dict[str, str] = {}
+        self._quotas_watched = False
+
+    def watch_quotas(self, quotas: Informer) -> None:
+        """The report carries what the quotas cap (a Node annotation), so that the upper
+        scheduler retries the pods held back for a quota when one is raised or removed."""
+        self._quotas_watched = True
+        quotas.add_handler(
+            FunctionHandler(
+                add=self._quota_changed, update=self._quota_changed, delete=self._quota_deleted
+            )
+        )
+
+    def _quota_changed(self, quota: JSON) -> None:
+        caps = quota_caps(quota)
+        if self._quota_caps.get(object_key(quota)) != caps:
+            self._quota_caps[object_key(quota)] = caps
+            self.changed.set()
+
+    def _quota_deleted(self, quota: JSON) -> None:
+        if self._quota_caps.pop(object_key(quota), None) is not None:
+            self.changed.set()
 
     def _pod_changed(self, pod: JSON) -> None:
         key = object_key(pod)
@@ -218,6 +242,7 @@ class LowerCluster:
             labels=shared_labels(nodes, self.counted_taint_keys),
             kubelet_version=self.version,
             nodes_digest=nodes_digest(nodes),
+            quotas_digest=quotas_digest(self._quota_caps.values()) if self._quotas_watched else "",
             largest_free_slot=free_slot(*slot) if slot is not None else {},
         )
 

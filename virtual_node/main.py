@@ -433,7 +433,9 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
                 lower_informers.informer(STORAGECLASSES),
             )
             estimator.watch_runtime_classes(lower_informers.informer(RUNTIMECLASSES))
-            estimator.watch_quotas(lower_informers.informer(RESOURCEQUOTAS))
+            lower_quotas = lower_informers.informer(RESOURCEQUOTAS)
+            estimator.watch_quotas(lower_quotas)
+            backend.watch_quotas(lower_quotas)
             ledger.add_handler(
                 FunctionHandler(
                     add=estimator.ledger_changed,

@@ -46,6 +46,8 @@ class NodeReport:
     kubelet_version: str = ""
     message: str = ""
     nodes_digest: str = ""
+    # What the lower quotas cap (quotas.quotas_digest); empty when they are not watched.
+    quotas_digest: str = ""
     # The roomiest lower node's name and what it has left; empty without an estimator.
     largest_free_slot: Mapping[str, str] = field(default_factory=dict)
 
@@ -91,10 +93,12 @@ def nodes_digest(lower_nodes: Iterable[Mapping[str, Any]]) -> str:
 
 def report_annotations(report: NodeReport) -> dict[str, str]:
     """The Node annotations that follow the lower cluster: what its nodes offer the
-    filters, and its largest free slot."""
+    filters, what its quotas cap, and its largest free slot."""
     annotations = {}
     if report.nodes_digest:
         annotations[keys.LOWER_NODES_ANNOTATION] = report.nodes_digest
+    if report.quotas_digest:
+        annotations[keys.LOWER_QUOTAS_ANNOTATION] = report.quotas_digest
     if report.largest_free_slot:
         annotations[keys.LARGEST_FREE_SLOT_ANNOTATION] = json.dumps(
             dict(report.largest_free_slot), sort_keys=True, separators=(",", ":")

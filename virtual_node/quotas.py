@@ -13,8 +13,10 @@ created below never goes past the quota.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -63,6 +65,21 @@ def read_quota(quota: Mapping[str, Any]) -> Quota | None:
     return Quota(
         str(metadata.get("name", "")), hard, _amounts((quota.get("status") or {}).get("used"))
     )
+
+
+def quota_caps(quota: Mapping[str, Any]) -> str:
+    """What a quota caps and for which pods (its spec), as text to compare: its usage
+    changes with every pod of its namespace, this only when someone edits the quota."""
+    metadata = quota.get("metadata") or {}
+    return json.dumps(
+        [metadata.get("namespace"), metadata.get("name"), quota.get("spec") or {}],
+        sort_keys=True,
+    )
+
+
+def quotas_digest(caps: Iterable[str]) -> str:
+    """What the lower cluster's quotas cap, in a few bytes (``quota_caps`` of each)."""
+    return hashlib.sha256("\n".join(sorted(caps)).encode()).hexdigest()[:16]
 
 
 def quota_usage(pod: JSON) -> dict[str, int]:

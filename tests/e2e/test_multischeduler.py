@@ -311,14 +311,25 @@ def test_a_runtime_class_only_lower_2_has_sends_the_pod_there_with_lower_2_s_ove
         lower_2.kubectl("delete", "runtimeclass", "e2e-sandbox")
 
 
+def quotas_digest(federation: Federation, node: str) -> str:
+    annotations = get_json(federation.upper, "node", node)["metadata"]["annotations"]
+    return str(annotations.get(keys.LOWER_QUOTAS_ANNOTATION, ""))
+
+
 def test_a_lower_quota_that_would_refuse_the_pod_counts_its_cluster_out(
     fragmented: Federation,
 ) -> None:
     """Only lower-1's node fits the pod, but lower-1's own quota lets no pod into the
-    namespace there: the pod waits above with the quota named, never refused below."""
+    namespace there: the pod waits above with the quota named, never refused below, and
+    runs there once the quota is gone."""
     lower_1 = fragmented.clusters["lower-1"]
     apply(lower_1, namespace(NAMESPACE))
+    without = quotas_digest(fragmented, "vk-lower-1")
     lower_1.kubectl("create", "quota", "e2e-no-pods", "-n", NAMESPACE, "--hard=pods=0")
+    wait_for(
+        lambda: quotas_digest(fragmented, "vk-lower-1") != without,
+        "the quota in the virtual Node's digest of what lower-1's quotas cap",
+    )
     apply(fragmented.upper, frag_pod("over-quota", "5"))
     try:
         message = wait_for(
@@ -331,9 +342,19 @@ def test_a_lower_quota_that_would_refuse_the_pod_counts_its_cluster_out(
         assert "vk-lower-2: 0/" in message and "Insufficient cpu" in message, message
         assert not upper_pod(fragmented, "over-quota")["spec"].get("nodeName")
         assert not lower_pods(fragmented, "app=over-quota")
+        # Removed below, the quota changes the Node's digest back: the upper scheduler
+        # tries the pod again then, not in its 5-minute sweep of the pods it could not
+        # place.
+        lower_1.kubectl("delete", "quota", "e2e-no-pods", "-n", NAMESPACE)
+        wait_for(
+            lambda: running_on(fragmented, "over-quota", "vk-lower-1"),
+            "the pod Running in lower-1 once the quota is gone",
+            timeout=90,
+        )
+        assert quotas_digest(fragmented, "vk-lower-1") == without
     finally:
         delete_pods(fragmented, "app=over-quota")
-        lower_1.kubectl("delete", "quota", "e2e-no-pods", "-n", NAMESPACE)
+        lower_1.kubectl("delete", "quota", "e2e-no-pods", "-n", NAMESPACE, "--ignore-not-found")
 
 
 def test_a_runtime_class_s_node_selector_decides_where_its_pods_fit(

@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 
 from kubekit import keys
-from kubekit.client import PODS, Resource
+from kubekit.client import PODS, RESOURCEQUOTAS, Resource
 from kubekit.clusterstate import ClusterState
 from kubekit.informer import FunctionHandler, Informer
 from virtual_node.capacity import (
@@ -204,6 +204,37 @@ def test_lower_cluster_capacity_follows_each_foreign_pod_through_its_life() -> N
     assert cpu() == "4"
     event("DELETED", pod("a", container("x", cpu="4")))
     assert cpu() == "8"
+
+
+def test_the_report_carries_what_the_lower_quotas_cap_and_wakes_only_when_that_changes() -> None:
+    lower, _pods, _nodes = lower_cluster()
+    assert lower.report(True).quotas_digest == "", "not watched: no annotation"
+    quotas = Informer(client=None, resource=RESOURCEQUOTAS)  # type: ignore[arg-type]
+    lower.watch_quotas(quotas)
+    none = lower.report(True).quotas_digest
+    assert none, "watched and none: a digest too, so the last one's removal shows"
+
+    def quota(pods: str, used: str) -> dict[str, Any]:
+        return {
+            "metadata": {"name": "q", "namespace": "ns"},
+            "spec": {"hard": {"pods": pods}},
+            "status": {"used": {"pods": used}},
+        }
+
+    lower.changed.clear()
+    quotas.apply({"type": "ADDED", "object": quota("1", "0")})
+    assert lower.changed.is_set()
+    capped = lower.report(True).quotas_digest
+    assert capped != none
+    lower.changed.clear()
+    quotas.apply({"type": "MODIFIED", "object": quota("1", "1")})
+    assert not lower.changed.is_set(), "its usage moves with every pod: no news above"
+    assert lower.report(True).quotas_digest == capped
+    quotas.apply({"type": "MODIFIED", "object": quota("2", "1")})
+    assert lower.changed.is_set()
+    assert lower.report(True).quotas_digest not in (none, capped)
+    quotas.apply({"type": "DELETED", "object": quota("2", "1")})
+    assert lower.report(True).quotas_digest == none
 
 
 def test_the_report_names_the_roomiest_lower_node_with_our_own_pods_counted() -> None:

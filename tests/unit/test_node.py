@@ -81,10 +81,12 @@ def test_the_node_annotations_say_what_the_lower_nodes_offer_and_the_largest_slo
         ready=True,
         allocatable={"cpu": "8"},
         nodes_digest="abc",
+        quotas_digest="def",
         largest_free_slot={"node": "n1", "memory": "1Gi", "cpu": "2"},
     )
     assert report_annotations(report) == {
         keys.LOWER_NODES_ANNOTATION: "abc",
+        keys.LOWER_QUOTAS_ANNOTATION: "def",
         keys.LARGEST_FREE_SLOT_ANNOTATION: '{"cpu":"2","memory":"1Gi","node":"n1"}',
     }
 
