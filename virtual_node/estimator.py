@@ -189,9 +189,6 @@ class FitEstimator:
             )
         )
 
-    # -- what the caches say ---------------------------------------------------------------
-
-    @_exclusive
     def watch_quotas(self, lower_quotas: Informer) -> None:
         lower_quotas.add_handler(
             FunctionHandler(
@@ -200,6 +197,8 @@ class FitEstimator:
                 delete=self._quota_deleted,
             )
         )
+
+    # -- what the caches say ---------------------------------------------------------------
 
     @_exclusive
     def _quota_changed(self, quota: JSON) -> None:
@@ -226,6 +225,7 @@ class FitEstimator:
             return
         self.quotas.count(uid, str(lower["metadata"]["namespace"]), quota_usage(lower))
 
+    @_exclusive
     def _claim_changed(self, claim: JSON) -> None:
         wanted = unbound_class(claim)
         if wanted is None:
