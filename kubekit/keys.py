@@ -114,7 +114,8 @@ ESTIMATOR_STARTED_ANNOTATION = f"{PREFIX}/estimator-started"
 LOWER_NODES_ANNOTATION = f"{PREFIX}/lower-nodes"
 # On virtual Nodes: a digest of what the lower cluster's ResourceQuotas cap (not their
 # usage). The estimator holds pods to them; a quota raised or removed below changes no
-# capacity above, but changes this, so the upper scheduler retries the pods it held back.
+# capacity above, but changes this: a Node change, on which the upper scheduler retries
+# the pods the extender failed (not always: docs/multischeduler.md, Known limits).
 LOWER_QUOTAS_ANNOTATION = f"{PREFIX}/lower-quotas"
 # On virtual Nodes: the roomiest lower node and what it has left, as JSON quantities
 # ({"node": ..., "cpu": ..., "memory": ...}); what fragmentation leaves of the total.

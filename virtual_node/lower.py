@@ -146,8 +146,9 @@ class LowerCluster:
         self._quotas_watched = False
 
     def watch_quotas(self, quotas: Informer) -> None:
-        """The report carries what the quotas cap (a Node annotation), so that the upper
-        scheduler retries the pods held back for a quota when one is raised or removed."""
+        """The report carries what the quotas cap (a Node annotation): a quota raised or
+        removed changes the Node, on which the upper scheduler retries the pods the
+        extender failed."""
         self._quotas_watched = True
         quotas.add_handler(
             FunctionHandler(
