@@ -143,6 +143,7 @@ class LowerCluster:
         nodes.add_handler(FunctionHandler.on_any(lambda _node: self.changed.set()))
         # quota key -> what it caps (quotas.quota_caps), once the quotas are watched.
         self._quota_caps: dict[str, str] = {}
+        self._quota_changes = 0
         self._quotas_watched = False
 
     def watch_quotas(self, quotas: Informer) -> None:
@@ -160,10 +161,12 @@ class LowerCluster:
         caps = quota_caps(quota)
         if self._quota_caps.get(object_key(quota)) != caps:
             self._quota_caps[object_key(quota)] = caps
+            self._quota_changes += 1
             self.changed.set()
 
     def _quota_deleted(self, quota: JSON) -> None:
         if self._quota_caps.pop(object_key(quota), None) is not None:
+            self._quota_changes += 1
             self.changed.set()
 
     def _pod_changed(self, pod: JSON) -> None:
@@ -243,7 +246,9 @@ class LowerCluster:
             labels=shared_labels(nodes, self.counted_taint_keys),
             kubelet_version=self.version,
             nodes_digest=nodes_digest(nodes),
-            quotas_digest=quotas_digest(self._quota_caps.values()) if self._quotas_watched else "",
+            quotas_digest=quotas_digest(self._quota_caps.values(), self._quota_changes)
+            if self._quotas_watched
+            else "",
             largest_free_slot=free_slot(*slot) if slot is not None else {},
         )
 

@@ -77,9 +77,12 @@ def quota_caps(quota: Mapping[str, Any]) -> str:
     )
 
 
-def quotas_digest(caps: Iterable[str]) -> str:
-    """What the lower cluster's quotas cap, in a few bytes (``quota_caps`` of each)."""
-    return hashlib.sha256("\n".join(sorted(caps)).encode()).hexdigest()[:16]
+def quotas_digest(caps: Iterable[str], changes: int) -> str:
+    """What the lower cluster's quotas cap, in a few bytes (``quota_caps`` of each), and
+    how many times that changed: a quota made and removed between two Node updates
+    changes the digest too (the estimator refused pods for it meanwhile)."""
+    text = "\n".join([str(changes), *sorted(caps)])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def quota_usage(pod: JSON) -> dict[str, int]:
