@@ -107,7 +107,10 @@ def node_usage(
     use). With ``counters``, each CPU counter is advanced to ``now`` (one set for every
     endpoint, as a kubelet reads one cgroup for each) and those of pods gone dropped."""
 
+    kept: list[str] = []
+
     def advanced(key: str, cores: Fraction) -> float:
+        kept.append(key)
         return counters.advance(key, float(cores), now) if counters is not None else 0.0
 
     pods = []
@@ -130,17 +133,7 @@ def node_usage(
         node_memory += pod_memory
     node = NodeUsage(pods, node_cores, node_memory, advanced("", node_cores))
     if counters is not None:
-        counters.forget_except(
-            [
-                "",
-                *(f"{p.upper.namespace}/{p.upper.name}" for p in pods),
-                *(
-                    f"{p.upper.namespace}/{p.upper.name}/{c.name}"
-                    for p in pods
-                    for c in p.containers
-                ),
-            ]
-        )
+        counters.forget_except(kept)
     return node
 
 
