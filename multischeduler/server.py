@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -62,6 +63,11 @@ class Extender:
     metrics: Metrics = field(default_factory=Metrics)
     clock: Callable[[], float] = time.monotonic
     _giving_back: Background = field(default_factory=Background, init=False)
+    # Pods with a filter under way (how many, by UID), and those of them that left the
+    # scheduler's queue meanwhile: the watch said so before that filter remembered the
+    # room it reserved, which nothing would give back then until it lapsed.
+    _filtering: Counter[str] = field(default_factory=Counter, init=False)
+    _left_while_filtered: set[str] = field(default_factory=set, init=False)
 
     async def _estimate(
         self, names: list[str], pod: bytes, pod_key: str, reserve: bool
@@ -89,18 +95,34 @@ class Extender:
         chosen = None
         if virtual:
             pod = orjson.dumps(args.pod)
-            answers |= await self._estimate(virtual, pod, args.pod_key, reserve=True)
-            answers |= await self._ask_restarted(answers, pod, args.pod_key)
+            self._filtering[args.uid] += 1
+            try:
+                answers |= await self._estimate(virtual, pod, args.pod_key, reserve=True)
+                answers |= await self._ask_restarted(answers, pod, args.pod_key)
+            finally:
+                left = self._filter_ended(args.uid)
             chosen = chosen_cluster(answers, self.score)
             # Room held elsewhere until the binding would turn the next pods of a burst
             # away from clusters that still have it.
             surplus = reserved_nodes(answers) - {chosen}
             self.pool.release(surplus, args.uid)
             self.decisions.remember(args.uid, answers, self.clock(), released=surplus, pod=pod)
+            if left:
+                self.stopped_waiting(args.pod)
         result = filter_result(args.node_names, answers, self.on_error, chosen)
         self.metrics.filter_seconds.observe(self.clock() - began)
         self.metrics.decisions.labels("filter").inc()
         return result
+
+    def _filter_ended(self, uid: str) -> bool:
+        """True when the pod left the queue during its filters, the last of which ended."""
+        self._filtering[uid] -= 1
+        if self._filtering[uid] > 0:
+            return False
+        del self._filtering[uid]
+        left = uid in self._left_while_filtered
+        self._left_while_filtered.discard(uid)
+        return left
 
     async def _ask_restarted(
         self, answers: Mapping[str, Answer], pod: bytes, pod_key: str
@@ -185,6 +207,8 @@ class Extender:
         waited) would otherwise turn the next pods away from that cluster until it lapses."""
         metadata = pod["metadata"]
         uid = str(metadata["uid"])
+        if uid in self._filtering:
+            self._left_while_filtered.add(uid)
         reserved = self.decisions.take_reserved(uid, self.clock())
         if not reserved:
             return

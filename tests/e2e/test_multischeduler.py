@@ -353,10 +353,14 @@ def test_a_lower_quota_that_would_refuse_the_pod_counts_its_cluster_out(
         )
         delete_pods(fragmented, "app=over-quota")
         apply(fragmented.upper, frag_pod("over-quota", "5"))
-        wait_for(
-            lambda: running_on(fragmented, "over-quota", "vk-lower-1"),
-            "the pod made again Running in lower-1 once the quota is gone",
-        )
+        try:
+            wait_for(
+                lambda: running_on(fragmented, "over-quota", "vk-lower-1"),
+                "the pod made again Running in lower-1 once the quota is gone",
+            )
+        except AssertionError as error:
+            said = failed_scheduling(fragmented, "over-quota")
+            raise AssertionError(f"{error}; the scheduler said last: {said}") from None
     finally:
         delete_pods(fragmented, "app=over-quota")
         lower_1.kubectl("delete", "quota", "e2e-no-pods", "-n", NAMESPACE, "--ignore-not-found")

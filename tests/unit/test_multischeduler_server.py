@@ -650,6 +650,21 @@ async def test_a_pod_deleted_while_waiting_gives_its_room_back(federation: Feder
     assert federation.estimators["vk-a"].releases == [["u1"]]
 
 
+async def test_a_pod_deleted_while_its_filter_waits_for_the_estimators_gives_its_room_back(
+    federation: Federation,
+) -> None:
+    await federation.estimator("vk-a", fits(0.9), delay=0.15)
+    filtering = asyncio.create_task(federation.filter("vk-a"))
+    await eventually(lambda: bool(federation.estimators["vk-a"].estimates))
+    federation.scheduled(None)
+    result = await filtering
+    assert result["NodeNames"] == ["vk-a"]
+    await eventually(lambda: bool(federation.estimators["vk-a"].releases))
+    assert federation.estimators["vk-a"].releases == [["u1"]]
+    assert federation.lookups == [("ns", "p")]
+    assert len(federation.extender.decisions) == 0
+
+
 async def test_room_is_kept_when_where_the_pod_went_cannot_be_read(
     federation: Federation,
 ) -> None:
