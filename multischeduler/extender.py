@@ -304,12 +304,18 @@ class Decisions:
     after, and the nodes holding room that bind, or the pod leaving the scheduler's queue,
     must release. Forgotten then, or after ``reservations_for`` seconds (the estimators
     give such room back on their own then too), so a pod never bound costs nothing for
-    long."""
+    long. The pods that left the queue are kept for ``left_for`` seconds: the scheduler
+    may still be filtering one (its cycle goes on with the pod it took from the queue),
+    and what that filter reserves must go back at once, not lapse unannounced."""
 
-    def __init__(self, *, scores_for: float = 5.0, reservations_for: float = 60.0) -> None:
+    def __init__(
+        self, *, scores_for: float = 5.0, reservations_for: float = 60.0, left_for: float = 30.0
+    ) -> None:
         self.scores_for = scores_for
         self.reservations_for = reservations_for
+        self.left_for = left_for
         self._by_uid: OrderedDict[str, _Decision] = OrderedDict()
+        self._left: OrderedDict[str, float] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._by_uid)
@@ -321,9 +327,14 @@ class Decisions:
         now: float,
         released: Collection[str] = (),
         pod: bytes = b"",
-    ) -> None:
+    ) -> set[str]:
+        """Remembers what the filter learnt; returns the nodes holding room to give back
+        now, those it reserved for a pod that has left the queue meanwhile."""
         estimates = {n: a for n, a in answers.items() if isinstance(a, PodEstimate)}
         reserved = reserved_nodes(answers) - set(released)
+        self._expire(now)
+        if uid in self._left:
+            return reserved
         earlier = self._by_uid.pop(uid, None)
         if earlier is not None:
             # A second filter of the same pod (a nominated node first, then all) adds to
@@ -331,7 +342,7 @@ class Decisions:
             estimates = {**earlier.estimates, **estimates}
             reserved |= earlier.reserved
         self._by_uid[uid] = _Decision(now, estimates, reserved, pod)
-        self._expire(now)
+        return set()
 
     def pod(self, uid: str) -> bytes:
         """The pod as filter asked about it last (b"" once forgotten)."""
@@ -350,12 +361,25 @@ class Decisions:
         decision = self._by_uid.pop(uid, None)
         return set() if decision is None else decision.reserved
 
+    def left_queue(self, uid: str, now: float) -> set[str]:
+        """The pod left the scheduler's queue (bound or deleted): the nodes holding room
+        for it, forgetting the pod; a filter of it remembered later gives its room back."""
+        reserved = self.take_reserved(uid, now)
+        self._left.pop(uid, None)
+        self._left[uid] = now
+        return reserved
+
     def _expire(self, now: float) -> None:
         while self._by_uid:
             uid, oldest = next(iter(self._by_uid.items()))
             if now - oldest.at <= self.reservations_for:
-                return
+                break
             del self._by_uid[uid]
+        while self._left:
+            uid, at = next(iter(self._left.items()))
+            if now - at <= self.left_for:
+                break
+            del self._left[uid]
 
 
 # -- metrics -----------------------------------------------------------------------------

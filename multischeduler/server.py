@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -63,11 +62,6 @@ class Extender:
     metrics: Metrics = field(default_factory=Metrics)
     clock: Callable[[], float] = time.monotonic
     _giving_back: Background = field(default_factory=Background, init=False)
-    # Pods with a filter under way (how many, by UID), and those of them that left the
-    # scheduler's queue meanwhile: the watch said so before that filter remembered the
-    # room it reserved, which nothing would give back then until it lapsed.
-    _filtering: Counter[str] = field(default_factory=Counter, init=False)
-    _left_while_filtered: set[str] = field(default_factory=set, init=False)
 
     async def _estimate(
         self, names: list[str], pod: bytes, pod_key: str, reserve: bool
@@ -95,34 +89,22 @@ class Extender:
         chosen = None
         if virtual:
             pod = orjson.dumps(args.pod)
-            self._filtering[args.uid] += 1
-            try:
-                answers |= await self._estimate(virtual, pod, args.pod_key, reserve=True)
-                answers |= await self._ask_restarted(answers, pod, args.pod_key)
-            finally:
-                left = self._filter_ended(args.uid)
+            answers |= await self._estimate(virtual, pod, args.pod_key, reserve=True)
+            answers |= await self._ask_restarted(answers, pod, args.pod_key)
             chosen = chosen_cluster(answers, self.score)
             # Room held elsewhere until the binding would turn the next pods of a burst
             # away from clusters that still have it.
             surplus = reserved_nodes(answers) - {chosen}
             self.pool.release(surplus, args.uid)
-            self.decisions.remember(args.uid, answers, self.clock(), released=surplus, pod=pod)
+            left = self.decisions.remember(
+                args.uid, answers, self.clock(), released=surplus, pod=pod
+            )
             if left:
-                self.stopped_waiting(args.pod)
+                self._give_back_later(args.pod, left)
         result = filter_result(args.node_names, answers, self.on_error, chosen)
         self.metrics.filter_seconds.observe(self.clock() - began)
         self.metrics.decisions.labels("filter").inc()
         return result
-
-    def _filter_ended(self, uid: str) -> bool:
-        """True when the pod left the queue during its filters, the last of which ended."""
-        self._filtering[uid] -= 1
-        if self._filtering[uid] > 0:
-            return False
-        del self._filtering[uid]
-        left = uid in self._left_while_filtered
-        self._left_while_filtered.discard(uid)
-        return left
 
     async def _ask_restarted(
         self, answers: Mapping[str, Answer], pod: bytes, pod_key: str
@@ -205,17 +187,16 @@ class Extender:
         nothing else tells the extender where a pod went; room filter kept on a virtual node
         for a pod the scheduler then put on an ordinary node (or one deleted while it
         waited) would otherwise turn the next pods away from that cluster until it lapses."""
+        reserved = self.decisions.left_queue(str(pod["metadata"]["uid"]), self.clock())
+        if reserved:
+            self._give_back_later(pod, reserved)
+
+    def _give_back_later(self, pod: JSON, reserved: set[str]) -> None:
+        # The watch that said the pod left the queue sends it as it was while waiting:
+        # where it went, or whether it is gone, takes a read.
         metadata = pod["metadata"]
-        uid = str(metadata["uid"])
-        if uid in self._filtering:
-            self._left_while_filtered.add(uid)
-        reserved = self.decisions.take_reserved(uid, self.clock())
-        if not reserved:
-            return
-        # The watch that said so sends the pod as it was while waiting: where it went, or
-        # whether it is gone, takes a read.
         namespace, name = str(metadata.get("namespace", "")), str(metadata["name"])
-        self._giving_back.spawn(self._give_back(namespace, name, uid, reserved))
+        self._giving_back.spawn(self._give_back(namespace, name, str(metadata["uid"]), reserved))
 
     async def _give_back(self, namespace: str, name: str, uid: str, reserved: set[str]) -> None:
         try:

@@ -296,6 +296,20 @@ def test_decisions_are_forgotten_after_a_while() -> None:
     assert len(decisions) == 1
 
 
+def test_a_pod_that_left_the_queue_gets_back_what_a_later_filter_reserves() -> None:
+    decisions = Decisions(left_for=30)
+    decisions.remember("u1", {"vk-a": fitting(reserved_node="n")}, now=0)
+    assert decisions.left_queue("u1", now=1) == {"vk-a"}
+    answers = {"vk-a": fitting(reserved_node="n"), "vk-b": fitting(reserved_node="m")}
+    assert decisions.remember("u1", answers, now=2, released={"vk-b"}) == {"vk-a"}
+    assert len(decisions) == 0, "not remembered: nothing would take it back"
+    assert decisions.left_queue("u2", now=3) == set()
+    # Forgotten after a while: a pod's UID is never seen in the queue again, so the
+    # mark only has to outlive the scheduling cycle that took the pod.
+    assert decisions.remember("u2", answers, now=40) == set()
+    assert decisions.take_reserved("u2", now=40) == {"vk-a", "vk-b"}
+
+
 def pod_read(uid: str = "u1", node: str | None = None) -> dict[str, Any]:
     spec: dict[str, Any] = {"containers": []}
     if node is not None:

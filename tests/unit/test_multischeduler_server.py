@@ -665,6 +665,19 @@ async def test_a_pod_deleted_while_its_filter_waits_for_the_estimators_gives_its
     assert len(federation.extender.decisions) == 0
 
 
+async def test_a_pod_deleted_before_its_filter_comes_gives_back_the_room_it_reserves(
+    federation: Federation,
+) -> None:
+    # The scheduler's cycle goes on with the pod it took from its queue.
+    await federation.estimator("vk-a", fits(0.9))
+    federation.scheduled(None)
+    result = await federation.filter("vk-a")
+    assert result["NodeNames"] == ["vk-a"]
+    await eventually(lambda: bool(federation.estimators["vk-a"].releases))
+    assert federation.estimators["vk-a"].releases == [["u1"]]
+    assert len(federation.extender.decisions) == 0
+
+
 async def test_room_is_kept_when_where_the_pod_went_cannot_be_read(
     federation: Federation,
 ) -> None:
