@@ -52,7 +52,7 @@ from kubekit.estimatorapi.estimator_pb2 import (
     PodEstimate,
     PodQuery,
 )
-from kubekit.informer import Informer, object_key
+from kubekit.informer import FunctionHandler, Informer, object_key
 from kubekit.moves import controller_uid, parse_moves, record_move
 from kubekit.podevents import record_pod_event
 from multischeduler.estimators import EstimatorPool
@@ -116,8 +116,10 @@ class Descheduler:
         self._blocked: dict[str, float] = {}
         # UID -> (what was said about a pod that stays, when).
         self._said: dict[str, tuple[str, float]] = {}
-        # UID of a waiting pod -> until when the room made for it is held.
-        self._holding: dict[str, float] = {}
+        # UID of a waiting pod -> until when the room made for it is held, and by which
+        # virtual node (not planned for again meanwhile).
+        self._holding: dict[str, tuple[float, str]] = {}
+        pods.add_handler(FunctionHandler(update=self._pod_changed, delete=self._give_back))
 
     async def wait_synced(self) -> None:
         await asyncio.gather(
@@ -174,7 +176,7 @@ class Descheduler:
         waiting = [
             w
             for w in waiting_pods(self.pods.items(), now, self.policy)
-            if self._holding.get(w.uid, 0.0) <= moment
+            if self._holding.get(w.uid, (0.0, ""))[0] <= moment
         ]
         plans = []
         for each in waiting:
@@ -184,7 +186,7 @@ class Descheduler:
         live = {s.uid for s in stuck} | {w.uid for w in waiting}
         self._said = {uid: said for uid, said in self._said.items() if uid in live}
         self._blocked = {uid: t for uid, t in self._blocked.items() if t > moment}
-        self._holding = {uid: t for uid, t in self._holding.items() if t > moment}
+        self._holding = {uid: h for uid, h in self._holding.items() if h[0] > moment}
         return [*decisions, *plans]
 
     def _copy_made(self, stuck: Stuck) -> JSON | None:
@@ -434,7 +436,7 @@ class Descheduler:
         if failure is not None:
             log.warning("%s: room not held, nothing evicted: %s", waiting.key, failure.message)
             return
-        self._holding[waiting.uid] = self.clock() + self.policy.hold_timeout
+        self._holding[waiting.uid] = (self.clock() + self.policy.hold_timeout, plan.cluster)
         await self._event(
             waiting.pod,
             "Defragmenting",
@@ -451,6 +453,10 @@ class Descheduler:
                     f"the eviction of {object_key(pod)} was refused: {blocked}",
                     warning=True,
                 )
+                # The waiting pod fits there no sooner for it; the pods evicted so far
+                # may take their room again. (It is not planned for again until the
+                # hold would have lapsed.)
+                self.pool.release([plan.cluster], waiting.uid)
                 return
             await self._event(
                 pod,
@@ -458,6 +464,26 @@ class Descheduler:
                 f"evicted from {plan.cluster} (lower node {plan.node}) to make room for pod "
                 f"{waiting.key}, which no node of any cluster fits; its controller replaces it",
             )
+
+    def _pod_changed(self, pod: JSON) -> None:
+        node = pod["spec"].get("nodeName")
+        uid = str(pod["metadata"].get("uid", ""))
+        held = self._holding.get(uid)
+        if not node or held is None:
+            return
+        if node == held[1]:
+            del self._holding[uid]  # its room turns into the pod on its way down
+        else:
+            self._give_back(pod)
+
+    def _give_back(self, pod: JSON) -> None:
+        """The room held for a waiting pod deleted, or bound to another node: nothing else
+        would give it back before the hold lapsed (the estimator sees only the pods bound
+        to its own node), and a lapse is no event for the scheduler."""
+        uid = str(pod["metadata"].get("uid", ""))
+        held = self._holding.pop(uid, None)
+        if held is not None:
+            self.pool.release([held[1]], uid)
 
     async def _event(
         self, pod: Mapping[str, Any], reason: str, message: str, warning: bool = False

@@ -398,6 +398,7 @@ class FakePool:
         self.room: dict[str, int] = {}
         self.defragment_asked: dict[str, DefragmentRequest] = {}
         self.held: list[tuple[str, HoldRequest]] = []
+        self.released: list[tuple[list[str], str]] = []
 
     async def estimate(
         self, names: Sequence[str], query: PodQuery, timeout: float
@@ -420,6 +421,9 @@ class FakePool:
 
     async def hold(self, name: str, request: HoldRequest, timeout: float) -> None:
         self.held.append((name, request))
+
+    def release(self, names: Sequence[str], uid: str) -> None:
+        self.released.append((list(names), uid))
 
 
 class World:
@@ -801,6 +805,28 @@ async def test_an_eviction_refused_mid_plan_stops_it_with_a_warning() -> None:
     await world.descheduler.cycle()
     assert len(world.client.calls) == 1, "the second pod is not evicted"
     assert world.reasons() == ["Defragmenting", "DefragmentationIncomplete"]
+    assert world.pool.released == [(["vk-lower-1"], "uid-big")], "the room goes back at once"
+    assert await world.descheduler.cycle() == [], "not planned again before the hold's time"
+
+
+async def test_room_held_for_a_pod_deleted_or_bound_elsewhere_goes_back_at_once() -> None:
+    for where in ("vk-lower-1", "vk-lower-2", None):
+        world = Fragmented()
+        world.pool.room["vk-lower-3"] = 1
+        await world.descheduler.cycle()
+        assert len(world.pool.held) == 1
+        big = federated("big")
+        if where is None:
+            world.pods.apply({"type": "DELETED", "object": big})
+        else:
+            big["spec"]["nodeName"] = where
+            world.pods.apply({"type": "MODIFIED", "object": big})
+        if where == "vk-lower-1":
+            assert world.pool.released == [], "its room turns into the pod on its way down"
+        else:
+            assert world.pool.released == [(["vk-lower-1"], "uid-big")], where
+        world.pods.apply({"type": "DELETED", "object": big})
+        assert len(world.pool.released) == (where != "vk-lower-1"), "given back once"
 
 
 async def test_a_dry_run_prints_the_plan_and_holds_and_evicts_nothing(
