@@ -430,6 +430,10 @@ class FitEstimator:
             or runtime_refusal(lower, self._runtime_classes, self.owner.cluster_id)
         )
         if refusal:
+            # Room held for it here is of no use now (nothing tells the extender to give
+            # it back: this answer names no node).
+            if self._reserved.pop(uid, None) is not None:
+                self._unreserve(uid)
             nothing = Estimate(self.state.node_count(), (), {}, 0, 0.0, 0.0, 0)
             return Answer(nothing, None, refusal)
         # A pod asked about again is judged without the room it already holds.

@@ -511,6 +511,17 @@ def test_a_lower_quota_holds_its_namespace_and_a_burst_cannot_pass_it() -> None:
     assert cluster.fits("1", replicas=10) == 4, "the nodes' 6 alone, less the two bound here"
 
 
+def test_a_pod_holding_room_then_refused_gives_the_room_back() -> None:
+    cluster = Cluster()
+    quotas = quota_watched(cluster, lower_quota({"requests.cpu": "8"}, {}))
+    held = orjson.dumps(upper_pod("held", "4"))
+    assert cluster.estimator.answer(held, reserve=True).reserved_node == "big"
+    quotas.apply({"type": "MODIFIED", "object": lower_quota({"requests.cpu": "2"}, {})})
+    assert "quota compute of namespace ns" in cluster.estimator.answer(held, reserve=True).refusal
+    quotas.apply({"type": "DELETED", "object": lower_quota({}, {})})
+    assert cluster.fits("4") == 1, "big is free again before the reservation would lapse"
+
+
 def test_pods_bound_before_their_namespace_s_quota_is_seen_count_once_it_is() -> None:
     cluster = Cluster()
     cluster.upper_pods.apply({"type": "ADDED", "object": upper_pod("early", "1")})
