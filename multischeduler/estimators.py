@@ -530,6 +530,17 @@ class EstimatorPool:
                 self._flush(name, estimator)
 
     async def close(self) -> None:
+        """Gives back the room still waiting for its call first: left held, it would lapse
+        with no event for the scheduler (a `descheduler --once`, say, ends right after a
+        plan stopped part-way gave its hold back)."""
+        waiting = [(n, e) for n, e in self._estimators.items() if e.releases or e.flushing]
+        for name, estimator in waiting:
+            if estimator.flush_timer is not None:
+                estimator.flush_timer.cancel()
+                estimator.flush_timer = None
+            if estimator.flushing is None:
+                self._flush(name, estimator)
+        await asyncio.gather(*(e.flushing for _, e in waiting if e.flushing is not None))
         for estimator in self._estimators.values():
             self._close(estimator)
         self._estimators.clear()

@@ -678,6 +678,15 @@ async def test_a_pod_deleted_before_its_filter_comes_gives_back_the_room_it_rese
     assert len(federation.extender.decisions) == 0
 
 
+async def test_room_waiting_to_be_given_back_goes_when_the_pool_closes(
+    federation: Federation,
+) -> None:
+    await federation.estimator("vk-a", fits(0.9))
+    federation.extender.pool.release(["vk-a"], "u9")
+    await federation.extender.pool.close()
+    assert federation.estimators["vk-a"].releases == [["u9"]]
+
+
 async def test_room_is_kept_when_where_the_pod_went_cannot_be_read(
     federation: Federation,
 ) -> None:
