@@ -1,7 +1,8 @@
 """Which upper pods are stuck in their lower cluster, and what to do about each (pure).
 
-A pod is stuck when its virtual node has been NotReady for ``clusterDownTimeout``, or
-when its lower copy has been unschedulable (the PodScheduled False the virtual node
+A pod is stuck when its virtual node has been NotReady for ``clusterDownTimeout`` (or
+is within ``RESCUE_AHEAD`` of the taint eviction that would delete it from that Node, if
+sooner), or when its lower copy has been unschedulable (the PodScheduled False the virtual node
 reports up) for ``pendingTimeout``. It moves only where an estimator says one real node
 fits it now: a controller's pod is evicted and its controller makes the replacement the
 scheduler places; a bare pod has nobody to replace it, so a copy bound to the chosen
@@ -15,11 +16,11 @@ import enum
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from descheduler.policy import Limits, Policy
-from kubekit import keys
+from kubekit import fit, keys
 from kubekit.estimatorapi.estimator_pb2 import PodEstimate
 from kubekit.informer import object_key
 from kubekit.jsonvalue import json_copy
@@ -31,6 +32,10 @@ JSON = dict[str, Any]
 _FINISHED = frozenset({"Succeeded", "Failed"})
 # Room for the copy's suffix within a pod name's 253 characters.
 _BASE_NAME_LIMIT = 240
+# How long before the upper node controller's taint eviction would delete a pod of a
+# NotReady virtual node the pod is moved, whatever clusterDownTimeout says: deleted, a
+# bare pod is lost (its copy is never made). Three cycles at the default interval.
+RESCUE_AHEAD = timedelta(seconds=30)
 
 
 class Why(enum.StrEnum):
@@ -118,6 +123,35 @@ def down_for(node: Mapping[str, Any], now: datetime) -> float | None:
     return since(ready, now)
 
 
+def taint_deletion_at(pod: Mapping[str, Any], node: Mapping[str, Any]) -> datetime | None:
+    """When the upper node controller's taint eviction deletes the pod from the Node, by
+    the taint manager's rule: at once for a NoExecute taint the pod does not tolerate,
+    else the shortest ``tolerationSeconds`` of the tolerations it uses after the earliest
+    such taint was added (``node.kubernetes.io/unreachable`` and ``not-ready`` get 300 s
+    tolerations on every pod by default); None when never."""
+    taints = [
+        taint
+        for taint in (node.get("spec") or {}).get("taints") or []
+        if taint.get("effect") == "NoExecute" and isinstance(taint.get("timeAdded"), str)
+    ]
+    if not taints:
+        return None
+    tolerations = [t for t in (pod.get("spec") or {}).get("tolerations") or [] if t]
+    added = min(parse_time(taint["timeAdded"]) for taint in taints)
+    shortest: float | None = None
+    for taint in taints:
+        facts = fit.Taint(str(taint.get("key", "")), str(taint.get("value", "")), "NoExecute")
+        used = [t for t in tolerations if fit.tolerates([fit.toleration_of(t)], facts)]
+        if not used:
+            return added
+        for toleration in used:
+            seconds = toleration.get("tolerationSeconds")
+            if isinstance(seconds, int | float) and not isinstance(seconds, bool):
+                seconds = max(0.0, float(seconds))
+                shortest = seconds if shortest is None else min(shortest, seconds)
+    return None if shortest is None else added + timedelta(seconds=shortest)
+
+
 def stuck_pods(
     pods: Iterable[Mapping[str, Any]],
     virtual_nodes: Mapping[str, Mapping[str, Any]],
@@ -129,7 +163,7 @@ def stuck_pods(
     down = {
         name: seconds
         for name, node in virtual_nodes.items()
-        if (seconds := down_for(node, now)) is not None and seconds >= policy.cluster_down_timeout
+        if (seconds := down_for(node, now)) is not None
     }
     found = []
     for pod in pods:
@@ -142,7 +176,11 @@ def stuck_pods(
         if hands_off(pod):
             continue
         if node in down:
-            found.append(Stuck(pod, node, Why.CLUSTER_DOWN, down[node], ""))
+            deleted_at = taint_deletion_at(pod, virtual_nodes[node])
+            if down[node] >= policy.cluster_down_timeout or (
+                deleted_at is not None and now >= deleted_at - RESCUE_AHEAD
+            ):
+                found.append(Stuck(pod, node, Why.CLUSTER_DOWN, down[node], ""))
             continue
         if status.get("phase") != "Pending":
             continue

@@ -497,7 +497,7 @@ def _host_ports(spec: JSON) -> tuple[HostPort, ...]:
     )
 
 
-def _toleration(toleration: JSON) -> Toleration:
+def toleration_of(toleration: JSON) -> Toleration:
     return Toleration(
         _text(toleration.get("key")),
         _text(toleration.get("operator")),
@@ -565,7 +565,7 @@ class PodFacts:
         required = node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution")
         pod_affinity = _mapping(affinity.get("podAffinity"))
         anti_affinity = _mapping(affinity.get("podAntiAffinity"))
-        tolerations = tuple(map(_toleration, map(_mapping, _list(spec.get("tolerations")))))
+        tolerations = tuple(map(toleration_of, map(_mapping, _list(spec.get("tolerations")))))
         requests = milli(pod_requests(pod))
         return cls(
             kind=Kind(

@@ -32,6 +32,7 @@ from descheduler.rescue import (
     is_copy_of,
     pod_copy,
     stuck_pods,
+    taint_deletion_at,
     within_limits,
 )
 from kubekit import keys
@@ -198,6 +199,67 @@ def test_pods_of_a_cluster_down_past_the_timeout_are_stuck_whatever_their_phase(
     )
     briefly = {**NODES_UP, "vk-lower-2": virtual("vk-lower-2", down_for=100)}
     assert stuck_pods(pods, briefly, NOW, Policy()) == []
+
+
+def unreachable(name: str, down_for: float) -> dict[str, Any]:
+    """A virtual node the upper node controller has found unreachable ``down_for`` ago."""
+    node = virtual(name, down_for=down_for)
+    node["spec"]["taints"] = [
+        {"key": "node.kubernetes.io/unreachable", "effect": "NoSchedule"},
+        {
+            "key": "node.kubernetes.io/unreachable",
+            "effect": "NoExecute",
+            "timeAdded": stamp(down_for),
+        },
+    ]
+    return node
+
+
+def tolerating(seconds: int | None, **toleration: Any) -> dict[str, Any]:
+    bare = pod("bare", node="vk-lower-2", unschedulable_for=None, phase="Running", owned=False)
+    bare["spec"]["tolerations"] = [
+        {
+            "key": "node.kubernetes.io/unreachable",
+            "operator": "Exists",
+            "effect": "NoExecute",
+            **({} if seconds is None else {"tolerationSeconds": seconds}),
+            **toleration,
+        }
+    ]
+    return bare
+
+
+@pytest.mark.parametrize(
+    ("seconds", "down", "moved"),
+    [
+        # The default toleration: deleted 300 s after the taint, so moved 30 s before,
+        # though clusterDownTimeout (300 s) is not reached.
+        (300, 269, False),
+        (300, 271, True),
+        (60, 31, True),
+        (60, 29, False),
+        # Tolerated for ever: only the policy's timeout moves it.
+        (None, 299, False),
+        (None, 301, True),
+    ],
+)
+def test_a_pod_of_a_cluster_down_moves_before_the_taint_eviction_would_delete_it(
+    seconds: int | None, down: float, moved: bool
+) -> None:
+    nodes = {**NODES_UP, "vk-lower-2": unreachable("vk-lower-2", down_for=down)}
+    stuck = stuck_pods([tolerating(seconds)], nodes, NOW, Policy())
+    assert [s.why for s in stuck] == ([Why.CLUSTER_DOWN] if moved else [])
+
+
+def test_taint_deletion_follows_the_taint_managers_rule() -> None:
+    node = unreachable("vk-lower-2", down_for=100)
+    added = NOW - timedelta(seconds=100)
+    assert taint_deletion_at(tolerating(300), node) == added + timedelta(seconds=300)
+    assert taint_deletion_at(tolerating(None), node) is None
+    assert taint_deletion_at(tolerating(-5), node) == added
+    other = tolerating(300, key="node.kubernetes.io/not-ready")
+    assert taint_deletion_at(other, node) == added, "a taint it does not tolerate: at once"
+    assert taint_deletion_at(tolerating(300), virtual("vk-lower-2", down_for=100)) is None
 
 
 # Its controller makes a DaemonSet's pod again for the same node: moving it frees nothing.
