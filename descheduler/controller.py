@@ -77,6 +77,10 @@ class EvictionBlocked(Exception):
     """The Eviction API refused (429): a PodDisruptionBudget allows no disruption now."""
 
 
+# What stops a defragmentation plan half way: a refusal, or any other failed eviction.
+_EVICTION_FAILURES: tuple[type[Exception], ...] = (EvictionBlocked, *API_ERRORS)
+
+
 def receivers(
     virtual_nodes: Mapping[str, Mapping[str, Any]], now: datetime, leaving: str
 ) -> list[str]:
@@ -172,7 +176,10 @@ class Descheduler:
         for move in deferred:
             log.info("%s: move to %s left for a later cycle (limits)", move.stuck.key, move.to)
         for move in allowed:
-            await self._move(move)
+            try:
+                await self._move(move)
+            except API_ERRORS as error:
+                await self._move_failed(move.stuck, error)
         waiting = [
             w
             for w in waiting_pods(self.pods.items(), now, self.policy)
@@ -183,7 +190,8 @@ class Descheduler:
             plan = await self._defragment(each, receivers(virtual_nodes, now, ""), limits)
             if plan is not None:
                 plans.append(plan)
-        live = {s.uid for s in stuck} | {w.uid for w in waiting}
+        # A pod waiting out a failed move is said about again only when that changes.
+        live = {s.uid for s in stuck} | {w.uid for w in waiting} | set(self._blocked)
         self._said = {uid: said for uid, said in self._said.items() if uid in live}
         self._blocked = {uid: t for uid, t in self._blocked.items() if t > moment}
         self._holding = {uid: h for uid, h in self._holding.items() if h[0] > moment}
@@ -241,6 +249,18 @@ class Descheduler:
             await self._evict_stuck(move)
         else:
             await self._copy(move)
+
+    async def _move_failed(self, stuck: Stuck, error: Exception) -> None:
+        """One pod the apiserver will not let move (a quota full for its copy, a spec
+        refused on create, a 5xx) waits and says why; the other pods of the cycle move."""
+        self._blocked[stuck.uid] = self.clock() + BLOCKED_RETRY_SECONDS
+        log.warning("%s: move failed, tried again later: %s", stuck.key, error)
+        await self._say_once(
+            stuck.pod,
+            "NotRescheduled",
+            f"stuck in {stuck.node}, and the move failed (tried again every "
+            f"{BLOCKED_RETRY_SECONDS:.0f} s): {error}",
+        )
 
     async def _evict(self, pod: Mapping[str, Any], reason: str) -> bool:
         """Evicts a pod through the Eviction API; False when it was gone or replaced
@@ -446,11 +466,12 @@ class Descheduler:
         for pod in plan.evicted:
             try:
                 await self._evict(pod, "defragment")
-            except EvictionBlocked as blocked:
+            except _EVICTION_FAILURES as error:
+                what = "was refused" if isinstance(error, EvictionBlocked) else "failed"
                 await self._event(
                     waiting.pod,
                     "DefragmentationIncomplete",
-                    f"the eviction of {object_key(pod)} was refused: {blocked}",
+                    f"the eviction of {object_key(pod)} {what}: {error}",
                     warning=True,
                 )
                 # The waiting pod fits there no sooner for it; the pods evicted so far

@@ -394,6 +394,8 @@ class FakeClient:
         # The moves ConfigMap, as stored; writes to refuse with this error, then accept.
         self.moves: dict[str, Any] | None = None
         self.moves_errors: list[ApiError] = []
+        # Pod name -> the error its creation gets.
+        self.create_errors: dict[str, ApiError] = {}
 
     def evictions(self) -> int:
         return sum(path.endswith("/eviction") for _, path in self.calls)
@@ -430,6 +432,8 @@ class FakeClient:
             return self._write_moves(body, None)
         name = body["metadata"]["name"]
         self.calls.append(("create", f"{namespace}/{name}"))
+        if name in self.create_errors:
+            raise self.create_errors[name]
         if name in self.created:
             raise ApiError(409, {"reason": "AlreadyExists", "message": "exists"})
         made = {**body, "metadata": {**body["metadata"], "uid": f"uid-{name}"}}
@@ -554,6 +558,34 @@ async def test_an_eviction_a_budget_refuses_is_tried_again_later() -> None:
     await world.descheduler.cycle()
     assert evictions() == 2
     assert world.reasons() == ["EvictionBlocked", "Rescheduled"]
+
+
+async def test_a_move_the_apiserver_refuses_waits_and_the_others_go_on() -> None:
+    world = World(ROOM_IN_2)
+    first, second = (pod(name, owned=False) for name in ("a-first", "b-second"))
+    world.add(first)
+    world.add(second)
+    quota = ApiError(403, {"reason": "Forbidden", "message": 'exceeded quota: "compute"'})
+    world.client.create_errors[copy_name(first)] = quota
+    await world.descheduler.cycle()
+    assert ("delete", "apps/b-second") in world.client.calls, "the next pod still moves"
+    assert ("delete", "apps/a-first") not in world.client.calls
+    (refused,) = [e for e in world.client.events if e["reason"] == "NotRescheduled"]
+    assert refused["involvedObject"]["name"] == "a-first"
+    assert 'exceeded quota: "compute"' in refused["message"]
+    assert refused["type"] == "Warning"
+    copy_of_first = ("create", f"apps/{copy_name(first)}")
+    assert world.client.calls.count(copy_of_first) == 1
+    await world.descheduler.cycle()
+    assert world.client.calls.count(copy_of_first) == 1, "not again before 30 s"
+    world.moment += 31
+    await world.descheduler.cycle()
+    assert world.client.calls.count(copy_of_first) == 2
+    assert world.reasons().count("NotRescheduled") == 1, "said once while it stays so"
+    del world.client.create_errors[copy_name(first)]
+    world.moment += 31
+    await world.descheduler.cycle()
+    assert ("delete", "apps/a-first") in world.client.calls
 
 
 async def test_the_move_is_recorded_before_the_eviction_and_a_lost_race_written_again() -> None:
@@ -867,6 +899,7 @@ async def test_an_eviction_refused_mid_plan_stops_it_with_a_warning() -> None:
     await world.descheduler.cycle()
     assert len(world.client.calls) == 1, "the second pod is not evicted"
     assert world.reasons() == ["Defragmenting", "DefragmentationIncomplete"]
+    assert "apps/a was refused: disruption budget" in world.client.events[-1]["message"]
     assert world.pool.released == [(["vk-lower-1"], "uid-big")], "the room goes back at once"
     assert await world.descheduler.cycle() == [], "not planned again before the hold's time"
 
@@ -889,6 +922,16 @@ async def test_room_held_for_a_pod_deleted_or_bound_elsewhere_goes_back_at_once(
             assert world.pool.released == [(["vk-lower-1"], "uid-big")], where
         world.pods.apply({"type": "DELETED", "object": big})
         assert len(world.pool.released) == (where != "vk-lower-1"), "given back once"
+
+
+async def test_an_eviction_failing_mid_plan_stops_it_and_the_cycle_goes_on() -> None:
+    world = Fragmented()
+    world.pool.room["vk-lower-2"] = 5
+    world.client.eviction_error = ApiError(500, {"message": "more than one budget"})
+    assert len(await world.descheduler.cycle()) == 1
+    assert world.reasons() == ["Defragmenting", "DefragmentationIncomplete"]
+    assert "apps/a failed" in world.client.events[-1]["message"]
+    assert world.pool.released == [(["vk-lower-1"], "uid-big")]
 
 
 async def test_a_dry_run_prints_the_plan_and_holds_and_evicts_nothing(
