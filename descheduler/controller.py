@@ -18,6 +18,7 @@ import orjson
 from descheduler.defrag import (
     Plan,
     Waiting,
+    admitting,
     budgets_allow,
     candidate_plans,
     movable_pods,
@@ -187,7 +188,8 @@ class Descheduler:
         ]
         plans = []
         for each in waiting:
-            plan = await self._defragment(each, receivers(virtual_nodes, now, ""), limits)
+            names = admitting(each.pod, virtual_nodes, receivers(virtual_nodes, now, ""))
+            plan = await self._defragment(each, names, limits)
             if plan is not None:
                 plans.append(plan)
         # A pod waiting out a failed move is said about again only when that changes.

@@ -64,6 +64,24 @@ def waiting_pods(pods: Iterable[Mapping[str, Any]], now: datetime, policy: Polic
     return sorted(found, key=lambda waiting: (-priority(waiting.pod), waiting.key))
 
 
+def admitting(
+    pod: Mapping[str, Any], virtual_nodes: Mapping[str, Mapping[str, Any]], names: Iterable[str]
+) -> list[str]:
+    """Of the virtual nodes ``names``, those the pod's own nodeSelector and required node
+    affinity admit, as the upper scheduler's NodeAffinity filter judges them: a
+    controller's new pods are kept off a cluster it moved pods out of that way
+    (``kubekit.moves.keep_off``), which the estimators below, judging the lower pod,
+    cannot see. Room made there would be made for nothing."""
+    facts = fit.PodFacts.of(dict(pod))
+    return [
+        name
+        for name in names
+        if fit.node_affinity_matches(
+            facts, (virtual_nodes[name].get("metadata") or {}).get("labels") or {}, name
+        )
+    ]
+
+
 def budgets_of(
     pod: Mapping[str, Any], budgets: Iterable[Mapping[str, Any]]
 ) -> list[Mapping[str, Any]]:

@@ -48,7 +48,7 @@ from kubekit.estimatorapi.estimator_pb2 import (
     PodQuery,
 )
 from kubekit.informer import Informer
-from kubekit.moves import parse_moves
+from kubekit.moves import keep_off, parse_moves
 from multischeduler.extender import Answer, EstimatorFailure
 from tests.unit.test_multischeduler import core_grants
 from virtual_node.translate import refused_status
@@ -856,6 +856,17 @@ async def test_a_complete_plan_holds_the_room_then_evicts() -> None:
     world.moment += Policy().hold_timeout + 1
     await world.descheduler.cycle()
     assert len(world.pool.held) == 2, "planned again once the hold lapsed"
+
+
+async def test_no_room_is_made_in_a_cluster_the_waiting_pod_is_kept_off() -> None:
+    world = Fragmented()
+    world.pool.room["vk-lower-3"] = 1
+    big = federated("big")
+    big["spec"]["affinity"] = keep_off(None, ["vk-lower-1"])
+    world.pods.apply({"type": "MODIFIED", "object": big})
+    assert await world.descheduler.cycle() == []
+    assert "vk-lower-1" not in world.pool.defragment_asked
+    assert world.pool.held == [] and world.client.calls == []
 
 
 async def test_a_plan_whose_homeless_pods_find_no_room_is_not_carried_out() -> None:
