@@ -29,12 +29,14 @@ from descheduler.rescue import (
     Move,
     Stay,
     Stuck,
+    copy_alive,
     copy_name,
     destination,
     down_for,
     is_copy_of,
     pod_copy,
     stuck_pods,
+    unfinished_moves,
     within_limits,
 )
 from kubekit import keys, metrics
@@ -181,6 +183,13 @@ class Descheduler:
                 await self._move(move)
             except API_ERRORS as error:
                 await self._move_failed(move.stuck, error)
+        handled = {s.uid for s in stuck}
+        for original, copy in unfinished_moves(self.pods.items()):
+            if str(original["metadata"]["uid"]) not in handled:
+                try:
+                    await self._finish_move(original, copy)
+                except API_ERRORS as error:
+                    log.warning("%s: original not deleted: %s", object_key(original), error)
         waiting = [
             w
             for w in waiting_pods(self.pods.items(), now, self.policy)
@@ -331,6 +340,19 @@ class Descheduler:
             f"({move.to} can run it)",
         )
 
+    async def _finish_move(self, original: JSON, copy: JSON) -> None:
+        where = f"pod {copy['metadata']['name']} on {copy['spec'].get('nodeName')}"
+        if self.dry_run:
+            print(f"dry run: {object_key(original)}: delete, its copy is {where}", flush=True)
+            return
+        log.info("%s: its copy is %s; deleting the original", object_key(original), where)
+        await self.client.delete_exact(PODS, original)
+        await self._event(
+            original,
+            "Rescheduled",
+            f"re-created as {where} by a move cut short before the original went",
+        )
+
     async def _copy(self, move: Move) -> None:
         stuck = move.stuck
         copy = pod_copy(stuck.pod, move.to)
@@ -342,15 +364,20 @@ class Descheduler:
                 raise
             # A copy made by an earlier try, not yet in the cache.
             made = await self.client.get(PODS, name, namespace)
-            if not is_copy_of(made, stuck.pod):
-                await self._event(
-                    stuck.pod,
-                    "NotRescheduled",
-                    f"{stuck.describe()}; cannot re-create it: pod {name} exists and is not "
-                    "its copy",
-                    warning=True,
-                )
-                return
+        why = (
+            f"pod {name} exists and is not its copy"
+            if not is_copy_of(made, stuck.pod)
+            else None
+            if copy_alive(made)
+            else f"its copy {name} has failed or is being deleted"
+        )
+        if why is not None:
+            # Said once while it stays so; the original is the one left running.
+            self._blocked[stuck.uid] = self.clock() + BLOCKED_RETRY_SECONDS
+            await self._say_once(
+                stuck.pod, "NotRescheduled", f"stuck in {stuck.node}; not re-created: {why}"
+            )
+            return
         await self.client.delete_exact(PODS, stuck.pod)
         await self._event(
             stuck.pod,

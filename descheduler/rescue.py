@@ -269,3 +269,31 @@ def pod_copy(pod: Mapping[str, Any], to: str) -> JSON:
 def is_copy_of(candidate: Mapping[str, Any], original: Mapping[str, Any]) -> bool:
     annotations = candidate["metadata"].get("annotations") or {}
     return bool(annotations.get(keys.COPY_OF_ANNOTATION) == original["metadata"]["uid"])
+
+
+def copy_alive(copy: Mapping[str, Any]) -> bool:
+    """A copy the original may go for: not failed, not being deleted."""
+    phase = (copy.get("status") or {}).get("phase")
+    return phase != "Failed" and not copy["metadata"].get("deletionTimestamp")
+
+
+def unfinished_moves(pods: Iterable[Mapping[str, Any]]) -> list[tuple[JSON, JSON]]:
+    """(original, copy) of the bare pods whose copy was made and runs on, but which were
+    not deleted after it (the delete failed, or the process stopped between the two): the
+    move was decided, and left so, both would run for ever once the original is no
+    longer stuck (its cluster back, say). In key order of the originals."""
+    listed = list(pods)
+    by_uid = {str(pod["metadata"].get("uid")): pod for pod in listed}
+    found = []
+    for copy in listed:
+        uid = (copy["metadata"].get("annotations") or {}).get(keys.COPY_OF_ANNOTATION)
+        original = by_uid.get(str(uid)) if uid else None
+        if (
+            original is not None
+            and not original["metadata"].get("deletionTimestamp")
+            and copy["metadata"].get("namespace") == original["metadata"].get("namespace")
+            and copy["metadata"].get("name") == copy_name(original)
+            and copy_alive(copy)
+        ):
+            found.append((dict(original), dict(copy)))
+    return sorted(found, key=lambda pair: object_key(pair[0]))

@@ -33,6 +33,7 @@ from descheduler.rescue import (
     pod_copy,
     stuck_pods,
     taint_deletion_at,
+    unfinished_moves,
     within_limits,
 )
 from kubekit import keys
@@ -665,6 +666,48 @@ async def test_a_name_taken_by_another_pod_stops_the_copy() -> None:
     await world.descheduler.cycle()
     assert ("delete", "apps/solo") not in world.client.calls
     assert world.reasons() == ["NotRescheduled"]
+    world.moment += 31
+    await world.descheduler.cycle()
+    assert world.reasons() == ["NotRescheduled"], "said once while it stays so"
+
+
+async def test_a_copy_that_failed_or_goes_never_takes_the_original_with_it() -> None:
+    for ending in ({"status": {"phase": "Failed"}}, {"deletionTimestamp": "2026-11-23T11:00:00Z"}):
+        world = World({"vk-lower-2": NO_ROOM, "vk-lower-3": NO_ROOM})
+        solo = pod("solo", owned=False)
+        made = pod_copy(solo, "vk-lower-2")
+        made["metadata"]["uid"] = "uid-copy"
+        if "status" in ending:
+            made["status"] = ending["status"]
+        else:
+            made["metadata"] |= ending
+        world.add(solo)
+        world.add(made)
+        await world.descheduler.cycle()
+        assert ("delete", "apps/solo") not in world.client.calls, ending
+        (said,) = world.client.events
+        assert said["reason"] == "NotRescheduled"
+        assert "has failed or is being deleted" in said["message"]
+
+
+async def test_a_move_cut_short_is_finished_once_the_original_is_no_longer_stuck() -> None:
+    world = World(ROOM_IN_2)
+    solo = pod("solo", owned=False, unschedulable_for=None, phase="Running")
+    made = pod_copy(solo, "vk-lower-2")
+    made["metadata"]["uid"] = "uid-copy"
+    world.add(solo)
+    world.add(made)
+    assert unfinished_moves([solo, made]) == [(solo, made)]
+    await world.descheduler.cycle()
+    assert world.client.calls == [("delete", "apps/solo")]
+    (event,) = world.client.events
+    assert (event["reason"], event["involvedObject"]["name"]) == ("Rescheduled", "solo")
+    assert "by a move cut short" in event["message"]
+    other = pod("other", owned=False)
+    stranger = {**made, "metadata": {**made["metadata"], "name": "not-its-copy-name"}}
+    failed = {**made, "status": {"phase": "Failed"}}
+    assert unfinished_moves([other, made]) == [], "no original of that UID"
+    assert unfinished_moves([solo, stranger]) == [] and unfinished_moves([solo, failed]) == []
 
 
 async def test_a_pod_no_cluster_can_run_is_left_and_said_once() -> None:
