@@ -494,7 +494,8 @@ class Descheduler:
         )
         for pod in plan.evicted:
             try:
-                await self._evict(pod, "defragment")
+                if not await self._evict(pod, "defragment"):
+                    continue  # gone or replaced meanwhile: nobody was evicted
             except _EVICTION_FAILURES as error:
                 what = "was refused" if isinstance(error, EvictionBlocked) else "failed"
                 await self._event(

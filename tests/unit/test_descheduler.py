@@ -978,6 +978,14 @@ async def test_room_held_for_a_pod_deleted_or_bound_elsewhere_goes_back_at_once(
         assert len(world.pool.released) == (where != "vk-lower-1"), "given back once"
 
 
+async def test_a_pod_gone_before_its_eviction_is_not_said_to_be_evicted() -> None:
+    world = Fragmented()
+    world.pool.room["vk-lower-2"] = 5
+    world.client.eviction_error = ApiError(404, {"reason": "NotFound", "message": "gone"})
+    await world.descheduler.cycle()
+    assert world.reasons() == ["Defragmenting"]
+
+
 async def test_an_eviction_failing_mid_plan_stops_it_and_the_cycle_goes_on() -> None:
     world = Fragmented()
     world.pool.room["vk-lower-2"] = 5
