@@ -43,6 +43,7 @@ from virtual_node.references import DEFAULT_SERVICE_ACCOUNT
 from virtual_node.translate import (
     Ownership,
     TranslationError,
+    deletion_due,
     desired_lower_pod,
     ephemeral_containers_patch,
     host_access_refusal,
@@ -424,26 +425,23 @@ class LowerCluster:
                 return None
             raise
 
-    async def delete(self, upper: Mapping[str, Any]) -> bool:
+    async def delete(self, upper: Mapping[str, Any]) -> JSON | None:
         metadata = upper["metadata"]
         namespace = self.mapping.lower(metadata["namespace"])
         lower = self.pods.get(f"{namespace}/{metadata['name']}") or await self._get_live(
             namespace, metadata["name"]
         )
         if lower is None or not self.owner.owns(lower):
-            return True
+            return None
         if (lower["metadata"].get("annotations") or {}).get(keys.UPPER_UID_ANNOTATION) != metadata[
             "uid"
         ]:
-            return True  # not this pod's
-        if not lower["metadata"].get("deletionTimestamp"):
-            await self.client.delete_exact(
-                PODS,
-                lower,
-                grace_period_seconds=upper["metadata"].get("deletionGracePeriodSeconds"),
-            )
+            return None  # not this pod's
+        grace = upper["metadata"].get("deletionGracePeriodSeconds")
+        if deletion_due(lower, grace):
+            await self.client.delete_exact(PODS, lower, grace_period_seconds=grace)
         # Gone once the lower informer reports the delete, which wakes this key again.
-        return False
+        return upper_status(lower, upper, self.host_ip)
 
     async def remove_orphan(self, upper_key: str, grace_period_seconds: int | None) -> None:
         try:
@@ -454,7 +452,7 @@ class LowerCluster:
         if (
             lower is not None
             and self.owner.owns(lower)
-            and not lower["metadata"].get("deletionTimestamp")
+            and deletion_due(lower, grace_period_seconds)
         ):
             log.info("removing orphan lower pod %s", lower_key)
             await self.client.delete_exact(PODS, lower, grace_period_seconds=grace_period_seconds)

@@ -16,7 +16,7 @@ from kubekit.informer import FunctionHandler, Informer, object_key, resource_ver
 from kubekit.podevents import record_pod_event
 from kubekit.timestamps import now_rfc3339
 from kubekit.workqueue import WorkQueue
-from virtual_node.translate import failed_status, refused_status
+from virtual_node.translate import failed_status, refused_status, terminated_status
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +77,9 @@ class PodBackend(Protocol):
         the upper pod's version changes."""
         ...
 
-    async def delete(self, upper: Mapping[str, Any]) -> bool:
-        """Starts or continues deleting the lower pod; True once it is gone."""
+    async def delete(self, upper: Mapping[str, Any]) -> JSON | None:
+        """Starts or continues deleting the lower pod: the upper pod's status as the lower
+        pod reports it while it ends, None once it is gone."""
         ...
 
     async def remove_orphan(self, upper_key: str, grace_period_seconds: int | None) -> None:
@@ -152,7 +153,15 @@ class PodController:
             return
         self._deleted_grace.pop(key, None)
         if upper["metadata"].get("deletionTimestamp"):
-            if await self.backend.delete(upper):
+            ending = await self.backend.delete(upper)
+            if ending is not None:
+                # The containers' shutdown below shows above, exit codes included.
+                await self._set_status(upper, ending)
+                return
+            # Gone below. A kubelet's last word on a deleted pod is a terminal phase,
+            # which a Job's finalizer waits for; only then does the pod go.
+            terminated = terminated_status(upper, now_rfc3339())
+            if await self._set_status(upper, terminated) is not None:
                 await self.upper.delete_exact(PODS, upper, grace_period_seconds=0)
             return
         result = await self.backend.sync(upper)

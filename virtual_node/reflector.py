@@ -129,11 +129,10 @@ class Reflector:
     def _pod_changed(self, pod: Mapping[str, Any]) -> None:
         key = object_key(pod)
         namespace = pod["metadata"]["namespace"]
-        if pod["metadata"].get("deletionTimestamp") or (pod.get("status") or {}).get("phase") in {
-            "Succeeded",
-            "Failed",
-        }:
-            self._pod_gone(pod)  # a pod on its way out needs nothing more
+        if (pod.get("status") or {}).get("phase") in {"Succeeded", "Failed"}:
+            # Ended: it needs nothing more. A pod being deleted still does while its lower
+            # copy shuts down (its token, its volumes); it ends, or goes, after that.
+            self._pod_gone(pod)
             return
         labels = pod["metadata"].get("labels") or {}
         self._pod_labels.setdefault(namespace, {})[key] = labels

@@ -564,6 +564,68 @@ def refused_status(upper: Mapping[str, Any], reason: str, message: str, now: str
     return status
 
 
+def deletion_due(lower: Mapping[str, Any], grace: int | None) -> bool:
+    """Whether the lower pod is to be deleted (again) for an upper deletion with this
+    grace: not being deleted yet, or with a longer grace than the upper pod has now (a
+    second `kubectl delete --grace-period` shortens it, `--force` makes it 0, as a
+    kubelet honours)."""
+    metadata = lower["metadata"]
+    if not metadata.get("deletionTimestamp"):
+        return True
+    current = metadata.get("deletionGracePeriodSeconds")
+    return grace is not None and isinstance(current, int) and grace < current
+
+
+_UNKNOWN_END = {
+    "reason": "ContainerStatusUnknown",
+    "message": "The container could not be located when the pod was terminated",
+    "exitCode": 137,
+}
+
+
+def terminated_status(upper: Mapping[str, Any], now: str) -> JSON:
+    """The upper pod's last status once its lower copy is gone for its deletion: what a
+    kubelet writes before it lets a deleted pod go (its status manager's TerminatePod),
+    which the Job controller waits for before it removes its finalizer. A container whose
+    end was not seen is terminated with an unknown status (exit 137), and a pod not in a
+    terminal phase yet is Failed, never Succeeded on a guess."""
+    status: JSON = json_copy(upper.get("status") or {})
+    if status.get("phase") in ("Succeeded", "Failed"):
+        return status
+    for field, ended in (("initContainerStatuses", _started), ("containerStatuses", _any)):
+        for container in status.get(field) or []:
+            state = container.get("state") or {}
+            if "terminated" not in state and ended(state):
+                container["state"] = {"terminated": {**_UNKNOWN_END, "finishedAt": now}}
+                container["ready"] = False
+                container["started"] = False
+    status["phase"] = "Failed"
+    conditions = []
+    for condition in status.get("conditions") or []:
+        if condition.get("type") in ("Ready", "ContainersReady"):
+            changed = condition.get("status") != "False"
+            condition = {
+                **condition,
+                "status": "False",
+                "reason": "PodFailed",
+                "lastTransitionTime": now if changed else condition.get("lastTransitionTime"),
+            }
+            condition.pop("message", None)
+        conditions.append(condition)
+    if conditions:
+        status["conditions"] = conditions
+    return status
+
+
+def _started(state: Mapping[str, Any]) -> bool:
+    # An init container never started is left waiting, as a kubelet leaves it.
+    return "waiting" not in state
+
+
+def _any(state: Mapping[str, Any]) -> bool:
+    return True
+
+
 def failed_status(upper: Mapping[str, Any], reason: str, message: str) -> JSON:
     status: JSON = json_copy(upper.get("status") or {})
     status.update({"phase": "Failed", "reason": reason, "message": message})

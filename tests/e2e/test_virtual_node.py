@@ -364,6 +364,58 @@ def test_force_deleted_upper_pods_are_force_deleted_below(federation: Federation
     assert deletion_graces(watched_pods("".join(output))) == dict.fromkeys(names, 0)
 
 
+def test_a_jobs_pod_deleted_above_ends_failed_and_the_job_replaces_it(
+    federation: Federation,
+) -> None:
+    """A Job with a pod failure policy lets a deleted pod go (its finalizer) and replaces
+    it only once the pod's phase is terminal, which a kubelet writes before the pod goes:
+    without it the pod stayed Terminating, Running, and the Job waited for ever."""
+    upper = federation.upper
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "finisher", "namespace": "jobs"},
+        "spec": {
+            "backoffLimit": 3,
+            "podFailurePolicy": {
+                "rules": [{"action": "FailJob", "onExitCodes": {"operator": "In", "values": [42]}}]
+            },
+            "template": {
+                "spec": {
+                    "nodeName": "vk-lower-1",
+                    "restartPolicy": "Never",
+                    "terminationGracePeriodSeconds": 5,
+                    "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10"}],
+                }
+            },
+        },
+    }
+    apply(upper, namespace("jobs"), job)
+    try:
+
+        def running() -> list[str]:
+            pods = pods_by_name(upper, "jobs", "job-name=finisher")
+            return [
+                name
+                for name, pod in pods.items()
+                if pod["status"].get("phase") == "Running"
+                and not pod["metadata"].get("deletionTimestamp")
+            ]
+
+        (first,) = wait_for(running, "the Job's pod Running")
+        upper.kubectl("delete", "pod", first, "-n", "jobs", "--wait=false")
+        wait_for(
+            lambda: first not in pods_by_name(upper, "jobs", "job-name=finisher"),
+            f"the deleted pod {first} gone above",
+        )
+        (second,) = wait_for(running, "the Job's next pod Running")
+        assert second != first
+        status = get_json(upper, "job", "finisher", "-n", "jobs")["status"]
+        assert status.get("failed") == 1, status
+    finally:
+        upper.kubectl("delete", "namespace", "jobs", "--wait=false")
+
+
 def test_name_taken_below_by_someone_else_fails_the_pod_and_leaves_theirs(
     federation: Federation,
 ) -> None:

@@ -25,8 +25,8 @@ class RecordingBackend:
     def mirror_version(self, upper_key: str) -> str | None:
         return None
 
-    async def delete(self, upper: Mapping[str, Any]) -> bool:
-        return False
+    async def delete(self, upper: Mapping[str, Any]) -> dict[str, Any] | None:
+        return upper.get("status") or {}
 
     async def remove_orphan(self, upper_key: str, grace_period_seconds: int | None) -> None:
         self.orphans.append((upper_key, grace_period_seconds))

@@ -313,13 +313,21 @@ async def test_a_finished_pod_is_never_run_again(mirroring: Mirroring) -> None:
     assert mirroring.lower.requests == [] and mirroring.upper.requests == []
 
 
-async def test_a_deletion_above_goes_below_first_with_its_grace(mirroring: Mirroring) -> None:
+def deleting(grace: int, **status: Any) -> dict[str, Any]:
     pod = upper_pod()
     pod["metadata"] |= {
         "deletionTimestamp": "2026-11-25T08:00:00Z",
-        "deletionGracePeriodSeconds": 17,
+        "deletionGracePeriodSeconds": grace,
     }
-    mirroring.above(pod)
+    pod["status"] = status
+    return pod
+
+
+RUNNING_CONTAINER = {"name": "app", "ready": True, "state": {"running": {}}}
+
+
+async def test_a_deletion_above_goes_below_first_with_its_grace(mirroring: Mirroring) -> None:
+    mirroring.above(deleting(17, phase="Running"))
     mirroring.below(lower_pod(phase="Running"))
     await mirroring.controller.reconcile("shop/web")
     (delete,) = [r for r in mirroring.lower.requests if r.method == "DELETE"]
@@ -333,6 +341,69 @@ async def test_a_deletion_above_goes_below_first_with_its_grace(mirroring: Mirro
     (upper_delete,) = [r for r in mirroring.upper.requests if r.method == "DELETE"]
     assert upper_delete.body["gracePeriodSeconds"] == 0
     assert upper_delete.body["preconditions"] == {"uid": "upper-pod-uid"}
+
+
+async def test_a_shorter_grace_or_a_force_delete_above_shortens_the_one_below(
+    mirroring: Mirroring,
+) -> None:
+    ending = lower_pod(phase="Running")
+    ending["metadata"] |= {
+        "deletionTimestamp": "2026-11-25T09:00:00Z",
+        "deletionGracePeriodSeconds": 3600,
+    }
+    mirroring.above(deleting(5, phase="Running"))
+    mirroring.below(ending)
+    await mirroring.controller.reconcile("shop/web")
+    (delete,) = [r for r in mirroring.lower.requests if r.method == "DELETE"]
+    assert delete.body["gracePeriodSeconds"] == 5
+    mirroring.lower.requests.clear()
+    # Forced above: the upper pod is gone at once, and the lower one goes with grace 0.
+    mirroring.above(deleting(0, phase="Running"), "DELETED")
+    await mirroring.controller.reconcile("shop/web")
+    (forced,) = [r for r in mirroring.lower.requests if r.method == "DELETE"]
+    assert forced.body["gracePeriodSeconds"] == 0
+
+
+async def test_a_deleted_pod_shows_its_containers_end_then_a_terminal_phase_before_it_goes(
+    mirroring: Mirroring,
+) -> None:
+    """As a kubelet: the Job controller lets a pod go only once its phase is terminal."""
+    mirroring.above(deleting(30, phase="Running", containerStatuses=[RUNNING_CONTAINER]))
+    ended = {
+        "name": "app",
+        "ready": False,
+        "state": {"terminated": {"exitCode": 143, "reason": "Error"}},
+    }
+    mirroring.below(lower_pod(phase="Running", containerStatuses=[ended]))
+    await mirroring.controller.reconcile("shop/web")
+    (shutdown,) = mirroring.upper_statuses()
+    assert shutdown["containerStatuses"] == [ended], "the exit code comes up as it happens"
+    mirroring.above(deleting(30, **shutdown), "MODIFIED")
+    mirroring.below(lower_pod(phase="Running"), "DELETED")
+    mirroring.lower.answer("GET", f"{LOWER_POD_PATH}/web", not_found("pods", "web"))
+    await mirroring.controller.reconcile("shop/web")
+    last = mirroring.upper_statuses()[-1]
+    assert last["phase"] == "Failed" and last["containerStatuses"] == [ended]
+    writes = mirroring.upper.writes()
+    assert writes[-2:] == [
+        ("PUT", UPPER_STATUS_PATH),
+        ("DELETE", "/api/v1/namespaces/shop/pods/web"),
+    ], "the terminal phase first, then the pod goes"
+
+
+async def test_a_pod_whose_lower_copy_went_unseen_ends_failed_with_its_containers_unknown(
+    mirroring: Mirroring,
+) -> None:
+    mirroring.above(deleting(30, phase="Running", containerStatuses=[RUNNING_CONTAINER]))
+    mirroring.lower.answer("GET", f"{LOWER_POD_PATH}/web", not_found("pods", "web"))
+    await mirroring.controller.reconcile("shop/web")
+    (last,) = mirroring.upper_statuses()
+    assert last["phase"] == "Failed"
+    (container,) = last["containerStatuses"]
+    terminated = container["state"]["terminated"]
+    assert (terminated["reason"], terminated["exitCode"]) == ("ContainerStatusUnknown", 137)
+    assert not container["ready"]
+    assert mirroring.upper.writes("DELETE") == [("DELETE", "/api/v1/namespaces/shop/pods/web")]
 
 
 async def test_an_unreachable_lower_cluster_is_retried_and_changes_nothing_above(

@@ -215,6 +215,26 @@ async def test_a_pod_that_finished_needs_nothing_more() -> None:
     assert r.created(ACCOUNTS) == []
 
 
+async def test_a_pod_being_deleted_keeps_what_it_uses_until_it_ends() -> None:
+    """Its lower copy still shuts down (its token, its volumes) until it is gone."""
+    r = reflecting()
+    r.above("serviceaccounts", account())
+    r.above(None, pod(serviceAccountName="builder"))
+    await r.drain()
+    (copy,) = r.created(ACCOUNTS)
+    r.below("serviceaccounts", {**copy, "metadata": {**copy["metadata"], "uid": "lower-sa"}})
+    r.lower.requests.clear()
+    ending = pod(serviceAccountName="builder")
+    ending["metadata"]["deletionTimestamp"] = "2026-11-27T10:00:00Z"
+    r.above(None, ending, "MODIFIED")
+    await r.drain()
+    assert r.lower.writes() == []
+    ending["status"]["phase"] = "Failed"
+    r.above(None, ending, "MODIFIED")
+    await r.drain()
+    assert r.lower.writes() == [("DELETE", f"{ACCOUNTS}/builder")]
+
+
 def named(kind: str, name: str, **fields: Any) -> dict[str, Any]:
     metadata = {"name": name, "namespace": "shop", "uid": f"{name}-uid", "resourceVersion": "1"}
     return {"kind": kind, "metadata": metadata, **fields}

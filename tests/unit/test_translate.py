@@ -12,6 +12,7 @@ from virtual_node.naming import NamespaceMapping, NamingError
 from virtual_node.translate import (
     Ownership,
     TranslationError,
+    deletion_due,
     desired_lower_pod,
     ephemeral_containers_patch,
     host_access,
@@ -19,6 +20,7 @@ from virtual_node.translate import (
     pinned_to,
     refused_status,
     resize_patch,
+    terminated_status,
     upper_status,
     uses_unmodelled_filters,
 )
@@ -783,3 +785,57 @@ def test_host_access_names_everything_that_reaches_into_the_node() -> None:
         "host port 8080 of container 'app'",
     ]
     assert host_access(upper_pod()["spec"]) == []
+
+
+def test_a_deleted_pod_ends_as_a_kubelet_ends_it() -> None:
+    pod = upper_pod()
+    ready = {"status": "True", "lastTransitionTime": "2026-11-27T09:00:00Z"}
+    pod["status"] = {
+        "phase": "Running",
+        "conditions": [
+            {"type": "Ready", **ready},
+            {"type": "ContainersReady", **ready},
+            {"type": "PodScheduled", **ready},
+        ],
+        "initContainerStatuses": [
+            {"name": "done", "state": {"terminated": {"exitCode": 0}}},
+            {"name": "never", "state": {"waiting": {"reason": "PodInitializing"}}},
+        ],
+        "containerStatuses": [
+            {"name": "ended", "ready": False, "state": {"terminated": {"exitCode": 0}}},
+            {"name": "running", "ready": True, "started": True, "state": {"running": {}}},
+        ],
+    }
+    status = terminated_status(pod, "2026-11-27T10:00:00Z")
+    assert status["phase"] == "Failed", "never Succeeded on a guess"
+    assert [c["state"] for c in status["initContainerStatuses"]] == [
+        {"terminated": {"exitCode": 0}},
+        {"waiting": {"reason": "PodInitializing"}},
+    ], "an init container never started stays waiting"
+    ended, running = status["containerStatuses"]
+    assert ended["state"] == {"terminated": {"exitCode": 0}}
+    assert running["state"]["terminated"] == {
+        "reason": "ContainerStatusUnknown",
+        "message": "The container could not be located when the pod was terminated",
+        "exitCode": 137,
+        "finishedAt": "2026-11-27T10:00:00Z",
+    }
+    assert (running["ready"], running["started"]) == (False, False)
+    by_type = {c["type"]: c for c in status["conditions"]}
+    for kind in ("Ready", "ContainersReady"):
+        assert by_type[kind]["status"] == "False" and by_type[kind]["reason"] == "PodFailed"
+        assert by_type[kind]["lastTransitionTime"] == "2026-11-27T10:00:00Z"
+    assert by_type["PodScheduled"]["status"] == "True"
+    assert pod["status"]["phase"] == "Running", "the pod itself untouched"
+    pod["status"]["phase"] = "Succeeded"
+    assert terminated_status(pod, "2026-11-27T10:00:00Z") == pod["status"], "ended already"
+
+
+def test_a_lower_pod_is_deleted_again_only_for_a_shorter_grace() -> None:
+    lower: dict[str, Any] = {"metadata": {"name": "web-1"}}
+    assert deletion_due(lower, None) and deletion_due(lower, 30)
+    lower["metadata"] |= {"deletionTimestamp": "2026-11-27T10:00:00Z"}
+    lower["metadata"]["deletionGracePeriodSeconds"] = 30
+    assert deletion_due(lower, 5) and deletion_due(lower, 0)
+    assert not deletion_due(lower, 30) and not deletion_due(lower, 60)
+    assert not deletion_due(lower, None), "nothing known above: the lower grace stands"
