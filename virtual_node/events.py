@@ -36,14 +36,17 @@ def upper_event(
     lower_event: Mapping[str, Any], lower_pod: Mapping[str, Any], owner: Ownership, cluster_id: str
 ) -> JSON | None:
     """The upper copy of a lower event about one of our pods (pure); None when the pod is
-    not ours. Its name derives from the lower event's UID so a restart updates rather
-    than duplicates it; it carries our ownership labels so a restart can list the copies
-    it made."""
+    not ours, or the event is about an earlier pod of its name. Its name derives from the
+    lower event's UID so a restart updates rather than duplicates it; it carries our
+    ownership labels so a restart can list the copies it made."""
     annotations = lower_pod["metadata"].get("annotations") or {}
     namespace = annotations.get(keys.UPPER_NAMESPACE_ANNOTATION)
     uid = annotations.get(keys.UPPER_UID_ANNOTATION)
     if not namespace or not uid:
         return None
+    about = (lower_event.get("involvedObject") or {}).get("uid")
+    if about and about != lower_pod["metadata"].get("uid"):
+        return None  # about an earlier pod of that name, not this one's upper pod
     name = lower_pod["metadata"]["name"]
     source = dict(lower_event.get("source") or {})
     source["component"] = (

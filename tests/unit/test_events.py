@@ -8,6 +8,7 @@ LOWER_POD = {
     "metadata": {
         "name": "web-1",
         "namespace": "east-shop",
+        "uid": "lower-uid",
         "annotations": {
             keys.UPPER_NAMESPACE_ANNOTATION: "shop",
             keys.UPPER_UID_ANNOTATION: "upper-uid",
@@ -48,6 +49,16 @@ def test_lower_event_becomes_an_event_on_the_upper_pod() -> None:
     }
     assert (event["type"], event["reason"], event["count"]) == ("Warning", "BackOff", 3)
     assert event["source"] == {"component": "kubelet (lower cluster lower-1)", "host": "node-7"}
+
+
+def test_an_event_about_an_earlier_pod_of_the_name_is_not_copied() -> None:
+    """A pod made again under its name (a StatefulSet's) must not show the old one's."""
+    lower = {
+        "metadata": {"name": "web-1.abc", "namespace": "east-shop", "uid": "e-1"},
+        "involvedObject": {"kind": "Pod", "name": "web-1", "uid": "the-pod-before"},
+        "reason": "Killing",
+    }
+    assert upper_event(lower, LOWER_POD, OWNER, "lower-1") is None
 
 
 def test_pod_without_ownership_annotations_gets_nothing() -> None:
