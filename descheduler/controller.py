@@ -150,9 +150,11 @@ class Descheduler:
         plans carried out for waiting ones."""
         now, virtual_nodes = self.now(), self._virtual_nodes()
         moment = self.clock()
+        # Read once: the cache decodes each pod on every read.
+        pods = list(self.pods.items())
         stuck = [
             s
-            for s in stuck_pods(self.pods.items(), virtual_nodes, now, self.policy)
+            for s in stuck_pods(pods, virtual_nodes, now, self.policy)
             if self._blocked.get(s.uid, 0.0) <= moment
         ]
         # A bare pod whose copy an earlier try made (cut short before the original went)
@@ -184,7 +186,7 @@ class Descheduler:
             except API_ERRORS as error:
                 await self._move_failed(move.stuck, error)
         handled = {s.uid for s in stuck}
-        for original, copy in unfinished_moves(self.pods.items()):
+        for original, copy in unfinished_moves(pods):
             if str(original["metadata"]["uid"]) not in handled:
                 try:
                     await self._finish_move(original, copy)
@@ -192,7 +194,7 @@ class Descheduler:
                     log.warning("%s: original not deleted: %s", object_key(original), error)
         waiting = [
             w
-            for w in waiting_pods(self.pods.items(), now, self.policy)
+            for w in waiting_pods(pods, now, self.policy)
             if self._holding.get(w.uid, (0.0, ""))[0] <= moment
         ]
         plans = []

@@ -592,13 +592,20 @@ def terminated_status(upper: Mapping[str, Any], now: str) -> JSON:
     status: JSON = json_copy(upper.get("status") or {})
     if status.get("phase") in ("Succeeded", "Failed"):
         return status
-    for field, ended in (("initContainerStatuses", _started), ("containerStatuses", _any)):
-        for container in status.get(field) or []:
-            state = container.get("state") or {}
-            if "terminated" not in state and ended(state):
-                container["state"] = {"terminated": {**_UNKNOWN_END, "finishedAt": now}}
-                container["ready"] = False
-                container["started"] = False
+    inits, regulars = (
+        status.get("initContainerStatuses") or [],
+        status.get("containerStatuses") or [],
+    )
+    # As the kubelet: init containers never started stay waiting, and so do the others
+    # until the pod has initialized.
+    ending = [c for c in inits if _started(c)]
+    if _initialized(upper, inits, regulars):
+        ending += regulars
+    for container in ending:
+        if "terminated" not in (container.get("state") or {}):
+            container["state"] = {"terminated": {**_UNKNOWN_END, "finishedAt": now}}
+            container["ready"] = False
+            container["started"] = False
     status["phase"] = "Failed"
     conditions = []
     for condition in status.get("conditions") or []:
@@ -617,13 +624,19 @@ def terminated_status(upper: Mapping[str, Any], now: str) -> JSON:
     return status
 
 
-def _started(state: Mapping[str, Any]) -> bool:
-    # An init container never started is left waiting, as a kubelet leaves it.
-    return "waiting" not in state
+def _started(container: Mapping[str, Any]) -> bool:
+    return "waiting" not in (container.get("state") or {})
 
 
-def _any(state: Mapping[str, Any]) -> bool:
-    return True
+def _initialized(pod: Mapping[str, Any], inits: list[JSON], regulars: list[JSON]) -> bool:
+    """The kubelet's hasPodInitialized: no init containers, a regular container started
+    once, or the last init container done."""
+    if not (pod.get("spec") or {}).get("initContainers"):
+        return True
+    if any(_started(c) or "terminated" in (c.get("lastState") or {}) for c in regulars):
+        return True
+    last = ((inits[-1].get("state") or {}).get("terminated") or {}) if inits else {}
+    return bool(last) and last.get("exitCode") == 0
 
 
 def failed_status(upper: Mapping[str, Any], reason: str, message: str) -> JSON:

@@ -831,6 +831,21 @@ def test_a_deleted_pod_ends_as_a_kubelet_ends_it() -> None:
     assert terminated_status(pod, "2026-11-27T10:00:00Z") == pod["status"], "ended already"
 
 
+def test_a_deleted_pod_that_never_initialized_leaves_its_containers_waiting() -> None:
+    pod = upper_pod(initContainers=[{"name": "setup", "image": "i"}])
+    waiting = {"waiting": {"reason": "PodInitializing"}}
+    pod["status"] = {
+        "phase": "Pending",
+        "initContainerStatuses": [{"name": "setup", "state": {"running": {}}}],
+        "containerStatuses": [{"name": "app", "ready": False, "state": waiting}],
+    }
+    status = terminated_status(pod, "2026-11-27T10:00:00Z")
+    assert status["phase"] == "Failed"
+    (setup,) = status["initContainerStatuses"]
+    assert setup["state"]["terminated"]["reason"] == "ContainerStatusUnknown"
+    assert status["containerStatuses"][0]["state"] == waiting
+
+
 def test_a_lower_pod_is_deleted_again_only_for_a_shorter_grace() -> None:
     lower: dict[str, Any] = {"metadata": {"name": "web-1"}}
     assert deletion_due(lower, None) and deletion_due(lower, 30)
