@@ -81,6 +81,13 @@ def _exclusive(
     return exclusive
 
 
+@dataclass(frozen=True)
+class _Reservation:
+    until: float
+    # The pod as it would be made below: what it takes of a quota made meanwhile.
+    lower: JSON
+
+
 class QueryError(ValueError):
     """A pod in a query that cannot be judged."""
 
@@ -123,8 +130,8 @@ class FitEstimator:
         self.mapping = mapping
         self.owner = owner
         self.clock = clock
-        # UID -> when the extender's reservation lapses; not yet bound here.
-        self._reserved: dict[str, float] = {}
+        # UID -> the extender's reservation (or a hold); not yet bound here.
+        self._reserved: dict[str, _Reservation] = {}
         # Bound to this virtual node, lower copy not yet on a lower node.
         self._in_flight: set[str] = set()
         # Lower copy bound to a lower node: the real pod counts, never an assumption.
@@ -202,15 +209,20 @@ class FitEstimator:
 
     @_exclusive
     def _quota_changed(self, quota: JSON) -> None:
-        if not self.quotas.quota_changed(quota) or self._upper_pods is None:
+        if not self.quotas.quota_changed(quota):
             return
-        # A namespace newly held to a quota: its pods not yet made below count from now.
-        upper_namespace = self.mapping.upper(str(quota["metadata"].get("namespace", "")))
-        if upper_namespace is None:
+        # A namespace newly held to a quota: its pods not yet made below count from now,
+        # those holding room first (bound, they count by their reservation).
+        namespace = str(quota["metadata"].get("namespace", ""))
+        for uid, held in self._reserved.items():
+            if held.lower["metadata"]["namespace"] == namespace:
+                self.quotas.count(uid, namespace, quota_usage(held.lower))
+        upper_namespace = self.mapping.upper(namespace)
+        if upper_namespace is None or self._upper_pods is None:
             return
         for pod in self._upper_pods.items(upper_namespace):
             uid = pod["metadata"]["uid"]
-            if (uid in self._in_flight or uid in self._reserved) and uid not in self._lower_keys:
+            if uid in self._in_flight and uid not in self._lower_keys:
                 self._count_against_quota(uid, pod)
 
     @_exclusive
@@ -445,7 +457,7 @@ class FitEstimator:
         unbound = bool(uid) and uid not in self._in_flight and uid not in self._landed
         if reserve and unbound and room is not None:
             self.state.assume(uid, facts, room)
-            self._reserved[uid] = self.clock() + RESERVATION_SECONDS
+            self._reserved[uid] = _Reservation(self.clock() + RESERVATION_SECONDS, lower)
             if amount is not None:
                 self.budgets.count(uid, namespace, amount)
             if usage is not None:
@@ -482,7 +494,7 @@ class FitEstimator:
             if over_quota:
                 raise QueryError(over_quota)
         self.state.assume(uid, facts, node)
-        self._reserved[uid] = self.clock() + seconds
+        self._reserved[uid] = _Reservation(self.clock() + seconds, lower)
         if amount is not None:
             self.budgets.count(uid, namespace, amount)
         if usage is not None:
@@ -539,7 +551,7 @@ class FitEstimator:
     @_exclusive
     def expire(self) -> None:
         now = self.clock()
-        for uid in [uid for uid, until in self._reserved.items() if until <= now]:
+        for uid in [uid for uid, held in self._reserved.items() if held.until <= now]:
             del self._reserved[uid]
             self._unreserve(uid)
 

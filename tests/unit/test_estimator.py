@@ -522,6 +522,16 @@ def test_a_pod_holding_room_then_refused_gives_the_room_back() -> None:
     assert cluster.fits("4") == 1, "big is free again before the reservation would lapse"
 
 
+def test_a_quota_that_appears_while_a_pod_holds_room_counts_it_through_its_binding() -> None:
+    cluster = Cluster()
+    held = upper_pod("held", "1")
+    assert cluster.estimator.answer(orjson.dumps(held), reserve=True).reserved_node
+    quota_watched(cluster, lower_quota({"pods": "2"}, {}))
+    assert cluster.fits("100m", replicas=10) == 1, "2 less the one holding room"
+    cluster.upper_pods.apply({"type": "ADDED", "object": held})
+    assert cluster.fits("100m", replicas=10) == 1, "bound, still counted once"
+
+
 def test_pods_bound_before_their_namespace_s_quota_is_seen_count_once_it_is() -> None:
     cluster = Cluster()
     cluster.upper_pods.apply({"type": "ADDED", "object": upper_pod("early", "1")})
