@@ -339,6 +339,22 @@ async def test_spdy_port_forward_pairs_streams_by_request_id(kubelet: Kubelet) -
     await asyncio.wait_for(connection.closed.wait(), TIMEOUT)
 
 
+async def test_a_forwarded_connection_the_client_closed_closes_the_pods_soon(
+    kubelet: Kubelet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server_module, "CLIENT_DONE_GRACE", 0.05)
+    async with spdy_upgrade(kubelet.server, "/portForward/default/p", "portforward.k8s.io") as peer:
+        error = peer.open(streamtype="error", port="8080", requestid="0")
+        data = peer.open(streamtype="data", port="8080", requestid="0")
+        peer.send(data, b"ping", fin=True)
+        await peer.until(lambda p: p.data(data) == b"echo:ping")
+        [connection] = kubelet.provider.connections
+        # The session stays; this connection's pod side goes, and its streams end.
+        await asyncio.wait_for(connection.closed.wait(), TIMEOUT)
+        await peer.until(lambda p: p.finished(data) and p.finished(error))
+        assert not peer.eof
+
+
 async def test_half_a_port_forward_pair_is_reset_after_the_creation_timeout(
     kubelet: Kubelet, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -40,6 +40,8 @@ EXEC_SPDY_PROTOCOLS = (channels.V5_PROTOCOL, channels.V4_PROTOCOL)
 PORT_FORWARD_SPDY_PROTOCOL = "portforward.k8s.io"
 # The apiserver creates every stream right after the upgrade; 30 s is the kubelet's limit.
 STREAM_CREATION_TIMEOUT = 30.0
+# How long a forwarded port's pod side may still answer once the client stopped sending.
+CLIENT_DONE_GRACE = 1.0
 _RFC3339 = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?(Z|[+-]\d{2}:\d{2})$")
 
 
@@ -571,6 +573,12 @@ async def _forward_port(
 async def _pump_to_pod(read: Any, connection: PortConnection) -> None:
     while chunk := await read():
         await connection.send(chunk)
+    # The client is done (kubectl's local connection closed). The lower WebSocket cannot
+    # half-close, so, as the container runtime closes the pod's connection once the
+    # client's side ends, the pod gets a moment to answer and the connection goes: kept,
+    # every connection a client closed would stay open in the pod until the session ends.
+    await asyncio.sleep(CLIENT_DONE_GRACE)
+    await connection.close()
 
 
 class _ChannelSocket:
