@@ -31,6 +31,10 @@ METRICS_GROUP = "/apis/metrics.k8s.io/v1beta1"
 # Container runtimes that wrap Go's os/exec error (kwok among them) report a non-zero
 # exit as a plain failure ending in this; it is still the command's exit code.
 _GO_EXIT_STATUS = re.compile(r"exit status (\d{1,3})$")
+LOST_SESSION = (
+    "the session with the lower cluster ended before the command's exit status came; "
+    "its output may be cut short"
+)
 
 
 def container_starts(pod: Mapping[str, Any]) -> tuple[tuple[str, float], ...]:
@@ -62,9 +66,12 @@ def _lower_failure(error: ApiError) -> ProviderError:
 
 
 def exec_status(error_channel: bytes, command: tuple[str, ...]) -> bytes:
-    """The Status to report upward for what the lower error channel carried."""
+    """The Status to report upward for what the lower error channel carried. The lower
+    side writes one in every case, Success included: none means the session broke on the
+    way (the lower apiserver restarted, a proxy cut the connection), and the output seen
+    may be cut short, so it is no success."""
     if not error_channel:
-        return channels.success_status()
+        return channels.internal_error_status(LOST_SESSION)
     try:
         channels.parse_exec_status(error_channel)
     except channels.ExecFailure as failure:

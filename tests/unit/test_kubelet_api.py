@@ -640,10 +640,13 @@ def test_refuses_garbage_request(request_field: str, own_request: bytes) -> None
 COMMAND = ("sh", "-c", "exit 3")
 
 
-def test_empty_error_channel_is_success() -> None:
-    status = exec_status(b"", COMMAND)
-    assert json.loads(status) == {"metadata": {}, "status": "Success"}
-    assert channels.parse_exec_status(status) is None
+def test_an_empty_error_channel_is_a_session_cut_short_not_a_success() -> None:
+    """The lower side writes a Status in every case, Success included."""
+    status = json.loads(exec_status(b"", COMMAND))
+    assert (status["status"], status["reason"], status["code"]) == ("Failure", "InternalError", 500)
+    assert "ended before the command's exit status came" in status["message"]
+    success = channels.success_status()
+    assert exec_status(success, COMMAND) is success
 
 
 def test_non_zero_exit_code_passes_through_unchanged() -> None:

@@ -223,6 +223,20 @@ def success_status() -> bytes:
     return _encode_status({"metadata": {}, "status": "Success"})
 
 
+def internal_error_status(message: str) -> bytes:
+    """The error-channel Status of a session that failed on the way (kubectl prints its
+    message and exits 1)."""
+    return _encode_status(
+        {
+            "metadata": {},
+            "status": "Failure",
+            "message": message,
+            "reason": INTERNAL_ERROR_REASON,
+            "code": 500,
+        }
+    )
+
+
 def exit_code_status(exit_code: int, command: Sequence[str]) -> bytes:
     """The error-channel Status of a command that exited non-zero, worded as the kubelet wraps
     the container runtime's error ("error executing command [sh -c exit 3], exit code 3")."""
