@@ -25,7 +25,7 @@ from virtual_node.kubeletapi.provider import (
     ProviderError,
     RemoteProcess,
 )
-from virtual_node.naming import NamespaceMapping
+from virtual_node.naming import NamespaceMapping, NamingError
 
 METRICS_GROUP = "/apis/metrics.k8s.io/v1beta1"
 # Container runtimes that wrap Go's os/exec error (kwok among them) report a non-zero
@@ -208,8 +208,11 @@ class LowerKubelet:
 
     def _lower_path(self, pod: Mapping[str, Any], subresource: str) -> str:
         metadata = pod["metadata"]
-        namespace = self.mapping.lower(metadata["namespace"])
-        lower = self.lower_pods.get(f"{namespace}/{metadata['name']}")
+        try:
+            namespace = self.mapping.lower(metadata["namespace"])
+        except NamingError:
+            namespace = None  # never made below (TranslationFailed above)
+        lower = self.lower_pods.get(f"{namespace}/{metadata['name']}") if namespace else None
         annotations = (lower or {}).get("metadata", {}).get("annotations") or {}
         if lower is None or annotations.get(keys.UPPER_UID_ANNOTATION) != metadata["uid"]:
             raise ProviderError(
@@ -302,7 +305,10 @@ class LowerKubelet:
         mirrored = {}
         for pod in self.upper_pods.items():
             metadata = pod["metadata"]
-            lower_key = f"{self.mapping.lower(metadata['namespace'])}/{metadata['name']}"
+            try:
+                lower_key = f"{self.mapping.lower(metadata['namespace'])}/{metadata['name']}"
+            except NamingError:
+                continue  # its namespace has no name below: never made there, no usage
             mirrored[lower_key] = metrics.UpperPod(
                 metadata["namespace"],
                 metadata["name"],

@@ -16,6 +16,8 @@ from cryptography.x509.oid import NameOID
 from multidict import MultiDict
 
 from kubekit import pki
+from kubekit.client import PODS
+from kubekit.informer import Informer
 from virtual_node.kubeletapi import channels
 from virtual_node.kubeletapi.auth import User, node_attributes, user_from_certificate
 from virtual_node.kubeletapi.certificates import SIGNER, USAGES, approvable, signing_request
@@ -27,7 +29,7 @@ from virtual_node.kubeletapi.metrics import (
     prometheus_text,
     summary,
 )
-from virtual_node.kubeletapi.provider import ExecOptions, LogOptions
+from virtual_node.kubeletapi.provider import ExecOptions, LogOptions, ProviderError
 from virtual_node.kubeletapi.server import (
     BadParameter,
     error_response,
@@ -36,7 +38,8 @@ from virtual_node.kubeletapi.server import (
     parse_ports,
     running_pods,
 )
-from virtual_node.kubeletstreams import container_starts, exec_status
+from virtual_node.kubeletstreams import LowerKubelet, container_starts, exec_status
+from virtual_node.naming import NamespaceMapping
 
 # --- containerLogs query ---------------------------------------------------------------------
 
@@ -706,3 +709,28 @@ def test_container_starts_are_read_from_the_running_states() -> None:
     }
     assert container_starts(pod) == (("app", 1764000000.0),)
     assert container_starts({"status": {}}) == ()
+
+
+def test_a_pod_whose_namespace_has_no_name_below_spoils_no_other_pods_metrics() -> None:
+    """With the prefix strategy a long upper namespace has no lower name; its pod was
+    never made below (TranslationFailed) and answers 404, the others' metrics stand."""
+    upper_pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
+    lower_pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
+    long_namespace = "n" * 60
+    for namespace in ("shop", long_namespace):
+        metadata = {"name": "web", "namespace": namespace, "uid": f"uid-{namespace}"}
+        pod = {"metadata": metadata, "spec": {"nodeName": "vk-lower-1"}, "status": {}}
+        upper_pods.apply({"type": "ADDED", "object": pod})
+    kubelet = LowerKubelet(
+        "vk-lower-1",
+        upper_pods,
+        lower_pods,
+        None,  # type: ignore[arg-type]
+        NamespaceMapping("prefix", "tenant"),
+    )
+    assert list(kubelet._mirrored_by_lower_key()) == ["tenant-shop/web"]
+    stranded = kubelet.pod(long_namespace, "web")
+    assert stranded is not None
+    with pytest.raises(ProviderError) as refused:
+        kubelet._lower_path(stranded, "log")
+    assert refused.value.status == 404
