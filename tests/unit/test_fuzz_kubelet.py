@@ -653,6 +653,27 @@ async def test_a_client_leaving_while_the_lower_starts_leaves_nothing_open(
         await settled(kubelet, caplog)
 
 
+async def test_a_client_leaving_a_quiet_followed_log_closes_its_lower_stream(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No line comes after it left, so no write finds it gone: the handler looks."""
+    monkeypatch.setattr(server_module, "CLIENT_CHECK_SECONDS", 0.05)
+    provider = GatedProvider()
+    provider.gate.set()
+    async with serving(provider) as kubelet:
+        reader, writer = await asyncio.open_connection(kubelet.server.host, kubelet.server.port)
+        method, path, headers = LEAVING["logs"]
+        writer.write(request_bytes(method, path, {**headers, **AUTH}))
+        async with asyncio.timeout(TIMEOUT):
+            received = b""
+            while b"the first line" not in received:
+                received += await reader.read(4096)
+        assert provider.open_logs == 1
+        writer.transport.abort()
+        await until(lambda: provider.open_logs == 0)
+        await settled(kubelet, caplog)
+
+
 # --- oversized and slow input --------------------------------------------------------------
 
 

@@ -42,6 +42,8 @@ PORT_FORWARD_SPDY_PROTOCOL = "portforward.k8s.io"
 STREAM_CREATION_TIMEOUT = 30.0
 # How long a forwarded port's pod side may still answer once the client stopped sending.
 CLIENT_DONE_GRACE = 1.0
+# How often a log stream waiting for its container's next line looks at its client.
+CLIENT_CHECK_SECONDS = 1.0
 _RFC3339 = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?(Z|[+-]\d{2}:\d{2})$")
 
 
@@ -269,14 +271,18 @@ class KubeletServer:
         chunks = self.provider.container_logs(pod, container, options)
         # The first chunk (or the error) arrives before any header is sent, so a lower
         # failure still becomes a proper status.
-        first = await anext(chunks, b"")
+        try:
+            first = await _next_while_connected(request, chunks)
+        except ConnectionError:
+            await chunks.aclose()
+            return web.Response()  # nobody to send it to
         response = web.StreamResponse(headers={"Content-Type": "text/plain"})
         try:
             await response.prepare(request)
-            if first:
-                await response.write(first)
-            async for chunk in chunks:
+            chunk = first
+            while chunk:
                 await response.write(chunk)
+                chunk = await _next_while_connected(request, chunks)
         except (ConnectionError, ProviderError):
             pass  # the client left, or the lower stream broke after the headers went out
         finally:
@@ -568,6 +574,23 @@ async def _forward_port(
     finally:
         upstream.cancel()
         await connection.close()
+
+
+async def _next_while_connected(request: web.Request, chunks: AsyncIterator[bytes]) -> bytes:
+    """The provider's next chunk, b"" at the end. aiohttp does not cancel a handler whose
+    client left, and a followed log that stays quiet would keep its lower stream open
+    until the container wrote again (for ever, maybe): the client is looked at every
+    ``CLIENT_CHECK_SECONDS`` meanwhile. Raises ConnectionResetError once it is gone."""
+    step = asyncio.ensure_future(anext(chunks, b""))
+    while True:
+        done, _ = await asyncio.wait({step}, timeout=CLIENT_CHECK_SECONDS)
+        if done:
+            return step.result()
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            step.cancel()
+            await asyncio.wait({step})
+            raise ConnectionResetError("the client left")
 
 
 async def _pump_to_pod(read: Any, connection: PortConnection) -> None:
