@@ -206,19 +206,24 @@ class LowerKubelet:
     def pods(self) -> list[JSON]:
         return list(self.upper_pods.items())
 
+    def _lower_key(self, metadata: Mapping[str, Any]) -> str | None:
+        """The pod's key below; None when its namespace has no name there (too long for
+        the prefix: the pod was never made below, TranslationFailed above)."""
+        try:
+            return f"{self.mapping.lower(metadata['namespace'])}/{metadata['name']}"
+        except NamingError:
+            return None
+
     def _lower_path(self, pod: Mapping[str, Any], subresource: str) -> str:
         metadata = pod["metadata"]
-        try:
-            namespace = self.mapping.lower(metadata["namespace"])
-        except NamingError:
-            namespace = None  # never made below (TranslationFailed above)
-        lower = self.lower_pods.get(f"{namespace}/{metadata['name']}") if namespace else None
+        key = self._lower_key(metadata)
+        lower = self.lower_pods.get(key) if key is not None else None
         annotations = (lower or {}).get("metadata", {}).get("annotations") or {}
         if lower is None or annotations.get(keys.UPPER_UID_ANNOTATION) != metadata["uid"]:
             raise ProviderError(
                 404, f"pod {metadata['namespace']}/{metadata['name']} is not running below yet"
             )
-        return PODS.path(namespace, metadata["name"], subresource)
+        return PODS.path(lower["metadata"]["namespace"], metadata["name"], subresource)
 
     async def container_logs(
         self, pod: Mapping[str, Any], container: str, options: LogOptions
@@ -305,10 +310,9 @@ class LowerKubelet:
         mirrored = {}
         for pod in self.upper_pods.items():
             metadata = pod["metadata"]
-            try:
-                lower_key = f"{self.mapping.lower(metadata['namespace'])}/{metadata['name']}"
-            except NamingError:
-                continue  # its namespace has no name below: never made there, no usage
+            lower_key = self._lower_key(metadata)
+            if lower_key is None:
+                continue  # never made below: no usage
             mirrored[lower_key] = metrics.UpperPod(
                 metadata["namespace"],
                 metadata["name"],
