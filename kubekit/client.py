@@ -156,9 +156,21 @@ class KubeClient:
     """JSON requests to one apiserver, paced by a token bucket. Watches are not paced
     beyond their opening request, as in client-go."""
 
-    def __init__(self, api_client: k8s_client.ApiClient, limiter: TokenBucket) -> None:
+    def __init__(
+        self,
+        api_client: k8s_client.ApiClient,
+        limiter: TokenBucket,
+        streams: aiohttp.ClientSession,
+    ) -> None:
         self.api = api_client
         self.limiter = limiter
+        # Streams (exec, attach, port-forward, followed logs) hold their connection for as
+        # long as a user keeps them open: in the requests' pool, a hundred `kubectl logs
+        # -f` would leave no connection for anything else, and the next stream would wait
+        # for one to end. They get a pool of their own, unbounded as a kubelet's streams
+        # are, and are not paced by the requests' budget: each was already let through by
+        # the apiserver that sent it here.
+        self._streams = streams
         self._dialing_spare: asyncio.Task[None] | None = None
 
     @classmethod
@@ -178,18 +190,21 @@ class KubeClient:
         # ~/.netrc in a worker thread on every request: most of a busy controller's CPU.
         # A kubeconfig's proxy-url is still honoured (the library passes it per request).
         await api.rest_client.pool_manager.close()
+        context = _ssl_context(configuration)
         api.rest_client.pool_manager = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(
-                limit=settings.connections, ssl=_ssl_context(configuration)
-            ),
+            connector=aiohttp.TCPConnector(limit=settings.connections, ssl=context),
             trust_env=False,
             read_bufsize=2**21,  # watch events of large objects (etcd allows 1.5 MiB)
         )
-        return cls(api, TokenBucket(settings.qps, settings.burst))
+        streams = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ssl=context), trust_env=False
+        )
+        return cls(api, TokenBucket(settings.qps, settings.burst), streams)
 
     async def close(self) -> None:
         if self._dialing_spare is not None:
             self._dialing_spare.cancel()
+        await self._streams.close()
         await self.api.close()
 
     async def __aenter__(self) -> KubeClient:
@@ -207,11 +222,13 @@ class KubeClient:
         body: Any = None,
         content_type: str = "application/json",
         timeout: float | aiohttp.ClientTimeout | None = 60.0,
+        streaming: bool = False,
     ) -> aiohttp.ClientResponse:
         # Straight to the session rather than through the library's call_api, which
         # walks every request body in Python to "sanitize" it and encodes it again with
         # the json module: a tenth of a busy virtual node's CPU.
-        await self.limiter.acquire()
+        if not streaming:
+            await self.limiter.acquire()
         headers = {"Accept": "application/json", "Content-Type": content_type}
         await self.api.update_params_for_auth(headers, [], ["BearerToken"])
         params = [(k, _query_value(v)) for k, v in (query or {}).items() if v is not None]
@@ -223,7 +240,7 @@ class KubeClient:
             options["proxy_headers"] = rest.proxy_headers
         if rest.server_hostname:
             options["server_hostname"] = rest.server_hostname
-        session: aiohttp.ClientSession = rest.pool_manager
+        session: aiohttp.ClientSession = self._streams if streaming else rest.pool_manager
         verb = "WATCH" if (query or {}).get("watch") else method
         resource = metrics.api_resource(path)
         sent = time.perf_counter()
@@ -267,13 +284,11 @@ class KubeClient:
         self, path: str, query: Sequence[tuple[str, str]], protocols: Sequence[str]
     ) -> aiohttp.ClientWebSocketResponse:
         """Opens a WebSocket to the apiserver (exec, attach, portforward subresources) over
-        the client's own connection pool and credentials."""
-        await self.limiter.acquire()
+        the client's credentials, on its pool of streams."""
         headers: dict[str, str] = {}
         await self.api.update_params_for_auth(headers, [], ["BearerToken"])
-        session: aiohttp.ClientSession = self.api.rest_client.pool_manager
         try:
-            websocket = await session.ws_connect(
+            websocket = await self._streams.ws_connect(
                 self._url(path),
                 params=list(query),
                 protocols=tuple(protocols),
@@ -298,7 +313,11 @@ class KubeClient:
 
     async def _request_spare(self) -> None:
         with contextlib.suppress(*API_ERRORS):
-            await self.get_text("/readyz", timeout=10)
+            response = await self._open("GET", "/readyz", timeout=10, streaming=True)
+            try:
+                await response.read()
+            finally:
+                response.release()
 
     async def stream(
         self, path: str, query: Mapping[str, Any], *, timeout: float | None = None
@@ -309,6 +328,7 @@ class KubeClient:
             path,
             query=query,
             timeout=aiohttp.ClientTimeout(total=timeout, sock_read=None),
+            streaming=True,
         )
         if response.connection is not None:
             _read_in_bulk(response.connection.transport)

@@ -39,7 +39,7 @@ class FakeClient(KubeClient):
     requests: list[Request] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        super().__init__(None, TokenBucket(qps=1e9, burst=10**9))  # type: ignore[arg-type]
+        super().__init__(None, TokenBucket(qps=1e9, burst=10**9), None)  # type: ignore[arg-type]
         self._uids = itertools.count(1)
 
     def answer(self, method: str, path: str, *answers: JSON | BaseException) -> None:

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from aiohttp import web
 
-from kubekit import pki
 from kubekit.client import ClientSettings, KubeClient
 from tests.unit.tlsserver import serving_over_tls
 
@@ -34,13 +33,7 @@ async def test_the_next_websocket_takes_the_connection_dialled_after_the_last(
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/stream", stream)
     async with serving_over_tls(tmp_path, app) as server:
-        kubeconfig = pki.write_kubeconfig(
-            tmp_path / "kubeconfig",
-            cluster="test",
-            server=server.url,
-            ca=server.ca.cert_path,
-            user=pki.issue(server.ca, tmp_path / "user", "user", client=True),
-        )
+        kubeconfig = server.kubeconfig(tmp_path)
         async with await KubeClient.connect(ClientSettings(str(kubeconfig))) as client:
             for _ in range(3):
                 socket = await client.websocket("/stream", [], ())

@@ -22,6 +22,16 @@ class TlsServer:
     def url(self) -> str:
         return f"https://127.0.0.1:{self.port}"
 
+    def kubeconfig(self, directory: Path) -> Path:
+        """A kubeconfig for this server, with a client certificate its CA signed."""
+        return pki.write_kubeconfig(
+            directory / "kubeconfig",
+            cluster="test",
+            server=self.url,
+            ca=self.ca.cert_path,
+            user=pki.issue(self.ca, directory / "user", "user", client=True),
+        )
+
 
 @asynccontextmanager
 async def serving_over_tls(directory: Path, app: web.Application) -> AsyncIterator[TlsServer]:

@@ -1,0 +1,107 @@
+"""Streams (WebSockets for exec, attach and port-forward; followed logs) hold their
+connection while a user keeps them open. They must neither take the connections the
+client's requests need (a virtual node mirroring pods while users tail logs) nor wait
+for them, nor for the requests' QPS budget."""
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+from aiohttp import web
+
+from kubekit.client import ClientSettings, KubeClient
+from tests.unit.tlsserver import serving_over_tls
+
+STREAMS = 5
+
+
+def held_open_streams() -> tuple[web.Application, asyncio.Event]:
+    """An apiserver whose WebSockets and followed logs stay open until ``ended`` is set."""
+    ended = asyncio.Event()
+
+    async def readyz(_request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def websocket(request: web.Request) -> web.WebSocketResponse:
+        socket = web.WebSocketResponse()
+        await socket.prepare(request)
+        await socket.send_bytes(b"hello")
+        await ended.wait()
+        await socket.close()
+        return socket
+
+    async def logs(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b"a line\n")
+        await ended.wait()
+        return response
+
+    app = web.Application()
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/exec", websocket)
+    app.router.add_get("/logs", logs)
+    return app, ended
+
+
+@asynccontextmanager
+async def client_of(
+    directory: Path, settings: ClientSettings
+) -> AsyncIterator[tuple[KubeClient, asyncio.Event]]:
+    """A client of the server above, and the event that ends its streams."""
+    app, ended = held_open_streams()
+    async with serving_over_tls(directory, app) as server:
+        kubeconfig = server.kubeconfig(directory)
+        async with await KubeClient.connect(
+            ClientSettings(
+                str(kubeconfig),
+                qps=settings.qps,
+                burst=settings.burst,
+                connections=settings.connections,
+            )
+        ) as client:
+            try:
+                yield client, ended
+            finally:
+                ended.set()
+
+
+async def open_streams(client: KubeClient, ended: asyncio.Event, stack: AsyncExitStack) -> None:
+    for _ in range(STREAMS):
+        socket = await client.websocket("/exec", [], ())
+        stack.push_async_callback(socket.close)
+        assert (await socket.receive_bytes()) == b"hello"
+        response = await client.stream("/logs", {})
+        stack.callback(response.close)
+        assert (await response.content.readline()) == b"a line\n"
+    # Run first on the way out: the server ends the streams rather than the client
+    # waiting for it to answer its close.
+    stack.callback(ended.set)
+
+
+async def test_open_streams_leave_the_requests_their_connections(tmp_path: Path) -> None:
+    async with (
+        client_of(tmp_path, ClientSettings(connections=2)) as (client, ended),
+        AsyncExitStack() as stack,
+    ):
+        await asyncio.wait_for(open_streams(client, ended, stack), timeout=10)
+        # Ten streams open, more than the requests' two connections: requests still go.
+        for _ in range(3):
+            assert await asyncio.wait_for(client.get_text("/readyz"), timeout=10) == "ok"
+
+
+async def test_streams_are_not_paced_by_the_requests_budget(tmp_path: Path) -> None:
+    async with (
+        client_of(tmp_path, ClientSettings(qps=0.01, burst=1)) as (client, ended),
+        AsyncExitStack() as stack,
+    ):
+        assert await client.get_text("/readyz") == "ok"
+        # The budget is spent for the next 100 s; streams open all the same.
+        await asyncio.wait_for(open_streams(client, ended, stack), timeout=10)
+        try:
+            await asyncio.wait_for(client.get_text("/readyz"), timeout=0.5)
+        except TimeoutError:
+            pass
+        else:
+            raise AssertionError("a request went through with the budget spent")
