@@ -328,7 +328,7 @@ def test_unauthenticated_and_unauthorized_callers_are_refused(
     token = upper.kubectl("create", "token", "nobody", "-n", NS).stdout.strip()
     status, body = call_kubelet(url, token=token)
     assert status == 403
-    assert body.startswith("Forbidden (") and "subresource=proxy" in body
+    assert body.startswith("Forbidden (") and "subresource(s)=[proxy]" in body
     stranger = pki.issue(upper.ca, tmp_path / "stranger", "stranger", client=True)
     assert call_kubelet(url, cert=stranger)[0] == 403
     admin_status, pods = call_kubelet(kubelet_url(federation, "/pods"), cert=upper.admin_cert)
@@ -336,6 +336,37 @@ def test_unauthenticated_and_unauthorized_callers_are_refused(
     assert f"{NS}/{POD}" in {
         f"{p['metadata']['namespace']}/{p['metadata']['name']}" for p in pods["items"]
     }
+
+
+def test_a_client_granted_nodes_pods_reads_pods_but_not_logs(
+    federation: Federation, pod: str
+) -> None:
+    """A kubelet with KubeletFineGrainedAuthz (on by default since 1.33) lets a client
+    granted only ``nodes/pods`` (a monitoring agent) list its pods: not its logs."""
+    upper = federation.upper
+    upper.kubectl("create", "serviceaccount", "pod-lister", "-n", NS)
+    upper.kubectl(
+        "create", "clusterrole", "node-pods-reader", "--verb=get", "--resource=nodes/pods"
+    )
+    upper.kubectl(
+        "create",
+        "clusterrolebinding",
+        "node-pods-reader",
+        "--clusterrole=node-pods-reader",
+        f"--serviceaccount={NS}:pod-lister",
+    )
+    try:
+        token = upper.kubectl("create", "token", "pod-lister", "-n", NS).stdout.strip()
+        status, pods = call_kubelet(kubelet_url(federation, "/pods"), token=token)
+        assert status == 200
+        assert POD in {p["metadata"]["name"] for p in pods["items"]}
+        assert call_kubelet(kubelet_url(federation, "/runningpods/"), token=token)[0] == 200
+        status, body = call_kubelet(
+            kubelet_url(federation, f"/containerLogs/{NS}/{POD}/app"), token=token
+        )
+        assert status == 403 and "subresource(s)=[proxy]" in body
+    finally:
+        upper.kubectl("delete", "clusterrolebinding,clusterrole", "node-pods-reader")
 
 
 def test_running_pods_lists_the_pod_as_a_kubelet_does(federation: Federation, pod: str) -> None:

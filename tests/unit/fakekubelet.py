@@ -164,8 +164,8 @@ class FakeAuthorizer(Authorizer):
 
     async def authorize(self, user: User, method: str, path: str) -> None:
         self.checks.append((user.name, method, path))
-        verb, subresource = node_attributes(method, path)
-        if user.name == "mallory" or (user.name == "stats-reader" and subresource != "stats"):
+        verb, subresources = node_attributes(method, path)
+        if user.name == "mallory" or (user.name == "stats-reader" and "stats" not in subresources):
             raise AuthError(403, f"Forbidden (user={user.name}, verb={verb}, resource=nodes)")
 
 

@@ -18,8 +18,15 @@ from multidict import MultiDict
 from kubekit import pki
 from kubekit.client import PODS
 from kubekit.informer import Informer
+from tests.unit.fakeapi import FakeClient
 from virtual_node.kubeletapi import channels
-from virtual_node.kubeletapi.auth import User, node_attributes, user_from_certificate
+from virtual_node.kubeletapi.auth import (
+    AuthError,
+    Authorizer,
+    User,
+    node_attributes,
+    user_from_certificate,
+)
 from virtual_node.kubeletapi.certificates import SIGNER, USAGES, approvable, signing_request
 from virtual_node.kubeletapi.metrics import (
     CpuCounters,
@@ -199,27 +206,34 @@ def test_an_error_is_its_message_in_plain_text_as_the_kubelet_writes_it() -> Non
 @pytest.mark.parametrize(
     ("method", "path", "expected"),
     [
-        ("GET", "/containerLogs/default/p/app", ("get", "proxy")),
-        ("POST", "/exec/default/p/app", ("create", "proxy")),
-        ("GET", "/exec/default/p/app", ("get", "proxy")),
-        ("HEAD", "/pods", ("get", "proxy")),
-        ("PUT", "/pods", ("update", "proxy")),
-        ("PATCH", "/pods", ("patch", "proxy")),
-        ("DELETE", "/pods", ("delete", "proxy")),
-        ("OPTIONS", "/healthz", ("options", "proxy")),
-        ("GET", "/stats", ("get", "stats")),
-        ("GET", "/stats/summary", ("get", "stats")),
-        ("GET", "/metrics", ("get", "metrics")),
-        ("GET", "/metrics/resource", ("get", "metrics")),
-        ("GET", "/logs/x", ("get", "log")),
-        ("GET", "/logs", ("get", "log")),
-        ("GET", "/statsfoo", ("get", "proxy")),
-        ("GET", "/metricsx/resource", ("get", "proxy")),
-        ("GET", "/logsy", ("get", "proxy")),
-        ("GET", "/runningpods/", ("get", "proxy")),
+        ("GET", "/containerLogs/default/p/app", ("get", ("proxy",))),
+        ("POST", "/exec/default/p/app", ("create", ("proxy",))),
+        ("GET", "/exec/default/p/app", ("get", ("proxy",))),
+        ("HEAD", "/pods", ("get", ("pods", "proxy"))),
+        ("PUT", "/pods", ("update", ("pods", "proxy"))),
+        ("PATCH", "/pods", ("patch", ("pods", "proxy"))),
+        ("DELETE", "/pods", ("delete", ("pods", "proxy"))),
+        ("GET", "/pods/", ("get", ("pods", "proxy"))),
+        ("GET", "/podsx", ("get", ("proxy",))),
+        ("OPTIONS", "/healthz", ("options", ("healthz", "proxy"))),
+        ("GET", "/healthz/ping", ("get", ("healthz", "proxy"))),
+        ("GET", "/configz", ("get", ("configz", "proxy"))),
+        ("GET", "/runningpods/", ("get", ("pods", "proxy"))),
+        ("GET", "/stats", ("get", ("stats",))),
+        ("GET", "/stats/summary", ("get", ("stats",))),
+        ("GET", "/metrics", ("get", ("metrics",))),
+        ("GET", "/metrics/resource", ("get", ("metrics",))),
+        ("GET", "/logs/x", ("get", ("log",))),
+        ("GET", "/logs", ("get", ("log",))),
+        ("POST", "/checkpoint/default/p/app", ("create", ("checkpoint",))),
+        ("GET", "/statusz", ("get", ("statusz",))),
+        ("GET", "/flagz", ("get", ("configz",))),
+        ("GET", "/statsfoo", ("get", ("proxy",))),
+        ("GET", "/metricsx/resource", ("get", ("proxy",))),
+        ("GET", "/logsy", ("get", ("proxy",))),
     ],
 )
-def test_node_attributes(method: str, path: str, expected: tuple[str, str]) -> None:
+def test_node_attributes(method: str, path: str, expected: tuple[str, tuple[str, ...]]) -> None:
     assert node_attributes(method, path) == expected
 
 
@@ -734,3 +748,53 @@ def test_a_pod_whose_namespace_has_no_name_below_spoils_no_other_pods_metrics() 
     with pytest.raises(ProviderError) as refused:
         kubelet._lower_path(stranded, "log")
     assert refused.value.status == 404
+
+
+SAR = "/apis/authorization.k8s.io/v1/subjectaccessreviews"
+
+
+def reviewed(allowed: bool) -> dict[str, Any]:
+    return {"status": {"allowed": allowed}}
+
+
+def reviewed_subresources(client: FakeClient) -> list[str]:
+    return [
+        request.body["spec"]["resourceAttributes"]["subresource"]
+        for request in client.requests
+        if request.path == SAR
+    ]
+
+
+async def test_pods_are_let_through_on_nodes_pods_without_asking_for_nodes_proxy() -> None:
+    client = FakeClient()
+    client.answer("POST", SAR, reviewed(True))
+    authorizer = Authorizer(client, "vk-1")
+    await authorizer.authorize(User("collector"), "GET", "/pods")
+    assert reviewed_subresources(client) == ["pods"]
+
+
+async def test_fine_grained_paths_fall_back_to_nodes_proxy() -> None:
+    client = FakeClient()
+    client.answer("POST", SAR, reviewed(False), reviewed(True))
+    authorizer = Authorizer(client, "vk-1")
+    await authorizer.authorize(User("old-role"), "GET", "/runningpods/")
+    assert reviewed_subresources(client) == ["pods", "proxy"]
+    # Both answers are cached: the next request asks nothing.
+    await authorizer.authorize(User("old-role"), "GET", "/pods")
+    assert reviewed_subresources(client) == ["pods", "proxy"]
+
+
+async def test_a_refusal_names_every_subresource_checked() -> None:
+    client = FakeClient()
+    client.answer("POST", SAR, reviewed(False), reviewed(False), reviewed(False))
+    authorizer = Authorizer(client, "vk-1")
+    with pytest.raises(AuthError) as refused:
+        await authorizer.authorize(User("nobody"), "GET", "/healthz")
+    assert (refused.value.status, refused.value.message) == (
+        403,
+        "Forbidden (user=nobody, verb=get, resource=nodes, subresource(s)=[healthz proxy])",
+    )
+    # Exec is nodes/proxy alone, with no narrower subresource to ask for first.
+    with pytest.raises(AuthError):
+        await authorizer.authorize(User("nobody"), "POST", "/exec/default/p/app")
+    assert reviewed_subresources(client) == ["healthz", "proxy", "proxy"]

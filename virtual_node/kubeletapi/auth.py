@@ -43,13 +43,44 @@ class AuthError(Exception):
         self.message = message
 
 
-def node_attributes(method: str, path: str) -> tuple[str, str]:
-    """(verb, subresource) of a kubelet request, as the kubelet's authorizer sees it."""
+# Paths a kubelet with KubeletFineGrainedAuthz (on by default since 1.33) checks against
+# a narrower subresource first, falling back to the next list's answer for the path.
+_FINE_GRAINED = (
+    ("/pods", "pods"),
+    ("/healthz", "healthz"),
+    ("/configz", "configz"),
+    ("/runningpods", "pods"),
+)
+_COARSE = (
+    ("/stats", "stats"),
+    ("/metrics", "metrics"),
+    ("/logs", "log"),
+    ("/checkpoint", "checkpoint"),
+    ("/statusz", "statusz"),
+    ("/flagz", "configz"),
+)
+
+
+def _under(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith(prefix + "/")
+
+
+def node_attributes(method: str, path: str) -> tuple[str, tuple[str, ...]]:
+    """(verb, subresources) of a kubelet request, as the kubelet's authorizer sees it:
+    the request is let through if the user may ``verb`` any of them on this node."""
     verb = _VERBS.get(method.upper(), method.lower())
-    for prefix, subresource in (("/stats", "stats"), ("/metrics", "metrics"), ("/logs", "log")):
-        if path == prefix or path.startswith(prefix + "/"):
-            return verb, subresource
-    return verb, "proxy"
+    fine = [subresource for prefix, subresource in _FINE_GRAINED if _under(path, prefix)][:1]
+    coarse = next((subresource for prefix, subresource in _COARSE if _under(path, prefix)), "proxy")
+    return verb, (*fine, coarse)
+
+
+def _forbidden(user: User, verb: str, subresources: tuple[str, ...]) -> AuthError:
+    """A kubelet's words for a refusal, every subresource it checked named."""
+    return AuthError(
+        403,
+        f"Forbidden (user={user.name}, verb={verb}, resource=nodes, "
+        f"subresource(s)=[{' '.join(subresources)}])",
+    )
 
 
 def user_from_certificate(peercert: dict[str, Any] | None) -> User | None:
@@ -139,11 +170,19 @@ class Authorizer:
         return user
 
     async def authorize(self, user: User, method: str, path: str) -> None:
-        await self.authorize_node_access(user, *node_attributes(method, path))
+        verb, subresources = node_attributes(method, path)
+        for subresource in subresources:
+            if await self._allowed(user, verb, subresource):
+                return
+        raise _forbidden(user, verb, subresources)
 
     async def authorize_node_access(self, user: User, verb: str, subresource: str) -> None:
         """Whether ``user`` may ``verb`` this node's ``subresource`` (the estimator asks
         for ``get nodes/estimator``)."""
+        if not await self._allowed(user, verb, subresource):
+            raise _forbidden(user, verb, (subresource,))
+
+    async def _allowed(self, user: User, verb: str, subresource: str) -> bool:
         key = (user, verb, subresource)
         allowed: bool | None = self._decisions.get(key)
         if allowed is None:
@@ -168,12 +207,7 @@ class Authorizer:
             )
             allowed = bool((review.get("status") or {}).get("allowed"))
             self._decisions.put(key, allowed, ALLOW_TTL if allowed else DENY_TTL)
-        if not allowed:
-            raise AuthError(
-                403,
-                f"Forbidden (user={user.name}, verb={verb}, resource=nodes, "
-                f"subresource={subresource})",
-            )
+        return allowed
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
