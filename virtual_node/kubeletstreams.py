@@ -238,6 +238,8 @@ class LowerKubelet:
         try:
             async for chunk in response.content.iter_any():
                 yield chunk
+        except CONNECTION_ERRORS as error:
+            raise ProviderError(502, f"the lower log stream broke: {error}") from error
         finally:
             response.release()
 

@@ -32,7 +32,7 @@ POD: JSON = {
     "spec": {
         "nodeName": "vn-1",
         "initContainers": [{"name": "setup"}],
-        "containers": [{"name": "app"}, {"name": "broken"}],
+        "containers": [{"name": "app"}, {"name": "broken"}, {"name": "cut-short"}],
     },
     "status": {
         "initContainerStatuses": [
@@ -41,6 +41,7 @@ POD: JSON = {
         "containerStatuses": [
             {"name": "app", "image": "pause:3.10", "state": {"running": {}}},
             {"name": "broken", "image": "pause:3.10", "state": {"waiting": {}}},
+            {"name": "cut-short", "image": "pause:3.10", "state": {"waiting": {}}},
         ],
     },
 }
@@ -126,6 +127,8 @@ class FakeProvider:
         for chunk in LOG_CHUNKS:
             await asyncio.sleep(0)
             yield chunk
+            if container == "cut-short":
+                raise ProviderError(502, "the lower log stream broke")
 
     async def exec(
         self, pod: Mapping[str, Any], container: str, options: ExecOptions, *, attach: bool

@@ -7,18 +7,22 @@ import base64
 import json
 import re
 from collections.abc import Collection
+from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.x509.oid import NameOID
 from multidict import MultiDict
 
 from kubekit import pki
-from kubekit.client import PODS
+from kubekit.client import PODS, ClientSettings, KubeClient
 from kubekit.informer import Informer
+from kubekit.keys import UPPER_UID_ANNOTATION
 from tests.unit.fakeapi import FakeClient
+from tests.unit.tlsserver import serving_over_tls
 from virtual_node.kubeletapi import channels
 from virtual_node.kubeletapi.auth import (
     AuthError,
@@ -798,3 +802,40 @@ async def test_a_refusal_names_every_subresource_checked() -> None:
     with pytest.raises(AuthError):
         await authorizer.authorize(User("nobody"), "POST", "/exec/default/p/app")
     assert reviewed_subresources(client) == ["healthz", "proxy", "proxy"]
+
+
+async def test_a_lower_log_stream_cut_short_is_a_provider_error(tmp_path: Path) -> None:
+    """The lower apiserver's connection dropped mid-log: an error the kubelet API can
+    tell from a log that ended (it then cuts its own answer short)."""
+
+    async def log(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b"first line\n")
+        assert request.transport is not None
+        request.transport.close()
+        return response
+
+    app = web.Application()
+    app.router.add_get("/api/v1/namespaces/shop/pods/web/log", log)
+    upper_pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
+    lower_pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
+    metadata = {"name": "web", "namespace": "shop", "uid": "uid-web"}
+    upper_pods.apply(
+        {"type": "ADDED", "object": {"metadata": metadata, "spec": {"nodeName": "vk-1"}}}
+    )
+    below = {**metadata, "uid": "uid-below", "annotations": {UPPER_UID_ANNOTATION: "uid-web"}}
+    lower_pods.apply({"type": "ADDED", "object": {"metadata": below, "spec": {}}})
+    async with (
+        serving_over_tls(tmp_path, app) as server,
+        await KubeClient.connect(ClientSettings(str(server.kubeconfig(tmp_path)))) as lower,
+    ):
+        kubelet = LowerKubelet("vk-1", upper_pods, lower_pods, lower, NamespaceMapping())
+        pod = kubelet.pod("shop", "web")
+        assert pod is not None
+        chunks = kubelet.container_logs(pod, "app", LogOptions())
+        assert await anext(chunks) == b"first line\n"
+        with pytest.raises(ProviderError) as broken:
+            await anext(chunks)
+        assert broken.value.status == 502
+        assert broken.value.message.startswith("the lower log stream broke")

@@ -7,6 +7,7 @@ import asyncio
 import struct
 import zlib
 
+import aiohttp
 import pytest
 from aiohttp import ClientResponse, WSMsgType
 
@@ -164,6 +165,16 @@ async def test_logs_of_an_init_container(kubelet: Kubelet) -> None:
 async def test_logs_failure_before_the_first_chunk_is_a_status(kubelet: Kubelet) -> None:
     response = await kubelet.client.get("/containerLogs/default/p/broken", headers=AUTH)
     assert await error_of(response) == (502, "lower cluster: the log stream broke")
+
+
+async def test_logs_broken_after_the_first_chunk_end_cut_short(kubelet: Kubelet) -> None:
+    """Too late for a status: the connection closes before the chunked body's end, so the
+    client knows the log was cut short rather than ended."""
+    response = await kubelet.client.get("/containerLogs/default/p/cut-short", headers=AUTH)
+    assert response.status == 200
+    assert await response.content.readany() == LOG_CHUNKS[0]
+    with pytest.raises(aiohttp.ClientPayloadError):
+        await response.read()
 
 
 @pytest.mark.parametrize(

@@ -283,8 +283,14 @@ class KubeletServer:
             while chunk:
                 await response.write(chunk)
                 chunk = await _next_while_connected(request, chunks)
-        except (ConnectionError, ProviderError):
-            pass  # the client left, or the lower stream broke after the headers went out
+        except ConnectionError:
+            pass  # the client left
+        except ProviderError as error:
+            # Too late for a status: the connection is closed before the body's end, so
+            # the client reads a log cut short, not a log that ended.
+            log.warning("logs of %s, container %s: %s", request.path, container, error.message)
+            if request.transport is not None:
+                request.transport.close()
         finally:
             await chunks.aclose()
         if response.prepared:
