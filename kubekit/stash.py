@@ -4,9 +4,10 @@ sees, and how the lower cluster gets the originals back (pure functions).
 The webhook calls ``stash_scheduling``: every scheduling field it changes is recorded
 whole, as it was, in one versioned JSON annotation, and the pod keeps only the parts that
 speak about clusters (keys the virtual nodes carry: the cluster-id label, the region,
-keys configured as "keep"). The virtual node calls ``restore_scheduling``, which puts the
-recorded originals back: restore(stash(pod)) is the original pod, and stashing a pod
-that carries a stash changes nothing.
+keys configured as "keep"), and all its tolerations, with the provider's taint's. The
+virtual node calls ``restore_scheduling``, which puts the recorded originals back (and
+the tolerations added above since): restore(stash(pod)) is the original pod, and
+stashing a pod that carries a stash changes nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from kubekit import keys
+from kubekit import keys, shapes
 from kubekit.jsonvalue import json_copy
 from kubekit.moves import keep_off
 
@@ -24,15 +25,6 @@ JSON = dict[str, Any]
 VERSION = 1
 FIELDS = ("nodeSelector", "affinity", "tolerations", "topologySpreadConstraints")
 DEFAULT_KEEP_KEYS = frozenset({keys.CLUSTER_ID_LABEL, "topology.kubernetes.io/region"})
-# Taints the upper cluster puts on virtual nodes; tolerations for them matter above.
-UPPER_TAINT_KEYS = frozenset(
-    {
-        keys.PROVIDER_TAINT_KEY,
-        "node.kubernetes.io/not-ready",
-        "node.kubernetes.io/unreachable",
-        "node.kubernetes.io/unschedulable",
-    }
-)
 PROVIDER_TOLERATION: JSON = {
     "key": keys.PROVIDER_TAINT_KEY,
     "operator": "Equal",
@@ -57,11 +49,17 @@ def decode(text: str) -> JSON:
     except (ValueError, RecursionError) as error:  # deep nesting exhausts json's recursion
         raise StashError(f"not JSON: {error}") from error
     version = payload.get("version") if isinstance(payload, dict) else None
-    if version != VERSION:
+    if type(version) is not int or version != VERSION:
         raise StashError(f"unknown stash version {version!r} (this kubestrata reads {VERSION})")
     originals = payload.get("originals")
     if not isinstance(originals, dict) or not set(originals) <= set(FIELDS):
         raise StashError(f"originals must be an object with keys among {', '.join(FIELDS)}")
+    # Anyone may write the annotation: what it restores is read as a pod's fields.
+    for field, value in originals.items():
+        try:
+            shapes.check(value, shapes.SCHEDULING_FIELDS[field], f"originals.{field}")
+        except shapes.ShapeError as error:
+            raise StashError(str(error)) from error
     return originals
 
 
@@ -129,10 +127,28 @@ def _project_affinity(affinity: Mapping[str, Any], keep: Collection[str]) -> JSO
 
 
 def _project_tolerations(tolerations: list[JSON]) -> list[JSON]:
-    kept = [t for t in tolerations if t.get("key") in UPPER_TAINT_KEYS]
-    if not any(tolerates_provider_taint(t) for t in kept):
-        kept.append(dict(PROVIDER_TOLERATION))
-    return kept
+    """Every toleration stays above (one only lets a pod onto more nodes: an ordinary
+    node's taint, one an admin puts on a virtual node, the node controller's not-ready;
+    a toleration of every taint keeps its meaning), and the provider's taint is
+    tolerated."""
+    if any(tolerates_provider_taint(t) or tolerates_every_taint(t) for t in tolerations):
+        return tolerations
+    return [*tolerations, dict(PROVIDER_TOLERATION)]
+
+
+def _tolerations_below(originals: list[JSON] | None, upper: list[JSON]) -> list[JSON] | None:
+    """The original tolerations, and those added above since (the only change a pod's
+    tolerations may take), but not the provider's toleration the webhook added."""
+    added = [t for t in upper if t not in (originals or []) and t != PROVIDER_TOLERATION]
+    return [*(originals or []), *added] if added else originals
+
+
+def tolerates_every_taint(toleration: Mapping[str, Any]) -> bool:
+    return (
+        not toleration.get("key")
+        and toleration.get("operator") == "Exists"
+        and toleration.get("effect") in (None, "", "NoSchedule")
+    )
 
 
 def tolerates_provider_taint(toleration: Mapping[str, Any]) -> bool:
@@ -201,6 +217,8 @@ def restore_scheduling(spec: Mapping[str, Any], stash: str | None) -> JSON:
     if stash is None:
         return restored
     for field, value in decode(stash).items():
+        if field == "tolerations":
+            value = _tolerations_below(value, list(spec.get("tolerations") or []))
         if value is None:
             restored.pop(field, None)
         else:

@@ -18,13 +18,12 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import orjson
 
-from kubekit import keys, stash
+from kubekit import keys, shapes, stash
 from kubekit.moves import Moves, is_daemon_pod, kept_off
 from webhook.daemonsets import off_virtual_nodes
 
@@ -69,7 +68,7 @@ def parse_review(body: bytes) -> JSON:
         spec = _object(daemonset.get("spec"), "request.object.spec")
         template = _object(spec.get("template"), "request.object.spec.template")
         template_spec = _object(template.get("spec"), "request.object.spec.template.spec")
-        _check_shape(template_spec, _SCHEDULING, "request.object.spec.template.spec")
+        _check_shape(template_spec, shapes.SCHEDULING_FIELDS, "request.object.spec.template.spec")
         if not _depth_at_most(template_spec, MAX_SPEC_DEPTH):
             raise BadReview(
                 f"request.object.spec.template.spec is nested deeper than {MAX_SPEC_DEPTH}"
@@ -80,7 +79,7 @@ def parse_review(body: bytes) -> JSON:
     if request.get("operation") == "CREATE" and _is_pod(request):
         pod = _object(request.get("object"), "request.object")
         spec = _object(pod.get("spec"), "request.object.spec")
-        _check_shape(spec, _SCHEDULING, "request.object.spec")
+        _check_shape(spec, shapes.SCHEDULING_FIELDS, "request.object.spec")
         if not _depth_at_most(spec, MAX_SPEC_DEPTH):
             raise BadReview(f"request.object.spec is nested deeper than {MAX_SPEC_DEPTH}")
         metadata = _object(pod.get("metadata", {}), "request.object.metadata")
@@ -95,56 +94,11 @@ def parse_review(body: bytes) -> JSON:
     return request
 
 
-@dataclass(frozen=True)
-class _Required:
-    shape: Any
-
-
-# The parts of the scheduling fields the stash reads, typed as the apiserver decodes them
-# into a v1.Pod: {field: shape} an object, [shape] an array, a type a scalar. Absent or
-# null is fine everywhere but where _Required and in arrays.
-_SELECTOR_TERM = {"matchExpressions": [{"key": str}]}
-_POD_AFFINITY = {
-    "requiredDuringSchedulingIgnoredDuringExecution": [{"topologyKey": str}],
-    "preferredDuringSchedulingIgnoredDuringExecution": [{"podAffinityTerm": {"topologyKey": str}}],
-}
-_SCHEDULING = {
-    "nodeSelector": {},
-    "affinity": {
-        "nodeAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": {
-                "nodeSelectorTerms": [_SELECTOR_TERM]
-            },
-            "preferredDuringSchedulingIgnoredDuringExecution": [
-                {"weight": _Required(int), "preference": _SELECTOR_TERM}
-            ],
-        },
-        "podAffinity": _POD_AFFINITY,
-        "podAntiAffinity": _POD_AFFINITY,
-    },
-    "tolerations": [{"key": str}],
-    "topologySpreadConstraints": [{"topologyKey": str}],
-}
-
-
 def _check_shape(value: Any, shape: Any, where: str) -> None:
-    if isinstance(shape, _Required):
-        if value is None:
-            raise BadReview(f"{where} is required")
-        shape = shape.shape
-    if value is None:
-        return
-    if isinstance(shape, dict):
-        _object(value, where)
-        for key, inner in shape.items():
-            _check_shape(value.get(key), inner, f"{where}.{key}")
-    elif isinstance(shape, list):
-        if not isinstance(value, list):
-            raise BadReview(f"{where} must be a JSON array, not {type(value).__name__}")
-        for index, item in enumerate(value):
-            _check_shape(item, _Required(shape[0]), f"{where}[{index}]")
-    elif not isinstance(value, shape) or isinstance(value, bool) is not (shape is bool):
-        raise BadReview(f"{where} must be a {shape.__name__}, not {type(value).__name__}")
+    try:
+        shapes.check(value, shape, where)
+    except shapes.ShapeError as error:
+        raise BadReview(str(error)) from error
 
 
 def _depth_at_most(value: Any, limit: int) -> bool:

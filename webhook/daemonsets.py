@@ -16,19 +16,11 @@ from typing import Any
 
 from kubekit import keys
 from kubekit.jsonvalue import json_copy
-from kubekit.stash import tolerates_provider_taint
+from kubekit.stash import tolerates_every_taint, tolerates_provider_taint
 
 JSON = dict[str, Any]
 
 OFF_VIRTUAL_NODES: JSON = {"key": keys.CLUSTER_ID_LABEL, "operator": "DoesNotExist"}
-
-
-def _tolerates_every_taint(toleration: Mapping[str, Any]) -> bool:
-    return (
-        not toleration.get("key")
-        and toleration.get("operator") == "Exists"
-        and toleration.get("effect") in (None, "", "NoSchedule")
-    )
 
 
 def off_virtual_nodes(template_spec: Mapping[str, Any]) -> JSON | None:
@@ -36,7 +28,7 @@ def off_virtual_nodes(template_spec: Mapping[str, Any]) -> JSON | None:
     virtual nodes, or None when the template is left as it is (it is already kept off,
     or its pods never land on virtual nodes, or it means them)."""
     tolerations = template_spec.get("tolerations") or []
-    if not any(_tolerates_every_taint(t) for t in tolerations) or any(
+    if not any(tolerates_every_taint(t) for t in tolerations) or any(
         tolerates_provider_taint(t) for t in tolerations
     ):
         return None

@@ -107,6 +107,44 @@ def test_node_selector_and_affinity_are_stashed_above_and_restored_below(
     )
 
 
+def test_every_toleration_stays_above_and_added_ones_reach_the_lower_pod(
+    federation: Federation,
+) -> None:
+    """A toleration of every taint stays above (the pod would otherwise get the default
+    300 s for the node controller's unreachable taint) and tolerates the provider's
+    taint; one added to the running pod above is added to the lower pod."""
+    upper = federation.upper
+    apply(upper, federated_namespace("wh-tolerate"))
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "anywhere", "namespace": "wh-tolerate"},
+        "spec": {
+            "nodeSelector": {keys.CLUSTER_ID_LABEL: "lower-1"},
+            "tolerations": [{"operator": "Exists"}],
+            "terminationGracePeriodSeconds": 0,
+            "containers": [container()],
+        },
+    }
+    upper.kubectl("create", "-f", "-", input=json.dumps(pod))
+    above = get_json(upper, "pod", "-n", "wh-tolerate", "anywhere")
+    assert above["spec"]["tolerations"] == [{"operator": "Exists"}]
+    below = lower_pod(federation, "lower-1", "wh-tolerate", "anywhere")
+    assert below["spec"]["tolerations"] == [{"operator": "Exists"}]
+    spot = {"key": "spot", "operator": "Exists", "effect": "NoExecute"}
+    upper.kubectl(
+        "patch", "pod", "anywhere", "-n", "wh-tolerate", "--type=json",
+        "-p", json.dumps([{"op": "add", "path": "/spec/tolerations/-", "value": spot}]),
+    )  # fmt: skip
+    wait_for(
+        lambda: (
+            spot
+            in lower_pod(federation, "lower-1", "wh-tolerate", "anywhere")["spec"]["tolerations"]
+        ),
+        "the added toleration on the lower pod",
+    )
+
+
 def test_topology_spread_across_zones_keeps_its_semantics_below(federation: Federation) -> None:
     upper = federation.upper
     apply(upper, federated_namespace("wh-spread"))

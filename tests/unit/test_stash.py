@@ -1,3 +1,4 @@
+import json
 from typing import Any
 
 import pytest
@@ -163,3 +164,67 @@ def test_unreadable_stash_is_an_error() -> None:
         restore_scheduling({}, '{"version": 7, "originals": {}}')
     with pytest.raises(StashError, match="keys among"):
         restore_scheduling({}, '{"version": 1, "originals": {"containers": []}}')
+    # JSON's true is no version 1, though Python's True == 1.
+    with pytest.raises(StashError, match="unknown stash version True"):
+        restore_scheduling({}, '{"version": true, "originals": {}}')
+
+
+@pytest.mark.parametrize(
+    ("originals", "where"),
+    [
+        ('{"tolerations": "x"}', "originals.tolerations must be a JSON array, not str"),
+        ('{"tolerations": ["x"]}', "originals.tolerations[0] must be a JSON object, not str"),
+        ('{"nodeSelector": {"disk": 1}}', "originals.nodeSelector.disk must be a str, not int"),
+        ('{"affinity": []}', "originals.affinity must be a JSON object, not list"),
+        (
+            '{"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": '
+            '{"nodeSelectorTerms": [{"matchExpressions": [{"key": "a", "values": "b"}]}]}}}}',
+            "nodeSelectorTerms[0].matchExpressions[0].values must be a JSON array, not str",
+        ),
+        (
+            '{"topologySpreadConstraints": [{"maxSkew": true}]}',
+            "originals.topologySpreadConstraints[0].maxSkew must be a int, not bool",
+        ),
+    ],
+)
+def test_a_stash_whose_fields_a_pod_could_not_have_is_an_error(originals: str, where: str) -> None:
+    """Anyone may write the annotation; what would break the code reading the restored
+    pod is refused with where it is."""
+    with pytest.raises(StashError) as refused:
+        restore_scheduling({}, f'{{"version": 1, "originals": {originals}}}')
+    assert where in str(refused.value)
+
+
+@given(specs)
+def test_every_toleration_stays_above(spec: dict[str, Any]) -> None:
+    stashed, _ = stash_scheduling(spec, {})
+    tolerations = spec.get("tolerations") or []
+    assert stashed["tolerations"][: len(tolerations)] == tolerations
+
+
+def test_a_toleration_of_every_taint_stays_above_and_tolerates_the_provider_taint() -> None:
+    """The node controller's unreachable taint would otherwise evict, after the default
+    300 s, a pod meant to tolerate everything."""
+    spec = {"tolerations": [{"operator": "Exists"}]}
+    stashed, annotations = stash_scheduling(spec, {})
+    assert stashed["tolerations"] == [{"operator": "Exists"}]
+    assert keys.STASH_ANNOTATION not in annotations
+
+
+def test_tolerations_added_above_reach_the_restored_pod() -> None:
+    spec = {"tolerations": [{"key": "dedicated", "operator": "Exists"}]}
+    stashed, annotations = stash_scheduling(spec, {})
+    assert stashed["tolerations"] == [*spec["tolerations"], PROVIDER_TOLERATION]
+    spot = {"key": "spot", "operator": "Exists", "effect": "NoExecute"}
+    stashed["tolerations"].append(spot)
+    restored = restore_scheduling(stashed, annotations[keys.STASH_ANNOTATION])
+    assert restored["tolerations"] == [*spec["tolerations"], spot]
+
+
+def test_a_pod_stashed_when_tolerations_were_filtered_above_keeps_its_originals() -> None:
+    """Pods admitted before every toleration stayed above carry only the upper-cluster
+    ones there; the stash still has them all."""
+    originals = [{"key": "dedicated", "operator": "Exists"}, {"key": "gpu", "operator": "Exists"}]
+    stash = json.dumps({"version": 1, "originals": {"tolerations": originals}})
+    restored = restore_scheduling({"tolerations": [PROVIDER_TOLERATION]}, stash)
+    assert restored["tolerations"] == originals

@@ -129,6 +129,12 @@ def test_broken_stash_is_a_translation_error() -> None:
     pod["metadata"]["annotations"][keys.STASH_ANNOTATION] = "{not json"
     with pytest.raises(TranslationError, match="scheduling-stash"):
         desired_lower_pod(pod, NamespaceMapping(), OWNER)
+    # Readable JSON whose fields no pod could have: an error too, not a crash later on.
+    pod["metadata"]["annotations"][keys.STASH_ANNOTATION] = (
+        '{"version":1,"originals":{"tolerations":"x"}}'
+    )
+    with pytest.raises(TranslationError, match=r"originals\.tolerations must be a JSON array"):
+        desired_lower_pod(pod, NamespaceMapping(), OWNER)
 
 
 def test_prefix_namespace_strategy() -> None:

@@ -156,6 +156,10 @@ def test_a_pod_with_a_stash_is_left_alone_and_a_bad_stash_is_refused() -> None:
     assert refused["allowed"] is False
     assert refused["status"]["code"] == 400
     assert "unknown stash version 9" in refused["status"]["message"]
+    forged = '{"version": 1, "originals": {"nodeSelector": ["disk"]}}'
+    refused = answer(review(pod({}, {keys.STASH_ANNOTATION: forged})))
+    assert refused["allowed"] is False
+    assert "originals.nodeSelector must be a JSON object" in refused["status"]["message"]
 
 
 @pytest.mark.parametrize(
