@@ -235,6 +235,18 @@ def node_status(
     }
 
 
+def status_patch(previous: Mapping[str, Any], current: Mapping[str, Any]) -> JSON:
+    """``current`` as a strategic merge patch over ``previous``: the patch merges the
+    resource maps key by key, so a resource gone from the report (every node cordoned,
+    the GPU node removed) is written as null, as the kubelet's own patch writes it."""
+    patch = dict(current)
+    for resources in ("capacity", "allocatable"):
+        gone = set(previous.get(resources) or {}) - set(current.get(resources) or {})
+        if gone:
+            patch[resources] = {**dict.fromkeys(sorted(gone)), **(current.get(resources) or {})}
+    return patch
+
+
 def status_changed(previous: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
     """Whether anything but heartbeat times differs."""
 

@@ -24,6 +24,7 @@ from virtual_node.node import (
     registration_patch,
     report_annotations,
     status_changed,
+    status_patch,
 )
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,9 @@ LEASE_INTERVAL_SECONDS = 10.0
 STATUS_INTERVAL_SECONDS = 60.0
 # Changes arriving close together become one status update.
 STATUS_COALESCE_SECONDS = 1.0
+# The least pause after a status not sent (an error, an unreachable lower cluster):
+# the heartbeat it owed is due already, and would be tried again at once, for ever.
+STATUS_RETRY_SECONDS = 5.0
 
 _SMP = "application/strategic-merge-patch+json"
 
@@ -62,6 +66,7 @@ class NodeController:
         self._last_status: dict[str, object] = {}
         self._reachability_changed = asyncio.Event()
         self._last_sent = 0.0
+        self._next_status_at = 0.0
         self._annotations: dict[str, str] = {}  # as last sent
         # Called once the Node is Ready again after its lower cluster was unreachable.
         self.on_reachable = on_reachable
@@ -133,7 +138,7 @@ class NodeController:
 
     async def _status_loop(self) -> None:
         while True:
-            wait_for = max(0.0, self._last_sent + STATUS_INTERVAL_SECONDS - time.monotonic())
+            wait_for = max(0.0, self._next_status_at - time.monotonic())
             changed = asyncio.ensure_future(self.provider.changed.wait())
             reachability = asyncio.ensure_future(self._reachability_changed.wait())
             done, pending = await asyncio.wait(
@@ -152,8 +157,12 @@ class NodeController:
             self._reachability_changed.clear()
             try:
                 await self.update_status(force=force)
+                due = self._last_sent + STATUS_INTERVAL_SECONDS
             except API_ERRORS as error:
                 log.warning("status of %s not updated: %s", self.identity.name, error)
+                due = 0.0
+            self._next_status_at = max(due, time.monotonic() + STATUS_RETRY_SECONDS)
+            if due == 0.0:
                 continue
             if self._reachable_unannounced and self.reachable:
                 self._reachable_unannounced = False
@@ -184,7 +193,11 @@ class NodeController:
             return
         try:
             node = await self.upper.patch(
-                NODES, self.identity.name, {"status": status}, subresource="status", patch_type=_SMP
+                NODES,
+                self.identity.name,
+                {"status": status_patch(self._last_status, status)},
+                subresource="status",
+                patch_type=_SMP,
             )
         except ApiError as error:
             if not is_not_found(error):

@@ -112,6 +112,27 @@ def test_capacity_is_free_allocatable_and_drops_with_foreign_pods(federation: Fe
     wait_for(lambda: allocatable(federation, "vk-lower-2") == before, "capacity to come back")
 
 
+def test_capacity_goes_when_every_lower_node_is_cordoned(federation: Federation) -> None:
+    """The Node's status is a strategic merge patch, which merges resource maps key by
+    key: a resource gone from the report must be written as null to leave the Node."""
+    lower = federation.clusters["lower-2"]
+    nodes = [n["metadata"]["name"] for n in get_json(lower, "nodes")["items"]]
+
+    def offered() -> dict[str, Any]:
+        node = get_json(federation.upper, "node", "vk-lower-2")
+        return dict(node["status"].get("allocatable") or {})
+
+    before = offered()
+    try:
+        for node in nodes:
+            lower.kubectl("cordon", node)
+        wait_for(lambda: not offered(), "vk-lower-2 to offer nothing with every node cordoned")
+    finally:
+        for node in nodes:
+            lower.kubectl("uncordon", node)
+    wait_for(lambda: offered() == before, "capacity to come back")
+
+
 def test_deployment_spreads_over_both_virtual_nodes_and_deletes_cleanly(
     federation: Federation,
 ) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from kubekit import keys
+from kubekit.client import ApiError
 from tests.unit.fakeapi import FakeClient
 from virtual_node import nodecontroller
 from virtual_node.node import (
@@ -16,6 +17,7 @@ from virtual_node.node import (
     registration,
     registration_patch,
     report_annotations,
+    status_patch,
 )
 
 REPORT = NodeReport(ready=True, allocatable={"cpu": "8"})
@@ -132,3 +134,49 @@ async def test_the_pods_are_resynced_once_the_node_is_ready_again(
     statuses = [r.body for r in upper.requests if r.path == "/api/v1/nodes/vk-lower-1/status"]
     ready = statuses[-1]["status"]["conditions"]
     assert any(c["type"] == "Ready" and c["status"] == "True" for c in ready)
+
+
+@pytest.mark.parametrize("failure", ["lower cluster unreachable", "status write refused"])
+async def test_a_status_not_sent_is_tried_again_after_a_pause(
+    monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    """Once the heartbeat is due, a status that cannot go (the lower cluster unreachable:
+    silence is the signal; the upper apiserver refusing it) waits before the next try
+    rather than trying again at once, which spun a core for the whole outage."""
+    monkeypatch.setattr(nodecontroller, "STATUS_COALESCE_SECONDS", 0.0)
+    monkeypatch.setattr(nodecontroller, "STATUS_INTERVAL_SECONDS", 0.0)
+    monkeypatch.setattr(nodecontroller, "STATUS_RETRY_SECONDS", 0.2)
+    upper = FakeClient()
+    controller = nodecontroller.NodeController(upper, identity(), FlakyLowerCluster(True))
+    await controller.update_status(force=True)  # the Node's status is there
+    if failure == "lower cluster unreachable":
+        controller.reachable = False
+    else:
+        controller.reachable = True
+        path = "/api/v1/nodes/vk-lower-1/status"
+        upper.answer("PATCH", path, *[ApiError(403, "forbidden")] * 100)
+    tries = 0
+    update_status = controller.update_status
+
+    async def counted(force: bool) -> None:
+        nonlocal tries
+        tries += 1
+        await update_status(force)
+
+    monkeypatch.setattr(controller, "update_status", counted)
+    looping = asyncio.create_task(controller._status_loop())
+    await asyncio.sleep(0.5)
+    looping.cancel()
+    assert 1 <= tries <= 4, tries
+
+
+def test_a_resource_gone_from_the_report_is_patched_to_null() -> None:
+    before = {"capacity": {"cpu": "8", "nvidia.com/gpu": "2"}, "allocatable": {"cpu": "8"}}
+    now = {"capacity": {"cpu": "8"}, "allocatable": {}, "conditions": []}
+    assert status_patch(before, now) == {
+        "capacity": {"nvidia.com/gpu": None, "cpu": "8"},
+        "allocatable": {"cpu": None},
+        "conditions": [],
+    }
+    assert status_patch(now, now) == now
+    assert status_patch({}, now) == now
