@@ -16,7 +16,13 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from kubekit import keys
-from kubekit.client import NAMESPACES, ApiError, KubeClient, is_not_found
+from kubekit.client import (
+    NAMESPACES,
+    PERSISTENTVOLUMECLAIMS,
+    ApiError,
+    KubeClient,
+    is_not_found,
+)
 from kubekit.informer import FunctionHandler, Informer, object_key
 from kubekit.workqueue import WorkQueue
 from virtual_node.naming import NamespaceMapping, NamingError
@@ -25,13 +31,14 @@ from virtual_node.translate import Ownership
 log = logging.getLogger(__name__)
 
 
-def others_pods(pods: Iterable[Mapping[str, Any]], owner: Ownership) -> list[str]:
-    """The pods of a lower namespace that are not this upper cluster's: another upper
-    cluster's mirrored pods, or the lower cluster's own. A namespace holding any is left."""
+def others_objects(objects: Iterable[Mapping[str, Any]], owner: Ownership) -> list[str]:
+    """The objects of a lower namespace that are not this upper cluster's: another upper
+    cluster's copies, or the lower cluster's own. A namespace holding pods or claims of
+    others is left: deleting it would take their pods, or their claims' volumes."""
     return [
-        object_key(pod)
-        for pod in pods
-        if (pod["metadata"].get("labels") or {}).get(keys.ORIGIN_LABEL) != owner.origin
+        object_key(obj)
+        for obj in objects
+        if (obj["metadata"].get("labels") or {}).get(keys.ORIGIN_LABEL) != owner.origin
     ]
 
 
@@ -91,10 +98,15 @@ class LowerNamespaces:
         except ApiError as error:
             if not is_not_found(error):
                 raise
-        others = others_pods(self.lower_pods.items(name), self.owner)
+        others = others_objects(self.lower_pods.items(name), self.owner)
+        if not others:
+            # Claims of others are not in any cache here (the claims' copies are ours
+            # only); asked for once, when the namespace would go.
+            claims = await self.lower.list(PERSISTENTVOLUMECLAIMS, name)
+            others = others_objects(claims.get("items") or [], self.owner)
         if others:
             log.warning(
-                "namespace %s: gone above, kept below for pods not of this upper cluster (%s)",
+                "namespace %s: gone above, kept below for objects not of this upper cluster (%s)",
                 name,
                 ", ".join(sorted(others)[:3]),
             )

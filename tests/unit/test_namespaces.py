@@ -10,12 +10,13 @@ from kubekit.client import NAMESPACES, PODS
 from kubekit.informer import Informer
 from kubekit.workqueue import WorkQueue
 from tests.unit.fakeapi import FakeClient, not_found
-from virtual_node.namespaces import LowerNamespaces, others_pods
+from virtual_node.namespaces import LowerNamespaces, others_objects
 from virtual_node.naming import NamespaceMapping
 from virtual_node.translate import Ownership
 
 OWNER = Ownership(origin="upper-uid", node_name="vk-lower-1", cluster_id="lower-1")
 SAME = NamespaceMapping()
+CLAIMS = "/api/v1/namespaces/shop/persistentvolumeclaims"
 
 
 def namespace(name: str, **metadata: Any) -> dict[str, Any]:
@@ -48,6 +49,10 @@ class Harness:
             self.queue,
         )
 
+    def claims_below(self, *claims: dict[str, Any]) -> None:
+        """What the lower apiserver lists of the namespace's claims, next time asked."""
+        self.lower.answer("GET", CLAIMS, {"items": list(claims)})
+
     async def drain(self) -> None:
         while len(self.queue):
             key = await self.queue.get()
@@ -71,6 +76,7 @@ async def test_a_lower_namespace_goes_once_its_upper_namespace_is_gone() -> None
     assert world.lower.writes() == []
 
     world.upper.answer("GET", "/api/v1/namespaces/shop", not_found("namespaces", "shop"))
+    world.claims_below()
     world.upper_namespaces.apply({"type": "DELETED", "object": terminating})
     await world.drain()
     assert world.lower.writes() == [("DELETE", "/api/v1/namespaces/shop")]
@@ -92,6 +98,7 @@ async def test_a_namespace_the_upper_cache_has_not_heard_of_yet_is_asked_for_and
 
 async def test_one_gone_above_while_the_virtual_node_was_away_goes_at_start() -> None:
     world = Harness()
+    world.claims_below()
     world.lower_namespaces.apply({"type": "ADDED", "object": namespace("shop")})
     await world.drain()
     assert world.lower.writes() == [("DELETE", "/api/v1/namespaces/shop")]
@@ -106,6 +113,7 @@ async def test_a_namespace_holding_pods_of_others_is_kept() -> None:
     assert world.lower.writes() == []
 
     world.lower_pods.apply({"type": "DELETED", "object": pod("theirs", "another-upper")})
+    world.claims_below(pod("ours-claim", OWNER.origin))
     world.lower_namespaces.apply(
         {"type": "MODIFIED", "object": namespace("shop", resourceVersion="2")}
     )
@@ -113,9 +121,9 @@ async def test_a_namespace_holding_pods_of_others_is_kept() -> None:
     assert world.lower.writes() == [("DELETE", "/api/v1/namespaces/shop")]
 
 
-def test_others_pods_are_those_of_another_upper_cluster_or_of_none() -> None:
+def test_others_objects_are_those_of_another_upper_cluster_or_of_none() -> None:
     pods = [pod("ours", OWNER.origin), pod("theirs", "another-upper"), pod("local", None)]
-    assert others_pods(pods, OWNER) == ["shop/theirs", "shop/local"]
+    assert others_objects(pods, OWNER) == ["shop/theirs", "shop/local"]
 
 
 async def test_with_a_prefix_only_the_prefixed_namespace_is_ours_to_delete() -> None:
@@ -128,6 +136,18 @@ async def test_with_a_prefix_only_the_prefixed_namespace_is_ours_to_delete() -> 
     assert world.lower.writes() == []
 
     world.upper.answer("GET", "/api/v1/namespaces/shop", not_found("namespaces", "shop"))
+    world.lower.answer("GET", "/api/v1/namespaces/t1-shop/persistentvolumeclaims", {"items": []})
     world.upper_namespaces.apply({"type": "DELETED", "object": namespace("shop")})
     await world.drain()
     assert world.lower.writes() == [("DELETE", "/api/v1/namespaces/t1-shop")]
+
+
+async def test_a_namespace_holding_claims_of_others_is_kept() -> None:
+    """Another upper cluster's claim copies, its StatefulSet scaled to none: no pod of
+    theirs is left, but deleting the namespace would take their volumes."""
+    world = Harness()
+    world.claims_below(pod("data-db-0", "another-upper"), pod("ours", OWNER.origin))
+    world.lower_namespaces.apply({"type": "ADDED", "object": namespace("shop")})
+    await world.drain()
+    assert world.lower.writes() == []
+    assert ("GET", CLAIMS) in [(r.method, r.path) for r in world.lower.requests]
