@@ -79,8 +79,15 @@ def namespace_is_gone(error: ApiError) -> bool:
     )
 
 
+class NameTaken(Exception):
+    """A pod's ConfigMap, Secret, ServiceAccount or claim has a namesake below that is not
+    ours; the message says which."""
+
+
 class PodDependencies(Protocol):
-    async def ensure_for_pod(self, pod: Mapping[str, Any]) -> None: ...
+    async def ensure_for_pod(self, pod: Mapping[str, Any]) -> None:
+        """The copies ``pod`` needs, made or brought up to date below; raises NameTaken."""
+        ...
 
 
 class LowerCluster:
@@ -351,7 +358,11 @@ class LowerCluster:
         if account == DEFAULT_SERVICE_ACCOUNT:
             await self._ensure_default_service_account(namespace)
         if self.dependencies is not None:
-            await self.dependencies.ensure_for_pod(upper)
+            try:
+                await self.dependencies.ensure_for_pod(upper)
+            except NameTaken as error:
+                # Made once the namesake is gone; until then the pod says why it waits.
+                return Refused("LowerNameTaken", str(error))
         if self.held_node is not None and not uses_unmodelled_filters(desired["spec"]):
             node = self.held_node(upper["metadata"]["uid"])
             if node is not None:

@@ -32,6 +32,7 @@ from kubekit.client import (
 )
 from kubekit.informer import FunctionHandler, Informer, object_key
 from kubekit.workqueue import WorkQueue
+from virtual_node.lower import NameTaken
 from virtual_node.naming import NamespaceMapping, NamingError
 from virtual_node.references import (
     JSON,
@@ -110,6 +111,9 @@ class Reflector:
         self._services_by_label: dict[tuple[str, str, str], set[str]] = {}
         # Upper namespaces holding quota slices in this lower cluster.
         self._synced: frozenset[str] = frozenset()
+        # Namespaced names held below by an object not ours (the lower cluster's own,
+        # another upper cluster's): a pod using that name would get someone else's.
+        self._taken: set[Key] = set()
         upper_pods.add_handler(
             FunctionHandler(
                 add=self._pod_changed,
@@ -296,7 +300,14 @@ class Reflector:
         through the queue, so no worker reconciles the same key meanwhile."""
         namespace = pod["metadata"]["namespace"]
         for kind, name in sorted(referenced_objects(pod.get("spec") or {})):
-            await self.queue.process_now(reflected_key(kind, namespace, name), self.reconcile)
+            key = reflected_key(kind, namespace, name)
+            await self.queue.process_now(key, self.reconcile)
+            if key in self._taken:
+                raise NameTaken(
+                    f"{RESOURCES[kind].plural} {self.mapping.lower(namespace)}/{name} exists "
+                    f"in the lower cluster and was not made by this upper cluster: the pod "
+                    "would get it instead of its own"
+                )
 
     async def run(self, workers: int) -> None:
         await self.queue.run_workers(workers, self.reconcile)
@@ -312,22 +323,24 @@ class Reflector:
         lower = self.lower_copies[kind].get(
             f"{lower_namespace}/{name}" if lower_namespace else name
         )
+        self._taken.discard(key)
         if self._wanted(key) and upper is not None and reflectable(upper):
             desired = DESIRED[kind](upper, self.mapping, self.owner)
             if lower is None:
-                await self._create(resource, desired, lower_namespace)
+                if not await self._create(resource, desired, lower_namespace) and namespace:
+                    self._taken.add(key)
             elif copy_differs(lower, desired):
                 await self._replace(resource, lower, desired, lower_namespace)
         elif lower is not None:
             await self.lower.delete_exact(resource, lower)
 
-    async def _create(self, resource: Resource, desired: dict[str, Any], namespace: str) -> None:
+    async def _create(self, resource: Resource, desired: dict[str, Any], namespace: str) -> bool:
+        """False when the name is someone else's below (never overwritten)."""
         try:
             await self.lower.create(resource, desired, namespace)
         except ApiError as error:
             if error.status != 409:
                 raise
-            # Someone else's object of that name: never overwritten.
             existing = await self.lower.get(resource, desired["metadata"]["name"], namespace)
             if not self.owner.owns(existing):
                 log.warning(
@@ -336,6 +349,8 @@ class Reflector:
                     namespace,
                     desired["metadata"]["name"],
                 )
+                return False
+        return True
 
     async def _replace(
         self, resource: Resource, lower: Mapping[str, Any], desired: dict[str, Any], namespace: str

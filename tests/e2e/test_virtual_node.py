@@ -618,6 +618,43 @@ def test_cordon_and_drain_move_every_replica_to_the_other_cluster(federation: Fe
         upper.kubectl("delete", "namespace", "drain", "--wait=false")
 
 
+def test_a_pod_whose_secret_name_is_taken_below_waits_until_it_is_free(
+    federation: Federation,
+) -> None:
+    """The lower namespace has a Secret of that name of its own: never overwritten, and the
+    pod, which would get it instead of its own, waits, saying why."""
+    upper, lower = federation.upper, federation.clusters["lower-2"]
+    apply(lower, namespace("taken"))
+    lower.kubectl("create", "secret", "generic", "creds", "-n", "taken", "--from-literal=a=theirs")
+    apply(upper, namespace("taken"))
+    upper.kubectl("create", "secret", "generic", "creds", "-n", "taken", "--from-literal=a=ours")
+    volume = {"name": "creds", "secret": {"secretName": "creds"}}
+    apply(upper, bound_pod("uses-creds", "taken", "vk-lower-2", volumes=[volume]))
+
+    def waiting_reason() -> str | None:
+        pod = get_json(upper, "pod", "-n", "taken", "uses-creds")
+        for condition in pod["status"].get("conditions") or []:
+            if condition["type"] == "PodScheduled" and condition.get("reason"):
+                return str(condition["reason"])
+        return None
+
+    wait_for(lambda: waiting_reason() == "LowerNameTaken", "the pod to say the name is taken")
+    assert lower.kubectl("get", "pod", "-n", "taken", "uses-creds", check=False).returncode != 0
+    theirs = get_json(lower, "secret", "-n", "taken", "creds")
+    assert keys.MANAGED_BY_LABEL not in (theirs["metadata"].get("labels") or {})
+
+    lower.kubectl("delete", "secret", "creds", "-n", "taken")
+    wait_for(
+        lambda: (
+            get_json(upper, "pod", "-n", "taken", "uses-creds")["status"].get("phase") == "Running"
+        ),
+        "the pod to run once the name is free",
+    )
+    ours = get_json(lower, "secret", "-n", "taken", "creds")
+    assert ours["data"] == get_json(upper, "secret", "-n", "taken", "creds")["data"]
+    upper.kubectl("delete", "namespace", "taken", "--wait=false")
+
+
 def test_config_maps_and_secrets_follow_their_pods_down_and_away(federation: Federation) -> None:
     upper, lower = federation.upper, federation.clusters["lower-2"]
     deployment = federated_deployment(

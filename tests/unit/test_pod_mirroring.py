@@ -17,7 +17,7 @@ from kubekit.client import NODES, PODS, ApiError
 from kubekit.informer import Informer
 from kubekit.workqueue import WorkQueue
 from tests.unit.fakeapi import FakeClient, not_found, status_error
-from virtual_node.lower import LowerCluster
+from virtual_node.lower import LowerCluster, NameTaken
 from virtual_node.naming import NamespaceMapping
 from virtual_node.podcontroller import PodController, RetryLater, SyncResult
 from virtual_node.translate import Ownership
@@ -284,6 +284,29 @@ async def test_an_admission_refusal_is_an_event_and_a_retry(mirroring: Mirroring
     assert (scheduled["status"], scheduled["reason"]) == ("False", "LowerClusterRefused")
     assert scheduled["message"].startswith("lower cluster lower-1 refused the pod: ")
     assert 'exceeded quota: "compute"' in scheduled["message"]
+
+
+class TakenBelow:
+    """Dependencies whose ServiceAccount has a namesake below that is not ours."""
+
+    async def ensure_for_pod(self, pod: Mapping[str, Any]) -> None:
+        raise NameTaken("serviceaccounts shop/builder exists in the lower cluster ...")
+
+
+async def test_a_pod_whose_objects_names_are_taken_below_waits_and_says_why(
+    mirroring: Mirroring,
+) -> None:
+    backend = mirroring.controller.backend
+    assert isinstance(backend, LowerCluster)
+    backend.dependencies = TakenBelow()
+    mirroring.above(upper_pod(serviceAccountName="builder"))
+    with pytest.raises(RetryLater, match="serviceaccounts shop/builder"):
+        await mirroring.controller.reconcile("shop/web")
+    assert ("POST", LOWER_POD_PATH) not in mirroring.lower.writes()
+    assert mirroring.upper_event_reasons() == ["LowerNameTaken"]
+    (status,) = mirroring.upper_statuses()
+    (scheduled,) = [c for c in status["conditions"] if c["type"] == "PodScheduled"]
+    assert (scheduled["status"], scheduled["reason"]) == ("False", "LowerNameTaken")
 
 
 @pytest.mark.parametrize("controlled", [True, False])

@@ -7,10 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
+
 from kubekit.client import PODS
 from kubekit.informer import Informer
 from kubekit.workqueue import WorkQueue
 from tests.unit.fakeapi import FakeClient, status_error
+from virtual_node.lower import NameTaken
 from virtual_node.naming import NamespaceMapping
 from virtual_node.references import Kind
 from virtual_node.reflector import RESOURCES, Key, Reflector
@@ -360,3 +363,39 @@ async def test_a_claim_copy_outlives_its_pods_and_goes_with_its_upper_claim() ->
     r.above("persistentvolumeclaims", claim, "DELETED")
     await r.drain()
     assert r.lower.writes() == [("DELETE", f"{claims}/data")]
+
+
+def taken(error_path: str, existing_path: str, existing: dict[str, Any], r: Reflecting) -> None:
+    """The lower apiserver already has an object of that name, not made by us."""
+    r.lower.answer("POST", error_path, status_error(409, "AlreadyExists", "exists"))
+    r.lower.answer("GET", existing_path, existing)
+
+
+async def test_a_namesake_below_that_is_not_ours_keeps_the_pod_from_being_made() -> None:
+    """The lower cluster's own ServiceAccount (or another upper cluster's copy) of that
+    name: the pod would run with someone else's, so it is not made while it is there."""
+    r = reflecting()
+    r.above("serviceaccounts", account())
+    theirs = {"metadata": {"name": "builder", "namespace": "shop", "labels": {}}}
+    taken(ACCOUNTS, f"{ACCOUNTS}/builder", theirs, r)
+    web = pod(serviceAccountName="builder")
+    r.above(None, web)
+    with pytest.raises(NameTaken, match="serviceaccounts shop/builder exists in the lower"):
+        await r.reflector.ensure_for_pod(web)
+    assert r.lower.writes() == [("POST", ACCOUNTS)], "theirs is never overwritten"
+    # Gone below: the copy is made, and the pod with it.
+    await r.reflector.ensure_for_pod(web)
+    (copy,) = r.created(ACCOUNTS)[1:]
+    assert copy["metadata"]["labels"] == OWNER.labels()
+
+
+async def test_a_cluster_wide_namesake_below_is_used_as_it_is() -> None:
+    """A PriorityClass the lower cluster has of that name is the lower admin's to set."""
+    r = reflecting()
+    r.above("priorityclasses", priority_class())
+    lower_class = {"metadata": {"name": "high", "labels": {}}, "value": 5}
+    taken(PRIORITY_CLASSES, f"{PRIORITY_CLASSES}/high", lower_class, r)
+    web = pod(priorityClassName="high")
+    r.above(None, web)
+    await r.reflector.ensure_for_pod(web)
+    assert r.lower.writes() == [("POST", PRIORITY_CLASSES)]
