@@ -84,8 +84,10 @@ def upper_event(
 
 
 def recurrence(event: Mapping[str, Any]) -> JSON:
-    """The part of an event that changes when it recurs (pure)."""
-    return {field: event[field] for field in _RECURRING if field in event}
+    """The part of an event that changes when it recurs (pure). A null field is an absent
+    one: the apiserver lists a new-style event's empty lastTimestamp as null, which the
+    copy made from it leaves out."""
+    return {field: event[field] for field in _RECURRING if event.get(field) is not None}
 
 
 def fingerprint(event: Mapping[str, Any]) -> int:

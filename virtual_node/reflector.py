@@ -226,9 +226,21 @@ class Reflector:
         key = reflected_key(kind, metadata.get("namespace") or "", metadata["name"])
         if kind == "services":
             self._service_changed(key[1], key[2])
-        # Every claim: a deleted one is no longer wanted, and its copy goes with it.
-        if kind == "persistentvolumeclaims" or self._wanted(key):
+        # An object deleted above may no longer be wanted (a claim, an EndpointSlice, whose
+        # wanting asks for the upper object): its copy goes with it.
+        if self._wanted(key) or self._has_copy(key):
             self.queue.add(key)
+
+    def _has_copy(self, key: Key) -> bool:
+        kind, namespace, name = key
+        try:
+            lower_namespace = self.mapping.lower(namespace) if namespace else ""
+        except NamingError:
+            return False
+        return (
+            self.lower_copies[kind].get(f"{lower_namespace}/{name}" if lower_namespace else name)
+            is not None
+        )
 
     def sync_namespaces(self, namespaces: Iterable[str]) -> None:
         """Keeps every object of these upper namespaces below (they hold quota slices

@@ -399,3 +399,25 @@ async def test_a_cluster_wide_namesake_below_is_used_as_it_is() -> None:
     r.above(None, web)
     await r.reflector.ensure_for_pod(web)
     assert r.lower.writes() == [("POST", PRIORITY_CLASSES)]
+
+
+async def test_an_endpoint_slice_deleted_above_goes_below_at_once() -> None:
+    """Its wanting asks for the upper slice, gone with the delete: the copy is what
+    queues it, not the 60 s orphan sweep (clients below would route to dead pods)."""
+    r = reflecting()
+    r.above(None, pod("web-1", {"app": "web"}))
+    r.above("services", named("Service", "front", spec={"selector": {"app": "web"}}))
+    labels = {"kubernetes.io/service-name": "front"}
+    old_slice = named("EndpointSlice", "front-abc", addressType="IPv4", endpoints=[])
+    old_slice["metadata"]["labels"] = labels
+    r.above("endpointslices", old_slice)
+    await r.drain()
+    (copy,) = r.created("/apis/discovery.k8s.io/v1/namespaces/shop/endpointslices")
+    r.below("endpointslices", {**copy, "metadata": {**copy["metadata"], "uid": "lower-slice"}})
+    await r.drain()
+    r.lower.requests.clear()
+    r.above("endpointslices", old_slice, "DELETED")
+    await r.drain()
+    assert r.lower.writes() == [
+        ("DELETE", "/apis/discovery.k8s.io/v1/namespaces/shop/endpointslices/front-abc")
+    ]
