@@ -42,9 +42,24 @@ def _containers(spec: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
         yield from spec.get(kind) or []
 
 
+# (volume source, its field naming a Secret of the pod's namespace: a reference object
+# or, for azureFile, the name itself).
+_VOLUME_SECRET_REFS = (
+    ("csi", "nodePublishSecretRef"),
+    ("cephfs", "secretRef"),
+    ("rbd", "secretRef"),
+    ("iscsi", "secretRef"),
+    ("flexVolume", "secretRef"),
+    ("scaleIO", "secretRef"),
+    ("storageos", "secretRef"),
+    ("azureFile", "secretName"),
+)
+
+
 def referenced_objects(spec: Mapping[str, Any]) -> set[tuple[Kind, str]]:
     """ConfigMaps, Secrets and PersistentVolumeClaims a pod spec refers to (volumes,
-    projected volumes, env, envFrom and imagePullSecrets), its ServiceAccount and its
+    projected volumes, volume drivers' Secrets, env, envFrom and imagePullSecrets), its
+    ServiceAccount and its
     PriorityClass (cluster-wide), but for those every cluster makes itself."""
     refs: set[tuple[Kind, str]] = set()
     account = spec.get("serviceAccountName") or DEFAULT_SERVICE_ACCOUNT
@@ -67,6 +82,13 @@ def referenced_objects(spec: Mapping[str, Any]) -> set[tuple[Kind, str]]:
                 refs.add(("configmaps", source["configMap"]["name"]))
             if "secret" in source:
                 refs.add(("secrets", source["secret"]["name"]))
+        # The kubelet reads these Secrets for the volume's driver (a CSI inline volume's
+        # mount credentials, the in-tree plugins' keys).
+        for plugin, field in _VOLUME_SECRET_REFS:
+            ref = (volume.get(plugin) or {}).get(field)
+            refs.add(
+                ("secrets", str(ref.get("name") or "" if isinstance(ref, dict) else ref or ""))
+            )
     for container in _containers(spec):
         for env in container.get("env") or []:
             source = env.get("valueFrom") or {}

@@ -37,6 +37,13 @@ def test_every_kind_of_reference_is_found() -> None:
             },
             {"name": "d", "emptyDir": {}},
             {"name": "e", "persistentVolumeClaim": {"claimName": "data"}},
+            {
+                "name": "f",
+                "csi": {"driver": "secrets-store", "nodePublishSecretRef": {"name": "csi-creds"}},
+            },
+            {"name": "g", "csi": {"driver": "inline"}},
+            {"name": "h", "cephfs": {"monitors": ["m"], "secretRef": {"name": "ceph-key"}}},
+            {"name": "i", "azureFile": {"secretName": "azure-key", "shareName": "s"}},
         ],
         "initContainers": [{"name": "i", "envFrom": [{"configMapRef": {"name": "cm-envfrom"}}]}],
         "containers": [
@@ -66,6 +73,9 @@ def test_every_kind_of_reference_is_found() -> None:
         ("secrets", "secret-env"),
         ("secrets", "secret-envfrom"),
         ("secrets", "registry"),
+        ("secrets", "csi-creds"),
+        ("secrets", "ceph-key"),
+        ("secrets", "azure-key"),
         ("persistentvolumeclaims", "data"),
     }
 
