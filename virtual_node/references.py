@@ -86,9 +86,9 @@ def referenced_objects(spec: Mapping[str, Any]) -> set[tuple[Kind, str]]:
         # mount credentials, the in-tree plugins' keys).
         for plugin, field in _VOLUME_SECRET_REFS:
             ref = (volume.get(plugin) or {}).get(field)
-            refs.add(
-                ("secrets", str(ref.get("name") or "" if isinstance(ref, dict) else ref or ""))
-            )
+            name = ref.get("name") if isinstance(ref, dict) else ref
+            if isinstance(name, str):
+                refs.add(("secrets", name))
     for container in _containers(spec):
         for env in container.get("env") or []:
             source = env.get("valueFrom") or {}
