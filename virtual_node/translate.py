@@ -214,6 +214,15 @@ def pinned_to(lower: JSON, node_name: str) -> JSON:
     return lower
 
 
+def _own_labels(node_name: str) -> dict[str, str]:
+    """Labels of the virtual Node that its lower nodes have other values of, if at all:
+    a requirement this virtual node meets on them (virtual-kubelet's usual targeting,
+    ``type: virtual-kubelet``; a pin by hostname) is about it, and met. One it does not
+    meet may be about lower nodes (``type: gpu``, a lower node's hostname) and is left for
+    the lower cluster to judge."""
+    return {keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL, keys.HOSTNAME_LABEL: node_name}
+
+
 def _without_virtual_node_terms(
     spec: JSON, cluster_labels: Mapping[str, str], node_name: str
 ) -> JSON:
@@ -236,8 +245,15 @@ def _without_virtual_node_terms(
             f"nodeSelector {', '.join(f'{k}={selector[k]}' for k in mismatched)} does not"
             f" match this virtual node"
         )
+    own = _own_labels(node_name)
     _set_or_drop(
-        spec, "nodeSelector", {k: v for k, v in selector.items() if k not in cluster_labels}
+        spec,
+        "nodeSelector",
+        {
+            k: v
+            for k, v in selector.items()
+            if k not in cluster_labels and not (k in own and own[k] == v)
+        },
     )
     spread = [
         c
@@ -300,8 +316,13 @@ def _lower_node_term(
     Expressions on other keys, and names of other nodes (a lower node's, perhaps), are
     left as they are, for the lower apiserver to judge."""
     kept = []
+    own = _own_labels(node_name)
     for expression in term.get("matchExpressions") or []:
         key = expression.get("key")
+        if key in own:
+            parsed = requirement(expression, NODE_OPERATORS)
+            if parsed is not None and parsed.accepts(own[key]):
+                continue  # about this virtual node, which it fits
         if key not in cluster_labels:
             kept.append(expression)
             continue

@@ -860,3 +860,22 @@ def test_a_lower_pod_is_deleted_again_only_for_a_shorter_grace() -> None:
     assert deletion_due(lower, 5) and deletion_due(lower, 0)
     assert not deletion_due(lower, 30) and not deletion_due(lower, 60)
     assert not deletion_due(lower, None), "nothing known above: the lower grace stands"
+
+
+def test_virtual_kubelets_usual_targeting_is_met_here_and_goes() -> None:
+    """``type: virtual-kubelet`` and a hostname pin name this virtual node, whose lower
+    nodes carry neither: met here, they would keep the pod from every lower node."""
+    selector = {keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL, "disk": "ssd"}
+    lower = desired_lower_pod(upper_pod(nodeSelector=selector), NamespaceMapping(), OWNER)
+    assert lower["spec"]["nodeSelector"] == {"disk": "ssd"}
+    pinned = required_terms(node_term((keys.HOSTNAME_LABEL, "In", ["vk-lower-1", "vk-lower-2"])))
+    assert lower_affinity(pinned) is None
+
+
+def test_values_this_virtual_node_does_not_have_are_left_for_the_lower_nodes() -> None:
+    """``type: gpu`` or a lower node's hostname speak of lower nodes: kept as they are."""
+    selector = {keys.NODE_TYPE_LABEL: "gpu"}
+    lower = desired_lower_pod(upper_pod(nodeSelector=selector), NamespaceMapping(), OWNER)
+    assert lower["spec"]["nodeSelector"] == selector
+    lower_node_pin = required_terms(node_term((keys.HOSTNAME_LABEL, "In", ["kwok-node-3"])))
+    assert lower_affinity(lower_node_pin) == lower_node_pin
