@@ -363,6 +363,17 @@ class LowerCluster:
             except NameTaken as error:
                 # Made once the namesake is gone; until then the pod says why it waits.
                 return Refused("LowerNameTaken", str(error))
+            except ApiError as error:
+                if namespace_is_gone(error):
+                    # Deleted below since we made it: made again on the retry.
+                    self.forget_namespace(namespace)
+                if error.status == 403:
+                    return Refused(
+                        "LowerClusterRefused",
+                        f"lower cluster {self.owner.cluster_id} refused what the pod needs: "
+                        f"{error.message}",
+                    )
+                raise
         if self.held_node is not None and not uses_unmodelled_filters(desired["spec"]):
             node = self.held_node(upper["metadata"]["uid"])
             if node is not None:

@@ -309,6 +309,48 @@ async def test_a_pod_whose_objects_names_are_taken_below_waits_and_says_why(
     assert (scheduled["status"], scheduled["reason"]) == ("False", "LowerNameTaken")
 
 
+class FailingCopies:
+    """Dependencies whose copies the lower apiserver refuses with ``errors``, in turn."""
+
+    def __init__(self, *errors: Exception) -> None:
+        self.errors = list(errors)
+
+    async def ensure_for_pod(self, pod: Mapping[str, Any]) -> None:
+        if self.errors:
+            raise self.errors.pop(0)
+
+
+async def test_copies_refused_for_the_quota_make_the_pod_wait_and_say_why(
+    mirroring: Mirroring,
+) -> None:
+    backend = mirroring.controller.backend
+    assert isinstance(backend, LowerCluster)
+    backend.dependencies = FailingCopies(
+        status_error(403, "Forbidden", 'exceeded quota: "objects", requested: count/secrets=1')
+    )
+    mirroring.above(upper_pod())
+    with pytest.raises(RetryLater, match="count/secrets"):
+        await mirroring.controller.reconcile("shop/web")
+    assert mirroring.upper_event_reasons() == ["LowerClusterRefused"]
+    assert ("POST", LOWER_POD_PATH) not in mirroring.lower.writes()
+
+
+async def test_copies_refused_for_a_namespace_gone_below_make_it_again(
+    mirroring: Mirroring,
+) -> None:
+    backend = mirroring.controller.backend
+    assert isinstance(backend, LowerCluster)
+    gone = status_error(404, "NotFound", 'namespaces "shop" not found', kind="namespaces")
+    backend.dependencies = FailingCopies(gone)
+    mirroring.above(upper_pod())
+    with pytest.raises(ApiError):
+        await mirroring.controller.reconcile("shop/web")
+    mirroring.lower.answer("POST", LOWER_POD_PATH, lower_pod(phase="Pending"))
+    await mirroring.controller.reconcile("shop/web")
+    made = [path for method, path in mirroring.lower.writes() if path == "/api/v1/namespaces"]
+    assert len(made) == 2, "made again after the copies found it gone"
+
+
 @pytest.mark.parametrize("controlled", [True, False])
 async def test_a_lower_pod_deleted_behind_our_back(mirroring: Mirroring, controlled: bool) -> None:
     """A controlled pod goes so its owner replaces it; a bare one is marked Failed."""
