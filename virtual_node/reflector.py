@@ -76,6 +76,11 @@ DESIRED: dict[Kind, Callable[[Mapping[str, Any], NamespaceMapping, Ownership], J
 }
 
 
+def _copied_from(copy: Mapping[str, Any]) -> str | None:
+    """The UID of the upper object a copy was made from."""
+    return (copy["metadata"].get("annotations") or {}).get(keys.UPPER_UID_ANNOTATION)
+
+
 def reflected_key(kind: Kind, namespace: str, name: str) -> Key:
     return (kind, namespace if RESOURCES[kind].namespaced else "", name)
 
@@ -336,6 +341,18 @@ class Reflector:
             f"{lower_namespace}/{name}" if lower_namespace else name
         )
         self._taken.discard(key)
+        if (
+            resource is PERSISTENTVOLUMECLAIMS
+            and upper is not None
+            and lower is not None
+            and _copied_from(lower) not in (None, upper["metadata"]["uid"])
+        ):
+            # The copy of an earlier claim of that name (deleted and made again above
+            # while this process was away, or between two reconciles): its volume is the
+            # old claim's data. It goes; its removal brings the key back for a new copy.
+            if not lower["metadata"].get("deletionTimestamp"):
+                await self.lower.delete_exact(resource, lower)
+            return
         if self._wanted(key) and upper is not None and reflectable(upper):
             desired = DESIRED[kind](upper, self.mapping, self.owner)
             if lower is None:

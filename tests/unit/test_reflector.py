@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from kubekit import keys
 from kubekit.client import PODS
 from kubekit.informer import Informer
 from kubekit.workqueue import WorkQueue
@@ -363,6 +364,42 @@ async def test_a_claim_copy_outlives_its_pods_and_goes_with_its_upper_claim() ->
     r.above("persistentvolumeclaims", claim, "DELETED")
     await r.drain()
     assert r.lower.writes() == [("DELETE", f"{claims}/data")]
+
+
+async def test_a_claim_made_again_above_gets_a_new_copy_not_the_old_volume() -> None:
+    """Deleted and made again above while the copy stayed (the virtual node away, or the
+    two events merged in its queue): the old copy's volume is the old claim's data."""
+    claims = "/api/v1/namespaces/shop/persistentvolumeclaims"
+    old_claim: dict[str, Any] = {
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "data", "namespace": "shop", "uid": "old-uid"},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}},
+    }
+    stateful = pod(volumes=[{"name": "d", "persistentVolumeClaim": {"claimName": "data"}}])
+    r = reflecting()
+    r.above("persistentvolumeclaims", old_claim)
+    r.above(None, stateful)
+    await r.drain()
+    (copy,) = r.created(claims)
+    bound = {**copy["spec"], "volumeName": "pv-old"}
+    old_copy = {
+        **copy,
+        "metadata": {**copy["metadata"], "resourceVersion": "3", "uid": "below"},
+        "spec": bound,
+    }
+    r.below("persistentvolumeclaims", old_copy)
+    await r.drain()
+    r.lower.requests.clear()
+
+    new_claim = {**old_claim, "metadata": {**old_claim["metadata"], "uid": "new-uid"}}
+    r.above("persistentvolumeclaims", new_claim, "MODIFIED")
+    await r.drain()
+    assert r.lower.writes() == [("DELETE", f"{claims}/data")], "never a PUT keeping pv-old"
+    r.copies["persistentvolumeclaims"].apply({"type": "DELETED", "object": old_copy})
+    await r.drain()
+    (fresh,) = r.created(claims)
+    assert "volumeName" not in fresh["spec"]
+    assert fresh["metadata"]["annotations"][keys.UPPER_UID_ANNOTATION] == "new-uid"
 
 
 def taken(error_path: str, existing_path: str, existing: dict[str, Any], r: Reflecting) -> None:
