@@ -163,8 +163,16 @@ _SERVICE_FIELDS = (
 def desired_service(upper: Mapping[str, Any], mapping: NamespaceMapping, owner: Ownership) -> JSON:
     """The lower Service: no cluster IP (the lower cluster allocates one; headless stays
     headless), type ClusterIP, no node ports, and no selector: its endpoints are the
-    upper Service's, in every lower cluster, reflected as EndpointSlices."""
+    upper Service's, in every lower cluster, reflected as EndpointSlices. An
+    ExternalName Service stays one: a DNS alias, the same name below."""
     spec = upper.get("spec") or {}
+    if spec.get("type") == "ExternalName":
+        return {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _copy_metadata(upper, mapping, owner),
+            "spec": {"type": "ExternalName", "externalName": spec.get("externalName", "")},
+        }
     lower_spec: JSON = {"type": "ClusterIP"}
     if spec.get("clusterIP") == "None":
         lower_spec["clusterIP"] = "None"

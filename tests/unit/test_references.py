@@ -310,3 +310,13 @@ def test_lower_endpoint_slice_is_ours_without_upper_node_names() -> None:
     assert lower["ports"] == upper["ports"]
     assert not copy_differs(lower, lower)
     assert copy_differs({**lower, "endpoints": []}, lower)
+
+
+def test_an_external_name_service_stays_a_dns_alias_below() -> None:
+    """As a ClusterIP Service with no ports, the lower apiserver refuses it; with ports,
+    it resolves to an address that leads nowhere."""
+    alias = service("db", {}, type="ExternalName", externalName="db.example.com")
+    lower = desired_service(alias, MAPPING, OWNER)
+    assert lower["spec"] == {"type": "ExternalName", "externalName": "db.example.com"}
+    moved = service("db", {}, type="ExternalName", externalName="db2.example.com")
+    assert copy_differs(lower, desired_service(moved, MAPPING, OWNER))
