@@ -69,8 +69,18 @@ def _project_node_selector(selector: Mapping[str, str], keep: Collection[str]) -
 
 
 def _project_term(term: Mapping[str, Any], keep: Collection[str]) -> JSON:
+    """The term's expressions on cluster-level keys, and its requirements on the node's
+    name: in the upper cluster a name is a virtual node's, so a pin to one holds above
+    (dropped, the pod could be bound to another virtual node, whose lower nodes all
+    fail the pin)."""
+    projected: JSON = {}
     expressions = [e for e in term.get("matchExpressions") or [] if e.get("key") in keep]
-    return {"matchExpressions": expressions} if expressions else {}
+    if expressions:
+        projected["matchExpressions"] = expressions
+    fields = [f for f in term.get("matchFields") or [] if f.get("key") == "metadata.name"]
+    if fields:
+        projected["matchFields"] = fields
+    return projected
 
 
 def _project_node_affinity(node_affinity: Mapping[str, Any], keep: Collection[str]) -> JSON:

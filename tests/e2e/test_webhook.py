@@ -145,6 +145,41 @@ def test_every_toleration_stays_above_and_added_ones_reach_the_lower_pod(
     )
 
 
+def test_a_pin_to_a_virtual_node_by_name_holds_above(federation: Federation) -> None:
+    """The pin stays above and is met below. (Here the multischeduler would also keep the
+    pods off vk-lower-1, whose lower nodes all fail the restored pin; without it, a pin
+    stashed above let the upper scheduler bind them there: tests/unit/test_stash.py.)"""
+    upper = federation.upper
+    apply(upper, federated_namespace("wh-pinned"))
+    pin = {"key": "metadata.name", "operator": "In", "values": ["vk-lower-2"]}
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchFields": [pin]}]
+            }
+        }
+    }
+    for index in range(3):
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": f"pinned-{index}", "namespace": "wh-pinned"},
+            "spec": {
+                "affinity": affinity,
+                "terminationGracePeriodSeconds": 0,
+                "containers": [container()],
+            },
+        }
+        upper.kubectl("create", "-f", "-", input=json.dumps(pod))
+    for index in range(3):
+        below = lower_pod(federation, "lower-2", "wh-pinned", f"pinned-{index}")
+        # Held of every lower node: gone below (but for the pin to the lower node the
+        # estimator held room on).
+        assert "vk-lower-2" not in json.dumps(below["spec"].get("affinity") or {})
+        above = get_json(upper, "pod", "-n", "wh-pinned", f"pinned-{index}")
+        assert above["spec"]["nodeName"] == "vk-lower-2"
+
+
 def test_topology_spread_across_zones_keeps_its_semantics_below(federation: Federation) -> None:
     upper = federation.upper
     apply(upper, federated_namespace("wh-spread"))

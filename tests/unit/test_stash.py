@@ -29,7 +29,19 @@ expressions = st.lists(
     ),
     max_size=3,
 )
-terms = st.fixed_dictionaries({"matchExpressions": expressions})
+name_fields = st.lists(
+    st.fixed_dictionaries(
+        {
+            "key": st.just("metadata.name"),
+            "operator": st.sampled_from(["In", "NotIn"]),
+            "values": st.lists(st.sampled_from(["vk-lower-1", "vk-lower-2"]), min_size=1),
+        }
+    ),
+    max_size=1,
+)
+terms = st.fixed_dictionaries(
+    {"matchExpressions": expressions}, optional={"matchFields": name_fields}
+)
 node_affinity = st.fixed_dictionaries(
     {},
     optional={
@@ -129,7 +141,34 @@ def test_upper_view_only_speaks_of_cluster_level_keys(spec: dict[str, Any]) -> N
     for term in (node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {}).get(
         "nodeSelectorTerms", []
     ):
-        assert term["matchExpressions"] and all(e["key"] in kept for e in term["matchExpressions"])
+        assert term.get("matchExpressions") or term.get("matchFields")
+        assert all(e["key"] in kept for e in term.get("matchExpressions") or [])
+        assert all(f["key"] == "metadata.name" for f in term.get("matchFields") or [])
+
+
+def test_a_pin_to_a_virtual_node_by_name_holds_above() -> None:
+    """Dropped, the pod could be bound to another virtual node, whose lower nodes all fail
+    the pin: it would wait below for good."""
+    pin = {"key": "metadata.name", "operator": "In", "values": ["vk-lower-1"]}
+    spec = {
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchFields": [pin],
+                            "matchExpressions": [
+                                {"key": "disk", "operator": "In", "values": ["a"]}
+                            ],
+                        }
+                    ]
+                }
+            }
+        }
+    }
+    stashed, _ = stash_scheduling(spec, {})
+    required = stashed["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert required == {"nodeSelectorTerms": [{"matchFields": [pin]}]}
 
 
 def test_required_affinity_with_an_unconstrained_branch_is_dropped_above() -> None:

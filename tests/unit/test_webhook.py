@@ -243,6 +243,7 @@ def test_a_daemonsets_pod_keeps_its_pin_to_one_node() -> None:
                 }
             },
             "tolerations": [{"operator": "Exists"}],
+            "nodeSelector": {"disk": "ssd"},
         }
     )
     assert answer(review(daemon))["patch"]  # a bare pod of that spec is stashed
