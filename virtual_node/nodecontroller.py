@@ -13,7 +13,15 @@ from collections.abc import Callable
 from typing import Protocol
 
 from kubekit import keys
-from kubekit.client import API_ERRORS, LEASES, NODES, ApiError, KubeClient, is_not_found
+from kubekit.client import (
+    API_ERRORS,
+    LEASES,
+    NODES,
+    ApiError,
+    KubeClient,
+    is_conflict,
+    is_not_found,
+)
 from kubekit.timestamps import now_micro
 from virtual_node.node import (
     NodeIdentity,
@@ -36,6 +44,7 @@ STATUS_COALESCE_SECONDS = 1.0
 # The least pause after a status not sent (an error, an unreachable lower cluster):
 # the heartbeat it owed is due already, and would be tried again at once, for ever.
 STATUS_RETRY_SECONDS = 5.0
+REGISTER_ATTEMPTS = 5
 
 _SMP = "application/strategic-merge-patch+json"
 
@@ -78,6 +87,20 @@ class NodeController:
         await asyncio.gather(self._lease_loop(), self._status_loop())
 
     async def register(self) -> None:
+        for attempt in range(1, REGISTER_ATTEMPTS + 1):
+            try:
+                await self._register_once()
+                break
+            except ApiError as error:
+                # The Node changed between our read and our conditional patch (the node
+                # controller's taints, the old leader's last status), or was made by
+                # another: read again.
+                if not is_conflict(error) or attempt == REGISTER_ATTEMPTS:
+                    raise
+                log.info("node %s changed while registering; read again", self.identity.name)
+        await self.update_status(force=True)
+
+    async def _register_once(self) -> None:
         report = self.provider.report(self.reachable)
         try:
             existing = await self.upper.get(NODES, self.identity.name)
@@ -93,7 +116,6 @@ class NodeController:
                 existing = await self.upper.patch(NODES, self.identity.name, patch)
             self._node_uid = existing["metadata"]["uid"]
             self._last_status = existing.get("status") or {}
-        await self.update_status(force=True)
 
     async def _lease_loop(self) -> None:
         while True:

@@ -8,7 +8,7 @@ import pytest
 
 from kubekit import keys
 from kubekit.client import ApiError
-from tests.unit.fakeapi import FakeClient
+from tests.unit.fakeapi import FakeClient, status_error
 from virtual_node import nodecontroller
 from virtual_node.node import (
     NodeIdentity,
@@ -180,3 +180,25 @@ def test_a_resource_gone_from_the_report_is_patched_to_null() -> None:
     }
     assert status_patch(now, now) == now
     assert status_patch({}, now) == now
+
+
+async def test_a_node_changed_while_registering_is_read_again() -> None:
+    """The conditional patch meets a Node written meanwhile (a 409): the process read it
+    again rather than ending."""
+    upper = FakeClient()
+    path = "/api/v1/nodes/vk-lower-1"
+    existing = {
+        "metadata": {"name": "vk-lower-1", "uid": "node-uid", "resourceVersion": "5"},
+        "spec": {},
+        "status": {},
+    }
+    upper.answer("GET", path, existing, {**existing, "metadata": {**existing["metadata"]}})
+    conflict = status_error(409, "Conflict", "the object has been modified")
+    upper.answer("PATCH", path, conflict, existing)
+    controller = nodecontroller.NodeController(
+        upper, identity(estimator_port=10352, estimator_started="t2"), FlakyLowerCluster(True)
+    )
+    controller.reachable = True
+    await controller.register()
+    node_requests = [(r.method, r.path) for r in upper.requests if r.path == path]
+    assert node_requests == [("GET", path), ("PATCH", path), ("GET", path), ("PATCH", path)]
