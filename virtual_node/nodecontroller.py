@@ -27,6 +27,7 @@ from virtual_node.node import (
     NodeIdentity,
     NodeReport,
     lease,
+    node_labels,
     node_status,
     registration,
     registration_patch,
@@ -77,6 +78,7 @@ class NodeController:
         self._last_sent = 0.0
         self._next_status_at = 0.0
         self._annotations: dict[str, str] = {}  # as last sent
+        self._labels: dict[str, str] = {}  # as last sent, or found at registration
         # Called once the Node is Ready again after its lower cluster was unreachable.
         self.on_reachable = on_reachable
         self._reachable_unannounced = False
@@ -110,12 +112,16 @@ class NodeController:
             created = await self.upper.create(NODES, registration(self.identity, report))
             log.info("registered node %s", self.identity.name)
             self._node_uid = created["metadata"]["uid"]
+            # A Node made again (deleted meanwhile) has none of what we sent the last.
+            self._annotations = {}
         else:
             patch = registration_patch(existing, self.identity, report)
             if patch:
                 existing = await self.upper.patch(NODES, self.identity.name, patch)
             self._node_uid = existing["metadata"]["uid"]
             self._last_status = existing.get("status") or {}
+            self._annotations = dict(existing["metadata"].get("annotations") or {})
+        self._labels = node_labels(self.identity, report)
 
     async def _lease_loop(self) -> None:
         while True:
@@ -191,16 +197,30 @@ class NodeController:
                 if self.on_reachable is not None:
                     self.on_reachable()
 
-    async def _send_annotations(self, report: NodeReport) -> None:
-        changed = {
+    async def _send_metadata(self, report: NodeReport) -> None:
+        """The annotations and labels that follow the lower cluster, where they changed;
+        a label this process set that the lower nodes no longer share goes (one a user
+        put on the Node is never touched)."""
+        annotations = {
             key: value
             for key, value in report_annotations(report).items()
             if self._annotations.get(key) != value
         }
-        if not changed:
+        wanted = node_labels(self.identity, report)
+        labels: dict[str, str | None] = {
+            key: value for key, value in wanted.items() if self._labels.get(key) != value
+        }
+        labels.update(dict.fromkeys(set(self._labels) - set(wanted)))
+        metadata: dict[str, object] = {}
+        if annotations:
+            metadata["annotations"] = annotations
+        if labels:
+            metadata["labels"] = labels
+        if not metadata:
             return
-        await self.upper.patch(NODES, self.identity.name, {"metadata": {"annotations": changed}})
-        self._annotations.update(changed)
+        await self.upper.patch(NODES, self.identity.name, {"metadata": metadata})
+        self._annotations.update(annotations)
+        self._labels = wanted
 
     async def update_status(self, force: bool) -> None:
         """Sends the status when it changed, or when ``force`` (the periodic heartbeat),
@@ -209,7 +229,7 @@ class NodeController:
         if not self.reachable and self._last_status:
             return
         report = self.provider.report(self.reachable)
-        await self._send_annotations(report)
+        await self._send_metadata(report)
         status = node_status(self.identity, report, self._last_status)
         if not force and not status_changed(self._last_status, status):
             return

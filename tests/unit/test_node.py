@@ -202,3 +202,35 @@ async def test_a_node_changed_while_registering_is_read_again() -> None:
     await controller.register()
     node_requests = [(r.method, r.path) for r in upper.requests if r.path == path]
     assert node_requests == [("GET", path), ("PATCH", path), ("GET", path), ("PATCH", path)]
+
+
+class LabelledLowerCluster(FlakyLowerCluster):
+    """A reachable lower cluster whose nodes share ``labels``, which may change."""
+
+    def __init__(self, **labels: str) -> None:
+        super().__init__(True)
+        self.labels = labels
+
+    def report(self, reachable: bool) -> NodeReport:
+        return NodeReport(ready=reachable, allocatable={"cpu": "8"}, labels=dict(self.labels))
+
+
+async def test_the_labels_the_lower_nodes_share_follow_them() -> None:
+    """Registered while the nodes were amd64 in region a; they are arm64 now, in no one
+    region: the Node's labels follow, and the region label we set goes."""
+    upper = FakeClient()
+    lower = LabelledLowerCluster(**{"topology.kubernetes.io/region": "a", keys.ARCH_LABEL: "amd64"})
+    controller = nodecontroller.NodeController(upper, identity(), lower)
+    controller.reachable = True
+    await controller.register()
+    upper.requests.clear()
+    lower.labels = {keys.ARCH_LABEL: "arm64"}
+    await controller.update_status(force=False)
+    (patch,) = [r.body for r in upper.requests if r.path == "/api/v1/nodes/vk-lower-1"]
+    assert patch["metadata"]["labels"] == {
+        keys.ARCH_LABEL: "arm64",
+        "topology.kubernetes.io/region": None,
+    }
+    upper.requests.clear()
+    await controller.update_status(force=False)
+    assert [r for r in upper.requests if r.path == "/api/v1/nodes/vk-lower-1"] == []
