@@ -274,7 +274,20 @@ class LowerCluster:
         try:
             desired = desired_lower_pod(upper, self.mapping, self.owner)
         except (TranslationError, NamingError) as error:
-            return Rejected("TranslationFailed", str(error))
+            running = self._mirror_of(upper)
+            if running is None:
+                return Rejected("TranslationFailed", str(error))
+            # Made below already (its stash annotation edited since, say): it runs on as
+            # it is, its status still mirrored, as a kubelet does not judge a running pod
+            # again; failing it above would leave it running below beside its
+            # replacement.
+            log.warning(
+                "pod %s/%s: no longer translated, left as it runs below: %s",
+                upper["metadata"]["namespace"],
+                upper["metadata"]["name"],
+                error,
+            )
+            return Mirrored(upper_status(running, upper, self.host_ip), resource_version(running))
         namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
         lower = self.pods.get(f"{namespace}/{name}")
         finished = (upper.get("status") or {}).get("phase") in FINISHED
@@ -319,6 +332,18 @@ class LowerCluster:
                 if patch is not None:
                     lower = await self._patch(lower, patch, subresource)
         return Mirrored(upper_status(lower, upper, self.host_ip), resource_version(lower))
+
+    def _mirror_of(self, upper: Mapping[str, Any]) -> JSON | None:
+        """The lower pod made from this very upper pod, if any."""
+        metadata = upper["metadata"]
+        try:
+            lower = self.pods.get(self.lower_key(f"{metadata['namespace']}/{metadata['name']}"))
+        except NamingError:
+            return None
+        if lower is None or not self.owner.owns(lower):
+            return None
+        annotations = lower["metadata"].get("annotations") or {}
+        return lower if annotations.get(keys.UPPER_UID_ANNOTATION) == metadata["uid"] else None
 
     def _refused_host_access(self, upper: Mapping[str, Any], desired: JSON) -> Rejected | None:
         why = host_access_refusal(

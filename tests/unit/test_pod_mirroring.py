@@ -258,6 +258,21 @@ async def test_a_pod_no_node_of_this_cluster_may_take_fails_without_a_lower_writ
     assert mirroring.lower.writes() == []
 
 
+async def test_a_running_pod_no_longer_translated_runs_on_and_is_not_failed(
+    mirroring: Mirroring,
+) -> None:
+    """Its stash annotation edited into one that cannot be read: failed above, it would run
+    on below beside the replacement its controller makes."""
+    pod = upper_pod()
+    pod["metadata"]["annotations"] = {keys.STASH_ANNOTATION: '{"version": 1, "originals": 7}'}
+    mirroring.above(pod)
+    mirroring.below(lower_pod(phase="Running", podIP="10.241.0.7"))
+    await mirroring.controller.reconcile("shop/web")
+    (status,) = mirroring.upper_statuses()
+    assert (status["phase"], status.get("podIP")) == ("Running", "10.241.0.7")
+    assert mirroring.lower.writes() == []
+
+
 async def test_a_name_taken_below_by_someone_else_fails_the_pod_and_spares_theirs(
     mirroring: Mirroring,
 ) -> None:
