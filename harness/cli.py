@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from harness.process import ProcessError
-from harness.state import UPPER, ClusterError, default_state_dir, kubeconfig_path
+from harness.state import STATE_FILE, UPPER, ClusterError, default_state_dir, kubeconfig_path
 from harness.toolchain import Toolchain, ToolchainError
 from kubekit.cli import COMPONENTS
 from kubekit.quantity import QuantityError, parse_quantity
@@ -215,6 +215,12 @@ def _down(args: argparse.Namespace) -> int:
     if not args.state_dir.exists():
         print(f"nothing to stop: {args.state_dir} does not exist")
         return 0
+    if any(args.state_dir.iterdir()) and not (args.state_dir / STATE_FILE).exists():
+        # Removed below: never a directory `up` did not make (a mistyped path, `.`).
+        raise ClusterError(
+            f"{args.state_dir} is not a kubestrata state directory (no {STATE_FILE}); "
+            "nothing stopped or removed"
+        )
     stopped = stop_state_dir(args.state_dir)
     shutil.rmtree(args.state_dir)
     print(f"stopped {stopped} processes and removed {args.state_dir}")

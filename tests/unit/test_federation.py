@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from harness.cli import build_parser
+from harness.cli import main as cli_main
 from harness.federation import (
     MAX_LOWER,
     Federation,
@@ -231,3 +232,13 @@ def test_k3s_without_docker_says_what_is_missing(tmp_path: Path) -> None:
             cluster.start()
     else:
         pytest.skip("a Docker engine is running here: the e2e path applies instead")
+
+
+def test_down_refuses_a_directory_that_is_not_ours(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`down` removes its state directory: never one `up` did not make (a mistyped path)."""
+    (tmp_path / "precious.txt").write_text("user data")
+    assert cli_main(["down", "--state-dir", str(tmp_path)]) != 0
+    assert (tmp_path / "precious.txt").exists()
+    assert "not a kubestrata state directory" in capsys.readouterr().err
