@@ -110,6 +110,10 @@ def test_the_virtual_node_deployment_starts_with_flags_it_knows() -> None:
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert Path(config.lower_kubeconfig).parent.as_posix() in mounts
     assert config.cert_dir in mounts
+    # The API client writes a kubeconfig's embedded CA to a temporary file: with a
+    # read-only root filesystem and no /tmp, the lower client could not be made.
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert "/tmp" in mounts
 
 
 def flow_schemas() -> list[tuple[Path, dict[str, Any]]]:
