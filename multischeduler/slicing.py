@@ -360,11 +360,17 @@ class SliceController:
         made is retried from the ledgers: what was made is recorded first."""
         made = {cluster: held for cluster, held in promised.items() if held}
         clusters = self._nodes_by_cluster()
-        failures = []
+        failures: list[str] = []
         order = sorted(
             changes, key=lambda cluster: (changes[cluster] > promised.get(cluster, 0), cluster)
         )
         for cluster in order:
+            growing = changes[cluster] > promised.get(cluster, 0)
+            if growing and failures:
+                # A shrink not made: growing now would promise the namespace more than
+                # its quota makes (both clusters holding what moves between them).
+                failures.append(f"{cluster}: not grown while a shrink is not made")
+                continue
             node = clusters.get(cluster)
             if node is None:
                 failures.append(f"{cluster}: no virtual node")

@@ -275,6 +275,31 @@ async def test_shrinking_promises_are_made_before_growing_ones() -> None:
     assert order == ["vk-b=1", "vk-a=3"]
 
 
+async def test_no_promise_grows_while_a_shrink_is_not_made() -> None:
+    """b does not answer its shrink from 3 to 1: growing a to 3 then would have the
+    namespace promised 6 slices for a quota that makes 4."""
+    w = world(
+        a=Cluster((8,), ledger={"team": (1, 2 * CPU)}),
+        b=Cluster((8,), ledger={"team": (3, 2 * CPU)}),
+    )
+    before = Applied(Amount(cpu=2 * CPU), {"a": 1, "b": 3})
+    w.put(w.namespaces, recorded(before, '{"a": 3, "b": 1}'))
+    w.put(w.quotas, quota("8"))
+    real = w.pool.promise_slices
+
+    async def shrink_times_out(name: str, request: PromiseSlicesRequest, timeout: float) -> Any:
+        if name == "vk-b":
+            return EstimatorFailure("DEADLINE_EXCEEDED")
+        return await real(name, request, timeout)
+
+    w.pool.promise_slices = shrink_times_out  # type: ignore[method-assign]
+    with pytest.raises(PromiseNotMade, match="a: not grown while a shrink is not made"):
+        await w.controller.reconcile("team")
+    assert w.pool.promised("a") == []
+    ledgers = {name: c.ledger["team"][0] for name, c in w.pool.clusters.items()}
+    assert ledgers == {"a": 1, "b": 3}
+
+
 async def test_the_ledgers_not_the_annotation_say_what_is_promised() -> None:
     # The record lost (a user removed it), or left behind by a promise whose annotation
     # patch failed: the ledgers are read, and nothing is promised twice.
