@@ -18,7 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubekit import keys
-from kubekit.client import CONFIGMAPS, RESOURCEQUOTAS, ApiError, KubeClient, is_not_found
+from kubekit.client import (
+    API_ERRORS,
+    CONFIGMAPS,
+    RESOURCEQUOTAS,
+    ApiError,
+    KubeClient,
+    is_not_found,
+)
 from kubekit.fit import pod_requests
 from kubekit.informer import Informer
 from kubekit.slices import (
@@ -121,6 +128,14 @@ class SlicePromises:
         entry = ledger_entry(lower_namespace, own) if own else None
         if entry is not None and entry.origin != self.owner.origin:
             entry = None  # another upper cluster's: refused when promised
+        if entry is not None:
+            # The quota is written after the ledger: a write that failed (a 409, a crash
+            # between the two) leaves it behind the ledger, and the multischeduler, which
+            # reads the ledger, promises nothing more. Each look brings it in step.
+            try:
+                await self._hold_to(lower_namespace, entry)
+            except API_ERRORS as error:
+                log.warning("%s: quota not brought to its promise: %s", lower_namespace, error)
         return SliceRoom(
             nodes=self._node_room(),
             promised_to_others=promised_to_others(ledger, lower_namespace),
@@ -200,8 +215,9 @@ class SlicePromises:
             if not is_not_found(error):
                 raise
             await self.client.create(RESOURCEQUOTAS, body, lower_namespace)
-            return
-        if current.get("spec", {}).get("hard") != body["spec"]["hard"]:
+        else:
+            if current.get("spec", {}).get("hard") == body["spec"]["hard"]:
+                return
             body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
             await self.client.replace(RESOURCEQUOTAS, body, lower_namespace)
         log.info(

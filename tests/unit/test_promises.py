@@ -230,3 +230,19 @@ async def test_an_unreadable_ledger_entry_refuses_growth_rather_than_count_it_as
     api.ledger["data"]["someone-else"] = "{not json"
     with pytest.raises(PromiseRefused, match="someone-else cannot be read"):
         await promises.promise("other", 1, SLICE, "0")
+
+
+async def test_a_quota_left_behind_its_ledger_entry_is_brought_in_step_by_the_next_look() -> None:
+    """The ledger is written first; the quota's write may fail after it (a 409 from the
+    quota's own status updates, a crash). The multischeduler reads the ledger and
+    promises nothing more: the next look at the room writes the quota."""
+    api = LowerApi()
+    promises, _ = tenant(api, "t1", informer(NODES, node("n1", "16")))
+    await promises.promise("team", 3, SLICE, "0")
+    api.quotas["t1-team"]["spec"]["hard"] = {"requests.cpu": "2", "requests.memory": "4Gi"}
+    room = await promises.room("team")
+    assert room.held == 3
+    assert api.quotas["t1-team"]["spec"]["hard"] == {"requests.cpu": "6", "requests.memory": "12Gi"}
+    del api.quotas["t1-team"]
+    await promises.room("team")
+    assert "t1-team" in api.quotas
