@@ -68,10 +68,12 @@ def serving(args: argparse.Namespace, name: str) -> Serving:
     return Serving(host, int(port_text), pair.cert_path, pair.key_path, pki.ca_path(pair))
 
 
-def check_kubeconfig(parser: argparse.ArgumentParser, kubeconfig: str | None) -> None:
+def check_kubeconfig(
+    parser: argparse.ArgumentParser, kubeconfig: str | None, flag: str = "--kubeconfig"
+) -> None:
     """A component's ``--kubeconfig``: a file that exists, or none inside a cluster."""
     if kubeconfig is not None:
         if not Path(kubeconfig).is_file():
-            parser.error(f"--kubeconfig: no such file: {kubeconfig}")
+            parser.error(f"{flag}: no such file: {kubeconfig}")
     elif "KUBERNETES_SERVICE_HOST" not in os.environ:
-        parser.error("--kubeconfig is needed outside a cluster")
+        parser.error(f"{flag} is needed outside a cluster")

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import Any
 
+import yaml
 from kubernetes_asyncio.config import ConfigException
 
 from kubekit import keys
@@ -30,7 +31,7 @@ from kubekit.timestamps import parse_time
 JSON = dict[str, Any]
 # What reading an upper cluster fails with: no or a broken kubeconfig, no apiserver, a
 # refusal.
-READ_ERRORS: tuple[type[Exception], ...] = (ConfigException, *API_ERRORS)
+READ_ERRORS: tuple[type[Exception], ...] = (ConfigException, yaml.YAMLError, *API_ERRORS)
 # Pods bound to a virtual node that still count there (the phases a kubelet still runs).
 _ACTIVE_PODS = "status.phase!=Succeeded,status.phase!=Failed"
 

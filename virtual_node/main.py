@@ -37,6 +37,7 @@ from kubekit.component import run_component
 from kubekit.health import Health
 from kubekit.informer import FunctionHandler, InformerFactory
 from kubekit.leader import ElectionSettings
+from kubekit.serving import check_kubeconfig
 from kubekit.slices import held_namespaces
 from kubekit.timestamps import now_micro
 from kubekit.workqueue import WorkQueue
@@ -236,7 +237,12 @@ def parse_args(argv: Sequence[str]) -> VirtualNodeConfig:
     args = parser.parse_args(argv)
     values: dict[str, Any] = {}
     if args.config:
-        loaded = yaml.safe_load(args.config.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(args.config.read_text()) or {}
+        except (OSError, yaml.YAMLError) as error:
+            parser.error(f"--config: {error}")
+        if not isinstance(loaded, dict):
+            parser.error(f"{args.config}: a mapping of settings, not {type(loaded).__name__}")
         known = {f.name for f in fields(VirtualNodeConfig)}
         unknown = set(loaded) - known
         if unknown:
@@ -521,8 +527,17 @@ async def _sweep_orphans(
         await asyncio.sleep(ORPHAN_SWEEP_SECONDS)
 
 
+def check_files(config: VirtualNodeConfig) -> None:
+    """The kubeconfigs given are files, and without an upper one the process runs in a
+    cluster: said in one line, before anything starts, rather than a traceback later."""
+    parser = argparse.ArgumentParser(prog="kubestrata virtual-node")
+    check_kubeconfig(parser, config.lower_kubeconfig, "--lower-kubeconfig")
+    check_kubeconfig(parser, config.upper_kubeconfig or None, "--upper-kubeconfig")
+
+
 def main(argv: Sequence[str]) -> int:
     config = parse_args(argv)
+    check_files(config)
     logs.configure(config.log_level, config.log_format)
     shrink_tls_read_buffers()
     return run_component(run(config), log)

@@ -17,7 +17,7 @@ from virtual_node.capacity import (
     pod_usage,
 )
 from virtual_node.lower import LowerCluster
-from virtual_node.main import VirtualNodeConfig, parse_args
+from virtual_node.main import VirtualNodeConfig, check_files, parse_args
 from virtual_node.naming import NamespaceMapping
 from virtual_node.translate import Ownership
 
@@ -288,3 +288,43 @@ def test_the_virtual_node_takes_lists_from_repeated_flags_or_its_file(tmp_path: 
     assert parse_args([*base, f"--config={config}"]).counted_taint_keys == ("nvidia.com/gpu",)
     with pytest.raises(ValueError, match="counted_taint_keys must be a list"):
         VirtualNodeConfig("l", "c", client_ca_file="ca", counted_taint_keys="nvidia.com/gpu")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        (None, "--config: [Errno 2] No such file"),
+        ("a: [", "--config: while parsing"),
+        ("42", "a mapping of settings, not int"),
+    ],
+)
+def test_a_bad_config_file_is_one_line_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str | None, words: str
+) -> None:
+    config = tmp_path / "vn.yaml"
+    if content is not None:
+        config.write_text(content)
+    with pytest.raises(SystemExit):
+        parse_args(
+            ["--lower-kubeconfig=l", "--cluster-id=c", "--client-ca-file=ca", f"--config={config}"]
+        )
+    assert words in capsys.readouterr().err
+
+
+def test_a_kubeconfig_that_is_not_there_is_one_line_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    upper = tmp_path / "upper.kubeconfig"
+    upper.write_text("")
+    missing = tmp_path / "lower.kubeconfig"
+    config = parse_args(
+        [
+            f"--lower-kubeconfig={missing}",
+            "--cluster-id=c",
+            f"--upper-kubeconfig={upper}",
+            "--client-ca-file=ca",
+        ]
+    )
+    with pytest.raises(SystemExit):
+        check_files(config)
+    assert f"--lower-kubeconfig: no such file: {missing}" in capsys.readouterr().err

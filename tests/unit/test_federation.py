@@ -242,3 +242,14 @@ def test_down_refuses_a_directory_that_is_not_ours(
     assert cli_main(["down", "--state-dir", str(tmp_path)]) != 0
     assert (tmp_path / "precious.txt").exists()
     assert "not a kubestrata state directory" in capsys.readouterr().err
+
+
+def test_status_with_a_kubeconfig_that_is_not_yaml_says_so_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kubeconfig = tmp_path / "broken.kubeconfig"
+    kubeconfig.write_text("clusters: [")
+    assert cli_main(["status", "--kubeconfig", str(kubeconfig)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kubestrata status: cannot read the virtual nodes with ")
+    assert "Traceback" not in err
