@@ -136,9 +136,17 @@ class SlicePromises:
                 await self._hold_to(lower_namespace, entry)
             except API_ERRORS as error:
                 log.warning("%s: quota not brought to its promise: %s", lower_namespace, error)
+        nodes = self._node_room()
+        try:
+            others = promised_to_others(ledger, lower_namespace)
+        except SliceError as error:
+            # Counted as all the room: no growth here while it cannot be read, but the
+            # namespace's own slices are still told, so they can be given back.
+            log.warning("%s; no room offered beside it", error)
+            others = sum(nodes, Amount())
         return SliceRoom(
-            nodes=self._node_room(),
-            promised_to_others=promised_to_others(ledger, lower_namespace),
+            nodes=nodes,
+            promised_to_others=others,
             held=entry.slices if entry is not None else 0,
             held_slice=entry.size if entry is not None else Amount(),
             used=self._used(lower_namespace),
@@ -154,6 +162,10 @@ class SlicePromises:
 
         def record(ledger: dict[str, str]) -> dict[str, str]:
             text = ledger.get(lower_namespace)
+            if text and not slices and not _readable(lower_namespace, text):
+                # Its own entry unreadable: taking it back is still always allowed.
+                ledger.pop(lower_namespace)
+                return ledger
             before = ledger_entry(lower_namespace, text) if text else None
             if before is not None and before.origin != self.owner.origin:
                 raise PromiseRefused(
@@ -223,6 +235,14 @@ class SlicePromises:
         log.info(
             "%s: %d slices of %s promised", lower_namespace, entry.slices, entry.size.describe()
         )
+
+
+def _readable(key: str, text: str) -> bool:
+    try:
+        ledger_entry(key, text)
+    except SliceError:
+        return False
+    return True
 
 
 def requested(pod: Mapping[str, Any]) -> Amount:

@@ -230,6 +230,16 @@ async def test_an_unreadable_ledger_entry_refuses_growth_rather_than_count_it_as
     api.ledger["data"]["someone-else"] = "{not json"
     with pytest.raises(PromiseRefused, match="someone-else cannot be read"):
         await promises.promise("other", 1, SLICE, "0")
+    # The room is still told, for every namespace, all of it counted as promised: no
+    # growth, but a namespace's own slices can be seen and given back.
+    room = await promises.room("team")
+    assert (room.held, room.promised_to_others) == (1, Amount(cpu=8000, memory=64 * GI))
+    await promises.promise("team", 0, SLICE, "0")
+    assert "t1-team" not in api.ledger["data"]
+    # Its own entry unreadable: giving it back is still allowed.
+    api.ledger["data"]["t1-mine"] = "{not json"
+    await promises.promise("mine", 0, SLICE, "0")
+    assert "t1-mine" not in api.ledger["data"]
 
 
 async def test_a_quota_left_behind_its_ledger_entry_is_brought_in_step_by_the_next_look() -> None:
