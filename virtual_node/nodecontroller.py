@@ -206,7 +206,9 @@ class NodeController:
             for key, value in report_annotations(report).items()
             if self._annotations.get(key) != value
         }
-        wanted = node_labels(self.identity, report)
+        # No lower node counting (all NotReady a moment, a kwok restart) says nothing of
+        # the labels: they are left as they are rather than flap to the defaults.
+        wanted = node_labels(self.identity, report) if report.labels else self._labels
         labels: dict[str, str | None] = {
             key: value for key, value in wanted.items() if self._labels.get(key) != value
         }

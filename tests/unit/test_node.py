@@ -234,3 +234,7 @@ async def test_the_labels_the_lower_nodes_share_follow_them() -> None:
     upper.requests.clear()
     await controller.update_status(force=False)
     assert [r for r in upper.requests if r.path == "/api/v1/nodes/vk-lower-1"] == []
+    # No node counts for a moment (all NotReady): the labels stay as they are.
+    lower.labels = {}
+    await controller.update_status(force=False)
+    assert [r for r in upper.requests if r.path == "/api/v1/nodes/vk-lower-1"] == []
