@@ -371,6 +371,15 @@ def check_edit(
             f"no lower cluster {', '.join(unknown)} in the pool, or its estimator does not "
             f"answer (clusters answering: {pool})"
         )
+    silent = sorted(
+        cluster
+        for cluster in set(current) - set(known)
+        if edited.get(cluster, 0) != current[cluster]
+    )
+    if silent:
+        # Its ledger cannot be written: the edit would be recorded as made, and taken
+        # back at the next look.
+        return f"the estimator of {', '.join(silent)} does not answer: its slices cannot move now"
     total = sum(edited.values())
     if total != count:
         return f"the placement holds {total} slices, the quota makes {count}"

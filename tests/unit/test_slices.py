@@ -196,6 +196,11 @@ def test_an_edit_is_checked_against_the_room() -> None:
     assert "no lower cluster c" in str(check_edit({"c": 3}, 3, SLICE, rooms, {}))
     # Slices already held there stay allowed even if the cluster has shrunk since.
     assert check_edit({"a": 1, "b": 2}, 3, SLICE, rooms, {"b": 2}) is None
+    # s holds 2 and does not answer: they stay where they are, or the edit is refused
+    # (its ledger cannot be written; recorded as made, the edit would be undone later).
+    assert check_edit({"a": 1, "s": 2}, 3, SLICE, rooms, {"s": 2}) is None
+    refusal = check_edit({"a": 2, "s": 1}, 3, SLICE, rooms, {"s": 2})
+    assert "the estimator of s does not answer" in str(refusal)
 
 
 @st.composite
