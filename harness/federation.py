@@ -517,7 +517,11 @@ class Federation:
             },
             COMPONENTS: [vars(p.record()) for p in self.components.values() if p.running()],
         }
-        (self.state_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
+        # Whole or not at all: a file cut short by a kill would leave a directory that
+        # neither `up` nor `down` reads.
+        written = self.state_dir / f"{STATE_FILE}.new"
+        written.write_text(json.dumps(state, indent=2))
+        written.replace(self.state_dir / STATE_FILE)
 
     def supervise(
         self,

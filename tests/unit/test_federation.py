@@ -253,3 +253,24 @@ def test_status_with_a_kubeconfig_that_is_not_yaml_says_so_in_one_line(
     err = capsys.readouterr().err
     assert err.startswith("kubestrata status: cannot read the virtual nodes with ")
     assert "Traceback" not in err
+
+
+def test_the_state_file_is_written_whole_or_not_at_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write cut short (the process killed) leaves the state as it was: a file cut in
+    the middle would leave a directory neither `up` nor `down` reads."""
+    federation = Federation(tmp_path, FederationSpec().clusters(), FAKE_TOOLCHAIN)
+    federation._write_state()
+    before = (tmp_path / STATE_FILE).read_text()
+    json.loads(before)
+
+    def cut_short(self: Path, text: str) -> int:
+        with self.open("w") as file:
+            file.write(text[: len(text) // 2])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        federation._write_state()
+    assert (tmp_path / STATE_FILE).read_text() == before
