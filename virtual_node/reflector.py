@@ -282,12 +282,7 @@ class Reflector:
         its pods again on every update."""
         if self.upper_objects["persistentvolumeclaims"].get(f"{namespace}/{name}") is None:
             return False
-        try:
-            lower_namespace = self.mapping.lower(namespace)
-        except NamingError:
-            return False
-        copies = self.lower_copies["persistentvolumeclaims"]
-        return copies.get(f"{lower_namespace}/{name}") is not None
+        return self._has_copy(("persistentvolumeclaims", namespace, name))
 
     def _lower_changed(self, kind: Kind, obj: Mapping[str, Any]) -> None:
         key = self._key_of_copy(kind, obj)

@@ -254,8 +254,8 @@ async def test_a_namespace_that_lost_the_race_for_the_room_reads_as_not_placed()
     assert cached is not None and not cached["metadata"].get("annotations")
 
 
-async def test_shrinking_promises_are_made_before_growing_ones() -> None:
-    # A part-way failure then leaves the namespace promised less, never more.
+def two_slices_moving_from_b_to_a() -> World:
+    """a holds 1 slice and b 3; the placement written asks for a 3, b 1."""
     w = world(
         a=Cluster((8,), ledger={"team": (1, 2 * CPU)}),
         b=Cluster((8,), ledger={"team": (3, 2 * CPU)}),
@@ -263,6 +263,12 @@ async def test_shrinking_promises_are_made_before_growing_ones() -> None:
     before = Applied(Amount(cpu=2 * CPU), {"a": 1, "b": 3})
     w.put(w.namespaces, recorded(before, '{"a": 3, "b": 1}'))
     w.put(w.quotas, quota("8"))
+    return w
+
+
+async def test_shrinking_promises_are_made_before_growing_ones() -> None:
+    # A part-way failure then leaves the namespace promised less, never more.
+    w = two_slices_moving_from_b_to_a()
     order: list[str] = []
     real = w.pool.promise_slices
 
@@ -278,13 +284,7 @@ async def test_shrinking_promises_are_made_before_growing_ones() -> None:
 async def test_no_promise_grows_while_a_shrink_is_not_made() -> None:
     """b does not answer its shrink from 3 to 1: growing a to 3 then would have the
     namespace promised 6 slices for a quota that makes 4."""
-    w = world(
-        a=Cluster((8,), ledger={"team": (1, 2 * CPU)}),
-        b=Cluster((8,), ledger={"team": (3, 2 * CPU)}),
-    )
-    before = Applied(Amount(cpu=2 * CPU), {"a": 1, "b": 3})
-    w.put(w.namespaces, recorded(before, '{"a": 3, "b": 1}'))
-    w.put(w.quotas, quota("8"))
+    w = two_slices_moving_from_b_to_a()
     real = w.pool.promise_slices
 
     async def shrink_times_out(name: str, request: PromiseSlicesRequest, timeout: float) -> Any:
