@@ -50,6 +50,7 @@ Domain = tuple[str, str]
 
 UNSCHEDULABLE = "node(s) were unschedulable"
 NOT_READY = "node(s) were not ready"
+UNREACHABLE = "node(s) were unreachable"
 NODE_NAME = "node(s) didn't match the requested node name"
 # v1.35 no longer names the taint: taint keys and values are not for every pod's owner
 # to read in its status (kubernetes#134740).
@@ -65,6 +66,7 @@ EXISTING_ANTI_AFFINITY = "node(s) didn't satisfy existing pods anti-affinity rul
 
 UNSCHEDULABLE_TAINT_KEY = "node.kubernetes.io/unschedulable"
 NOT_READY_TAINT_KEY = "node.kubernetes.io/not-ready"
+UNREACHABLE_TAINT_KEY = "node.kubernetes.io/unreachable"
 NO_SCHEDULE = "NoSchedule"
 NO_EXECUTE = "NoExecute"
 BIND_ALL = "0.0.0.0"
@@ -99,8 +101,8 @@ def _parsed(declared: Mapping[str, Any]) -> Resources:
 
 def _requests(container: JSON) -> Resources:
     resources = container.get("resources") or {}
-    # Without requests the apiserver defaults them to the limits.
-    return _parsed(resources.get("requests") or resources.get("limits") or {})
+    # The apiserver defaults each request left out to its limit, resource by resource.
+    return _parsed({**(resources.get("limits") or {}), **(resources.get("requests") or {})})
 
 
 def _limits(container: JSON) -> Resources:
@@ -162,8 +164,18 @@ def pod_holds_resources(pod: JSON) -> bool:
 
 
 def node_is_ready(node: JSON) -> bool:
+    return readiness_taint_key(node) is None
+
+
+def readiness_taint_key(node: JSON) -> str | None:
+    """The taint the node lifecycle controller gives a node that is not Ready: not-ready
+    for Ready False, unreachable for Unknown or no Ready condition at all. None for a
+    Ready node."""
     conditions = (node.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    ready = next((c.get("status") for c in conditions if c.get("type") == "Ready"), None)
+    if ready == "True":
+        return None
+    return NOT_READY_TAINT_KEY if ready == "False" else UNREACHABLE_TAINT_KEY
 
 
 def milli(resources: Mapping[str, Fraction]) -> dict[str, int]:
@@ -277,8 +289,7 @@ def with_label_keys(
     selector: Selector, match: Iterable[str], mismatch: Iterable[str], labels: Mapping[str, str]
 ) -> Selector:
     """The apiserver's merge of ``matchLabelKeys`` (key In [own value]) and
-    ``mismatchLabelKeys`` (key NotIn [own value]) at pod creation. Existing pods come
-    merged already; merging again adds the same requirements, which changes nothing."""
+    ``mismatchLabelKeys`` (key NotIn [own value]) at pod creation."""
     if selector is None:
         return None
     merged = [
@@ -328,13 +339,18 @@ def untolerated(tolerations: Sequence[Toleration], taints: Iterable[Taint]) -> b
 
 @dataclass(frozen=True, slots=True)
 class Barriers:
-    """What keeps pods off a node whatever its labels: cordon, readiness and the taints
-    that filter (NoSchedule, NoExecute; PreferNoSchedule only scores). Nodes with equal
+    """What keeps pods off a node whatever its labels: cordon, readiness (the key of the
+    taint a node not Ready gets, which may lag behind its condition) and the taints that
+    filter (NoSchedule, NoExecute; PreferNoSchedule only scores). Nodes with equal
     barriers are judged once per query."""
 
     unschedulable: bool
-    ready: bool
+    readiness_taint: str | None
     taints: tuple[Taint, ...]
+
+    @property
+    def ready(self) -> bool:
+        return self.readiness_taint is None
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,7 +372,7 @@ class NodeFacts:
         return cls(
             name=_text(metadata.get("name")),
             labels=_labels(metadata.get("labels")),
-            barriers=Barriers(bool(spec.get("unschedulable")), node_is_ready(node), taints),
+            barriers=Barriers(bool(spec.get("unschedulable")), readiness_taint_key(node), taints),
             allocatable=milli(_parsed(_mapping(status.get("allocatable")))),
         )
 
@@ -544,7 +560,8 @@ class PodFacts:
     extended: tuple[tuple[str, int], ...]
     tolerations: tuple[Toleration, ...]
     tolerates_unschedulable: bool
-    tolerates_not_ready: bool
+    # Of the not-ready and unreachable taints, the keys whose NoSchedule it tolerates.
+    tolerated_readiness: frozenset[str]
     node_selector: tuple[Requirement, ...]
     # None without required node affinity; () when it selects no node.
     node_terms: tuple[NodeTerm, ...] | None
@@ -567,6 +584,10 @@ class PodFacts:
         anti_affinity = _mapping(affinity.get("podAntiAffinity"))
         tolerations = tuple(map(toleration_of, map(_mapping, _list(spec.get("tolerations")))))
         requests = milli(pod_requests(pod))
+        # The apiserver merges matchLabelKeys into the affinity terms once, at creation: a
+        # stored pod (it has a uid) carries them merged with the labels it had then, which
+        # relabelling it leaves as they were.
+        merged_from = {} if metadata.get("uid") else labels
         return cls(
             kind=Kind(
                 namespace,
@@ -580,7 +601,11 @@ class PodFacts:
             tolerates_unschedulable=tolerates(
                 tolerations, Taint(UNSCHEDULABLE_TAINT_KEY, "", NO_SCHEDULE)
             ),
-            tolerates_not_ready=tolerates(tolerations, Taint(NOT_READY_TAINT_KEY, "", NO_SCHEDULE)),
+            tolerated_readiness=frozenset(
+                key
+                for key in (NOT_READY_TAINT_KEY, UNREACHABLE_TAINT_KEY)
+                if tolerates(tolerations, Taint(key, "", NO_SCHEDULE))
+            ),
             node_selector=tuple(
                 Requirement(key, IN, frozenset({value} if isinstance(value, str) else ()))
                 for key, value in _mapping(spec.get("nodeSelector")).items()
@@ -600,12 +625,12 @@ class PodFacts:
             affinity=_pod_terms(
                 pod_affinity.get("requiredDuringSchedulingIgnoredDuringExecution"),
                 namespace,
-                labels,
+                merged_from,
             ),
             anti_affinity=_pod_terms(
                 anti_affinity.get("requiredDuringSchedulingIgnoredDuringExecution"),
                 namespace,
-                labels,
+                merged_from,
             ),
         )
 
@@ -627,8 +652,9 @@ def node_name_failure(pod: PodFacts, name: str) -> str | None:
 
 
 def taint_failure(pod: PodFacts, barriers: Barriers) -> str | None:
-    if not barriers.ready and not pod.tolerates_not_ready:
-        return NOT_READY
+    key = barriers.readiness_taint
+    if key is not None and key not in pod.tolerated_readiness:
+        return NOT_READY if key == NOT_READY_TAINT_KEY else UNREACHABLE
     return UNTOLERATED_TAINT if untolerated(pod.tolerations, barriers.taints) else None
 
 
@@ -881,7 +907,8 @@ def spread_counts(pod: PodFacts, nodes: Iterable[NodeFacts], placed: Placed) -> 
             continue
         labels = dict(kind.labels)
         for constraint, domain, count in zip(pod.spread, domains, counts, strict=True):
-            if selector_matches(constraint.selector, labels):
+            # An empty selector counts no pod but the pod itself (self_match).
+            if constraint.selector and selector_matches(constraint.selector, labels):
                 for name, number in where.items():
                     if name in domain:
                         count[domain[name]] += number

@@ -2,26 +2,24 @@
 
 from __future__ import annotations
 
+import decimal
 import functools
 import re
 from fractions import Fraction
 
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-_DECIMAL: dict[str, Fraction | int] = {
-    "n": Fraction(1, 10**9),
-    "u": Fraction(1, 10**6),
-    "m": Fraction(1, 1000),
-    "": 1,
-    "k": 10**3,
-    "M": 10**6,
-    "G": 10**9,
-    "T": 10**12,
-    "P": 10**15,
-    "E": 10**18,
-}
+_DECIMAL = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+# The exponent is an int32 to the apiserver: longer ones are not quantities.
 _PATTERN = re.compile(
-    r"^([+-]?(?:\d+\.?\d*|\.\d+))(?:([eE][+-]?\d+)|(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])?)$"
+    r"^([+-]?(?:\d+\.?\d*|\.\d+))(?:[eE]([+-]?\d{1,10})|(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])?)$"
 )
+# The apiserver keeps a quantity to the nano, rounding up, and caps binary ones at the
+# largest int64; past that no node has room, so every quantity is capped there. Decimal
+# arithmetic keeps "1e999999999" as cheap as "1": an exact power of ten that large
+# would take the parser hours.
+_LARGEST = decimal.Decimal(2**63 - 1)
+_NANO = decimal.Decimal("1e-9")
+_ARITHMETIC = decimal.Context(prec=40, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN)
 
 
 class QuantityError(ValueError):
@@ -32,18 +30,25 @@ class QuantityError(ValueError):
 # estimator parses each pod it is asked about: parsed once, kept (Fractions are immutable).
 @functools.lru_cache(maxsize=4096)
 def parse_quantity(text: str | int | float) -> Fraction:
-    if isinstance(text, int | float):
-        return Fraction(text)
-    match = _PATTERN.match(text.strip())
+    if isinstance(text, bool) or not isinstance(text, str | int | float):
+        raise QuantityError(f"invalid quantity {text!r}")
+    # A JSON number reads as its decimal text, as the apiserver reads it ("0.1", not the
+    # binary float nearest to it).
+    match = _PATTERN.match(str(text).strip())
     if match is None:
         raise QuantityError(f"invalid quantity {text!r}")
     number, exponent, suffix = match.groups()
-    value = Fraction(number)
-    if exponent:
-        return value * Fraction(10) ** int(exponent[1:])
-    if suffix in _BINARY:
-        return value * _BINARY[suffix]
-    return value * Fraction(_DECIMAL[suffix or ""])
+    value = _ARITHMETIC.create_decimal(number)
+    if exponent is not None:
+        value = value.scaleb(int(exponent), _ARITHMETIC)
+    elif suffix in _BINARY:
+        value = _ARITHMETIC.multiply(value, _BINARY[suffix])
+    else:
+        value = value.scaleb(_DECIMAL[suffix or ""], _ARITHMETIC)
+    magnitude = min(value.copy_abs(), _LARGEST)
+    if magnitude < _LARGEST:
+        magnitude = magnitude.quantize(_NANO, rounding=decimal.ROUND_UP, context=_ARITHMETIC)
+    return Fraction(magnitude) if value >= 0 else -Fraction(magnitude)
 
 
 def format_quantity(value: Fraction, resource: str = "") -> str:

@@ -21,7 +21,7 @@ def node(
     labels: Mapping[str, str] | None = None,
     taints: Sequence[JSON] = (),
     unschedulable: bool = False,
-    ready: bool | None = True,
+    ready: bool | str | None = True,
     extended: Mapping[str, str] | None = None,
     **allocatable: str,
 ) -> JSON:
@@ -147,7 +147,18 @@ CORDONED = node(unschedulable=True)
         # Only the first filter that rejects a node is reported.
         (pod(), node(unschedulable=True, ready=False), [fit.UNSCHEDULABLE]),
         (pod(), node(ready=False), [fit.NOT_READY]),
-        (pod(), node(ready=None), [fit.NOT_READY]),
+        (pod(), node(ready=None), [fit.UNREACHABLE]),
+        (pod(), node(ready="Unknown"), [fit.UNREACHABLE]),
+        (
+            pod(tolerations=[toleration("NoSchedule", "Exists", fit.UNREACHABLE_TAINT_KEY)]),
+            node(ready="Unknown"),
+            [],
+        ),
+        (
+            pod(tolerations=[toleration("NoSchedule", "Exists", fit.NOT_READY_TAINT_KEY)]),
+            node(ready="Unknown"),
+            [fit.UNREACHABLE],
+        ),
         (
             pod(tolerations=[toleration("NoSchedule", "Exists", fit.NOT_READY_TAINT_KEY)]),
             node(ready=False),
@@ -170,6 +181,9 @@ CORDONED = node(unschedulable=True)
         "cordon first",
         "not ready",
         "no Ready condition",
+        "Ready unknown",
+        "tolerates unreachable",
+        "not-ready is not unreachable",
         "tolerates not ready",
         "not-ready is NoSchedule here",
         "other node named",
@@ -584,6 +598,22 @@ SIDECAR = {**container("proxy", cpu="1"), "restartPolicy": "Always"}
             [],
             ["Insufficient cpu"],
         ),
+        (
+            pod(
+                containers=[
+                    {
+                        "name": "app",
+                        "resources": {
+                            "requests": {"cpu": "1"},
+                            "limits": {"cpu": "1", "memory": "9Gi"},
+                        },
+                    }
+                ]
+            ),
+            node(),
+            [],
+            ["Insufficient memory"],
+        ),
         (pod(containers=[container(cpu="lots")]), node(), [], []),
     ],
     ids=[
@@ -613,6 +643,7 @@ SIDECAR = {**container("proxy", cpu="1"), "restartPolicy": "Always"}
         "zero requests",
         "nothing requested, nothing allocatable",
         "requests default to limits",
+        "each request left out defaults to its limit",
         "unreadable quantity",
     ],
 )
@@ -901,6 +932,38 @@ def test_inter_pod_affinity(query: JSON, pods: list[JSON], fits: list[str]) -> N
     assert fitting(query, pods) == fits
 
 
+def test_a_stored_pods_terms_are_as_its_apiserver_merged_them() -> None:
+    # Created with version 1, whose matchLabelKeys the apiserver merged into its
+    # anti-affinity then; relabelled to version 2 since, which leaves its terms alone.
+    merged = term(
+        None,
+        HOSTNAME,
+        labelSelector={
+            "matchLabels": {"app": "web"},
+            "matchExpressions": [{"key": "version", "operator": "In", "values": ["1"]}],
+        },
+        matchLabelKeys=["version"],
+    )
+    relabelled = pod(
+        "w1",
+        labels={"app": "web", "version": "2"},
+        on="a1",
+        affinity=pod_affinity(merged, anti=True),
+    )
+    relabelled["metadata"]["uid"] = "4b1e"
+    assert fitting(pod(labels={"app": "web", "version": "1"}), [relabelled]) == ["a2", "b1", "bare"]
+    # A pod yet to be created gets the merge from its own labels.
+    unmerged = term({"app": "web"}, HOSTNAME, matchLabelKeys=["version"])
+    query = pod(labels={"app": "web", "version": "2"}, affinity=pod_affinity(unmerged, anti=True))
+    assert fitting(query, [relabelled]) == ["a2", "b1", "bare"]
+    assert fitting(query, [pod("w1", labels={"app": "web", "version": "1"}, on="a1")]) == [
+        "a1",
+        "a2",
+        "b1",
+        "bare",
+    ]
+
+
 def test_inter_pod_reasons() -> None:
     near = pod(affinity=pod_affinity(term({"app": "db"})))
     assert rejected(near, [DB]) == {fit.POD_AFFINITY: 2}
@@ -987,6 +1050,12 @@ def spreading(*constraints: JSON, **fields: Any) -> JSON:
         ),
         (spreading(spread(), spread(key=HOSTNAME)), [web("w1", "a1")], ["b1"]),
         (spreading(spread(3), spread(key=HOSTNAME)), [web("w1", "a1")], ["a2", "b1"]),
+        # An empty selector counts no other pod, only the pod itself.
+        (
+            spreading(spread(labelSelector={})),
+            [web("w1", "a1"), pod("o1", labels={"app": "other"}, on="a1")],
+            ["a1", "a2", "b1"],
+        ),
     ],
     ids=[
         "empty cluster",
@@ -1007,6 +1076,7 @@ def spreading(*constraints: JSON, **fields: Any) -> JSON:
         "node affinity ignored",
         "two constraints",
         "each constraint on its own",
+        "empty selector",
     ],
 )
 def test_topology_spread(query: JSON, pods: list[JSON], fits: list[str]) -> None:

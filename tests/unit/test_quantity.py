@@ -22,14 +22,28 @@ from kubekit.quantity import QuantityError, format_quantity, parse_quantity
         ("250u", Fraction(250, 10**6)),
         (".5", Fraction(1, 2)),
         ("3", 3),
+        # As the apiserver: read from the decimal text, kept to the nano rounded up, capped
+        # at the largest int64.
+        (0.1, Fraction(1, 10)),
+        (2, 2),
+        ("1e-12", Fraction(1, 10**9)),
+        ("-1e-12", -Fraction(1, 10**9)),
+        ("0e-999999999", 0),
+        ("1e999999999", 2**63 - 1),
+        ("1e-999999999", Fraction(1, 10**9)),
+        ("16Ei", 2**63 - 1),
+        ("1" * 5000, 2**63 - 1),
+        ("0." + "1" * 5000, Fraction(111111112, 10**9)),
     ],
 )
 def test_parse(text: str, value: Fraction | int) -> None:
     assert parse_quantity(text) == value
 
 
-@pytest.mark.parametrize("text", ["", "abc", "1Xi", "1.2.3", "--1", "1 Gi"])
-def test_parse_rejects_garbage(text: str) -> None:
+@pytest.mark.parametrize(
+    "text", ["", "abc", "1Xi", "1.2.3", "--1", "1 Gi", "1e12345678901", True, None, float("inf")]
+)
+def test_parse_rejects_garbage(text: object) -> None:
     with pytest.raises(QuantityError):
         parse_quantity(text)
 
