@@ -33,6 +33,7 @@ from virtual_node.kubeletapi.auth import (
 )
 from virtual_node.kubeletapi.certificates import SIGNER, USAGES, approvable, signing_request
 from virtual_node.kubeletapi.metrics import (
+    COUNTER_START_SECONDS,
     CpuCounters,
     UpperPod,
     cadvisor_text,
@@ -421,7 +422,7 @@ def test_prometheus_text_families_have_help_and_type() -> None:
         assert lines[help_at + 1] == f"# TYPE {family} {kind}"
         assert lines[help_at + 2].startswith(family)
     samples = _samples(text)
-    assert samples[APP] == 0.0  # nothing has elapsed yet
+    assert samples[APP] == COUNTER_START_SECONDS  # nothing has elapsed yet
     memory = 'container_memory_working_set_bytes{container="app",namespace="default",pod="p"}'
     assert samples[memory] == 64 * 2**20
     assert samples["node_memory_working_set_bytes"] == 64 * 2**20 + 1024 + 2**30
@@ -436,7 +437,7 @@ def test_prometheus_text_families_have_help_and_type() -> None:
     families = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
     assert families == sorted(families)
     assert not any("intruder" in line for line in text.splitlines())
-    assert re.search(r"^node_cpu_usage_seconds_total 0\.000000000 1000000$", text, re.M)
+    assert re.search(r"^node_cpu_usage_seconds_total 0\.000000001 1000000$", text, re.M)
 
 
 def test_prometheus_labels_are_escaped() -> None:
@@ -464,10 +465,11 @@ def test_cpu_counters_integrate_the_rate_monotonically() -> None:
         for item in LOWER_METRICS
     ]
     third = _samples(prometheus_text(faster, MIRRORED, counters, now=1012.0))
-    assert (first[APP], second[APP], third[APP]) == pytest.approx((0.0, 2.5, 3.0))
-    assert (first[MAIN], second[MAIN], third[MAIN]) == pytest.approx((0.0, 10.0, 16.0))
-    assert (first[NODE], second[NODE], third[NODE]) == pytest.approx((0.0, 13.75, 13.75 + 6.75))
-    assert (first[POD_Q], second[POD_Q], third[POD_Q]) == pytest.approx((0.0, 10.0, 16.0))
+    start = COUNTER_START_SECONDS
+    assert (first[APP], second[APP], third[APP]) == pytest.approx((start, 2.5, 3.0))
+    assert (first[MAIN], second[MAIN], third[MAIN]) == pytest.approx((start, 10.0, 16.0))
+    assert (first[NODE], second[NODE], third[NODE]) == pytest.approx((start, 13.75, 20.5))
+    assert (first[POD_Q], second[POD_Q], third[POD_Q]) == pytest.approx((start, 10.0, 16.0))
 
 
 def test_cpu_counters_forget_pods_that_are_gone() -> None:
@@ -478,8 +480,8 @@ def test_cpu_counters_forget_pods_that_are_gone() -> None:
     later = _samples(prometheus_text(LOWER_METRICS, only_q, counters, now=1020.0))
     assert APP not in later and MAIN in later
     # p's counter was dropped: were it kept, 20 s at 0.25 cores would show up as 5.0.
-    assert counters.advance("default/p/app", 0.25, 1030.0) == 0.0
-    assert counters.advance("default/p", 0.375, 1030.0) == 0.0
+    assert counters.advance("default/p/app", 0.25, 1030.0) == COUNTER_START_SECONDS
+    assert counters.advance("default/p", 0.375, 1030.0) == COUNTER_START_SECONDS
     assert counters.advance("team/q/main", 1.0, 1030.0) == pytest.approx(30.0)
     # The node's counter survives the pod going away.
     assert later[NODE] == pytest.approx(13.75 + 10.0)
@@ -499,11 +501,11 @@ def test_cadvisor_text_names_containers_with_cadvisor_s_labels() -> None:
     side = 'container="side",image="",namespace="default",pod="p"'
     assert _samples(text) == {
         'container_cpu_usage_seconds_total{container="app",cpu="total",'
-        'image="registry.example/app:1.2",namespace="default",pod="p"}': 0.0,
+        'image="registry.example/app:1.2",namespace="default",pod="p"}': COUNTER_START_SECONDS,
         'container_cpu_usage_seconds_total{container="side",cpu="total",image="",'
-        'namespace="default",pod="p"}': 0.0,
+        'namespace="default",pod="p"}': COUNTER_START_SECONDS,
         'container_cpu_usage_seconds_total{container="main",cpu="total",image="",'
-        'namespace="team",pod="q"}': 0.0,
+        'namespace="team",pod="q"}': COUNTER_START_SECONDS,
         f"container_memory_working_set_bytes{{{app}}}": 64 * 2**20,
         f"container_memory_working_set_bytes{{{side}}}": 1024,
         'container_memory_working_set_bytes{container="main",image="",namespace="team",pod="q"}': 2
@@ -526,9 +528,24 @@ def test_every_metrics_endpoint_reads_one_cpu_counter_per_container() -> None:
     assert resource[NODE] == pytest.approx(1.375 * 8)
 
 
+def test_an_idle_containers_counter_is_never_zero() -> None:
+    # metrics-server drops a whole pod for one container whose counter reads 0.
+    idle = [
+        {**item, "containers": [*item["containers"], {"name": "idle", "usage": {"cpu": "0"}}]}
+        for item in LOWER_METRICS
+    ]
+    counters = CpuCounters()
+    for now in (1000.0, 1015.0, 1030.0):
+        samples = _samples(prometheus_text(idle, MIRRORED, counters, now=now))
+        counts = [
+            v for k, v in samples.items() if k.startswith("container_cpu_usage_seconds_total")
+        ]
+        assert len(counts) == 5 and all(v > 0 for v in counts)
+
+
 def test_cpu_counter_ignores_a_clock_going_back() -> None:
     counters = CpuCounters()
-    assert counters.advance("k", 1.0, 100.0) == 0.0
+    assert counters.advance("k", 1.0, 100.0) == COUNTER_START_SECONDS
     assert counters.advance("k", 1.0, 110.0) == pytest.approx(10.0)
     assert counters.advance("k", 1.0, 105.0) == pytest.approx(10.0)
 

@@ -42,6 +42,12 @@ def _bytes(usage: Mapping[str, Any]) -> int:
     return int(parse_quantity(str(usage.get("memory", "0"))))
 
 
+# Where a counter starts: a nanosecond, as a cgroup's once a process ran in it.
+# metrics-server drops a pod with any container whose counter reads 0, and an idle
+# container's (usage "0" below) would stay 0 for good.
+COUNTER_START_SECONDS = 1e-9
+
+
 class CpuCounters:
     """Cumulative CPU seconds per key, advanced by each observed rate."""
 
@@ -49,7 +55,7 @@ class CpuCounters:
         self._seen: dict[str, tuple[float, float]] = {}
 
     def advance(self, key: str, cores: float, now: float) -> float:
-        last_time, total = self._seen.get(key, (now, 0.0))
+        last_time, total = self._seen.get(key, (now, COUNTER_START_SECONDS))
         total += cores * max(0.0, now - last_time)
         self._seen[key] = (now, total)
         return total
