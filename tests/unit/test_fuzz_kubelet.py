@@ -912,6 +912,44 @@ async def test_data_on_streams_nobody_reads_is_dropped(
     await settled(kubelet, caplog)
 
 
+async def test_what_a_client_sends_after_the_pods_side_closed_is_not_held(
+    kubelet: Kubelet, caplog: pytest.LogCaptureFixture, sessions: list[spdysession.SpdySession]
+) -> None:
+    chunk = bytes(spdysession.MAX_FRAME_SIZE // 2)
+    async with spdy_upgrade(kubelet.server, "/portForward/default/p", "portforward.k8s.io") as peer:
+        error = peer.open(streamtype="error", port="8080", requestid="0")
+        data = peer.open(streamtype="data", port="8080", requestid="0")
+        peer.send(data, b"ping")
+        await peer.until(lambda p: p.data(data) == b"echo:ping")
+        # The pod answers and closes (an HTTP 413 to an upload) while the client is
+        # still sending; kubectl resets the data stream once it sees the close.
+        [connection] = kubelet.provider.connections
+        await connection.close()
+        await peer.until(lambda p: p.finished(data) and p.finished(error))
+        for _ in range(6):
+            peer.send(data, chunk)
+        peer.spdy.reset(data)
+        # Its echo says the server read every frame before it.
+        peer.spdy.ping(CLIENT_PING)
+        peer.flush()
+        await peer.until(
+            lambda p: any(
+                isinstance(e, PingAcknowledged) and e.ping_id == CLIENT_PING for e in p.events
+            )
+        )
+        [session] = sessions
+        assert session._buffered == 0
+        # The session reads on: a second connection of the same session still flows.
+        error = peer.open(streamtype="error", port="8080", requestid="1")
+        data = peer.open(streamtype="data", port="8080", requestid="1")
+        for _ in range(10):
+            peer.send(data, chunk)
+        peer.send(data, b"pong")
+        await peer.until(lambda p: p.data(data).endswith(b"echo:pong"))
+        assert "input" not in session._stalled
+    await settled(kubelet, caplog)
+
+
 class StuckProcess(EchoProcess):
     """A process whose lower end takes no stdin until it exits."""
 

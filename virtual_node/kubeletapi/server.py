@@ -566,6 +566,7 @@ async def _forward_port(
     try:
         connection = await provider.port_forward(pod, port)
     except ProviderError as failure:
+        data.ignore_input()
         await error.write(failure.message.encode(), fin=True)
         await data.close()
         return
@@ -579,6 +580,8 @@ async def _forward_port(
         await error.close()
     finally:
         upstream.cancel()
+        # The pod's side is gone: what the client still sends goes nowhere.
+        data.ignore_input()
         await connection.close()
 
 

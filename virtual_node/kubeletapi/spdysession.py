@@ -209,6 +209,9 @@ class SpdySession:
                         self._stall("input")
             case spdy.StreamReset(stream_id=stream_id):
                 if (reset := self._streams.pop(stream_id, None)) is not None:
+                    # What it sent before the reset will not be read (kubectl resets a
+                    # port-forward's data stream once the pod's side closed).
+                    reset.ignore_input()
                     reset._end()
             case spdy.GoAwayReceived():
                 self._opened.put_nowait(None)
