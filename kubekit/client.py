@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio.sslproto
 import contextlib
+import contextvars
 import json
 import ssl
 import time
@@ -196,8 +197,12 @@ class KubeClient:
             trust_env=False,
             read_bufsize=2**21,  # watch events of large objects (etcd allows 1.5 MiB)
         )
+        refusals = aiohttp.TraceConfig()
+        refusals.on_request_end.append(_keep_refusal)
         streams = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ssl=context), trust_env=False
+            connector=aiohttp.TCPConnector(limit=0, ssl=context),
+            trust_env=False,
+            trace_configs=[refusals],
         )
         return cls(api, TokenBucket(settings.qps, settings.burst), streams)
 
@@ -232,15 +237,9 @@ class KubeClient:
         headers = {"Accept": "application/json", "Content-Type": content_type}
         await self.api.update_params_for_auth(headers, [], ["BearerToken"])
         params = [(k, _query_value(v)) for k, v in (query or {}).items() if v is not None]
-        rest = self.api.rest_client
-        options: dict[str, Any] = {}
-        if rest.proxy:
-            options["proxy"] = rest.proxy
-        if rest.proxy_headers:
-            options["proxy_headers"] = rest.proxy_headers
-        if rest.server_hostname:
-            options["server_hostname"] = rest.server_hostname
-        session: aiohttp.ClientSession = self._streams if streaming else rest.pool_manager
+        session: aiohttp.ClientSession = (
+            self._streams if streaming else self.api.rest_client.pool_manager
+        )
         verb = "WATCH" if (query or {}).get("watch") else method
         resource = metrics.api_resource(path)
         sent = time.perf_counter()
@@ -254,7 +253,7 @@ class KubeClient:
                 timeout=timeout
                 if isinstance(timeout, aiohttp.ClientTimeout)
                 else aiohttp.ClientTimeout(total=timeout),
-                **options,
+                **self._connection_options(),
             )
         except Exception:
             metrics.API_REQUESTS.labels(verb, resource, "<error>").inc()
@@ -280,6 +279,18 @@ class KubeClient:
     def _url(self, path: str) -> str:
         return str(self.api.configuration.host).rstrip("/") + path
 
+    def _connection_options(self) -> dict[str, Any]:
+        """The kubeconfig's proxy-url and tls-server-name, for every connection."""
+        rest = self.api.rest_client
+        options: dict[str, Any] = {}
+        if rest.proxy:
+            options["proxy"] = rest.proxy
+        if rest.proxy_headers:
+            options["proxy_headers"] = rest.proxy_headers
+        if rest.server_hostname:
+            options["server_hostname"] = rest.server_hostname
+        return options
+
     async def websocket(
         self, path: str, query: Sequence[tuple[str, str]], protocols: Sequence[str]
     ) -> aiohttp.ClientWebSocketResponse:
@@ -287,17 +298,24 @@ class KubeClient:
         the client's credentials, on its pool of streams."""
         headers: dict[str, str] = {}
         await self.api.update_params_for_auth(headers, [], ["BearerToken"])
+        refusal: dict[str, bytes] = {}
+        token = _REFUSAL.set(refusal)
         try:
-            websocket = await self._streams.ws_connect(
+            websocket: aiohttp.ClientWebSocketResponse = await self._streams.ws_connect(
                 self._url(path),
                 params=list(query),
                 protocols=tuple(protocols),
                 headers=headers,
                 max_msg_size=0,
                 autoping=True,
+                **self._connection_options(),
             )
         except aiohttp.WSServerHandshakeError as error:
-            raise ApiError(error.status, error.message, "GET", path) from error
+            raise ApiError(
+                error.status, _status_body(refusal.get("body")) or error.message, "GET", path
+            ) from error
+        finally:
+            _REFUSAL.reset(token)
         connection = getattr(websocket, "_conn", None)
         _read_in_bulk(connection.transport if connection is not None else None)
         self._dial_spare()
@@ -509,6 +527,33 @@ class KubeClient:
                     yield event
         finally:
             response.release()
+
+
+# Where a refused WebSocket handshake's body goes: aiohttp raises without it and closes
+# the response, but the apiserver says why there (forbidden, no such container).
+_REFUSAL: contextvars.ContextVar[dict[str, bytes] | None] = contextvars.ContextVar(
+    "websocket_refusal", default=None
+)
+
+
+async def _keep_refusal(
+    _session: aiohttp.ClientSession, _context: Any, params: aiohttp.TraceRequestEndParams
+) -> None:
+    kept = _REFUSAL.get()
+    if kept is not None and params.response.status >= 300:
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+            kept["body"] = await params.response.read()
+
+
+def _status_body(body: bytes | None) -> JSON | str:
+    """A refusal's Status, or its text when it is not one; "" without a body."""
+    if not body:
+        return ""
+    try:
+        decoded = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body.decode(errors="replace").strip()
+    return decoded if isinstance(decoded, dict) else body.decode(errors="replace").strip()
 
 
 class LineSplitter:

@@ -34,9 +34,11 @@ class TlsServer:
 
 
 @asynccontextmanager
-async def serving_over_tls(directory: Path, app: web.Application) -> AsyncIterator[TlsServer]:
+async def serving_over_tls(
+    directory: Path, app: web.Application, server_names: tuple[str, ...] = ("127.0.0.1",)
+) -> AsyncIterator[TlsServer]:
     ca = pki.create_ca(directory, "test")
-    serving = pki.issue(ca, directory / "server", "server", server_names=("127.0.0.1",))
+    serving = pki.issue(ca, directory / "server", "server", server_names=server_names)
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(serving.cert_path, serving.key_path)
     runner = web.AppRunner(app)

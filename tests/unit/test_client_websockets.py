@@ -1,0 +1,62 @@
+"""Opening a WebSocket to an apiserver (exec, attach, port-forward below): a refusal keeps
+the apiserver's reason, and the kubeconfig's connection settings hold as for requests."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from aiohttp import web
+
+from kubekit.client import ApiError, ClientSettings, KubeClient
+from tests.unit.tlsserver import serving_over_tls
+
+
+async def test_a_refused_websocket_says_why(tmp_path: Path) -> None:
+    status = {
+        "kind": "Status",
+        "status": "Failure",
+        "message": 'pods "p" is forbidden: User "vk" cannot create resource "pods/exec"',
+        "reason": "Forbidden",
+        "code": 403,
+    }
+
+    async def forbidden(_request: web.Request) -> web.Response:
+        return web.json_response(status, status=403)
+
+    async def plain(_request: web.Request) -> web.Response:
+        return web.Response(status=404, text="no such container\n")
+
+    app = web.Application()
+    app.router.add_get("/exec", forbidden)
+    app.router.add_get("/attach", plain)
+    async with serving_over_tls(tmp_path, app) as server:
+        kubeconfig = server.kubeconfig(tmp_path)
+        async with await KubeClient.connect(ClientSettings(str(kubeconfig))) as client:
+            with pytest.raises(ApiError) as refused:
+                await client.websocket("/exec", [], ())
+            assert (refused.value.status, refused.value.body) == (403, status)
+            with pytest.raises(ApiError) as missing:
+                await client.websocket("/attach", [], ())
+            assert (missing.value.status, missing.value.message) == (404, "no such container")
+
+
+async def test_websockets_honour_the_kubeconfigs_tls_server_name(tmp_path: Path) -> None:
+    async def stream(request: web.Request) -> web.WebSocketResponse:
+        socket = web.WebSocketResponse()
+        await socket.prepare(request)
+        await socket.send_bytes(b"hello")
+        await socket.close()
+        return socket
+
+    app = web.Application()
+    app.router.add_get("/stream", stream)
+    # The certificate names the apiserver, not the address it is reached at.
+    async with serving_over_tls(tmp_path, app, ("apiserver.internal",)) as server:
+        kubeconfig = server.kubeconfig(tmp_path)
+        config = yaml.safe_load(kubeconfig.read_text())
+        config["clusters"][0]["cluster"]["tls-server-name"] = "apiserver.internal"
+        kubeconfig.write_text(yaml.safe_dump(config))
+        async with await KubeClient.connect(ClientSettings(str(kubeconfig))) as client:
+            socket = await client.websocket("/stream", [], ())
+            assert (await socket.receive_bytes()) == b"hello"
+            await socket.close()
