@@ -62,6 +62,7 @@ _SMP = "application/strategic-merge-patch+json"
 # 403 is not one: admission refuses for reasons that pass (quota, a namespace still
 # being set up).
 _PERMANENT = frozenset({400, 422})
+_PATCH_REFUSED = _PERMANENT | {403}
 
 
 def namespace_is_gone(error: ApiError) -> bool:
@@ -315,14 +316,11 @@ class LowerCluster:
             # Left by an earlier upper pod of the same name: it goes before ours is made.
             await self.client.delete_exact(PODS, lower, grace_period_seconds=0)
             return Waiting()
+        refusals = []
         if not lower["metadata"].get("deletionTimestamp"):
             debug = ephemeral_containers_patch(upper, lower)
-            if debug is not None and self._refused_host_access(upper, debug) is not None:
-                log.warning(
-                    "ephemeral containers of %s/%s use the host: not added below",
-                    namespace,
-                    name,
-                )
+            if debug is not None and (refused := self._refused_host_access(upper, debug)):
+                refusals.append(f"ephemeral containers not added below: {refused.message}")
                 debug = None
             for patch, subresource in (
                 (lower_pod_patch(lower, desired), ""),
@@ -330,8 +328,12 @@ class LowerCluster:
                 (debug, "ephemeralcontainers"),
             ):
                 if patch is not None:
-                    lower = await self._patch(lower, patch, subresource)
-        return Mirrored(upper_status(lower, upper, self.host_ip), resource_version(lower))
+                    lower, refusal = await self._patch(lower, patch, subresource)
+                    if refusal is not None:
+                        refusals.append(refusal)
+        return Mirrored(
+            upper_status(lower, upper, self.host_ip), resource_version(lower), tuple(refusals)
+        )
 
     def _mirror_of(self, upper: Mapping[str, Any]) -> JSON | None:
         """The lower pod made from this very upper pod, if any."""
@@ -354,27 +356,29 @@ class LowerCluster:
         )
         return None if why is None else Rejected("HostAccessRefused", why)
 
-    async def _patch(self, lower: JSON, patch: JSON, subresource: str) -> JSON:
-        """The lower pod patched, or as it was when the lower apiserver refuses the change
-        for good (logged: the pod runs on as it is)."""
+    async def _patch(self, lower: JSON, patch: JSON, subresource: str) -> tuple[JSON, str | None]:
+        """The lower pod patched; or as it was, with why, when the lower apiserver refuses
+        the change (the pod runs on as it is, its status still mirrored, as a kubelet's
+        status does not wait for one operation)."""
         namespace, name = lower["metadata"]["namespace"], lower["metadata"]["name"]
         try:
-            return await self.client.patch(
+            patched = await self.client.patch(
                 PODS, name, patch, namespace, subresource=subresource, patch_type=_SMP
             )
+            return patched, None
         except ApiError as error:
-            # A subresource an older lower apiserver does not serve is as final as a
-            # refusal (a 404 of the pod itself comes with the watch event of its removal).
-            if error.status not in _PERMANENT and not (subresource and error.status == 404):
+            # 403: an admission plugin (Pod Security on a debug container, a quota on a
+            # resize). A subresource an older lower apiserver does not serve is as final
+            # (a 404 of the pod itself comes with the watch event of its removal).
+            if error.status not in _PATCH_REFUSED and not (subresource and error.status == 404):
                 raise
-            log.warning(
-                "update of lower pod %s/%s%s refused: %s",
-                namespace,
-                name,
-                f" ({subresource})" if subresource else "",
-                error.message,
+            what = {"": "update", "resize": "resize", "ephemeralcontainers": "debug container"}
+            refusal = (
+                f"lower cluster {self.owner.cluster_id} refused the pod's "
+                f"{what.get(subresource, subresource)}: {error.message}"
             )
-            return lower
+            log.warning("lower pod %s/%s: %s", namespace, name, refusal)
+            return lower, refusal
 
     async def _create(self, upper: Mapping[str, Any], desired: JSON) -> SyncResult:
         namespace = desired["metadata"]["namespace"]
@@ -474,7 +478,14 @@ class LowerCluster:
 
     async def delete(self, upper: Mapping[str, Any]) -> JSON | None:
         metadata = upper["metadata"]
-        namespace = self.mapping.lower(metadata["namespace"])
+        if not self.reachable:
+            # Its status stays the node controller's (not ready) until the cluster is
+            # back, when every pod is reconciled again.
+            return dict(upper.get("status") or {})
+        try:
+            namespace = self.mapping.lower(metadata["namespace"])
+        except NamingError:
+            return None  # no lower pod was ever made for it
         lower = self.pods.get(f"{namespace}/{metadata['name']}") or await self._get_live(
             namespace, metadata["name"]
         )

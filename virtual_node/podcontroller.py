@@ -31,6 +31,9 @@ class Mirrored:
 
     status: JSON
     version: str
+    # Changes the lower apiserver refused this time (a debug container, a resize): the
+    # pod runs on as it is below, and its owner is told.
+    refusals: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,9 @@ class PodController:
         # back with exactly these: two of a mirrored pod's four or five reconciles, which
         # would decode, translate and compare both pods to do nothing.
         self._in_step: dict[str, tuple[str, str]] = {}
+        # By key, the refusals already told in an event: the same refused change comes
+        # back with every reconcile of the pod until it is taken out above.
+        self._told: dict[str, frozenset[str]] = {}
         pods.add_handler(
             FunctionHandler(add=self._changed, update=self._changed, delete=self._deleted)
         )
@@ -150,6 +156,7 @@ class PodController:
         if upper is None:
             await self.backend.remove_orphan(key, self._deleted_grace.get(key))
             self._deleted_grace.pop(key, None)
+            self._told.pop(key, None)
             return
         self._deleted_grace.pop(key, None)
         if upper["metadata"].get("deletionTimestamp"):
@@ -166,7 +173,8 @@ class PodController:
             return
         result = await self.backend.sync(upper)
         match result:
-            case Mirrored(status, version):
+            case Mirrored(status, version, refusals):
+                await self._tell_refusals(key, upper, refusals)
                 status_version = await self._set_status(upper, status)
                 if status_version is not None:
                     self._in_step[key] = (status_version, version)
@@ -175,7 +183,9 @@ class PodController:
             case Rejected(reason, message):
                 if upper.get("status", {}).get("phase") not in FINISHED:
                     await self.event(upper, "Warning", reason, message)
-                    await self._set_status(upper, failed_status(upper, reason, message))
+                    await self._set_status(
+                        upper, failed_status(upper, reason, message, now_rfc3339())
+                    )
             case Refused(reason, message):
                 if self.queue.retries(key) == 0:
                     await self.event(upper, "Warning", reason, message)
@@ -183,6 +193,18 @@ class PodController:
                 raise RetryLater(message)
             case Waiting():
                 pass
+
+    async def _tell_refusals(
+        self, key: str, upper: Mapping[str, Any], refusals: tuple[str, ...]
+    ) -> None:
+        told = self._told.get(key, frozenset())
+        for message in refusals:
+            if message not in told:
+                await self.event(upper, "Warning", "LowerUpdateRefused", message)
+        if refusals:
+            self._told[key] = frozenset(refusals)
+        else:
+            self._told.pop(key, None)
 
     async def _set_status(self, upper: Mapping[str, Any], status: JSON) -> str | None:
         """The upper pod's resourceVersion once it has ``status``; None when the write
@@ -208,7 +230,9 @@ class PodController:
         if any(ref.get("controller") for ref in upper["metadata"].get("ownerReferences") or []):
             await self.upper.delete_exact(PODS, upper, grace_period_seconds=0)
         else:
-            await self._set_status(upper, failed_status(upper, "LowerPodDeleted", message))
+            await self._set_status(
+                upper, failed_status(upper, "LowerPodDeleted", message, now_rfc3339())
+            )
 
     async def event(self, pod: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
         source = {"component": "kubestrata-virtual-node", "host": self.node_name}

@@ -660,7 +660,9 @@ def _initialized(pod: Mapping[str, Any], inits: list[JSON], regulars: list[JSON]
     return bool(last) and last.get("exitCode") == 0
 
 
-def failed_status(upper: Mapping[str, Any], reason: str, message: str) -> JSON:
-    status: JSON = json_copy(upper.get("status") or {})
+def failed_status(upper: Mapping[str, Any], reason: str, message: str, now: str) -> JSON:
+    """Failed for ``reason``: its containers ended and the pod not ready, as a kubelet
+    leaves a pod it fails (a pod lost below showed Ready, and counted as healthy)."""
+    status = terminated_status(upper, now)
     status.update({"phase": "Failed", "reason": reason, "message": message})
     return status

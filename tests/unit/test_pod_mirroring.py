@@ -54,7 +54,10 @@ def mirroring() -> Mirroring:
     return mirroring_with()
 
 
-def mirroring_with(host_access_namespaces: frozenset[str] = frozenset()) -> Mirroring:
+def mirroring_with(
+    host_access_namespaces: frozenset[str] = frozenset(),
+    mapping: NamespaceMapping | None = None,
+) -> Mirroring:
     upper, lower = FakeClient(), FakeClient()
     upper_pods = Informer(client=upper, resource=PODS)
     lower_pods = Informer(client=lower, resource=PODS)
@@ -63,7 +66,7 @@ def mirroring_with(host_access_namespaces: frozenset[str] = frozenset()) -> Mirr
         lower_pods,
         Informer(client=lower, resource=NODES),
         OWNER,
-        NamespaceMapping(),
+        mapping or NamespaceMapping(),
         HOST_IP,
         host_access_namespaces=host_access_namespaces,
     )
@@ -382,7 +385,34 @@ async def test_a_lower_pod_deleted_behind_our_back(mirroring: Mirroring, control
         assert mirroring.upper_statuses() == []
     else:
         assert mirroring.upper.writes("DELETE") == []
-        assert mirroring.upper_statuses()[0]["reason"] == "LowerPodDeleted"
+        (failed,) = mirroring.upper_statuses()
+        assert (failed["phase"], failed["reason"]) == ("Failed", "LowerPodDeleted")
+
+
+async def test_a_pod_failed_after_its_lower_copy_went_is_not_ready(mirroring: Mirroring) -> None:
+    """As a kubelet leaves a pod it fails: its containers ended, Ready and ContainersReady
+    False (a PodDisruptionBudget counted it healthy, `kubectl wait` saw it ready)."""
+    pod = upper_pod()
+    ready = [
+        {"type": kind, "status": "True", "lastTransitionTime": "2026-11-25T08:00:00Z"}
+        for kind in ("Ready", "ContainersReady")
+    ]
+    pod["status"] = {
+        "phase": "Running",
+        "hostIP": HOST_IP,
+        "conditions": ready,
+        "containerStatuses": [RUNNING_CONTAINER],
+    }
+    mirroring.above(pod)
+    await mirroring.controller.reconcile("shop/web")
+    (failed,) = mirroring.upper_statuses()
+    assert failed["phase"] == "Failed"
+    assert [(c["type"], c["status"]) for c in failed["conditions"]] == [
+        ("Ready", "False"),
+        ("ContainersReady", "False"),
+    ]
+    (container,) = failed["containerStatuses"]
+    assert "terminated" in container["state"] and not container["ready"]
 
 
 async def test_a_finished_pod_is_never_run_again(mirroring: Mirroring) -> None:
@@ -593,6 +623,57 @@ async def test_a_privileged_debug_container_is_not_added_below(mirroring: Mirror
     mirroring.below(lower_pod(phase="Running"))
     await mirroring.controller.reconcile("shop/web")
     assert mirroring.lower.writes() == []
+    assert mirroring.upper_event_reasons() == ["LowerUpdateRefused"]
+    assert mirroring.upper_statuses()[0]["phase"] == "Running"
+
+
+async def test_a_debug_container_the_lower_cluster_forbids_is_told_once_and_the_status_flows(
+    mirroring: Mirroring,
+) -> None:
+    """Pod Security admission below answers 403 to `kubectl debug`: the pod's status goes
+    on being mirrored (a Job would never see its pod finish) and its owner is told."""
+    pod = upper_pod()
+    pod["spec"]["ephemeralContainers"] = [{"name": "debugger", "image": "busybox"}]
+    mirroring.above(pod)
+    refused = status_error(403, "Forbidden", 'pods "web" is forbidden: violates PodSecurity')
+    debug_path = f"{LOWER_POD_PATH}/web/ephemeralcontainers"
+    mirroring.lower.answer("PATCH", debug_path, refused, refused)
+    mirroring.below(lower_pod(phase="Running"))
+    await mirroring.controller.reconcile("shop/web")
+    assert mirroring.upper_event_reasons() == ["LowerUpdateRefused"]
+    mirroring.below(lower_pod(phase="Succeeded"), "MODIFIED")
+    await mirroring.controller.reconcile("shop/web")
+    assert [status["phase"] for status in mirroring.upper_statuses()] == ["Running", "Succeeded"]
+    assert mirroring.upper_event_reasons() == ["LowerUpdateRefused"], "told once"
+    assert [path for _, path in mirroring.lower.writes()] == [debug_path, debug_path]
+
+
+async def test_a_pod_whose_namespace_has_no_name_below_is_let_go_when_deleted() -> None:
+    long = "a" * 60
+    mirroring = mirroring_with(mapping=NamespaceMapping("prefix", "tenant"))
+    pod = deleting(30, phase="Failed")
+    pod["metadata"]["namespace"] = long
+    mirroring.above(pod)
+    await mirroring.controller.reconcile(f"{long}/web")
+    assert mirroring.lower.requests == []
+    assert mirroring.upper.writes("DELETE") == [("DELETE", f"/api/v1/namespaces/{long}/pods/web")]
+
+
+async def test_a_deletion_while_the_lower_cluster_is_unreachable_changes_nothing_above(
+    mirroring: Mirroring,
+) -> None:
+    backend = mirroring.controller.backend
+    assert isinstance(backend, LowerCluster)
+    mirroring.above(
+        deleting(30, phase="Running", conditions=[{"type": "Ready", "status": "False"}])
+    )
+    ending = lower_pod(phase="Running", conditions=[{"type": "Ready", "status": "True"}])
+    ending["metadata"]["deletionTimestamp"] = "2026-11-25T08:00:00Z"
+    mirroring.below(ending)
+    mirroring.lower.answer("GET", "/readyz", ConnectionRefusedError("lower apiserver down"))
+    assert await backend.ping() is False
+    await mirroring.controller.reconcile("shop/web")
+    assert mirroring.upper.requests == []
 
 
 async def test_a_lower_apiserver_without_its_etcd_is_unreachable(mirroring: Mirroring) -> None:
