@@ -476,7 +476,38 @@ def upper_status(lower: Mapping[str, Any], upper: Mapping[str, Any], host_ip: st
     if lower_status.get("hostIP"):
         status["hostIP"] = host_ip
         status["hostIPs"] = [{"ip": host_ip}]
+    _observe_generation(status, lower, upper)
     return status
+
+
+def _observe_generation(status: JSON, lower: Mapping[str, Any], upper: Mapping[str, Any]) -> None:
+    """The upper pod's generation as observed, as a 1.35 kubelet reports it for the pod and
+    its own conditions: once the lower kubelet has observed the lower pod's (the upper
+    pod's changes are below by then), or at once below a kubelet that does not report it;
+    until then the one observed before. The lower generations count the lower pod's
+    changes: none of them goes up."""
+    generation = (upper.get("metadata") or {}).get("generation")
+    lower_generation = (lower.get("metadata") or {}).get("generation")
+    seen_below = (lower.get("status") or {}).get("observedGeneration")
+    caught_up = seen_below is None or (
+        isinstance(seen_below, int)
+        and isinstance(lower_generation, int)
+        and seen_below >= lower_generation
+    )
+    before = (upper.get("status") or {}).get("observedGeneration")
+    observed = generation if caught_up and isinstance(generation, int) else before
+    if isinstance(observed, int) and isinstance(before, int):
+        observed = max(observed, before)  # never goes back, as a kubelet's
+    if observed is None:
+        status.pop("observedGeneration", None)
+    else:
+        status["observedGeneration"] = observed
+    for condition in status.get("conditions") or []:
+        if condition.get("type") in _KUBELET_CONDITIONS and "observedGeneration" in condition:
+            if observed is None:
+                del condition["observedGeneration"]
+            else:
+                condition["observedGeneration"] = observed
 
 
 def _with_upper_scheduling(

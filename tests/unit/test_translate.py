@@ -193,6 +193,35 @@ def test_status_comes_up_with_the_virtual_node_as_host() -> None:
     assert status["containerStatuses"] == [{"name": "app", "ready": True}]
 
 
+def test_the_upper_generation_is_observed_once_the_lower_kubelet_caught_up() -> None:
+    """A 1.35 kubelet reports status.observedGeneration and its conditions'; the lower
+    pod's generations are its own (it starts at 1 whatever the upper pod's count)."""
+    upper = upper_pod()
+    upper["metadata"]["generation"] = 4
+    upper["status"] = {"observedGeneration": 3}
+
+    def lower(generation: int, observed: int | None) -> dict[str, Any]:
+        status: dict[str, Any] = {
+            "phase": "Running",
+            "conditions": [{"type": "Ready", "status": "True", "observedGeneration": observed}],
+        }
+        if observed is None:
+            del status["conditions"][0]["observedGeneration"]
+        else:
+            status["observedGeneration"] = observed
+        return {"metadata": {"generation": generation}, "status": status}
+
+    caught_up = upper_status(lower(2, 2), upper, host_ip="127.0.0.2")
+    assert caught_up["observedGeneration"] == 4
+    assert caught_up["conditions"][0]["observedGeneration"] == 4
+    behind = upper_status(lower(2, 1), upper, host_ip="127.0.0.2")
+    assert behind["observedGeneration"] == 3
+    assert behind["conditions"][0]["observedGeneration"] == 3
+    untracked = upper_status(lower(2, None), upper, host_ip="127.0.0.2")
+    assert untracked["observedGeneration"] == 4
+    assert "observedGeneration" not in untracked["conditions"][0]
+
+
 SCHEDULED_ABOVE = {
     "type": "PodScheduled",
     "status": "True",
