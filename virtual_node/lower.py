@@ -31,6 +31,7 @@ from virtual_node.naming import NamespaceMapping, NamingError
 from virtual_node.node import NodeReport, nodes_digest, shared_labels
 from virtual_node.podcontroller import (
     FINISHED,
+    EndingBelow,
     Mirrored,
     Refused,
     Rejected,
@@ -316,21 +317,26 @@ class LowerCluster:
             # Left by an earlier upper pod of the same name: it goes before ours is made.
             await self.client.delete_exact(PODS, lower, grace_period_seconds=0)
             return Waiting()
+        if lower["metadata"].get("deletionTimestamp"):
+            return EndingBelow(
+                upper_status(lower, upper, self.host_ip),
+                lower["metadata"].get("deletionGracePeriodSeconds"),
+                f"pod {namespace}/{name} is being deleted in lower cluster {self.owner.cluster_id}",
+            )
         refusals = []
-        if not lower["metadata"].get("deletionTimestamp"):
-            debug = ephemeral_containers_patch(upper, lower)
-            if debug is not None and (refused := self._refused_host_access(upper, debug)):
-                refusals.append(f"ephemeral containers not added below: {refused.message}")
-                debug = None
-            for patch, subresource in (
-                (lower_pod_patch(lower, desired), ""),
-                (resize_patch(lower, desired), "resize"),
-                (debug, "ephemeralcontainers"),
-            ):
-                if patch is not None:
-                    lower, refusal = await self._patch(lower, patch, subresource)
-                    if refusal is not None:
-                        refusals.append(refusal)
+        debug = ephemeral_containers_patch(upper, lower)
+        if debug is not None and (refused := self._refused_host_access(upper, debug)):
+            refusals.append(f"ephemeral containers not added below: {refused.message}")
+            debug = None
+        for patch, subresource in (
+            (lower_pod_patch(lower, desired), ""),
+            (resize_patch(lower, desired), "resize"),
+            (debug, "ephemeralcontainers"),
+        ):
+            if patch is not None:
+                lower, refusal = await self._patch(lower, patch, subresource)
+                if refusal is not None:
+                    refusals.append(refusal)
         return Mirrored(
             upper_status(lower, upper, self.host_ip), resource_version(lower), tuple(refusals)
         )

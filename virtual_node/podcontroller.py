@@ -49,6 +49,17 @@ class Vanished:
 
 
 @dataclass(frozen=True)
+class EndingBelow:
+    """The lower pod is being deleted by someone else (a drain or an eviction below, the
+    taint manager of a lower node that went away): its status as it ends, the grace it
+    was given."""
+
+    status: JSON
+    grace: int | None
+    message: str
+
+
+@dataclass(frozen=True)
 class Refused:
     """The lower cluster refused the pod for now (quota, admission); try again later."""
 
@@ -68,7 +79,7 @@ class Rejected:
     message: str
 
 
-SyncResult = Mirrored | Waiting | Vanished | Refused | Rejected
+SyncResult = Mirrored | EndingBelow | Waiting | Vanished | Refused | Rejected
 
 
 class PodBackend(Protocol):
@@ -178,6 +189,16 @@ class PodController:
                 status_version = await self._set_status(upper, status)
                 if status_version is not None:
                     self._in_step[key] = (status_version, version)
+            case EndingBelow(status, grace, message):
+                if _controlled(upper):
+                    # Terminating above at once, as a pod evicted from a node: its owner
+                    # makes another now (a StatefulSet's once this one is gone), not
+                    # only once the lower pod is gone, which on a lower node that went
+                    # away may be never. Its status comes up as it ends below.
+                    await self.event(upper, "Warning", "LowerPodDeleted", message)
+                    await self.upper.delete_exact(PODS, upper, grace_period_seconds=grace)
+                else:
+                    await self._set_status(upper, status)
             case Vanished(message):
                 await self._lost(upper, message)
             case Rejected(reason, message):
@@ -227,7 +248,7 @@ class PodController:
         """A lower pod gone behind our back: a controlled pod is deleted so its owner
         makes a new one; a bare pod is marked Failed, as a kubelet would after losing it."""
         await self.event(upper, "Warning", "LowerPodDeleted", message)
-        if any(ref.get("controller") for ref in upper["metadata"].get("ownerReferences") or []):
+        if _controlled(upper):
             await self.upper.delete_exact(PODS, upper, grace_period_seconds=0)
         else:
             await self._set_status(
@@ -237,3 +258,7 @@ class PodController:
     async def event(self, pod: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
         source = {"component": "kubestrata-virtual-node", "host": self.node_name}
         await record_pod_event(self.upper, pod, kind, reason, message, source)
+
+
+def _controlled(pod: Mapping[str, Any]) -> bool:
+    return any(ref.get("controller") for ref in pod["metadata"].get("ownerReferences") or [])

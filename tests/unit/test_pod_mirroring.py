@@ -415,6 +415,36 @@ async def test_a_pod_failed_after_its_lower_copy_went_is_not_ready(mirroring: Mi
     assert "terminated" in container["state"] and not container["ready"]
 
 
+@pytest.mark.parametrize("controlled", [True, False])
+async def test_a_lower_pod_terminating_behind_our_back(
+    mirroring: Mirroring, controlled: bool
+) -> None:
+    """Evicted below (a drain, the taint manager of a lower node gone away): a controlled
+    pod is Terminating above at once with the same grace, so its owner replaces it now,
+    not when the lower pod is gone (maybe never); a bare one shows its status as it ends."""
+    pod = upper_pod(controlled=controlled)
+    pod["status"] = {"phase": "Running", "hostIP": HOST_IP}
+    mirroring.above(pod)
+    ending = lower_pod(phase="Running", hostIP="192.168.1.5")
+    ending["metadata"] |= {
+        "deletionTimestamp": "2026-11-25T08:00:00Z",
+        "deletionGracePeriodSeconds": 30,
+    }
+    mirroring.below(ending)
+    await mirroring.controller.reconcile("shop/web")
+    assert mirroring.lower.writes() == []
+    if controlled:
+        assert mirroring.upper_event_reasons() == ["LowerPodDeleted"]
+        (delete,) = [r for r in mirroring.upper.requests if r.method == "DELETE"]
+        assert delete.path == "/api/v1/namespaces/shop/pods/web"
+        assert delete.body["gracePeriodSeconds"] == 30
+        assert delete.body["preconditions"] == {"uid": "upper-pod-uid"}
+    else:
+        assert mirroring.upper.writes("DELETE") == []
+        (status,) = mirroring.upper_statuses()
+        assert status["phase"] == "Running"
+
+
 async def test_a_finished_pod_is_never_run_again(mirroring: Mirroring) -> None:
     pod = upper_pod()
     pod["status"] = {"phase": "Succeeded", "hostIP": HOST_IP}
