@@ -282,6 +282,28 @@ async def test_websocket_port_forward_announces_and_echoes(kubelet: Kubelet) -> 
     await asyncio.wait_for(connection.closed.wait(), TIMEOUT)
 
 
+async def test_websocket_port_forward_ends_once_every_ports_connection_has(
+    kubelet: Kubelet,
+) -> None:
+    """As the kubelet: a client's local socket sees the pod's side close only when the
+    WebSocket does (the python client's portforward)."""
+    socket = await kubelet.client.ws_connect(
+        "/portForward/default/p?port=8080&port=8081",
+        protocols=(channels.V4_PROTOCOL,),
+        headers=AUTH,
+    )
+    for _ in range(4):
+        await socket.receive_bytes(timeout=TIMEOUT)  # the announcements
+    first, second = kubelet.provider.connections
+    await first.close()
+    await socket.send_bytes(b"\x02ping")
+    assert await socket.receive_bytes(timeout=TIMEOUT) == b"\x02echo:ping"
+    await second.close()
+    closing = await socket.receive(timeout=TIMEOUT)
+    assert closing.type in (WSMsgType.CLOSE, WSMsgType.CLOSED)
+    await socket.close()
+
+
 async def test_websocket_port_forward_closes_opened_ports_when_one_fails(kubelet: Kubelet) -> None:
     response = await kubelet.client.post(
         "/portForward/default/p?port=8080&port=81",

@@ -696,17 +696,31 @@ async def _serve_port_forward_websocket(
             if message := connection.error():
                 await client.send(layout.error_channel(index), message.encode())
 
-    readers: list[asyncio.Task[None]] = []
+    async def to_pods() -> None:
+        with contextlib.suppress(ConnectionError):  # the client left
+            async for decoded in client.received():
+                if isinstance(decoded, channels.ChannelData) and decoded.channel % 2 == 0:
+                    await connections[decoded.channel // 2].send(decoded.payload)
+
+    tasks: list[asyncio.Task[None]] = []
     try:
         for channel, payload in layout.announcements():
             await client.send(channel, payload)
         readers = [asyncio.create_task(from_pod(i, c)) for i, c in enumerate(connections)]
-        async for decoded in client.received():
-            if isinstance(decoded, channels.ChannelData) and decoded.channel % 2 == 0:
-                await connections[decoded.channel // 2].send(decoded.payload)
+
+        async def every_port_done() -> None:
+            await asyncio.gather(*readers)
+
+        ends = [asyncio.create_task(to_pods()), asyncio.create_task(every_port_done())]
+        tasks = [*readers, *ends]
+        # As the kubelet: the session ends once every port's connection has (a client's
+        # local socket sees its end only then), or once the client leaves.
+        await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
     except ConnectionError:
         pass  # the client left
     finally:
-        for reader in readers:
-            reader.cancel()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await _close_all(connections)
+        await client.socket.close()
