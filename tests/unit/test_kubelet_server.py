@@ -304,6 +304,17 @@ async def test_websocket_port_forward_ends_once_every_ports_connection_has(
     await socket.close()
 
 
+async def test_websocket_port_forward_past_its_protocols_channels_is_400(kubelet: Kubelet) -> None:
+    ports = "&".join(f"port={port}" for port in range(8000, 8128))  # 256 channels
+    response = await kubelet.client.post(
+        f"/portForward/default/p?{ports}",
+        headers={**WEBSOCKET_UPGRADE, "Sec-WebSocket-Protocol": channels.V4_PROTOCOL},
+    )
+    code, message = await error_of(response)
+    assert code == 400 and message.startswith("port: too many ports")
+    assert kubelet.provider.connections == []
+
+
 async def test_websocket_port_forward_closes_opened_ports_when_one_fails(kubelet: Kubelet) -> None:
     response = await kubelet.client.post(
         "/portForward/default/p?port=8080&port=81",

@@ -341,14 +341,19 @@ class KubeletServer:
             if not ports:
                 raise BadParameter("port: required for a WebSocket port-forward")
             socket = web.WebSocketResponse(protocols=channels.PORT_FORWARD_PROTOCOLS)
-            if _negotiated(socket, request) is None:
+            protocol = _negotiated(socket, request)
+            if protocol is None:
                 raise BadParameter("Sec-WebSocket-Protocol: no supported port-forward protocol")
+            layout = channels.PortForwardChannels(ports)
+            try:
+                channels.ChannelCodec(protocol, layout.channel_count)
+            except ValueError as error:
+                raise BadParameter(f"port: too many ports: {error}") from None
             connections: list[PortConnection] = []
             async with _closed_on_failure(lambda: _close_all(connections)):
                 for port in ports:
                     connections.append(await self.provider.port_forward(pod, port))
                 await socket.prepare(request)
-            layout = channels.PortForwardChannels(ports)
             client = _ChannelSocket(socket, layout.channel_count)
             async with self._closed_when_idle(lambda: client.last_activity, socket.close):
                 await _serve_port_forward_websocket(client, layout, connections)
