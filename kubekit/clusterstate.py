@@ -139,18 +139,21 @@ class ClusterState:
             self._names = None
 
     def set_pod(self, pod: JSON) -> None:
-        """A pod counts on its node while bound and not finished; an update replaces
-        what it counted before, unless its facts are the same."""
+        """A pod counts on its node while bound and not finished, or on the node it was
+        nominated to while it waits (``fit.counted_node``); an update replaces what it
+        counted before, unless its node and facts are the same."""
         key = object_key(pod)
         ref = (False, key)
-        if not fit.pod_holds_resources(pod):
+        node = fit.counted_node(pod)
+        if node is None:
             self.remove_pod(key)
             return
         fingerprint = fit.facts_fingerprint(pod)
-        if ref in self._placed and self._fingerprints.get(key) == fingerprint:
+        placed = self._placed.get(ref)
+        if placed is not None and placed[0] == node and self._fingerprints.get(key) == fingerprint:
             return
         self._unplace(ref)
-        self._place(ref, pod["spec"]["nodeName"], PodFacts.of(pod))
+        self._place(ref, node, PodFacts.of(pod))
         self._fingerprints[key] = fingerprint
 
     def remove_pod(self, key: str) -> None:

@@ -163,6 +163,23 @@ def pod_holds_resources(pod: JSON) -> bool:
     return bool((pod.get("spec") or {}).get("nodeName")) and phase not in {"Succeeded", "Failed"}
 
 
+def counted_node(pod: JSON) -> str | None:
+    """The node the scheduler counts a pod on: its own once bound and until it finishes,
+    or, while it waits to be bound, the one it was nominated to after preempting pods
+    there (the scheduler counts nominated pods of a priority at least the incoming pod's:
+    here every one, preemption not being modelled)."""
+    if not pod_holds_resources(pod):
+        if (pod.get("status") or {}).get("phase") in {"Succeeded", "Failed"}:
+            return None
+        if (pod.get("spec") or {}).get("nodeName") or (pod.get("metadata") or {}).get(
+            "deletionTimestamp"
+        ):
+            return None
+        nominated = (pod.get("status") or {}).get("nominatedNodeName")
+        return nominated if isinstance(nominated, str) and nominated else None
+    return str(pod["spec"]["nodeName"])
+
+
 def node_is_ready(node: JSON) -> bool:
     return readiness_taint_key(node) is None
 

@@ -103,6 +103,21 @@ def test_pending_pods_hold_nothing_until_bound() -> None:
     assert cluster.estimate(needs("4")).fitting == ("n1",)
 
 
+def test_a_pod_nominated_after_preempting_holds_its_node_until_bound() -> None:
+    waiting = pod("o", containers=[container(cpu="3")], phase="Pending")
+    waiting["status"]["nominatedNodeName"] = "n1"
+    cluster = state(node("n1", cpu="4"), node("n2", cpu="4"), waiting)
+    assert cluster.estimate(needs("2")).fitting == ("n2",)
+    # Bound elsewhere after all: it holds that node instead.
+    bound = pod("o", on="n2", containers=[container(cpu="3")], phase="Pending")
+    bound["status"]["nominatedNodeName"] = "n1"
+    cluster.set_pod(bound)
+    assert cluster.estimate(needs("2")).fitting == ("n1",)
+    # Nominated no more and not bound: it holds nothing.
+    cluster.set_pod(pod("o", containers=[container(cpu="3")], phase="Pending"))
+    assert cluster.estimate(needs("2")).fitting == ("n1", "n2")
+
+
 def test_pods_of_a_removed_node_count_again_when_it_returns() -> None:
     cluster = state(
         node(cpu="4"), node("n2", cpu="1"), pod("o", on="n1", containers=[container(cpu="3")])
