@@ -56,6 +56,9 @@ UPPER_NAMESPACE_ANNOTATION = f"{PREFIX}/upper-namespace"
 # removed below when they go above; what the lower cluster adds (topology labels at
 # binding, its webhooks' annotations) is left alone.
 UPPER_KEYS_ANNOTATION = f"{PREFIX}/upper-keys"
+# On a lower pod: each container's image as the upper pod gives it, by container name (a
+# lower admission webhook may have rewritten the one the pod runs).
+UPPER_IMAGES_ANNOTATION = f"{PREFIX}/upper-images"
 
 # The webhook's stash of scheduling fields on federated pods (kubekit.stash).
 STASH_ANNOTATION = f"{PREFIX}/scheduling-stash"

@@ -137,6 +137,9 @@ def desired_lower_pod(
         {"labels": sorted(upper_labels), "annotations": sorted(annotations)},
         separators=(",", ":"),
     )
+    annotations[keys.UPPER_IMAGES_ANNOTATION] = json.dumps(
+        _images(spec), separators=(",", ":"), sort_keys=True
+    )
     annotations[keys.UPPER_UID_ANNOTATION] = metadata["uid"]
     annotations[keys.UPPER_NAMESPACE_ANNOTATION] = metadata["namespace"]
     labels = {**upper_labels, **owner.labels()}
@@ -383,25 +386,18 @@ def lower_pod_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> J
     """A strategic merge patch bringing the fields that may change on a running pod
     (labels, annotations, images, activeDeadlineSeconds, tolerations) to the desired
     values, or None when they already match."""
-    patch: JSON = {}
-    metadata: JSON = {}
-    from_above = _upper_keys(current)
-    for field in ("labels", "annotations"):
-        have = current["metadata"].get(field) or {}
-        want = desired["metadata"].get(field) or {}
-        change: JSON = {k: v for k, v in want.items() if have.get(k) != v}
-        change.update({k: None for k in from_above.get(field, ()) if k in have and k not in want})
-        if change:
-            metadata[field] = change
-    if metadata:
-        patch["metadata"] = metadata
     spec: JSON = {}
+    # An image changes below when it changed above, not when it differs from the one the
+    # pod runs: a lower webhook may have rewritten that (to a registry mirror) at creation,
+    # and setting it back would restart the container with an image the cluster may not
+    # pull. Pods made before the images were recorded are compared as they run.
+    given = _recorded_images(current) or _images(current["spec"])
     for kind in ("containers", "initContainers"):
-        have_images = {c["name"]: c.get("image") for c in current["spec"].get(kind) or []}
+        running = {c["name"] for c in current["spec"].get(kind) or []}
         changed = [
             {"name": c["name"], "image": c.get("image")}
             for c in desired["spec"].get(kind) or []
-            if c["name"] in have_images and have_images[c["name"]] != c.get("image")
+            if c["name"] in running and given.get(c["name"]) != c.get("image")
         ]
         if changed:
             spec[kind] = changed
@@ -413,9 +409,43 @@ def lower_pod_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> J
     if missing:
         # Tolerations may only be added to a running pod; the list is replaced whole.
         spec["tolerations"] = have_tolerations + missing
+    patch: JSON = {}
+    metadata: JSON = {}
+    from_above = _upper_keys(current)
+    for field in ("labels", "annotations"):
+        have = current["metadata"].get(field) or {}
+        want = dict(desired["metadata"].get(field) or {})
+        if field == "annotations" and not any(
+            kind in spec for kind in ("containers", "initContainers")
+        ):
+            # Recorded with the images it records, not written to a pod on its own.
+            want.pop(keys.UPPER_IMAGES_ANNOTATION, None)
+        change: JSON = {k: v for k, v in want.items() if have.get(k) != v}
+        change.update({k: None for k in from_above.get(field, ()) if k in have and k not in want})
+        if change:
+            metadata[field] = change
+    if metadata:
+        patch["metadata"] = metadata
     if spec:
         patch["spec"] = spec
     return patch or None
+
+
+def _images(spec: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        c["name"]: c.get("image")
+        for kind in ("initContainers", "containers")
+        for c in spec.get(kind) or []
+    }
+
+
+def _recorded_images(lower: Mapping[str, Any]) -> dict[str, Any] | None:
+    value = (lower["metadata"].get("annotations") or {}).get(keys.UPPER_IMAGES_ANNOTATION)
+    try:
+        recorded = json.loads(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
+    return recorded if isinstance(recorded, dict) else None
 
 
 def resize_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> JSON | None:

@@ -81,6 +81,7 @@ def test_lower_pod_is_stripped_and_owned() -> None:
         keys.UPPER_UID_ANNOTATION: "u-1",
         keys.UPPER_NAMESPACE_ANNOTATION: "shop",
         keys.UPPER_KEYS_ANNOTATION: '{"labels":["app"],"annotations":["note"]}',
+        keys.UPPER_IMAGES_ANNOTATION: '{"app":"nginx:1"}',
     }
     spec = lower["spec"]
     for stripped in ("nodeName", "priority", "schedulerName"):
@@ -158,7 +159,12 @@ def test_patch_pushes_down_mutable_fields_only() -> None:
     patch = lower_pod_patch(current, desired_lower_pod(changed, NamespaceMapping(), OWNER))
     assert patch is not None
     assert patch["metadata"]["labels"] == {"tier": "front"}
-    assert set(patch["metadata"]["annotations"]) == {"note", keys.UPPER_KEYS_ANNOTATION}
+    assert set(patch["metadata"]["annotations"]) == {
+        "note",
+        keys.UPPER_KEYS_ANNOTATION,
+        keys.UPPER_IMAGES_ANNOTATION,
+    }
+    assert patch["metadata"]["annotations"][keys.UPPER_IMAGES_ANNOTATION] == '{"app":"nginx:2"}'
     assert patch["metadata"]["annotations"]["note"] is None
     assert json.loads(patch["metadata"]["annotations"][keys.UPPER_KEYS_ANNOTATION]) == {
         "labels": ["app", "tier"],
@@ -172,6 +178,24 @@ def test_patch_pushes_down_mutable_fields_only() -> None:
             "tolerations": [{"key": "a", "operator": "Exists"}],
         },
     }
+
+
+def test_an_image_a_lower_webhook_rewrote_is_changed_only_when_it_changes_above() -> None:
+    current = desired_lower_pod(upper_pod(), NamespaceMapping(), OWNER)
+    current["spec"]["containers"][0]["image"] = "mirror.example/nginx:1"
+    assert (
+        lower_pod_patch(current, desired_lower_pod(upper_pod(), NamespaceMapping(), OWNER)) is None
+    )
+    changed = upper_pod()
+    changed["spec"]["containers"][0]["image"] = "nginx:2"
+    patch = lower_pod_patch(current, desired_lower_pod(changed, NamespaceMapping(), OWNER))
+    assert patch is not None
+    assert patch["spec"] == {"containers": [{"name": "app", "image": "nginx:2"}]}
+    # Made before the images were recorded: compared as it runs, nothing written for it.
+    older = copy.deepcopy(current)
+    del older["metadata"]["annotations"][keys.UPPER_IMAGES_ANNOTATION]
+    older["spec"]["containers"][0]["image"] = "nginx:1"
+    assert lower_pod_patch(older, desired_lower_pod(upper_pod(), NamespaceMapping(), OWNER)) is None
 
 
 def test_status_comes_up_with_the_virtual_node_as_host() -> None:
