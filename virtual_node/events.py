@@ -7,6 +7,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import orjson
+
 from kubekit import keys
 from kubekit.client import API_ERRORS, EVENTS, ApiError, KubeClient, is_not_found
 from kubekit.informer import FunctionHandler, Informer, object_key
@@ -27,9 +29,11 @@ _COPIED = (
     "action",
     "reportingComponent",
     "reportingInstance",
+    "series",
 )
-# What changes when an event recurs, and so what a copy already made is patched with.
-_RECURRING = ("count", "lastTimestamp", "message")
+# What changes when an event recurs, and so what a copy already made is patched with: an
+# old-style event counts its repeats, a new-style one (the scheduler's) its series.
+_RECURRING = ("count", "lastTimestamp", "message", "series")
 
 
 def upper_event(
@@ -93,7 +97,7 @@ def recurrence(event: Mapping[str, Any]) -> JSON:
 def fingerprint(event: Mapping[str, Any]) -> int:
     """Tells whether a copy is up to date, in far less memory than the copy (pure;
     stable within one process only)."""
-    return hash(tuple(recurrence(event).items()))
+    return hash(orjson.dumps(recurrence(event), option=orjson.OPT_SORT_KEYS))
 
 
 def lower_event_uid(copy_name: str) -> str:

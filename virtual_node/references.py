@@ -104,7 +104,11 @@ def referenced_objects(spec: Mapping[str, Any]) -> set[tuple[Kind, str]]:
     for pull_secret in spec.get("imagePullSecrets") or []:
         if pull_secret.get("name"):
             refs.add(("secrets", pull_secret["name"]))
-    return {(kind, name) for kind, name in refs if name}
+    # A pod may name the lower cluster's own kube-root-ca.crt (a hand-made copy of the
+    # token volume): the lower one is the CA of the apiserver it will talk to.
+    return {
+        (kind, name) for kind, name in refs if name and (kind, name) not in _MADE_IN_EVERY_NAMESPACE
+    }
 
 
 def service_selector(service: Mapping[str, Any]) -> dict[str, str]:
@@ -131,7 +135,14 @@ def synced_namespace_wide(kind: Kind, name: str) -> bool:
 
 
 def reflectable(upper: Mapping[str, Any]) -> bool:
-    return upper.get("type") not in _NOT_REFLECTED_SECRET_TYPES
+    """Whether an object is copied below at all: not a Secret whose content the lower
+    cluster makes for itself, nor a claim a pod controls (a generic ephemeral volume's:
+    the lower ephemeral volume controller makes the lower pod's own from its template,
+    and a claim of that name it did not make keeps the pod Pending for good)."""
+    if upper.get("type") in _NOT_REFLECTED_SECRET_TYPES:
+        return False
+    owners = (upper.get("metadata") or {}).get("ownerReferences") or []
+    return not any(ref.get("controller") and ref.get("kind") == "Pod" for ref in owners)
 
 
 def _copy_metadata(
@@ -246,9 +257,10 @@ def _without_binding(annotations: Mapping[str, str]) -> dict[str, str]:
 def desired_service_account(
     upper: Mapping[str, Any], mapping: NamespaceMapping, owner: Ownership
 ) -> JSON:
-    """The lower copy of a ServiceAccount: whether its token is mounted, and its pull
-    secrets (the lower admission adds them to pods that name none); its token Secrets
-    are the lower cluster's own."""
+    """The lower copy of a ServiceAccount: whether its token is mounted, its pull secrets
+    (the lower admission adds them to pods that name none) and the names of its mountable
+    Secrets (which `kubernetes.io/enforce-mountable-secrets` holds its pods to below as
+    above); its token Secrets are the lower cluster's own."""
     copy: JSON = {
         "apiVersion": "v1",
         "kind": "ServiceAccount",
@@ -257,6 +269,9 @@ def desired_service_account(
     for field in ("automountServiceAccountToken", "imagePullSecrets"):
         if field in upper:
             copy[field] = upper[field]
+    names = [s.get("name") for s in upper.get("secrets") or [] if isinstance(s, dict)]
+    if any(names):
+        copy["secrets"] = [{"name": name} for name in names if name]
     return copy
 
 

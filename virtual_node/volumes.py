@@ -121,6 +121,14 @@ def volume_refusal(
         wanted = waiting_for.get(f"{namespace}/{name}") if name else None
         if wanted is not None and wanted not in classes:
             return f"lower cluster {cluster_id} has no storage class {wanted} (claim {name})"
+        # A generic ephemeral volume's claim is made below from the pod's template.
+        template = ((volume.get("ephemeral") or {}).get("volumeClaimTemplate") or {}).get("spec")
+        wanted = (template or {}).get("storageClassName")
+        if wanted and wanted not in classes:
+            return (
+                f"lower cluster {cluster_id} has no storage class {wanted} "
+                f"(ephemeral volume {volume.get('name')})"
+            )
     return None
 
 

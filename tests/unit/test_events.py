@@ -87,3 +87,23 @@ def test_a_copy_is_up_to_date_until_the_event_recurs() -> None:
         "message": "Back-off pulling image",
     }
     assert lower_event_uid("web.1.e-1") == "e-1"
+
+
+def test_a_new_style_events_series_comes_up_and_its_repeats_patch_the_copy() -> None:
+    """The scheduler records with the events.k8s.io API: a repeat raises series.count and
+    leaves count and lastTimestamp empty."""
+    first = {
+        "metadata": {"name": "web-1.f", "namespace": "east-shop", "uid": "e-2"},
+        "involvedObject": {"kind": "Pod", "name": "web-1", "uid": "lower-uid"},
+        "type": "Warning",
+        "reason": "FailedScheduling",
+        "message": "0/3 nodes are available: 3 Insufficient cpu.",
+        "eventTime": "2026-01-01T00:00:00.000000Z",
+        "reportingComponent": "default-scheduler",
+        "series": {"count": 2, "lastObservedTime": "2026-01-01T00:05:00.000000Z"},
+    }
+    copy = upper_event(first, LOWER_POD, OWNER, "lower-1")
+    assert copy is not None and copy["series"] == first["series"]
+    again = {**first, "series": {"count": 7, "lastObservedTime": "2026-01-01T00:35:00.000000Z"}}
+    assert fingerprint(again) != fingerprint(first)
+    assert recurrence(again)["series"] == again["series"]

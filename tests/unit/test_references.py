@@ -7,6 +7,7 @@ from virtual_node.references import (
     desired_copy,
     desired_endpoint_slice,
     desired_service,
+    desired_service_account,
     referenced_objects,
     reflectable,
     replacement,
@@ -224,6 +225,51 @@ def test_the_service_account_token_volume_needs_nothing_below() -> None:
         },
     }
     assert referenced_objects({"volumes": [token_volume]}) == set()
+
+
+def test_a_hand_made_token_volume_names_the_lower_clusters_own_ca() -> None:
+    """The lower kube-root-ca.crt is the CA of the apiserver the pod talks to; a copy of
+    the upper one would be refused as a name taken, and the pod would wait for good."""
+    own = {
+        "name": "token",
+        "projected": {
+            "sources": [
+                {"serviceAccountToken": {"path": "token", "audience": "vault"}},
+                {"configMap": {"name": "kube-root-ca.crt"}},
+                {"configMap": {"name": "settings"}},
+            ]
+        },
+    }
+    assert referenced_objects({"volumes": [own]}) == {("configmaps", "settings")}
+
+
+def test_a_claim_a_pod_controls_is_made_below_by_the_lower_cluster() -> None:
+    ephemeral = {
+        "kind": "PersistentVolumeClaim",
+        "metadata": {
+            "name": "web-0-scratch",
+            "ownerReferences": [{"kind": "Pod", "name": "web-0", "uid": "p", "controller": True}],
+        },
+    }
+    assert not reflectable(ephemeral)
+    assert reflectable({"kind": "PersistentVolumeClaim", "metadata": {"name": "data"}})
+
+
+def test_a_service_accounts_mountable_secrets_go_below_by_name() -> None:
+    upper = {
+        "metadata": {
+            "name": "builder",
+            "namespace": "ci",
+            "uid": "sa",
+            "annotations": {"kubernetes.io/enforce-mountable-secrets": "true"},
+        },
+        "secrets": [{"name": "registry", "namespace": "ci", "uid": "s"}],
+        "imagePullSecrets": [{"name": "pull"}],
+    }
+    copy = desired_service_account(upper, MAPPING, OWNER)
+    assert copy["secrets"] == [{"name": "registry"}]
+    assert copy["imagePullSecrets"] == [{"name": "pull"}]
+    assert "secrets" not in desired_service_account({**upper, "secrets": []}, MAPPING, OWNER)
 
 
 def service(name: str, selector: dict[str, str] | None, **spec: object) -> dict[str, object]:

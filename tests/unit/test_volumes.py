@@ -157,3 +157,17 @@ def test_a_cluster_without_the_class_a_claim_waits_for_is_refused() -> None:
     # Another namespace's claim of that name, or a claim not waiting: nothing to refuse.
     assert volume_refusal(pod, "web", waiting, set(), "lower-1") is None
     assert volume_refusal(pod, "db", {}, set(), "lower-1") is None
+
+
+def test_an_ephemeral_volume_of_a_class_the_cluster_lacks_is_refused() -> None:
+    template = {"spec": {"storageClassName": "fast", "accessModes": ["ReadWriteOnce"]}}
+    pod = {
+        "spec": {"volumes": [{"name": "scratch", "ephemeral": {"volumeClaimTemplate": template}}]}
+    }
+    assert volume_refusal(pod, "db", {}, {"fast"}, "lower-1") is None
+    assert volume_refusal(pod, "db", {}, {"slow"}, "lower-1") == (
+        "lower cluster lower-1 has no storage class fast (ephemeral volume scratch)"
+    )
+    # No class named: the lower cluster's default class makes it.
+    template["spec"].pop("storageClassName")
+    assert volume_refusal(pod, "db", {}, set(), "lower-1") is None
