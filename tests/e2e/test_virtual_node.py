@@ -291,6 +291,48 @@ def test_lower_pod_deleted_behind_our_back_is_replaced(federation: Federation) -
 HOLD = "kubestrata.io/e2e-hold"
 
 
+def test_lower_pod_held_terminating_below_is_replaced_at_once(federation: Federation) -> None:
+    """A lower pod that stays Terminating (a finalizer here; the taint manager's pods of a
+    lower node that went away, in life): its owner above replaces it without waiting."""
+    upper, lower = federation.upper, federation.clusters["lower-1"]
+    apply(
+        upper,
+        namespace("held"),
+        federated_deployment("victim", "held", 1, node_selector={keys.CLUSTER_ID_LABEL: "lower-1"}),
+    )
+    rollout(upper, "victim", "held")
+    (first,) = pods_by_name(upper, "held", "app=victim")
+    finalizers = json.dumps({"metadata": {"finalizers": [HOLD]}})
+    lower.kubectl("patch", "pod", first, "-n", "held", "--type=merge", "-p", finalizers)
+    lower.kubectl("delete", "pod", first, "-n", "held", "--wait=false")
+
+    def replaced() -> list[str]:
+        pods = pods_by_name(upper, "held", "app=victim")
+        return [n for n, p in pods.items() if n != first and p["status"].get("phase") == "Running"]
+
+    (second,) = wait_for(replaced, "a replacement pod Running while the first ends below")
+    assert pods_by_name(lower, "held", "app=victim")[first]["metadata"]["deletionTimestamp"]
+    # Terminating above with the lower pod's grace, which kwok cuts to 0 (so gone at once).
+    ending = pods_by_name(upper, "held", "app=victim").get(first)
+    assert ending is None or ending["metadata"].get("deletionTimestamp")
+    lower.kubectl(
+        "patch",
+        "pod",
+        first,
+        "-n",
+        "held",
+        "--type=merge",
+        "-p",
+        '{"metadata":{"finalizers":null}}',
+    )
+    wait_for(
+        lambda: first not in pods_by_name(upper, "held", "app=victim"),
+        "the first pod gone above once it is gone below",
+    )
+    assert second in pods_by_name(lower, "held", "app=victim")
+    upper.kubectl("delete", "namespace", "held", "--wait=false")
+
+
 def watched_pods(watch_output: str) -> list[dict[str, Any]]:
     """The pods ``kubectl get -w -o json`` printed, in order: the listed ones first, then
     one per watch event."""
