@@ -32,6 +32,7 @@ from virtual_node.node import NodeReport, nodes_digest, shared_labels
 from virtual_node.podcontroller import (
     FINISHED,
     EndingBelow,
+    Gone,
     Mirrored,
     Refused,
     Rejected,
@@ -142,6 +143,9 @@ class LowerCluster:
         # lower key -> upper key of each pod of ours below, kept by the same handler, so
         # the orphan sweep decodes no pod (it decoded 10,000 on the event loop a minute).
         self._mirrored: dict[str, str] = {}
+        # upper key -> our lower pod as its removal showed it, until the upper pod's next
+        # reconcile reads it (its deletion's last status) or passes it by.
+        self._removed: dict[str, JSON] = {}
         metrics.MIRRORED_PODS.set_function(lambda: len(self._mirrored))
         pods.add_handler(
             FunctionHandler(
@@ -192,7 +196,9 @@ class LowerCluster:
     def _pod_deleted(self, pod: JSON) -> None:
         key = object_key(pod)
         self._set_usage(key, None)
-        if self._mirrored.pop(key, None) is not None:
+        upper_key = self._mirrored.pop(key, None)
+        if upper_key is not None:
+            self._removed[upper_key] = pod
             self._slot_changed()
 
     def _slot_changed(self) -> None:
@@ -271,6 +277,7 @@ class LowerCluster:
             return None
 
     async def sync(self, upper: Mapping[str, Any]) -> SyncResult:
+        self._removed.pop(object_key(upper), None)
         if not self.reachable:
             return Waiting()
         try:
@@ -482,25 +489,24 @@ class LowerCluster:
                 return None
             raise
 
-    async def delete(self, upper: Mapping[str, Any]) -> JSON | None:
+    async def delete(self, upper: Mapping[str, Any]) -> JSON | Gone:
         metadata = upper["metadata"]
         if not self.reachable:
             # Its status stays the node controller's (not ready) until the cluster is
             # back, when every pod is reconciled again.
             return dict(upper.get("status") or {})
+        removed = self._removed.pop(object_key(upper), None)
         try:
             namespace = self.mapping.lower(metadata["namespace"])
         except NamingError:
-            return None  # no lower pod was ever made for it
+            return Gone()  # no lower pod was ever made for it
         lower = self.pods.get(f"{namespace}/{metadata['name']}") or await self._get_live(
             namespace, metadata["name"]
         )
-        if lower is None or not self.owner.owns(lower):
-            return None
-        if (lower["metadata"].get("annotations") or {}).get(keys.UPPER_UID_ANNOTATION) != metadata[
-            "uid"
-        ]:
-            return None  # not this pod's
+        if lower is None or not self.owner.owns(lower) or not _made_from(lower, upper):
+            if removed is not None and _made_from(removed, upper):
+                return Gone(upper_status(removed, upper, self.host_ip))
+            return Gone()
         grace = upper["metadata"].get("deletionGracePeriodSeconds")
         if deletion_due(lower, grace):
             await self.client.delete_exact(PODS, lower, grace_period_seconds=grace)
@@ -508,6 +514,7 @@ class LowerCluster:
         return upper_status(lower, upper, self.host_ip)
 
     async def remove_orphan(self, upper_key: str, grace_period_seconds: int | None) -> None:
+        self._removed.pop(upper_key, None)
         try:
             lower_key = self.lower_key(upper_key)
         except NamingError:
@@ -524,6 +531,11 @@ class LowerCluster:
     def orphan_keys(self, upper_keys: set[str]) -> list[str]:
         """Upper keys of our lower pods whose upper pod does not exist."""
         return [key for key in self._mirrored.values() if key not in upper_keys]
+
+
+def _made_from(lower: Mapping[str, Any], upper: Mapping[str, Any]) -> bool:
+    annotations = lower["metadata"].get("annotations") or {}
+    return bool(annotations.get(keys.UPPER_UID_ANNOTATION) == upper["metadata"]["uid"])
 
 
 async def _once(

@@ -42,6 +42,15 @@ class Waiting:
 
 
 @dataclass(frozen=True)
+class Gone:
+    """The lower pod of a deleted upper pod is gone, with the status it last reported
+    (the upper pod's form) when its removal was seen: the kubelet's last update and the
+    removal often land in one reconcile, and the exit codes are in that update."""
+
+    last_status: JSON | None = None
+
+
+@dataclass(frozen=True)
 class Vanished:
     """The lower pod existed and was deleted or evicted by someone else."""
 
@@ -91,9 +100,9 @@ class PodBackend(Protocol):
         the upper pod's version changes."""
         ...
 
-    async def delete(self, upper: Mapping[str, Any]) -> JSON | None:
+    async def delete(self, upper: Mapping[str, Any]) -> JSON | Gone:
         """Starts or continues deleting the lower pod: the upper pod's status as the lower
-        pod reports it while it ends, None once it is gone."""
+        pod reports it while it ends, ``Gone`` once it is."""
         ...
 
     async def remove_orphan(self, upper_key: str, grace_period_seconds: int | None) -> None:
@@ -172,13 +181,16 @@ class PodController:
         self._deleted_grace.pop(key, None)
         if upper["metadata"].get("deletionTimestamp"):
             ending = await self.backend.delete(upper)
-            if ending is not None:
+            if not isinstance(ending, Gone):
                 # The containers' shutdown below shows above, exit codes included.
                 await self._set_status(upper, ending)
                 return
             # Gone below. A kubelet's last word on a deleted pod is a terminal phase,
             # which a Job's finalizer waits for; only then does the pod go.
-            terminated = terminated_status(upper, now_rfc3339())
+            last_seen = (
+                upper if ending.last_status is None else {**upper, "status": ending.last_status}
+            )
+            terminated = terminated_status(last_seen, now_rfc3339())
             if await self._set_status(upper, terminated) is not None:
                 await self.upper.delete_exact(PODS, upper, grace_period_seconds=0)
             return

@@ -10,7 +10,7 @@ from typing import Any
 from kubekit.client import PODS
 from kubekit.informer import Informer
 from kubekit.workqueue import WorkQueue
-from virtual_node.podcontroller import PodController, SyncResult, Waiting
+from virtual_node.podcontroller import Gone, PodController, SyncResult, Waiting
 
 
 class RecordingBackend:
@@ -25,7 +25,7 @@ class RecordingBackend:
     def mirror_version(self, upper_key: str) -> str | None:
         return None
 
-    async def delete(self, upper: Mapping[str, Any]) -> dict[str, Any] | None:
+    async def delete(self, upper: Mapping[str, Any]) -> dict[str, Any] | Gone:
         return upper.get("status") or {}
 
     async def remove_orphan(self, upper_key: str, grace_period_seconds: int | None) -> None:

@@ -519,7 +519,7 @@ async def test_a_deleted_pod_shows_its_containers_end_then_a_terminal_phase_befo
     (shutdown,) = mirroring.upper_statuses()
     assert shutdown["containerStatuses"] == [ended], "the exit code comes up as it happens"
     mirroring.above(deleting(30, **shutdown), "MODIFIED")
-    mirroring.below(lower_pod(phase="Running"), "DELETED")
+    mirroring.below(lower_pod(phase="Running", containerStatuses=[ended]), "DELETED")
     mirroring.lower.answer("GET", f"{LOWER_POD_PATH}/web", not_found("pods", "web"))
     await mirroring.controller.reconcile("shop/web")
     last = mirroring.upper_statuses()[-1]
@@ -529,6 +529,26 @@ async def test_a_deleted_pod_shows_its_containers_end_then_a_terminal_phase_befo
         ("PUT", UPPER_STATUS_PATH),
         ("DELETE", "/api/v1/namespaces/shop/pods/web"),
     ], "the terminal phase first, then the pod goes"
+
+
+async def test_a_lower_pods_last_status_and_removal_seen_at_once_end_it_as_it_ended(
+    mirroring: Mirroring,
+) -> None:
+    """The lower kubelet's last update (exit 143) and the removal come back to back: the
+    removal's object carries that update, which ends the upper pod, not an unknown end."""
+    mirroring.above(deleting(30, phase="Running", containerStatuses=[RUNNING_CONTAINER]))
+    ended = {
+        "name": "app",
+        "ready": False,
+        "state": {"terminated": {"exitCode": 143, "reason": "Error"}},
+    }
+    mirroring.below(lower_pod(phase="Running"))
+    mirroring.below(lower_pod(phase="Failed", containerStatuses=[ended]), "DELETED")
+    mirroring.lower.answer("GET", f"{LOWER_POD_PATH}/web", not_found("pods", "web"))
+    await mirroring.controller.reconcile("shop/web")
+    (last,) = mirroring.upper_statuses()
+    assert (last["phase"], last["containerStatuses"]) == ("Failed", [ended])
+    assert mirroring.upper.writes("DELETE") == [("DELETE", "/api/v1/namespaces/shop/pods/web")]
 
 
 async def test_a_pod_whose_lower_copy_went_unseen_ends_failed_with_its_containers_unknown(
