@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from fractions import Fraction
 from typing import Any, Literal
 
 from kubekit import keys
+from kubekit.quantity import QuantityError, parse_quantity
 from virtual_node.naming import NamespaceMapping
 from virtual_node.translate import Ownership, is_service_account_token_volume
 
@@ -300,9 +302,27 @@ def desired_priority_class(
     return copy
 
 
+def _storage_request(claim: Mapping[str, Any]) -> Fraction | None:
+    requested = (((claim.get("spec") or {}).get("resources") or {}).get("requests") or {}).get(
+        "storage"
+    )
+    try:
+        return parse_quantity(requested) if requested is not None else None
+    except QuantityError:
+        return None
+
+
+def _grown(lower: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
+    """Whether the upper claim asks for more storage than its copy (an expansion above)."""
+    wanted, have = _storage_request(desired), _storage_request(lower)
+    return wanted is not None and have is not None and wanted > have
+
+
 def copy_differs(lower: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
-    # A claim's spec is fixed once created (only a storage request may grow): what
-    # differs there is not brought over.
+    # A claim's spec is fixed once created but for its storage request, which may grow
+    # (an expansion above goes below, where the lower class's driver grows the volume).
+    if _is_claim(desired) and _grown(lower, desired):
+        return True
     fields = (
         "data",
         "binaryData",
@@ -348,4 +368,9 @@ def replacement(lower: Mapping[str, Any], desired: Mapping[str, Any]) -> JSON:
         }
         metadata["annotations"] = {**metadata["annotations"], **bound_below}
         body["spec"] = lower.get("spec") or desired.get("spec") or {}
+        if _grown(lower, desired):
+            resources = body["spec"].get("resources") or {}
+            requests = {**(resources.get("requests") or {})}
+            requests["storage"] = desired["spec"]["resources"]["requests"]["storage"]
+            body["spec"] = {**body["spec"], "resources": {**resources, "requests": requests}}
     return body

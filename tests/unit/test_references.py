@@ -202,6 +202,22 @@ def test_a_claim_copy_takes_new_labels_and_keeps_its_binding_below() -> None:
     assert not copy_differs(body, desired)
 
 
+def test_a_claim_expanded_above_grows_below_and_never_shrinks() -> None:
+    lower = bound_below(desired_copy(BOUND_CLAIM, MAPPING, OWNER))
+
+    def asking(storage: str) -> dict[str, Any]:
+        spec = {**BOUND_CLAIM["spec"], "resources": {"requests": {"storage": storage}}}
+        return desired_copy({**BOUND_CLAIM, "spec": spec}, MAPPING, OWNER)
+
+    grown = asking("2Gi")
+    assert copy_differs(lower, grown)
+    body = replacement(lower, grown)
+    assert body["spec"]["resources"]["requests"]["storage"] == "2Gi"
+    assert body["spec"]["volumeName"] == "pv-lower"
+    assert not copy_differs(lower, asking("1024Mi"))
+    assert not copy_differs(lower, asking("512Mi"))
+
+
 def test_a_copy_other_than_a_claim_is_replaced_by_the_desired_one() -> None:
     desired: dict[str, Any] = {
         "kind": "ConfigMap",
