@@ -741,6 +741,37 @@ def test_config_maps_and_secrets_follow_their_pods_down_and_away(federation: Fed
     upper.kubectl("delete", "namespace", "config", "--wait=false")
 
 
+def test_a_pod_naming_kube_root_ca_runs_below_with_the_lower_clusters_own(
+    federation: Federation,
+) -> None:
+    """A hand-made copy of the token volume names kube-root-ca.crt: every lower namespace
+    has its own, the CA of the apiserver the pod talks to (until 2026-11-27 the pod waited
+    for good, its copy refused as a name taken)."""
+    upper, lower = federation.upper, federation.clusters["lower-2"]
+    deployment = federated_deployment(
+        "own-token", "ca", 1, node_selector={keys.CLUSTER_ID_LABEL: "lower-2"}
+    )
+    pod_spec = deployment["spec"]["template"]["spec"]
+    pod_spec["automountServiceAccountToken"] = False
+    pod_spec["volumes"] = [
+        {
+            "name": "token",
+            "projected": {
+                "sources": [
+                    {"serviceAccountToken": {"path": "token", "expirationSeconds": 3600}},
+                    {"configMap": {"name": "kube-root-ca.crt"}},
+                ]
+            },
+        }
+    ]
+    apply(upper, namespace("ca"), deployment)
+    rollout(upper, "own-token", "ca")
+    ca = get_json(lower, "configmap", "-n", "ca", "kube-root-ca.crt")
+    assert keys.MANAGED_BY_LABEL not in (ca["metadata"].get("labels") or {})
+    assert ca["data"] != get_json(upper, "configmap", "-n", "ca", "kube-root-ca.crt")["data"]
+    upper.kubectl("delete", "namespace", "ca", "--wait=false")
+
+
 def test_a_namespace_deleted_above_goes_below_unless_made_by_someone_else(
     federation: Federation,
 ) -> None:
