@@ -262,19 +262,29 @@ class Informer:
                     if need_list:
                         await self._relist()
                         need_list = False
-                    await self._watch_once()
+                    started = time.monotonic()
+                    if not await self._watch_once() and time.monotonic() - started < 1:
+                        # Ended at once with nothing (a proxy, an apiserver shutting
+                        # down): watched again at once, it would spend the client's whole
+                        # request budget (client-go's "very short watch").
+                        await self._pause("the watch ended at once with no event")
                 except asyncio.CancelledError:
                     raise
                 except ApiError as error:
+                    # Whatever the server answers a watch with, 410 Gone above all but
+                    # also a resourceVersion it has not reached (its etcd restored), the
+                    # kind is listed again, as client-go does; after a pause, or lists
+                    # that expire before their watch starts would follow each other.
+                    need_list = True
                     if error.status == 410:
                         log.info(
                             "%r: resourceVersion %s too old, listing again",
                             self,
                             self.resource_version,
                         )
-                        need_list = True
-                        continue
-                    await self._pause(error)
+                        await self._pause(error, logging.INFO)
+                    else:
+                        await self._pause(error)
                 except _TRANSIENT as error:
                     await self._pause(error)
         finally:
@@ -305,11 +315,11 @@ class Informer:
         oldest = next(iter(self._unsettled.values()), None)
         return oldest is not None and oldest <= unchanged_since
 
-    async def _pause(self, error: BaseException) -> None:
+    async def _pause(self, why: BaseException | str, level: int = logging.WARNING) -> None:
         delay = self.backoff.next_delay()
-        if isinstance(error, ApiError) and error.retry_after is not None:
-            delay = max(delay, error.retry_after)
-        log.warning("%r: %s; retrying in %.1f s", self, error or type(error).__name__, delay)
+        if isinstance(why, ApiError) and why.retry_after is not None:
+            delay = max(delay, why.retry_after)
+        log.log(level, "%r: %s; retrying in %.1f s", self, why or type(why).__name__, delay)
         self._resumed.clear()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._resumed.wait(), delay)
@@ -355,7 +365,10 @@ class Informer:
         self.synced.set()
         log.info("%r: listed %d objects in %.2f s", self, len(listed), time.monotonic() - began)
 
-    async def _watch_once(self) -> None:
+    async def _watch_once(self) -> int:
+        """Watches from the cache's resourceVersion until the server ends the watch; the
+        number of events it brought."""
+        events = 0
         # Spread the server-side timeouts so many informers do not reconnect together.
         timeout_seconds = random.randint(300, 600)
         async for event in self.client.watch(
@@ -369,6 +382,8 @@ class Informer:
         ):
             self.backoff.reset()
             self.apply(event)
+            events += 1
+        return events
 
     def apply(self, event: Mapping[str, Any]) -> None:
         """Applies one watch event to the cache and tells the handlers."""

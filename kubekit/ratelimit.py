@@ -9,6 +9,10 @@ import random
 import time
 from collections.abc import Callable, Hashable
 
+# Past this many doublings every delay is at its cap; counting on would overflow a float
+# (2.0**1024) after a day of failures in a row, ending the loop that retries.
+_DOUBLINGS = 64
+
 
 class TokenBucket:
     """``qps`` tokens a second, at most ``burst`` saved up. ``qps <= 0`` means unlimited."""
@@ -36,7 +40,12 @@ class TokenBucket:
     async def acquire(self) -> None:
         delay = self.reserve()
         if delay > 0:
-            await asyncio.sleep(delay)
+            try:
+                await asyncio.sleep(delay)
+            except asyncio.CancelledError:
+                # Its caller gave up (a deadline): the token goes back to those waiting.
+                self._tokens = min(self.burst, self._tokens + 1.0)
+                raise
 
 
 class ItemBackoff:
@@ -50,7 +59,7 @@ class ItemBackoff:
     def next_delay(self, item: Hashable) -> float:
         failures = self._failures.get(item, 0)
         self._failures[item] = failures + 1
-        return float(min(self.cap, self.base * (2**failures)))
+        return float(min(self.cap, self.base * 2.0 ** min(failures, _DOUBLINGS)))
 
     def failures(self, item: Hashable) -> int:
         return self._failures.get(item, 0)
@@ -76,7 +85,7 @@ class Backoff:
         self._attempts = 0
 
     def next_delay(self) -> float:
-        base = min(self.cap, self.initial * 2.0**self._attempts)
+        base = min(self.cap, self.initial * 2.0 ** min(self._attempts, _DOUBLINGS))
         self._attempts += 1
         return base * (1 + self.jitter * self._rng.random())
 

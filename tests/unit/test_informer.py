@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kubekit.client import JSON, LineSplitter, Resource
+from kubekit.client import JSON, ApiError, LineSplitter, Resource
 from kubekit.informer import (
     Compressor,
     FunctionHandler,
@@ -326,6 +326,59 @@ async def test_a_running_informer_compresses_what_it_listed_and_stops_with_it() 
     with pytest.raises(asyncio.CancelledError):
         await running
     assert [task for task in asyncio.all_tasks() if task is not asyncio.current_task()] == []
+
+
+class WatchAnswering:
+    """A server whose lists answer at once and whose watches answer ``watch_error`` (an
+    ApiError raised), or end at once with nothing when it is None; counts both."""
+
+    def __init__(self, watch_error: ApiError | None) -> None:
+        self.watch_error = watch_error
+        self.lists = 0
+        self.watches = 0
+
+    async def list_pages(self, resource: Resource, namespace: str | None, **query: Any) -> Any:
+        self.lists += 1
+        yield {"kind": "ConfigMapList", "metadata": {"resourceVersion": "7"}, "items": []}
+
+    async def watch(self, *args: Any, **kwargs: Any) -> AsyncIterator[JSON]:
+        self.watches += 1
+        if self.watch_error is not None:
+            raise self.watch_error
+        for _ in ():
+            yield {}
+
+
+async def run_for(server: WatchAnswering, seconds: float) -> None:
+    paused = Backoff(initial=0.1, cap=0.1, jitter=0)
+    cache = Informer(server, Resource("", "v1", "configmaps"), backoff=paused)  # type: ignore[arg-type]
+    running = asyncio.create_task(cache.run())
+    await asyncio.sleep(seconds)
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ApiError(410, {"reason": "Expired", "code": 410}, "WATCH"),
+        # The server's etcd restored from a backup: its resourceVersions went back.
+        ApiError(504, {"reason": "Timeout", "message": "Too large resource version"}, "WATCH"),
+    ],
+    ids=["gone", "too large"],
+)
+async def test_a_watch_the_server_refuses_lists_again_after_a_pause(error: ApiError) -> None:
+    server = WatchAnswering(error)
+    await run_for(server, 0.5)
+    # One list and watch per 0.1 s pause, not thousands back to back; a list each time.
+    assert 2 <= server.lists <= 7 and server.watches in (server.lists, server.lists - 1)
+
+
+async def test_a_watch_that_ends_at_once_with_nothing_is_opened_again_after_a_pause() -> None:
+    server = WatchAnswering(None)
+    await run_for(server, 0.5)
+    assert server.lists == 1 and 2 <= server.watches <= 7
 
 
 def test_backoff_grows_with_jitter_and_resets() -> None:

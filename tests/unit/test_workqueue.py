@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from kubekit.ratelimit import ItemBackoff, TokenBucket
+from kubekit.ratelimit import Backoff, ItemBackoff, TokenBucket
 from kubekit.workqueue import ShutDown, WorkQueue
 
 
@@ -55,6 +55,26 @@ def test_item_backoff_doubles_up_to_the_cap_and_forgets() -> None:
     assert backoff.next_delay("other") == 1
     backoff.forget("k")
     assert backoff.next_delay("k") == 1
+
+
+def test_backoffs_stay_at_their_cap_after_a_day_of_failures() -> None:
+    """2.0**1024 overflows: the loop retrying would end with an OverflowError."""
+    items = ItemBackoff(base=0.005, cap=300)
+    assert [items.next_delay("k") for _ in range(2000)][-1] == 300
+    loop = Backoff(initial=0.5, cap=30, jitter=0)
+    assert [loop.next_delay() for _ in range(2000)][-1] == 30
+
+
+async def test_a_cancelled_wait_gives_its_token_back() -> None:
+    bucket = TokenBucket(qps=10, burst=1)
+    assert bucket.reserve() == 0
+    waiting = asyncio.create_task(bucket.acquire())
+    await asyncio.sleep(0)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    # The next caller waits for one token, not for the abandoned one's too.
+    assert bucket.reserve() == pytest.approx(0.1, abs=0.02)
 
 
 def test_token_bucket_allows_a_burst_then_paces() -> None:
