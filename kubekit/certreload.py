@@ -29,6 +29,10 @@ class CertificateFiles:
     def _read(self) -> bytes:
         return self.cert_file.read_bytes() + self.key_file.read_bytes()
 
+    def forget(self) -> None:
+        """The next ``renewed`` compares with nothing: the files count as changed."""
+        self._seen = b""
+
     def renewed(self) -> bool:
         """Whether the files changed since last asked and now hold a pair that goes
         together; a half-written pair is left for the next time."""
@@ -58,7 +62,14 @@ class ReloadingContext:
     def reload_if_changed(self) -> bool:
         if not self.files.renewed():
             return False
-        self.context.load_cert_chain(self.files.cert_file, self.files.key_file)
+        try:
+            self.context.load_cert_chain(self.files.cert_file, self.files.key_file)
+        except (OSError, ssl.SSLError) as error:
+            # Written again between the check and the load: looked at again next time
+            # (the watch must not end on it, or no renewal would be taken again).
+            self.files.forget()
+            log.warning("certificate %s not reloaded yet: %s", self.files.cert_file, error)
+            return False
         return True
 
     async def watch(self, interval: float = RELOAD_SECONDS) -> None:

@@ -194,7 +194,15 @@ class WorkQueue(Generic[Key]):
                     self._work_duration.observe(time.perf_counter() - started)
                     self.done(key)
 
-        await asyncio.gather(*(worker() for _ in range(workers)))
+        tasks = [asyncio.create_task(worker()) for _ in range(workers)]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            # One worker failing ends them all, not only the wait for them: the others
+            # would go on working for a caller that has moved on (closed its clients).
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def _failed(self, key: Key, error: BaseException, max_retries: int | None) -> None:
         metrics.RECONCILE_ERRORS.labels(self.name, _reason(error)).inc()

@@ -4,7 +4,9 @@ import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
+import pytest
 from cryptography import x509
 
 from kubekit import pki
@@ -86,3 +88,28 @@ async def test_watch_reloads_on_its_own(tmp_path: Path) -> None:
             assert (await connect(port, ca.cert_path))[2] == serial(second)
     finally:
         watching.cancel()
+
+
+async def test_a_pair_rewritten_between_check_and_load_is_loaded_next_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ca = pki.create_ca(tmp_path, "test")
+    first = pki.issue(ca, tmp_path / "first", "127.0.0.1", server_names=("127.0.0.1",))
+    second = pki.issue(ca, tmp_path / "second", "127.0.0.1", server_names=("127.0.0.1",))
+    reloading = ReloadingContext(first.cert_path, first.key_path)
+    first.cert_path.write_bytes(second.cert_path.read_bytes())
+    first.key_path.write_bytes(second.key_path.read_bytes())
+    load = reloading.context.load_cert_chain
+    calls = []
+
+    def rewritten_meanwhile(*args: Any) -> None:
+        calls.append(args)
+        if len(calls) == 1:
+            raise ssl.SSLError("key values mismatch")
+        load(*args)
+
+    monkeypatch.setattr(reloading.context, "load_cert_chain", rewritten_meanwhile)
+    assert not reloading.reload_if_changed()
+    assert reloading.reload_if_changed(), "tried again, though the files did not change since"
+    async with serving(reloading.context) as port:
+        assert (await connect(port, ca.cert_path))[2] == serial(second)

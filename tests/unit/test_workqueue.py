@@ -231,3 +231,21 @@ async def test_process_now_serves_a_pending_add_and_leaves_errors_to_the_caller(
         await queue.process_now("a", fail)
     assert len(queue) == 1 and await queue.get() == "b"
     assert queue.retries("a") == 0
+
+
+async def test_a_worker_that_fails_ends_the_others_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    queue: WorkQueue[str] = WorkQueue("test")
+
+    def broken(*_args: object) -> None:
+        raise RuntimeError("the retry bookkeeping broke")
+
+    monkeypatch.setattr(queue, "_failed", broken)
+
+    async def reconcile(key: str) -> None:
+        raise ValueError(key)
+
+    queue.add("key")
+    with pytest.raises(RuntimeError):
+        await asyncio.wait_for(queue.run_workers(4, reconcile), 2)
+    others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    assert others == [], "the other workers were left running"
