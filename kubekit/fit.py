@@ -168,16 +168,15 @@ def counted_node(pod: JSON) -> str | None:
     or, while it waits to be bound, the one it was nominated to after preempting pods
     there (the scheduler counts nominated pods of a priority at least the incoming pod's:
     here every one, preemption not being modelled)."""
-    if not pod_holds_resources(pod):
-        if (pod.get("status") or {}).get("phase") in {"Succeeded", "Failed"}:
-            return None
-        if (pod.get("spec") or {}).get("nodeName") or (pod.get("metadata") or {}).get(
-            "deletionTimestamp"
-        ):
-            return None
-        nominated = (pod.get("status") or {}).get("nominatedNodeName")
-        return nominated if isinstance(nominated, str) and nominated else None
-    return str(pod["spec"]["nodeName"])
+    if pod_holds_resources(pod):
+        return str(pod["spec"]["nodeName"])
+    status = pod.get("status") or {}
+    if status.get("phase") in {"Succeeded", "Failed"} or (pod.get("metadata") or {}).get(
+        "deletionTimestamp"
+    ):
+        return None
+    nominated = status.get("nominatedNodeName")
+    return nominated if isinstance(nominated, str) and nominated else None
 
 
 def node_is_ready(node: JSON) -> bool:

@@ -19,7 +19,9 @@ _PATTERN = re.compile(
 # would take the parser hours.
 _LARGEST = decimal.Decimal(2**63 - 1)
 _NANO = decimal.Decimal("1e-9")
-_ARITHMETIC = decimal.Context(prec=40, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN)
+_ARITHMETIC = decimal.Context(
+    prec=40, rounding=decimal.ROUND_UP, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN
+)
 
 
 class QuantityError(ValueError):
