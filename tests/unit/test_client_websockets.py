@@ -8,7 +8,7 @@ import yaml
 from aiohttp import web
 
 from kubekit.client import ApiError, ClientSettings, KubeClient
-from tests.unit.tlsserver import serving_over_tls
+from tests.unit.tlsserver import hello_websocket, serving_over_tls
 
 
 async def test_a_refused_websocket_says_why(tmp_path: Path) -> None:
@@ -41,15 +41,8 @@ async def test_a_refused_websocket_says_why(tmp_path: Path) -> None:
 
 
 async def test_websockets_honour_the_kubeconfigs_tls_server_name(tmp_path: Path) -> None:
-    async def stream(request: web.Request) -> web.WebSocketResponse:
-        socket = web.WebSocketResponse()
-        await socket.prepare(request)
-        await socket.send_bytes(b"hello")
-        await socket.close()
-        return socket
-
     app = web.Application()
-    app.router.add_get("/stream", stream)
+    app.router.add_get("/stream", hello_websocket)
     # The certificate names the apiserver, not the address it is reached at.
     async with serving_over_tls(tmp_path, app, ("apiserver.internal",)) as server:
         kubeconfig = server.kubeconfig(tmp_path)

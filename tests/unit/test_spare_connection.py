@@ -8,7 +8,7 @@ from pathlib import Path
 from aiohttp import web
 
 from kubekit.client import ClientSettings, KubeClient
-from tests.unit.tlsserver import serving_over_tls
+from tests.unit.tlsserver import hello_websocket, serving_over_tls
 
 
 async def test_the_next_websocket_takes_the_connection_dialled_after_the_last(
@@ -23,11 +23,7 @@ async def test_the_next_websocket_takes_the_connection_dialled_after_the_last(
 
     async def stream(request: web.Request) -> web.WebSocketResponse:
         seen.append(("websocket", request.transport.get_extra_info("peername")[1]))  # type: ignore[union-attr]
-        socket = web.WebSocketResponse()
-        await socket.prepare(request)
-        await socket.send_bytes(b"hello")
-        await socket.close()
-        return socket
+        return await hello_websocket(request)
 
     app = web.Application()
     app.router.add_get("/readyz", readyz)

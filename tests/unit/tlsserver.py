@@ -49,3 +49,12 @@ async def serving_over_tls(
         yield TlsServer(site._server.sockets[0].getsockname()[1], ca)  # type: ignore[union-attr]
     finally:
         await runner.cleanup()
+
+
+async def hello_websocket(request: web.Request) -> web.WebSocketResponse:
+    """A WebSocket that says hello and closes."""
+    socket = web.WebSocketResponse()
+    await socket.prepare(request)
+    await socket.send_bytes(b"hello")
+    await socket.close()
+    return socket
