@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import tempfile
 from pathlib import Path
 
 from aiohttp import web
@@ -33,20 +34,42 @@ class CertificateFiles:
         """The next ``renewed`` compares with nothing: the files count as changed."""
         self._seen = b""
 
-    def renewed(self) -> bool:
-        """Whether the files changed since last asked and now hold a pair that goes
-        together; a half-written pair is left for the next time."""
+    def renewed(self) -> tuple[bytes, bytes] | None:
+        """The certificate and key, when the files changed since last asked and now hold
+        a pair that goes together; None otherwise (a half-written pair is left for the
+        next time). The bytes are those checked: the files may change again meanwhile,
+        and a certificate loaded with another key serves no handshake at all."""
         try:
-            current = self._read()
-            if current == self._seen:
-                return False
-            pki.server_ssl_context(self.cert_file, self.key_file)
+            cert, key = self.cert_file.read_bytes(), self.key_file.read_bytes()
+            if cert + key == self._seen:
+                return None
+            with _written(cert, key) as (cert_file, key_file):
+                pki.server_ssl_context(cert_file, key_file)
         except (OSError, ssl.SSLError) as error:
             log.warning("certificate %s not reloaded yet: %s", self.cert_file, error)
-            return False
-        self._seen = current
+            return None
+        self._seen = cert + key
         log.info("serving with the renewed certificate %s", self.cert_file)
-        return True
+        return cert, key
+
+
+class _written:
+    """A certificate and key written to files of a private directory, for the APIs that
+    load from files only; removed on exit."""
+
+    def __init__(self, cert: bytes, key: bytes) -> None:
+        self._pair = (cert, key)
+        self._directory = tempfile.TemporaryDirectory(prefix="kubestrata-cert-")
+
+    def __enter__(self) -> tuple[Path, Path]:
+        directory = Path(self._directory.name)
+        cert_file, key_file = directory / "tls.crt", directory / "tls.key"
+        cert_file.write_bytes(self._pair[0])
+        key_file.write_bytes(self._pair[1])
+        return cert_file, key_file
+
+    def __exit__(self, *_exc: object) -> None:
+        self._directory.cleanup()
 
 
 class ReloadingContext:
@@ -60,15 +83,17 @@ class ReloadingContext:
         self.context = pki.server_ssl_context(cert_file, key_file, client_ca)
 
     def reload_if_changed(self) -> bool:
-        if not self.files.renewed():
+        pair = self.files.renewed()
+        if pair is None:
             return False
         try:
-            self.context.load_cert_chain(self.files.cert_file, self.files.key_file)
+            with _written(*pair) as (cert_file, key_file):
+                self.context.load_cert_chain(cert_file, key_file)
         except (OSError, ssl.SSLError) as error:
-            # Written again between the check and the load: looked at again next time
-            # (the watch must not end on it, or no renewal would be taken again).
+            # No room for the scratch files, say: looked at again next time (the watch
+            # must go on, or no renewal would be taken again).
             self.files.forget()
-            log.warning("certificate %s not reloaded yet: %s", self.files.cert_file, error)
+            log.warning("certificate %s not reloaded: %s", self.files.cert_file, error)
             return False
         return True
 

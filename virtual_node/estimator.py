@@ -30,11 +30,10 @@ from kubekit.certreload import CertificateFiles
 from kubekit.client import API_ERRORS
 from kubekit.clusterstate import ClusterState, Estimate
 from kubekit.estimatorapi import estimator_pb2, estimator_pb2_grpc
-from kubekit.fit import PodFacts
+from kubekit.fit import PodFacts, counted_node
 from kubekit.informer import FunctionHandler, Informer, object_key
 from kubekit.loops import on_loop
 from kubekit.slices import Amount, SliceError
-from virtual_node.capacity import pod_holds_resources
 from virtual_node.kubeletapi.auth import AuthError, Authorizer
 from virtual_node.naming import NamespaceMapping, NamingError
 from virtual_node.promises import PromiseRefused, SliceBudgets, SlicePromises, requested
@@ -268,8 +267,6 @@ class FitEstimator:
         self._runtime_classes.pop(runtime_class["metadata"]["name"], None)
 
     def _volume_refusal(self, lower: Mapping[str, Any]) -> str | None:
-        if not self._waiting_claims:
-            return None
         namespace = (lower["metadata"].get("annotations") or {}).get(
             keys.UPPER_NAMESPACE_ANNOTATION, ""
         )
@@ -299,7 +296,9 @@ class FitEstimator:
         self._lower_keys[uid] = object_key(pod)
         # Made below: its quota's usage has it now.
         self.quotas.uncount(uid)
-        if pod_holds_resources(pod):
+        # Counted on a node below (bound, or nominated there): its assumption goes, or
+        # the room would be counted twice.
+        if counted_node(pod) is not None:
             self._landed.add(uid)
             self._drop_assumption(uid)
 
@@ -797,21 +796,22 @@ def _resources(amount: Amount) -> estimator_pb2.Resources:
     return estimator_pb2.Resources(cpu_millis=amount.cpu, memory_bytes=amount.memory)
 
 
-def _certificate_configuration(pair: pki.KeyPair) -> Any:
-    return grpc.ssl_server_certificate_configuration(
-        [(pair.key_path.read_bytes(), pair.cert_path.read_bytes())]
-    )
-
-
 def reloading_credentials(pair: pki.KeyPair) -> grpc.ServerCredentials:
     """TLS credentials that take the pair's files again once they are renewed (a new
     kubelet-serving certificate): gRPC asks before each handshake."""
     files = CertificateFiles(pair.cert_path, pair.key_path)
 
     def fetch() -> Any:
-        return _certificate_configuration(pair) if files.renewed() else None
+        renewed = files.renewed()
+        if renewed is None:
+            return None
+        cert, key = renewed
+        return grpc.ssl_server_certificate_configuration([(key, cert)])
 
-    return grpc.dynamic_ssl_server_credentials(_certificate_configuration(pair), fetch)
+    first = grpc.ssl_server_certificate_configuration(
+        [(pair.key_path.read_bytes(), pair.cert_path.read_bytes())]
+    )
+    return grpc.dynamic_ssl_server_credentials(first, fetch)
 
 
 class ParsedByTheService(grpc.aio.ServerInterceptor):
