@@ -171,6 +171,15 @@ class _Cached:
 _TRANSIENT: tuple[type[Exception], ...] = (*CONNECTION_ERRORS, ValueError)
 
 
+def _beyond_the_server(error: ApiError) -> bool:
+    """The apiserver's "Too large resource version" (504, cause ResourceVersionTooLarge)."""
+    body = error.body if isinstance(error.body, dict) else {}
+    causes = (body.get("details") or {}).get("causes") or []
+    return any(c.get("reason") == "ResourceVersionTooLarge" for c in causes) or (
+        "Too large resource version" in error.message
+    )
+
+
 class Informer:
     def __init__(
         self,
@@ -271,16 +280,18 @@ class Informer:
                 except asyncio.CancelledError:
                     raise
                 except ApiError as error:
-                    # Whatever the server answers a watch with, 410 Gone above all but
-                    # also a resourceVersion it has not reached (its etcd restored), the
-                    # kind is listed again, as client-go does; after a pause, or lists
-                    # that expire before their watch starts would follow each other.
-                    need_list = True
-                    if error.status == 410:
+                    # A resourceVersion the server no longer has (410 Gone) or has not
+                    # reached (its etcd restored from a backup: watched from it, for
+                    # good) is listed again; after a pause, or lists that expire before
+                    # their watch starts would follow each other. Other errors (403, 429,
+                    # 5xx) retry what failed, with the backoff growing.
+                    if error.status == 410 or _beyond_the_server(error):
+                        need_list = True
                         log.info(
-                            "%r: resourceVersion %s too old, listing again",
+                            "%r: resourceVersion %s too %s, listing again",
                             self,
                             self.resource_version,
+                            "old" if error.status == 410 else "large",
                         )
                         await self._pause(error, logging.INFO)
                     else:

@@ -364,15 +364,32 @@ async def run_for(server: WatchAnswering, seconds: float) -> None:
     [
         ApiError(410, {"reason": "Expired", "code": 410}, "WATCH"),
         # The server's etcd restored from a backup: its resourceVersions went back.
-        ApiError(504, {"reason": "Timeout", "message": "Too large resource version"}, "WATCH"),
+        ApiError(
+            504,
+            {
+                "reason": "Timeout",
+                "message": "Too large resource version: 900, current: 12",
+                "details": {"causes": [{"reason": "ResourceVersionTooLarge"}]},
+            },
+            "WATCH",
+        ),
     ],
     ids=["gone", "too large"],
 )
-async def test_a_watch_the_server_refuses_lists_again_after_a_pause(error: ApiError) -> None:
+async def test_a_watch_from_a_version_the_server_lacks_lists_again_after_a_pause(
+    error: ApiError,
+) -> None:
     server = WatchAnswering(error)
     await run_for(server, 0.5)
     # One list and watch per 0.1 s pause, not thousands back to back; a list each time.
     assert 2 <= server.lists <= 7 and server.watches in (server.lists, server.lists - 1)
+
+
+@pytest.mark.parametrize("status", [403, 429, 500])
+async def test_other_watch_errors_retry_the_watch_not_the_list(status: int) -> None:
+    server = WatchAnswering(ApiError(status, {"code": status}, "WATCH"))
+    await run_for(server, 0.5)
+    assert server.lists == 1 and 2 <= server.watches <= 7
 
 
 async def test_a_watch_that_ends_at_once_with_nothing_is_opened_again_after_a_pause() -> None:
