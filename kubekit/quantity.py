@@ -30,7 +30,7 @@ class QuantityError(ValueError):
 
 # Few distinct quantities recur across every pod a cluster holds ("500m", "1Gi"), and the
 # estimator parses each pod it is asked about: parsed once, kept (Fractions are immutable).
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096, typed=True)
 def parse_quantity(text: str | int | float) -> Fraction:
     if isinstance(text, bool) or not isinstance(text, str | int | float):
         raise QuantityError(f"invalid quantity {text!r}")

@@ -60,7 +60,7 @@ def _unavailable(error: Exception) -> ProviderError:
 
 
 def _lower_failure(error: ApiError) -> ProviderError:
-    message = error.body.get("message") if isinstance(error.body, dict) else str(error.body)
+    message = error.message or error.reason or f"HTTP {error.status}"
     status = error.status if 400 <= error.status < 500 else 502
     return ProviderError(status, f"lower cluster: {message}")
 

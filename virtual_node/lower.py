@@ -277,7 +277,7 @@ class LowerCluster:
             return None
 
     async def sync(self, upper: Mapping[str, Any]) -> SyncResult:
-        self._removed.pop(object_key(upper), None)
+        removed = self._removed.pop(object_key(upper), None)
         if not self.reachable:
             return Waiting()
         try:
@@ -307,6 +307,14 @@ class LowerCluster:
                 # It ran below before; the cache may only lag behind our own create.
                 lower = await self._get_live(namespace, name)
                 if lower is None:
+                    if (
+                        removed is not None
+                        and _made_from(removed, upper)
+                        and (removed.get("status") or {}).get("phase") in FINISHED
+                    ):
+                        # Finished, then removed below (a TTL, the pod GC) before its
+                        # last status came up: it ends above as it ended there.
+                        return Mirrored(upper_status(removed, upper, self.host_ip), "")
                     return Vanished(
                         f"pod {namespace}/{name} is gone from lower cluster {self.owner.cluster_id}"
                     )
@@ -319,8 +327,7 @@ class LowerCluster:
                 f"pod {namespace}/{name} already exists in lower cluster {self.owner.cluster_id} "
                 "and was not created by this virtual node; it is left alone",
             )
-        upper_uid = upper["metadata"]["uid"]
-        if (lower["metadata"].get("annotations") or {}).get(keys.UPPER_UID_ANNOTATION) != upper_uid:
+        if not _made_from(lower, upper):
             # Left by an earlier upper pod of the same name: it goes before ours is made.
             await self.client.delete_exact(PODS, lower, grace_period_seconds=0)
             return Waiting()
@@ -335,17 +342,24 @@ class LowerCluster:
         if debug is not None and (refused := self._refused_host_access(upper, debug)):
             refusals.append(f"ephemeral containers not added below: {refused.message}")
             debug = None
+        retry = False
         for patch, subresource in (
             (lower_pod_patch(lower, desired), ""),
             (resize_patch(lower, desired), "resize"),
             (debug, "ephemeralcontainers"),
         ):
             if patch is not None:
-                lower, refusal = await self._patch(lower, patch, subresource)
+                lower, refusal, again = await self._patch(lower, patch, subresource)
                 if refusal is not None:
                     refusals.append(refusal)
+                    retry = retry or again
+        # A finished pod takes no change: nothing to try again for.
+        done = (lower.get("status") or {}).get("phase") in FINISHED
         return Mirrored(
-            upper_status(lower, upper, self.host_ip), resource_version(lower), tuple(refusals)
+            upper_status(lower, upper, self.host_ip),
+            resource_version(lower),
+            tuple(refusals),
+            retry and not done,
         )
 
     def _mirror_of(self, upper: Mapping[str, Any]) -> JSON | None:
@@ -357,8 +371,7 @@ class LowerCluster:
             return None
         if lower is None or not self.owner.owns(lower):
             return None
-        annotations = lower["metadata"].get("annotations") or {}
-        return lower if annotations.get(keys.UPPER_UID_ANNOTATION) == metadata["uid"] else None
+        return lower if _made_from(lower, upper) else None
 
     def _refused_host_access(self, upper: Mapping[str, Any], desired: JSON) -> Rejected | None:
         why = host_access_refusal(
@@ -369,16 +382,19 @@ class LowerCluster:
         )
         return None if why is None else Rejected("HostAccessRefused", why)
 
-    async def _patch(self, lower: JSON, patch: JSON, subresource: str) -> tuple[JSON, str | None]:
-        """The lower pod patched; or as it was, with why, when the lower apiserver refuses
-        the change (the pod runs on as it is, its status still mirrored, as a kubelet's
-        status does not wait for one operation)."""
+    async def _patch(
+        self, lower: JSON, patch: JSON, subresource: str
+    ) -> tuple[JSON, str | None, bool]:
+        """The lower pod patched; or as it was, with why and whether it is worth trying
+        again later, when the lower apiserver refuses the change (the pod runs on as it
+        is, its status still mirrored, as a kubelet's status does not wait for one
+        operation)."""
         namespace, name = lower["metadata"]["namespace"], lower["metadata"]["name"]
         try:
             patched = await self.client.patch(
                 PODS, name, patch, namespace, subresource=subresource, patch_type=_SMP
             )
-            return patched, None
+            return patched, None, False
         except ApiError as error:
             # 403: an admission plugin (Pod Security on a debug container, a quota on a
             # resize). A subresource an older lower apiserver does not serve is as final
@@ -391,7 +407,8 @@ class LowerCluster:
                 f"{what.get(subresource, subresource)}: {error.message}"
             )
             log.warning("lower pod %s/%s: %s", namespace, name, refusal)
-            return lower, refusal
+            # A quota may have room later; an invalid change never becomes valid.
+            return lower, refusal, error.status == 403
 
     async def _create(self, upper: Mapping[str, Any], desired: JSON) -> SyncResult:
         namespace = desired["metadata"]["namespace"]

@@ -32,8 +32,10 @@ class Mirrored:
     status: JSON
     version: str
     # Changes the lower apiserver refused this time (a debug container, a resize): the
-    # pod runs on as it is below, and its owner is told.
+    # pod runs on as it is below, and its owner is told; ``retry``: one was refused for
+    # now (403: a quota full today), so the pod is synced again after a backoff.
     refusals: tuple[str, ...] = ()
+    retry: bool = False
 
 
 @dataclass(frozen=True)
@@ -196,9 +198,11 @@ class PodController:
             return
         result = await self.backend.sync(upper)
         match result:
-            case Mirrored(status, version, refusals):
+            case Mirrored(status, version, refusals, retry):
                 await self._tell_refusals(key, upper, refusals)
                 status_version = await self._set_status(upper, status)
+                if retry:
+                    raise RetryLater("; ".join(refusals))
                 if status_version is not None:
                     self._in_step[key] = (status_version, version)
             case EndingBelow(status, grace, message):

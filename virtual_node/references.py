@@ -144,7 +144,10 @@ def reflectable(upper: Mapping[str, Any]) -> bool:
     if upper.get("type") in _NOT_REFLECTED_SECRET_TYPES:
         return False
     owners = (upper.get("metadata") or {}).get("ownerReferences") or []
-    return not any(ref.get("controller") and ref.get("kind") == "Pod" for ref in owners)
+    return not (
+        _is_claim(upper)
+        and any(ref.get("controller") and ref.get("kind") == "Pod" for ref in owners)
+    )
 
 
 def _copy_metadata(
@@ -333,6 +336,7 @@ def copy_differs(lower: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
         "ports",
         "automountServiceAccountToken",
         "imagePullSecrets",
+        "secrets",
         "value",
         "preemptionPolicy",
         "description",

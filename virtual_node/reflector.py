@@ -12,6 +12,7 @@ it; an EndpointSlice: belongs to such a Service) or its namespace holds slices h
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping
@@ -382,17 +383,23 @@ class Reflector:
         try:
             await self.lower.replace(resource, replacement(lower, desired), namespace)
         except ApiError as error:
-            if error.status != 422:
-                raise
-            if resource is PERSISTENTVOLUMECLAIMS:
+            if resource is PERSISTENTVOLUMECLAIMS and error.status in (403, 422):
                 # Never made again: a claim deleted below may take its volume's data along.
+                # A growth its class does not allow (403) or an unbound claim's (422) is
+                # left out; its labels and annotations still go.
                 log.warning(
                     "claim %s/%s: update refused below, left as it is: %s",
                     namespace,
                     desired["metadata"]["name"],
                     error.message,
                 )
+                without_growth = replacement(lower, {**desired, "spec": lower.get("spec") or {}})
+                if without_growth != replacement(lower, desired):
+                    with contextlib.suppress(ApiError):
+                        await self.lower.replace(resource, without_growth, namespace)
                 return
+            if error.status != 422:
+                raise
             # An immutable copy cannot change: it is made again.
             await self.lower.delete_exact(resource, lower)
             await self._create(resource, desired, namespace)

@@ -140,6 +140,17 @@ def test_a_pod_bound_here_holds_its_room_until_its_lower_copy_is_on_a_node() -> 
     assert cluster.fits("1", replicas=10) == 6
 
 
+def test_a_lower_copy_nominated_to_a_node_is_counted_there_once() -> None:
+    """Nominated after preempting below, it counts on that node: its assumption goes."""
+    cluster = Cluster()
+    pod = upper_pod("web", "3")
+    cluster.upper_pods.apply({"type": "ADDED", "object": pod})
+    nominated = lower_copy(pod, None)
+    nominated["status"]["nominatedNodeName"] = "big"
+    cluster.lower_pods.apply({"type": "ADDED", "object": nominated})
+    assert cluster.fits("1", replicas=10) == 3
+
+
 def test_a_finished_upper_pod_holds_nothing() -> None:
     cluster = Cluster()
     pod = upper_pod("job", "4")

@@ -66,3 +66,9 @@ def test_format_then_parse_is_identity_for_whole_numbers(value: int, resource: s
 @given(st.integers(min_value=0, max_value=10**9))
 def test_milli_values_survive_a_round_trip(milli: int) -> None:
     assert parse_quantity(format_quantity(Fraction(milli, 1000), "cpu")) == Fraction(milli, 1000)
+
+
+def test_a_boolean_is_no_quantity_even_after_an_equal_number() -> None:
+    assert parse_quantity(1.0) == 1
+    with pytest.raises(QuantityError):
+        parse_quantity(True)

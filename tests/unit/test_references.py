@@ -269,6 +269,8 @@ def test_a_claim_a_pod_controls_is_made_below_by_the_lower_cluster() -> None:
     }
     assert not reflectable(ephemeral)
     assert reflectable({"kind": "PersistentVolumeClaim", "metadata": {"name": "data"}})
+    # Other kinds a pod controls go below as any (a Spark driver's executors' ConfigMap).
+    assert reflectable({**ephemeral, "kind": "ConfigMap"})
 
 
 def test_a_service_accounts_mountable_secrets_go_below_by_name() -> None:
@@ -285,7 +287,10 @@ def test_a_service_accounts_mountable_secrets_go_below_by_name() -> None:
     copy = desired_service_account(upper, MAPPING, OWNER)
     assert copy["secrets"] == [{"name": "registry"}]
     assert copy["imagePullSecrets"] == [{"name": "pull"}]
-    assert "secrets" not in desired_service_account({**upper, "secrets": []}, MAPPING, OWNER)
+    bare = desired_service_account({**upper, "secrets": []}, MAPPING, OWNER)
+    assert "secrets" not in bare
+    # A copy made before, or before a Secret was added, is brought up to date.
+    assert copy_differs(bare, copy)
 
 
 def service(name: str, selector: dict[str, str] | None, **spec: object) -> dict[str, object]:

@@ -729,3 +729,8 @@ async def _serve_port_forward_websocket(
         await asyncio.gather(*tasks, return_exceptions=True)
         await _close_all(connections)
         await client.socket.close()
+    for task in tasks:
+        error = None if task.cancelled() else task.exception()
+        # A pod's side breaking after the 101 ends its connection; anything else is ours.
+        if error is not None and not isinstance(error, ConnectionError | ProviderError):
+            raise error
