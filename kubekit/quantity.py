@@ -9,9 +9,11 @@ from fractions import Fraction
 
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 _DECIMAL = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
-# The exponent is an int32 to the apiserver: longer ones are not quantities.
+# The exponent is an int32 to the apiserver: longer ones are not quantities. The digits
+# before the point are matched one way only: "\d+\.?\d*" could split them anywhere, and
+# a long run of digits before a bad suffix took quadratic time to refuse.
 _PATTERN = re.compile(
-    r"^([+-]?(?:\d+\.?\d*|\.\d+))(?:[eE]([+-]?\d{1,10})|(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])?)$"
+    r"^([+-]?(?:\d+(?:\.\d*)?|\.\d+))(?:[eE]([+-]?\d{1,10})|(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])?)$"
 )
 # The apiserver keeps a quantity to the nano, rounding up, and caps binary ones at the
 # largest int64; past that no node has room, so every quantity is capped there. Decimal
