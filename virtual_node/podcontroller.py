@@ -16,7 +16,12 @@ from kubekit.informer import FunctionHandler, Informer, object_key, resource_ver
 from kubekit.podevents import record_pod_event
 from kubekit.timestamps import now_rfc3339
 from kubekit.workqueue import WorkQueue
-from virtual_node.translate import failed_status, refused_status, terminated_status
+from virtual_node.translate import (
+    failed_status,
+    refused_status,
+    terminated_status,
+    without_observed_generation,
+)
 
 log = logging.getLogger(__name__)
 
@@ -245,8 +250,12 @@ class PodController:
 
     async def _set_status(self, upper: Mapping[str, Any], status: JSON) -> str | None:
         """The upper pod's resourceVersion once it has ``status``; None when the write
-        lost a race."""
-        if upper.get("status") == status:
+        lost a race. The observed generation rides along with the next change: written
+        for it alone, a pod would cost two status writes where it costs one (its first
+        reconcile would write it on the pending pod)."""
+        if without_observed_generation(upper.get("status") or {}) == without_observed_generation(
+            status
+        ):
             return resource_version(upper)
         body = {**upper, "status": status}
         try:

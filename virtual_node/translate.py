@@ -540,6 +540,17 @@ def _observe_generation(status: JSON, lower: Mapping[str, Any], upper: Mapping[s
                 condition["observedGeneration"] = observed
 
 
+def without_observed_generation(status: Mapping[str, Any]) -> JSON:
+    """A status with its observed generations left out, its conditions' too (pure)."""
+    stripped: JSON = {k: v for k, v in status.items() if k != "observedGeneration"}
+    if "conditions" in stripped:
+        stripped["conditions"] = [
+            {k: v for k, v in c.items() if k != "observedGeneration"}
+            for c in stripped["conditions"] or []
+        ]
+    return stripped
+
+
 def _with_upper_scheduling(
     lower_conditions: list[JSON], upper_conditions: list[Mapping[str, Any]]
 ) -> list[JSON]:

@@ -120,7 +120,9 @@ def lower_pod(*, ours: bool = True, **status: Any) -> dict[str, Any]:
 async def test_a_new_pod_is_created_below_after_its_namespace_and_service_account(
     mirroring: Mirroring,
 ) -> None:
-    mirroring.above(upper_pod())
+    pod = upper_pod()
+    pod["metadata"]["generation"] = 1
+    mirroring.above(pod)
     mirroring.lower.answer("POST", LOWER_POD_PATH, lower_pod(phase="Pending"))
     await mirroring.controller.reconcile("shop/web")
     assert mirroring.lower.writes() == [
@@ -131,18 +133,22 @@ async def test_a_new_pod_is_created_below_after_its_namespace_and_service_accoun
     (created,) = [r.body for r in mirroring.lower.requests if r.path == LOWER_POD_PATH]
     assert created["metadata"]["labels"] == {"app": "web", **OWNER.labels()}
     assert "nodeName" not in created["spec"]
+    # Not even the observed generation: it rides along with the pod's first real news.
     assert mirroring.upper.writes() == [], "nothing to report before a lower node takes it"
 
 
 async def test_the_lower_status_comes_up_with_the_virtual_node_as_host(
     mirroring: Mirroring,
 ) -> None:
-    mirroring.above(upper_pod())
+    pod = upper_pod()
+    pod["metadata"]["generation"] = 1
+    mirroring.above(pod)
     mirroring.below(lower_pod(phase="Running", hostIP="192.168.0.5", podIP="10.241.0.7"))
     await mirroring.controller.reconcile("shop/web")
     assert mirroring.lower.writes() == []
     (status,) = mirroring.upper_statuses()
     assert status["phase"] == "Running" and status["podIP"] == "10.241.0.7"
+    assert status["observedGeneration"] == 1
     assert status["hostIP"] == HOST_IP and status["hostIPs"] == [{"ip": HOST_IP}]
 
 
