@@ -5,9 +5,11 @@ change get the new pair, open ones carry on with theirs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from aiohttp import web
@@ -53,23 +55,15 @@ class CertificateFiles:
         return cert, key
 
 
-class _written:
+@contextlib.contextmanager
+def _written(cert: bytes, key: bytes) -> Iterator[tuple[Path, Path]]:
     """A certificate and key written to files of a private directory, for the APIs that
     load from files only; removed on exit."""
-
-    def __init__(self, cert: bytes, key: bytes) -> None:
-        self._pair = (cert, key)
-        self._directory = tempfile.TemporaryDirectory(prefix="kubestrata-cert-")
-
-    def __enter__(self) -> tuple[Path, Path]:
-        directory = Path(self._directory.name)
-        cert_file, key_file = directory / "tls.crt", directory / "tls.key"
-        cert_file.write_bytes(self._pair[0])
-        key_file.write_bytes(self._pair[1])
-        return cert_file, key_file
-
-    def __exit__(self, *_exc: object) -> None:
-        self._directory.cleanup()
+    with tempfile.TemporaryDirectory(prefix="kubestrata-cert-") as directory:
+        cert_file, key_file = Path(directory) / "tls.crt", Path(directory) / "tls.key"
+        cert_file.write_bytes(cert)
+        key_file.write_bytes(key)
+        yield cert_file, key_file
 
 
 class ReloadingContext:

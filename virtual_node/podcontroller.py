@@ -253,7 +253,8 @@ class PodController:
         lost a race. The observed generation rides along with the next change: written
         for it alone, a pod would cost two status writes where it costs one (its first
         reconcile would write it on the pending pod)."""
-        if without_observed_generation(upper.get("status") or {}) == without_observed_generation(
+        known = upper.get("status") or {}
+        if known == status or without_observed_generation(known) == without_observed_generation(
             status
         ):
             return resource_version(upper)

@@ -391,16 +391,19 @@ def lower_pod_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> J
     # pod runs: a lower webhook may have rewritten that (to a registry mirror) at creation,
     # and setting it back would restart the container with an image the cluster may not
     # pull. Pods made before the images were recorded are compared as they run.
-    given = _recorded_images(current) or _images(current["spec"])
-    for kind in ("containers", "initContainers"):
-        running = {c["name"] for c in current["spec"].get(kind) or []}
-        changed = [
-            {"name": c["name"], "image": c.get("image")}
-            for c in desired["spec"].get(kind) or []
-            if c["name"] in running and given.get(c["name"]) != c.get("image")
-        ]
-        if changed:
-            spec[kind] = changed
+    recorded = (current["metadata"].get("annotations") or {}).get(keys.UPPER_IMAGES_ANNOTATION)
+    # Most syncs find the images above as recorded: nothing to decode then.
+    if recorded != desired["metadata"]["annotations"].get(keys.UPPER_IMAGES_ANNOTATION):
+        given = _recorded_images(current) or _images(current["spec"])
+        for kind in ("containers", "initContainers"):
+            running = {c["name"] for c in current["spec"].get(kind) or []}
+            changed = [
+                {"name": c["name"], "image": c.get("image")}
+                for c in desired["spec"].get(kind) or []
+                if c["name"] in running and given.get(c["name"]) != c.get("image")
+            ]
+            if changed:
+                spec[kind] = changed
     deadline = desired["spec"].get("activeDeadlineSeconds")
     if deadline is not None and deadline != current["spec"].get("activeDeadlineSeconds"):
         spec["activeDeadlineSeconds"] = deadline
