@@ -298,6 +298,13 @@ class Informer:
                         await self._pause(error)
                 except _TRANSIENT as error:
                     await self._pause(error)
+                except Exception:
+                    # An object or event this code cannot read (without metadata, a
+                    # name): the cache missed it, so it is listed again. A task ended
+                    # here would leave the cache as it was, with nobody told.
+                    log.exception("%r: cannot read what the server sent; listing again", self)
+                    need_list = True
+                    await self._pause("unreadable list or watch event")
         finally:
             compressing.cancel()
 

@@ -330,10 +330,12 @@ async def test_a_running_informer_compresses_what_it_listed_and_stops_with_it() 
 
 class WatchAnswering:
     """A server whose lists answer at once and whose watches answer ``watch_error`` (an
-    ApiError raised), or end at once with nothing when it is None; counts both."""
+    ApiError raised), or end at once with nothing when it is None, or send ``events``;
+    counts both."""
 
-    def __init__(self, watch_error: ApiError | None) -> None:
+    def __init__(self, watch_error: ApiError | None, events: tuple[JSON, ...] = ()) -> None:
         self.watch_error = watch_error
+        self.events = events
         self.lists = 0
         self.watches = 0
 
@@ -345,8 +347,8 @@ class WatchAnswering:
         self.watches += 1
         if self.watch_error is not None:
             raise self.watch_error
-        for _ in ():
-            yield {}
+        for event in self.events:
+            yield event
 
 
 async def run_for(server: WatchAnswering, seconds: float) -> None:
@@ -390,6 +392,13 @@ async def test_other_watch_errors_retry_the_watch_not_the_list(status: int) -> N
     server = WatchAnswering(ApiError(status, {"code": status}, "WATCH"))
     await run_for(server, 0.5)
     assert server.lists == 1 and 2 <= server.watches <= 7
+
+
+async def test_an_event_without_metadata_lists_again_and_the_informer_runs_on() -> None:
+    # Were the task to end, the cache would stay as it was with nobody told.
+    server = WatchAnswering(None, ({"type": "ADDED", "object": {"kind": "ConfigMap"}},))
+    await run_for(server, 0.5)
+    assert 2 <= server.lists <= 7 and server.watches in (server.lists, server.lists - 1)
 
 
 async def test_a_watch_that_ends_at_once_with_nothing_is_opened_again_after_a_pause() -> None:
