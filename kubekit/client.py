@@ -67,6 +67,12 @@ CONNECTION_ERRORS: tuple[type[Exception], ...] = (
     TimeoutError,
     ssl.SSLError,
 )
+
+
+class WatchSilent(TimeoutError):
+    """A watch that sent nothing, not even a bookmark, for longer than it was allowed."""
+
+
 # Every way a call to an apiserver fails: a loop that must outlive the apiserver's
 # outages catches these, and only these.
 API_ERRORS: tuple[type[Exception], ...] = (ApiError, *CONNECTION_ERRORS)
@@ -525,6 +531,10 @@ class KubeClient:
                             int(status.get("code", 500)), status, "WATCH", resource.path(namespace)
                         )
                     yield event
+        except aiohttp.SocketTimeoutError as error:
+            raise WatchSilent(
+                f"{resource.path(namespace)}: nothing for {read_timeout:g} s"
+            ) from error
         finally:
             response.release()
 

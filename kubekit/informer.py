@@ -8,6 +8,10 @@ what another one sees.
 The client-go reflector's behaviour: a paginated list gives a snapshot and a
 resourceVersion; a watch from there with bookmarks keeps it current; a watch that ends
 or breaks is resumed from the last version seen, after a jittered backoff if it broke;
+one silent for two minutes, while the apiserver sends a bookmark about every minute, is
+presumed dead and opened again at once (client-go pings its HTTP/2 connections for the
+same reason: a connection whose peer vanished without closing it holds the cache still
+until TCP gives up, hours later);
 410 Gone (the version was compacted away) means list again, and the new snapshot is
 compared with the cache so handlers see exactly the adds, updates and deletes they
 missed. One informer per kind is shared by every handler that needs it.
@@ -27,7 +31,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from kubekit.client import CONNECTION_ERRORS, JSON, ApiError, KubeClient, Resource
+from kubekit.client import CONNECTION_ERRORS, JSON, ApiError, KubeClient, Resource, WatchSilent
 from kubekit.ratelimit import Backoff
 
 log = logging.getLogger(__name__)
@@ -192,6 +196,7 @@ class Informer:
         page_size: int = 500,
         backoff: Backoff | None = None,
         settle_seconds: float = 2.0,
+        silence_seconds: float = 120.0,
     ) -> None:
         self.client = client
         self.resource = resource
@@ -205,6 +210,8 @@ class Informer:
         # A pod changes several times in its first seconds and is read after each change:
         # an object is compressed once it has stayed unchanged this long, not each time.
         self.settle_seconds = settle_seconds
+        # Two of the apiserver's bookmark intervals without a byte: the watch is dead.
+        self.silence_seconds = silence_seconds
         # Keys of the objects stored as JSON, by when they last changed, oldest first.
         self._unsettled: dict[str, float] = {}
         # A handler that wants one namespace's objects reads that many, not the whole cache.
@@ -387,20 +394,22 @@ class Informer:
         """Watches from the cache's resourceVersion until the server ends the watch; the
         number of events it brought."""
         events = 0
-        # Spread the server-side timeouts so many informers do not reconnect together.
-        timeout_seconds = random.randint(300, 600)
-        async for event in self.client.watch(
-            self.resource,
-            self.namespace,
-            resourceVersion=self.resource_version,
-            allowWatchBookmarks=True,
-            timeoutSeconds=timeout_seconds,
-            read_timeout=timeout_seconds + 30,
-            **self._selectors(),
-        ):
-            self.backoff.reset()
-            self.apply(event)
-            events += 1
+        try:
+            async for event in self.client.watch(
+                self.resource,
+                self.namespace,
+                resourceVersion=self.resource_version,
+                allowWatchBookmarks=True,
+                # Spread so that many informers do not reconnect together.
+                timeoutSeconds=random.randint(300, 600),
+                read_timeout=self.silence_seconds,
+                **self._selectors(),
+            ):
+                self.backoff.reset()
+                self.apply(event)
+                events += 1
+        except WatchSilent as silent:
+            log.info("%r: %s, not even a bookmark; watching again", self, silent)
         return events
 
     def apply(self, event: Mapping[str, Any]) -> None:

@@ -1,14 +1,17 @@
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
+from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kubekit.client import JSON, ApiError, LineSplitter, Resource
+from kubekit.client import JSON, ApiError, ClientSettings, KubeClient, LineSplitter, Resource
 from kubekit.informer import (
     Compressor,
     FunctionHandler,
@@ -18,6 +21,7 @@ from kubekit.informer import (
     object_key,
 )
 from kubekit.ratelimit import Backoff
+from tests.unit.tlsserver import serving_over_tls
 
 
 def obj(name: str, rv: str, namespace: str | None = "ns", **extra: Any) -> JSON:
@@ -405,6 +409,55 @@ async def test_a_watch_that_ends_at_once_with_nothing_is_opened_again_after_a_pa
     server = WatchAnswering(None)
     await run_for(server, 0.5)
     assert server.lists == 1 and 2 <= server.watches <= 7
+
+
+def silent_watches() -> tuple[web.Application, list[str], asyncio.Event, asyncio.Event]:
+    """An apiserver whose watches send one event and then nothing, not even a bookmark,
+    as a connection whose peer vanished; the resourceVersions watched from are listed,
+    and the first event is set at the third watch."""
+    watched_from: list[str] = []
+    thrice, ended = asyncio.Event(), asyncio.Event()
+
+    async def configmaps(request: web.Request) -> web.StreamResponse:
+        if request.query.get("watch") != "true":
+            return web.json_response(
+                {"kind": "ConfigMapList", "metadata": {"resourceVersion": "7"}, "items": []}
+            )
+        watched_from.append(request.query["resourceVersion"])
+        if len(watched_from) == 3:
+            thrice.set()
+        response = web.StreamResponse()
+        await response.prepare(request)
+        added = obj(f"cm-{len(watched_from)}", str(7 + len(watched_from)), kind="ConfigMap")
+        await response.write(orjson.dumps({"type": "ADDED", "object": added}) + b"\n")
+        await ended.wait()
+        return response
+
+    app = web.Application()
+    app.router.add_get("/api/v1/configmaps", configmaps)
+    return app, watched_from, thrice, ended
+
+
+async def test_a_silent_watch_is_opened_again_from_where_it_was(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    app, watched_from, thrice, ended = silent_watches()
+    async with serving_over_tls(tmp_path, app) as server:
+        settings = ClientSettings(str(server.kubeconfig(tmp_path)))
+        async with await KubeClient.connect(settings) as client:
+            cache = Informer(client, Resource("", "v1", "configmaps"), silence_seconds=0.5)
+            running = asyncio.create_task(cache.run())
+            try:
+                await asyncio.wait_for(thrice.wait(), 30)
+            finally:
+                running.cancel()
+                ended.set()
+                with pytest.raises(asyncio.CancelledError):
+                    await running
+    # Listed once; each watch from the version its predecessor brought, without a pause.
+    assert watched_from[:3] == ["7", "8", "9"] and cache.relists == 1
+    assert {"ns/cm-1", "ns/cm-2", "ns/cm-3"} <= set(cache.keys())
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_backoff_grows_with_jitter_and_resets() -> None:
