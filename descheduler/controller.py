@@ -287,7 +287,9 @@ class Descheduler:
         }
         path = PODS.path(metadata["namespace"], metadata["name"], "eviction")
         try:
-            await self.client.request("POST", path, body=body)
+            # A refusal's 429 is tried again here, after BLOCKED_RETRY_SECONDS, not
+            # waited out by the client while the cycle's other moves wait behind it.
+            await self.client.request("POST", path, body=body, retry_when_told=False)
         except ApiError as error:
             metrics.EVICTIONS.labels(reason, error.reason or str(error.status)).inc()
             if error.status in (404, 409):

@@ -13,6 +13,7 @@ import asyncio.sslproto
 import contextlib
 import contextvars
 import json
+import logging
 import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -67,6 +68,14 @@ CONNECTION_ERRORS: tuple[type[Exception], ...] = (
     TimeoutError,
     ssl.SSLError,
 )
+
+log = logging.getLogger(__name__)
+
+# client-go's REST client: as many retries of a request the server said to send again.
+RETRIES_WHEN_TOLD = 10
+# A Retry-After beyond this is waited this long (the apiserver names 1 to 10 seconds).
+LONGEST_WAIT_WHEN_TOLD = 10.0
+_TOLD_TO_WAIT = frozenset({429, *range(500, 600)})
 
 
 class WatchSilent(TimeoutError):
@@ -234,6 +243,39 @@ class KubeClient:
         content_type: str = "application/json",
         timeout: float | aiohttp.ClientTimeout | None = 60.0,
         streaming: bool = False,
+        retry_when_told: bool = True,
+    ) -> aiohttp.ClientResponse:
+        """The response to a request, sent again after the wait the server names when it
+        says to come back later (429, or a 5xx with Retry-After: it did not act on the
+        request), up to ``RETRIES_WHEN_TOLD`` times, as client-go's REST client does: an
+        apiserver's flow control sheds load with 429s, and a caller's own backoff would
+        not know the wait it asked for. A caller with a retry of its own for such an
+        answer (an eviction a disruption budget refused) says so."""
+        if not (body is None or isinstance(body, str | bytes)):
+            body = orjson.dumps(body)
+        retries = 0
+        while True:
+            try:
+                return await self._send(method, path, query, body, content_type, timeout, streaming)
+            except ApiError as error:
+                wait = error.retry_after
+                if not retry_when_told or wait is None or error.status not in _TOLD_TO_WAIT:
+                    raise
+                if retries == RETRIES_WHEN_TOLD:
+                    raise
+                retries += 1
+                log.info("%s %s: %s; again in %g s", method, path, error, wait)
+                await asyncio.sleep(min(wait, LONGEST_WAIT_WHEN_TOLD))
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        query: Mapping[str, Any] | None,
+        body: str | bytes | None,
+        content_type: str,
+        timeout: float | aiohttp.ClientTimeout | None,
+        streaming: bool,
     ) -> aiohttp.ClientResponse:
         # Straight to the session rather than through the library's call_api, which
         # walks every request body in Python to "sanitize" it and encodes it again with
@@ -254,7 +296,7 @@ class KubeClient:
                 method,
                 self._url(path),
                 params=params,
-                data=body if body is None or isinstance(body, str | bytes) else orjson.dumps(body),
+                data=body,
                 headers=headers,
                 timeout=timeout
                 if isinstance(timeout, aiohttp.ClientTimeout)
@@ -367,9 +409,16 @@ class KubeClient:
         body: Any = None,
         content_type: str = "application/json",
         timeout: float = 60.0,
+        retry_when_told: bool = True,
     ) -> JSON:
         response = await self._open(
-            method, path, query=query, body=body, content_type=content_type, timeout=timeout
+            method,
+            path,
+            query=query,
+            body=body,
+            content_type=content_type,
+            timeout=timeout,
+            retry_when_told=retry_when_told,
         )
         try:
             body = await response.read()

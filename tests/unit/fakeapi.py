@@ -70,6 +70,7 @@ class FakeClient(KubeClient):
         body: Any = None,
         content_type: str = "application/json",
         timeout: float = 60.0,
+        retry_when_told: bool = True,
     ) -> JSON:
         self.requests.append(Request(method, path, body))
         scripted = self.answers.get((method, path))

@@ -403,6 +403,8 @@ class FakeClient:
 
     async def request(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
         self.calls.append((method, path))
+        # A budget's 429 is the descheduler's to try again, not waited out by the client.
+        assert kw.get("retry_when_told") is False
         if self.eviction_error is not None:
             raise self.eviction_error
         return {}

@@ -44,6 +44,7 @@ class LowerApi(FakeClient):
         body: Any = None,
         content_type: str = "application/json",
         timeout: float = 60.0,
+        retry_when_told: bool = True,
     ) -> dict[str, Any]:
         await asyncio.sleep(0)
         self.requests.append(Request(method, path, body))

@@ -1,0 +1,76 @@
+"""An apiserver that says to come back later (429, or a 5xx with Retry-After) is asked
+again after the wait it names, as client-go's REST client does; any other refusal, or
+one without the header, is the caller's at once."""
+
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from kubekit.client import RETRIES_WHEN_TOLD, ApiError, ClientSettings, KubeClient, Resource
+from tests.unit.tlsserver import serving_over_tls
+
+CONFIGMAPS = Resource("", "v1", "configmaps")
+
+
+def refusing(refusals: list[tuple[int, dict[str, str]]]) -> tuple[web.Application, list[str]]:
+    """An apiserver answering its creates with ``refusals`` in turn, then creating; the
+    bodies it was sent are listed."""
+    bodies: list[str] = []
+
+    async def create(request: web.Request) -> web.Response:
+        bodies.append(await request.text())
+        if len(bodies) <= len(refusals):
+            status, headers = refusals[len(bodies) - 1]
+            return web.json_response(
+                {"kind": "Status", "code": status, "reason": "TooManyRequests"},
+                status=status,
+                headers=headers,
+            )
+        return web.json_response(await request.json(), status=201)
+
+    app = web.Application()
+    app.router.add_post("/api/v1/namespaces/ns/configmaps", create)
+    return app, bodies
+
+
+async def create_through(
+    tmp_path: Path, refusals: list[tuple[int, dict[str, str]]]
+) -> tuple[dict[str, object] | ApiError, list[str]]:
+    app, bodies = refusing(refusals)
+    async with serving_over_tls(tmp_path, app) as server:
+        settings = ClientSettings(str(server.kubeconfig(tmp_path)))
+        async with await KubeClient.connect(settings) as client:
+            try:
+                created = await client.create(CONFIGMAPS, {"metadata": {"name": "a"}}, "ns")
+            except ApiError as error:
+                return error, bodies
+    return created, bodies
+
+
+@pytest.mark.parametrize("status", [429, 503, 504])
+async def test_told_to_come_back_the_client_sends_the_request_again(
+    tmp_path: Path, status: int
+) -> None:
+    answer, bodies = await create_through(tmp_path, [(status, {"Retry-After": "0"})] * 2)
+    assert answer == {"metadata": {"name": "a"}}
+    assert bodies == ['{"metadata":{"name":"a"}}'] * 3
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [(429, {}), (500, {}), (409, {"Retry-After": "0"}), (403, {"Retry-After": "0"})],
+    ids=["429 without Retry-After", "500 without", "409", "403"],
+)
+async def test_other_refusals_are_the_callers_at_once(
+    tmp_path: Path, refusal: tuple[int, dict[str, str]]
+) -> None:
+    answer, bodies = await create_through(tmp_path, [refusal])
+    assert isinstance(answer, ApiError) and answer.status == refusal[0]
+    assert len(bodies) == 1
+
+
+async def test_a_server_that_keeps_saying_later_is_asked_ten_more_times(tmp_path: Path) -> None:
+    answer, bodies = await create_through(tmp_path, [(429, {"Retry-After": "0"})] * 20)
+    assert isinstance(answer, ApiError) and answer.status == 429
+    assert len(bodies) == 1 + RETRIES_WHEN_TOLD == 11
