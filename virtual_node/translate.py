@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from kubekit import keys
 from kubekit.fit import NODE_OPERATORS, requirement
@@ -133,13 +134,12 @@ def desired_lower_pod(
     )
 
     upper_labels = metadata.get("labels") or {}
-    annotations[keys.UPPER_KEYS_ANNOTATION] = json.dumps(
-        {"labels": sorted(upper_labels), "annotations": sorted(annotations)},
-        separators=(",", ":"),
-    )
-    annotations[keys.UPPER_IMAGES_ANNOTATION] = json.dumps(
-        _images(spec), separators=(",", ":"), sort_keys=True
-    )
+    annotations[keys.UPPER_KEYS_ANNOTATION] = orjson.dumps(
+        {"labels": sorted(upper_labels), "annotations": sorted(annotations)}
+    ).decode()
+    annotations[keys.UPPER_IMAGES_ANNOTATION] = orjson.dumps(
+        _images(spec), option=orjson.OPT_SORT_KEYS
+    ).decode()
     annotations[keys.UPPER_UID_ANNOTATION] = metadata["uid"]
     annotations[keys.UPPER_NAMESPACE_ANNOTATION] = metadata["namespace"]
     labels = {**upper_labels, **owner.labels()}
@@ -359,7 +359,7 @@ def _upper_keys(lower: Mapping[str, Any]) -> dict[str, list[str]]:
     annotation is missing or unreadable: then nothing is removed)."""
     value = (lower["metadata"].get("annotations") or {}).get(keys.UPPER_KEYS_ANNOTATION)
     try:
-        decoded = json.loads(value) if value else {}
+        decoded = orjson.loads(value) if value else {}
     except ValueError:
         return {}
     if not isinstance(decoded, dict):
@@ -445,7 +445,7 @@ def _images(spec: Mapping[str, Any]) -> dict[str, Any]:
 def _recorded_images(lower: Mapping[str, Any]) -> dict[str, Any] | None:
     value = (lower["metadata"].get("annotations") or {}).get(keys.UPPER_IMAGES_ANNOTATION)
     try:
-        recorded = json.loads(value) if isinstance(value, str) else None
+        recorded = orjson.loads(value) if isinstance(value, str) else None
     except ValueError:
         return None
     return recorded if isinstance(recorded, dict) else None
