@@ -82,9 +82,13 @@ def kept_off(moves: Moves, pod: Mapping[str, Any], now: datetime) -> list[str]:
 
 def keep_off(affinity: Mapping[str, Any] | None, nodes: Collection[str]) -> JSON:
     """``affinity`` with every required node-selector term also excluding ``nodes`` by
-    name (the terms are ORed, so each gets the expression; none: one term of it)."""
+    name (the terms are ORed, so each gets the requirements; none: one term of them).
+    The apiserver takes one value per field requirement, so one requirement per node
+    (a term's requirements are ANDed)."""
     kept: JSON = json_copy(dict(affinity or {}))
-    expression = {"key": "metadata.name", "operator": "NotIn", "values": sorted(nodes)}
+    requirements = [
+        {"key": "metadata.name", "operator": "NotIn", "values": [node]} for node in sorted(nodes)
+    ]
     node_affinity = kept.setdefault("nodeAffinity", {})
     required = node_affinity.setdefault(
         "requiredDuringSchedulingIgnoredDuringExecution", {"nodeSelectorTerms": []}
@@ -93,6 +97,6 @@ def keep_off(affinity: Mapping[str, Any] | None, nodes: Collection[str]) -> JSON
     if not terms:
         terms = [{}]
     for term in terms:
-        term["matchFields"] = [*(term.get("matchFields") or []), dict(expression)]
+        term["matchFields"] = [*(term.get("matchFields") or []), *map(dict, requirements)]
     required["nodeSelectorTerms"] = terms
     return kept
