@@ -215,10 +215,9 @@ def node_status(
         "capacity": dict(report.allocatable),
         "allocatable": dict(report.allocatable),
         "conditions": conditions,
-        "addresses": [
-            {"type": "InternalIP", "address": identity.address},
-            {"type": "Hostname", "address": identity.name},
-        ],
+        # No Hostname: the Node's name resolves nowhere, and an apiserver left with its
+        # default --kubelet-preferred-address-types tries a Hostname address first.
+        "addresses": [{"type": "InternalIP", "address": identity.address}],
         "daemonEndpoints": {"kubeletEndpoint": {"Port": identity.kubelet_port}},
         "nodeInfo": {
             "machineID": "",

@@ -78,6 +78,10 @@ class NodeController:
         self._last_sent = 0.0
         self._next_status_at = 0.0
         self._annotations: dict[str, str] = {}  # as last sent
+        # What we last sent no longer says what the Node holds: read it before the next
+        # status (the upper node controller marks the conditions Unknown while we are
+        # silent, with a transition time of its own).
+        self._status_unknown = False
         self._labels: dict[str, str] = {}  # as last sent, or found at registration
         # Called once the Node is Ready again after its lower cluster was unreachable.
         self.on_reachable = on_reachable
@@ -112,8 +116,10 @@ class NodeController:
             created = await self.upper.create(NODES, registration(self.identity, report))
             log.info("registered node %s", self.identity.name)
             self._node_uid = created["metadata"]["uid"]
-            # A Node made again (deleted meanwhile) has none of what we sent the last.
+            # A Node made again (deleted meanwhile) has none of what we sent the last:
+            # nor its conditions' transition times.
             self._annotations = {}
+            self._last_status = created.get("status") or {}
         else:
             patch = registration_patch(existing, self.identity, report)
             if patch:
@@ -121,6 +127,7 @@ class NodeController:
             self._node_uid = existing["metadata"]["uid"]
             self._last_status = existing.get("status") or {}
             self._annotations = dict(existing["metadata"].get("annotations") or {})
+        self._status_unknown = False
         self._labels = node_labels(self.identity, report)
 
     async def _lease_loop(self) -> None:
@@ -182,12 +189,15 @@ class NodeController:
             force = reachability in done or (
                 time.monotonic() - self._last_sent >= STATUS_INTERVAL_SECONDS
             )
+            if reachability in done:
+                self._status_unknown = True
             self._reachability_changed.clear()
             try:
                 await self.update_status(force=force)
                 due = self._last_sent + STATUS_INTERVAL_SECONDS
             except API_ERRORS as error:
                 log.warning("status of %s not updated: %s", self.identity.name, error)
+                self._status_unknown = True
                 due = 0.0
             self._next_status_at = max(due, time.monotonic() + STATUS_RETRY_SECONDS)
             if due == 0.0:
@@ -231,11 +241,16 @@ class NodeController:
         if not self.reachable and self._last_status:
             return
         report = self.provider.report(self.reachable)
-        await self._send_metadata(report)
-        status = node_status(self.identity, report, self._last_status)
-        if not force and not status_changed(self._last_status, status):
-            return
         try:
+            if self._status_unknown:
+                node = await self.upper.get(NODES, self.identity.name)
+                self._last_status = node.get("status") or {}
+                self._status_unknown = False
+            # Inside: a patch of a deleted Node's labels fails as its status would.
+            await self._send_metadata(report)
+            status = node_status(self.identity, report, self._last_status)
+            if not force and not status_changed(self._last_status, status):
+                return
             node = await self.upper.patch(
                 NODES,
                 self.identity.name,

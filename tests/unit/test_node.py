@@ -13,6 +13,7 @@ from virtual_node import nodecontroller
 from virtual_node.node import (
     NodeIdentity,
     NodeReport,
+    node_status,
     nodes_digest,
     registration,
     registration_patch,
@@ -155,6 +156,9 @@ async def test_a_status_not_sent_is_tried_again_after_a_pause(
         controller.reachable = True
         path = "/api/v1/nodes/vk-lower-1/status"
         upper.answer("PATCH", path, *[ApiError(403, "forbidden")] * 100)
+        # Read before each next try (what we sent may not be what the Node holds).
+        node = {"metadata": {"name": "vk-lower-1", "uid": "uid-1"}, "status": {}}
+        upper.answer("GET", "/api/v1/nodes/vk-lower-1", *[node] * 100)
     tries = 0
     update_status = controller.update_status
 
@@ -238,3 +242,73 @@ async def test_the_labels_the_lower_nodes_share_follow_them() -> None:
     lower.labels = {}
     await controller.update_status(force=False)
     assert [r for r in upper.requests if r.path == "/api/v1/nodes/vk-lower-1"] == []
+
+
+async def test_a_node_deleted_while_its_labels_change_is_registered_again() -> None:
+    """The label patch that comes before the status meets the Node gone: registered
+    again, not a warning every few seconds while the Node stays away."""
+    upper = FakeClient()
+    lower = LabelledLowerCluster(**{keys.ARCH_LABEL: "amd64"})
+    controller = nodecontroller.NodeController(upper, identity(), lower)
+    controller.reachable = True
+    await controller.register()
+    upper.requests.clear()
+    lower.labels = {keys.ARCH_LABEL: "arm64"}
+    upper.answer("PATCH", "/api/v1/nodes/vk-lower-1", status_error(404, "NotFound", "gone"))
+    await controller.update_status(force=True)
+    created = [r.body for r in upper.requests if (r.method, r.path) == ("POST", "/api/v1/nodes")]
+    assert len(created) == 1
+    assert created[0]["metadata"]["labels"][keys.ARCH_LABEL] == "arm64"
+
+
+async def test_after_an_outage_a_condition_moves_from_what_the_node_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While the virtual node was silent the upper node controller set Ready Unknown:
+    Ready True afterwards is a transition, dated now, not the old True's date."""
+    monkeypatch.setattr(nodecontroller, "STATUS_COALESCE_SECONDS", 0.0)
+    upper = FakeClient()
+    controller = nodecontroller.NodeController(upper, identity(), FlakyLowerCluster(True))
+    controller.reachable = True
+    await controller.register()
+    before = "2020-01-01T00:00:00Z"
+    for condition in controller._last_status["conditions"]:  # type: ignore[attr-defined]
+        condition["lastTransitionTime"] = before
+    unknown = {
+        "metadata": {"name": "vk-lower-1", "uid": "uid-1"},
+        "status": {
+            "conditions": [
+                {"type": "Ready", "status": "Unknown", "lastTransitionTime": "2026-01-01T00:00:00Z"}
+            ]
+        },
+    }
+    upper.answer("GET", "/api/v1/nodes/vk-lower-1", unknown)
+    upper.requests.clear()
+    sent_once = asyncio.Event()
+    update_status = controller.update_status
+
+    async def noted(force: bool) -> None:
+        await update_status(force)
+        sent_once.set()
+
+    monkeypatch.setattr(controller, "update_status", noted)
+    controller._reachability_changed.set()
+    looping = asyncio.create_task(controller._status_loop())
+    try:
+        await asyncio.wait_for(sent_once.wait(), 2)
+    finally:
+        looping.cancel()
+    first = upper.requests[0]
+    assert (first.method, first.path) == ("GET", "/api/v1/nodes/vk-lower-1")
+    (sent,) = [r.body for r in upper.requests if r.path.endswith("/status")]
+    ready = next(c for c in sent["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "True" and ready["lastTransitionTime"] not in (
+        before,
+        "2026-01-01T00:00:00Z",
+    )
+
+
+def test_the_node_gives_no_hostname_address_the_apiserver_cannot_resolve() -> None:
+    assert node_status(identity(), REPORT)["addresses"] == [
+        {"type": "InternalIP", "address": "10.1.2.3"}
+    ]
