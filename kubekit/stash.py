@@ -5,9 +5,9 @@ The webhook calls ``stash_scheduling``: every scheduling field it changes is rec
 whole, as it was, in one versioned JSON annotation, and the pod keeps only the parts that
 speak about clusters (keys the virtual nodes carry: the cluster-id label, the region,
 keys configured as "keep"), and all its tolerations, with the provider's taint's. The
-virtual node calls ``restore_scheduling``, which puts the recorded originals back (and
-the tolerations added above since): restore(stash(pod)) is the original pod, and
-stashing a pod that carries a stash changes nothing.
+virtual node calls ``restore_scheduling``, which puts the recorded originals back (the
+tolerations are the upper pod's, which keeps them all): restore(stash(pod)) is the
+original pod, and stashing the stashed pod again changes nothing.
 """
 
 from __future__ import annotations
@@ -146,11 +146,13 @@ def _project_tolerations(tolerations: list[JSON]) -> list[JSON]:
     return [*tolerations, dict(PROVIDER_TOLERATION)]
 
 
-def _tolerations_below(originals: list[JSON] | None, upper: list[JSON]) -> list[JSON] | None:
-    """The original tolerations, and those added above since (the only change a pod's
-    tolerations may take), but not the provider's toleration the webhook added."""
-    added = [t for t in upper if t not in (originals or []) and t != PROVIDER_TOLERATION]
-    return [*(originals or []), *added] if added else originals
+def _tolerations_below(upper: list[JSON], stashed: list[JSON] | None) -> list[JSON] | None:
+    """The upper pod's tolerations but the provider's one the webhook added. Every
+    toleration stays above (``_project_tolerations``), so they are the pod's own and those
+    added since (the only change a pod's tolerations may take); the stash's copy is not
+    read: anyone may write the annotation, and the upper cluster's admission (a policy
+    on tolerations) saw only the spec. Only whether the field was there is taken from it."""
+    return [t for t in upper if t != PROVIDER_TOLERATION] or (None if stashed is None else [])
 
 
 def tolerates_every_taint(toleration: Mapping[str, Any]) -> bool:
@@ -202,23 +204,45 @@ def stash_scheduling(
     kept_off: Collection[str] = (),
 ) -> tuple[JSON, dict[str, str]]:
     """The pod spec the upper scheduler should see and the annotations that carry the
-    originals. A pod that already carries a stash is returned unchanged."""
-    if keys.STASH_ANNOTATION in annotations:
-        return json_copy(dict(spec)), dict(annotations)
+    originals.
+
+    A pod that carries a stash gets what was added to it since stashed too: after a
+    webhook changed a pod the apiserver runs its own admission plugins again, and the
+    RuntimeClass and PodNodeSelector plugins put back the node selector entries they
+    add, which the upper scheduler would then look for on the virtual nodes. An entry
+    added to a stashed node selector joins the stashed one; a field not stashed is
+    stashed as it is now; a stashed affinity or spread is left as it is (no plugin of
+    the apiserver adds to them). A pod as it left the webhook comes back unchanged."""
+    existing = annotations.get(keys.STASH_ANNOTATION)
+    originals: JSON = decode(existing) if existing is not None else {}
+    if "nodeSelector" in originals and spec.get("nodeSelector"):
+        seen_above = _project_node_selector(originals["nodeSelector"] or {}, keep) or {}
+        added = {k: v for k, v in spec["nodeSelector"].items() if seen_above.get(k) != v}
+        if added:
+            originals["nodeSelector"] = {**(originals["nodeSelector"] or {}), **added}
     new_spec: JSON = json_copy(dict(spec))
-    originals: JSON = {}
-    for field, value in upper_view(spec, keep, kept_off).items():
+    # The tolerations above are the pod's own (see _tolerations_below).
+    stashed = {k: v for k, v in originals.items() if k != "tolerations"}
+    for field, value in upper_view({**spec, **stashed}, keep, kept_off).items():
+        if field in originals:
+            if field in ("nodeSelector", "tolerations"):
+                _set_or_drop(new_spec, field, value)
+            continue
         if spec.get(field) == value or (value is None and field not in spec):
             continue
         originals[field] = spec.get(field)  # only encoded, never changed
-        if value is None:
-            new_spec.pop(field, None)
-        else:
-            new_spec[field] = value
+        _set_or_drop(new_spec, field, value)
     new_annotations = dict(annotations)
     if originals:
         new_annotations[keys.STASH_ANNOTATION] = encode(originals)
     return new_spec, new_annotations
+
+
+def _set_or_drop(spec: JSON, field: str, value: Any) -> None:
+    if value is None:
+        spec.pop(field, None)
+    else:
+        spec[field] = value
 
 
 def restore_scheduling(spec: Mapping[str, Any], stash: str | None) -> JSON:
@@ -228,7 +252,7 @@ def restore_scheduling(spec: Mapping[str, Any], stash: str | None) -> JSON:
         return restored
     for field, value in decode(stash).items():
         if field == "tolerations":
-            value = _tolerations_below(value, list(spec.get("tolerations") or []))
+            value = _tolerations_below(list(spec.get("tolerations") or []), value)
         if value is None:
             restored.pop(field, None)
         else:

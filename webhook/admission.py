@@ -176,14 +176,15 @@ def stash_patch(
         if annotations is None:
             patch.append({"op": "add", "path": "/metadata/annotations", "value": new_annotations})
         else:
-            for key in new_annotations.keys() - annotations.keys():
-                patch.append(
-                    {
-                        "op": "add",
-                        "path": _pointer("metadata", "annotations", key),
-                        "value": new_annotations[key],
-                    }
-                )
+            for key, value in new_annotations.items():
+                if annotations.get(key) != value:
+                    patch.append(
+                        {
+                            "op": "replace" if key in annotations else "add",
+                            "path": _pointer("metadata", "annotations", key),
+                            "value": value,
+                        }
+                    )
     return patch
 
 

@@ -38,8 +38,10 @@ def stash_webhook(client_config: JSON) -> JSON:
     - timeoutSeconds 5: the work is a pure function of the pod; a slow answer means the
       webhook is unwell, and failing fast keeps pod creation from stalling for 10 s.
     - sideEffects None: nothing is written anywhere, so dryRun requests are served.
-    - reinvocationPolicy Never: the stash records the pod as it reached us, and a pod
-      with a stash is left alone; webhooks that add scheduling fields must run first.
+    - reinvocationPolicy IfNeeded: after our change the apiserver runs its own admission
+      plugins again (RuntimeClass, PodNodeSelector put their node selector back), and
+      other webhooks may add scheduling fields after ours; called again, the webhook
+      stashes what was added (``kubekit.stash.stash_scheduling``).
     """
     return {
         "name": WEBHOOK_NAME,
@@ -81,7 +83,7 @@ def stash_webhook(client_config: JSON) -> JSON:
         "matchPolicy": "Equivalent",
         "sideEffects": "None",
         "timeoutSeconds": TIMEOUT_SECONDS,
-        "reinvocationPolicy": "Never",
+        "reinvocationPolicy": "IfNeeded",
     }
 
 

@@ -145,6 +145,47 @@ def test_every_toleration_stays_above_and_added_ones_reach_the_lower_pod(
     )
 
 
+def test_a_runtime_class_node_selector_put_back_by_the_apiserver_is_stashed_again(
+    federation: Federation, ssd_node: str
+) -> None:
+    """The RuntimeClass admission plugin adds its class's node selector, and adds it
+    again after the webhook changed the pod; the webhook, called again, stashes it again:
+    the pod is not left Pending above asking the virtual nodes for disk=ssd."""
+    runtime_class = {
+        "apiVersion": "node.k8s.io/v1",
+        "kind": "RuntimeClass",
+        "metadata": {"name": "wh-ssd-runtime"},
+        "handler": "runc",
+        "scheduling": {"nodeSelector": SSD},
+    }
+    upper, lower = federation.upper, federation.clusters["lower-1"]
+    apply(upper, runtime_class, federated_namespace("wh-runtime"))
+    apply(lower, {**runtime_class, "scheduling": None})
+    try:
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "sandboxed", "namespace": "wh-runtime"},
+            "spec": {
+                "runtimeClassName": "wh-ssd-runtime",
+                "terminationGracePeriodSeconds": 0,
+                "containers": [container()],
+            },
+        }
+        upper.kubectl("create", "-f", "-", input=json.dumps(pod))
+        above = get_json(upper, "pod", "-n", "wh-runtime", "sandboxed")
+        assert "disk" not in (above["spec"].get("nodeSelector") or {})
+        saved = stash.decode(above["metadata"]["annotations"][keys.STASH_ANNOTATION])
+        assert saved["nodeSelector"] == SSD
+        below = lower_pod(federation, "lower-1", "wh-runtime", "sandboxed")
+        assert below["spec"]["nodeSelector"] == SSD
+        assert below["spec"]["nodeName"] == ssd_node
+    finally:
+        upper.kubectl("delete", "namespace", "wh-runtime", "--wait=false")
+        for cluster in (upper, lower):
+            cluster.kubectl("delete", "runtimeclass", "wh-ssd-runtime", "--ignore-not-found")
+
+
 def test_a_pin_to_a_virtual_node_by_name_holds_above(federation: Federation) -> None:
     """The pin stays above and is met below. (Here the multischeduler would also keep the
     pods off vk-lower-1, whose lower nodes all fail the restored pin; without it, a pin

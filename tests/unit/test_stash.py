@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kubekit import keys
+from kubekit import keys, stash
 from kubekit.stash import PROVIDER_TOLERATION, StashError, restore_scheduling, stash_scheduling
 
 label_keys = st.sampled_from(
@@ -260,10 +260,50 @@ def test_tolerations_added_above_reach_the_restored_pod() -> None:
     assert restored["tolerations"] == [*spec["tolerations"], spot]
 
 
-def test_a_pod_stashed_when_tolerations_were_filtered_above_keeps_its_originals() -> None:
-    """Pods admitted before every toleration stayed above carry only the upper-cluster
-    ones there; the stash still has them all."""
-    originals = [{"key": "dedicated", "operator": "Exists"}, {"key": "gpu", "operator": "Exists"}]
-    stash = json.dumps({"version": 1, "originals": {"tolerations": originals}})
-    restored = restore_scheduling({"tolerations": [PROVIDER_TOLERATION]}, stash)
-    assert restored["tolerations"] == originals
+def test_a_stash_cannot_give_the_lower_pod_a_toleration_the_upper_pod_lacks() -> None:
+    """Anyone may write the annotation, and the upper cluster's admission (a policy on
+    tolerations) sees only the spec: a toleration of every taint written into the stash
+    would have let the lower pod past the lower nodes' taints, drains included."""
+    forged = json.dumps({"version": 1, "originals": {"tolerations": [{"operator": "Exists"}]}})
+    restored = restore_scheduling({"tolerations": [PROVIDER_TOLERATION]}, forged)
+    assert not restored["tolerations"]
+    dedicated = {"key": "dedicated", "operator": "Exists"}
+    restored = restore_scheduling({"tolerations": [dedicated, PROVIDER_TOLERATION]}, forged)
+    assert restored["tolerations"] == [dedicated]
+
+
+@given(specs)
+def test_stashing_the_stashed_pod_again_changes_nothing(spec: dict[str, Any]) -> None:
+    stashed, annotations = stash_scheduling(spec, {})
+    assert stash_scheduling(stashed, annotations) == (stashed, annotations)
+
+
+GVISOR = {"sandbox": "gvisor"}
+IN_LOWER_1 = {keys.CLUSTER_ID_LABEL: "lower-1"}
+
+
+def test_node_selector_entries_put_back_after_the_webhook_are_stashed_again() -> None:
+    """After the webhook changed a pod the apiserver runs the RuntimeClass plugin again,
+    which puts its class's node selector back; reinvoked, the webhook moves it again."""
+    spec = {"nodeSelector": {**GVISOR, "disk": "ssd", **IN_LOWER_1}}
+    stashed, annotations = stash_scheduling(spec, {})
+    assert stashed["nodeSelector"] == IN_LOWER_1
+    put_back = {**stashed, "nodeSelector": {**stashed["nodeSelector"], **GVISOR}}
+    again, annotations_again = stash_scheduling(put_back, annotations)
+    assert (again, annotations_again) == (stashed, annotations)
+
+
+def test_a_node_selector_not_stashed_at_first_is_stashed_once_entries_come_back() -> None:
+    spec: dict[str, Any] = {"nodeSelector": dict(IN_LOWER_1), "tolerations": [PROVIDER_TOLERATION]}
+    stashed, annotations = stash_scheduling(spec, {})
+    assert (stashed, annotations) == (spec, {})
+    put_back = {**spec, "nodeSelector": {**IN_LOWER_1, **GVISOR}}
+    # A stash written meanwhile (another field's) is kept beside it.
+    other = {keys.STASH_ANNOTATION: stash.encode({"topologySpreadConstraints": None})}
+    again, annotations_again = stash_scheduling(put_back, other)
+    assert again["nodeSelector"] == IN_LOWER_1
+    restored = restore_scheduling(again, annotations_again[keys.STASH_ANNOTATION])
+    assert restored["nodeSelector"] == {**IN_LOWER_1, **GVISOR}
+    assert (
+        stash.decode(annotations_again[keys.STASH_ANNOTATION])["topologySpreadConstraints"] is None
+    )
