@@ -9,6 +9,7 @@ A pool of one kwok node per cluster, tainted and labelled for these tests only:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 from harness.federation import DESCHEDULER, MANIFESTS, Federation
 from harness.localcluster import LocalCluster, NodeSpec
 from kubekit import keys
+from kubekit.moves import keep_off
 
 from .helpers import (
     apply,
@@ -414,3 +416,26 @@ def test_a_controllers_pod_leaves_a_cluster_that_is_down(descheduling: Federatio
         timeout=120,
     )
     assert not pods_by_name(lower, NAMESPACE, "app=evacuee")
+
+
+def test_a_pod_kept_off_two_virtual_nodes_is_one_the_apiserver_takes(
+    federation: Federation,
+) -> None:
+    """A controller whose pods left two virtual nodes: its next pods carry a requirement
+    per node (the apiserver takes one value per field requirement)."""
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "kept-off", "namespace": "default"},
+        "spec": {
+            "affinity": keep_off(None, ["vk-lower-1", "vk-lower-2"]),
+            "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10"}],
+        },
+    }
+    created = federation.upper.kubectl(
+        "create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(pod)
+    )
+    terms = json.loads(created.stdout)["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    assert [f["values"] for f in terms[0]["matchFields"]] == [["vk-lower-1"], ["vk-lower-2"]]
