@@ -453,8 +453,11 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
         upper_informers.start()
         lower_informers.start()
         # Nothing is created, deleted or reported before both sides are known: that is
-        # what makes a restart free of duplicates and spurious deletes.
-        await asyncio.gather(upper_informers.wait_synced(), lower_informers.wait_synced())
+        # what makes a restart free of duplicates and spurious deletes. The Node's Lease
+        # is kept meanwhile.
+        await nodes.renewing_lease_while(
+            asyncio.gather(upper_informers.wait_synced(), lower_informers.wait_synced())
+        )
         log.info(
             "virtual node %s for lower cluster %s: caches synced (%d upper pods, %d lower pods)",
             config.name,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from kubekit import keys
@@ -86,6 +86,34 @@ class NodeController:
         # Called once the Node is Ready again after its lower cluster was unreachable.
         self.on_reachable = on_reachable
         self._reachable_unannounced = False
+
+    async def renewing_lease_while(self, work: Awaitable[object]) -> None:
+        """Awaits ``work`` (the caches' first sync) renewing the Lease of a Node that is
+        registered already (a restart, a standby taking over): the kubelet renews its
+        Lease apart from its pods, and a sync longer than the Lease's 40 s would have the
+        upper node controller mark the Node not ready, taint it unreachable and take
+        every pod off its Services' endpoints. A Node not there yet waits for the sync:
+        what it registers with comes from the caches."""
+        task = asyncio.ensure_future(work)
+        try:
+            try:
+                existing = await self.upper.get(NODES, self.identity.name)
+            except API_ERRORS as error:
+                if not is_not_found(error):
+                    log.warning("node %s not read: %s", self.identity.name, error)
+                await task
+                return
+            self._node_uid = existing["metadata"]["uid"]
+            while not task.done():
+                try:
+                    if await self.provider.ping():
+                        await self.renew_lease()
+                except API_ERRORS as error:
+                    log.warning("lease of %s not renewed: %s", self.identity.name, error)
+                await asyncio.wait({task}, timeout=LEASE_INTERVAL_SECONDS)
+            await task
+        finally:
+            task.cancel()
 
     async def run(self) -> None:
         self.reachable = await self.provider.ping()
