@@ -75,7 +75,6 @@ log = logging.getLogger(__name__)
 RETRIES_WHEN_TOLD = 10
 # A Retry-After beyond this is waited this long (the apiserver names 1 to 10 seconds).
 LONGEST_WAIT_WHEN_TOLD = 10.0
-_TOLD_TO_WAIT = frozenset({429, *range(500, 600)})
 
 
 class WatchSilent(TimeoutError):
@@ -246,11 +245,13 @@ class KubeClient:
         retry_when_told: bool = True,
     ) -> aiohttp.ClientResponse:
         """The response to a request, sent again after the wait the server names when it
-        says to come back later (429, or a 5xx with Retry-After: it did not act on the
-        request), up to ``RETRIES_WHEN_TOLD`` times, as client-go's REST client does: an
-        apiserver's flow control sheds load with 429s, and a caller's own backoff would
-        not know the wait it asked for. A caller with a retry of its own for such an
-        answer (an eviction a disruption budget refused) says so."""
+        says to come back later, up to ``RETRIES_WHEN_TOLD`` times, as client-go's REST
+        client does: an apiserver's flow control sheds load with 429s (the request was not
+        acted on), and a caller's own backoff would not know the wait it asked for. A 5xx
+        with Retry-After is retried for a GET only: a write it answers may have been
+        stored (etcd slow to confirm a create), and a create with generateName would be
+        made twice. A caller with a retry or a deadline of its own for such an answer (an
+        eviction a disruption budget refused, a call the scheduler times) says so."""
         if not (body is None or isinstance(body, str | bytes)):
             body = orjson.dumps(body)
         retries = 0
@@ -259,7 +260,8 @@ class KubeClient:
                 return await self._send(method, path, query, body, content_type, timeout, streaming)
             except ApiError as error:
                 wait = error.retry_after
-                if not retry_when_told or wait is None or error.status not in _TOLD_TO_WAIT:
+                told = error.status == 429 or (method == "GET" and 500 <= error.status < 600)
+                if not retry_when_told or wait is None or not told:
                     raise
                 if retries == RETRIES_WHEN_TOLD:
                     raise
@@ -427,9 +429,11 @@ class KubeClient:
             response.release()
         return result
 
-    async def get_text(self, path: str, *, timeout: float = 60.0) -> str:
+    async def get_text(
+        self, path: str, *, timeout: float = 60.0, retry_when_told: bool = True
+    ) -> str:
         """The body of an endpoint that answers in plain text (/readyz, /livez)."""
-        response = await self._open("GET", path, timeout=timeout)
+        response = await self._open("GET", path, timeout=timeout, retry_when_told=retry_when_told)
         try:
             return await response.text()
         finally:

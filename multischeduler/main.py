@@ -174,12 +174,18 @@ async def run(config: Config) -> None:
 
         async def bind(args: BindingArgs) -> None:
             path = PODS.path(args.pod_namespace, args.pod_name, "binding")
-            await client.request("POST", path, body=binding_body(args), timeout=BIND_TIMEOUT)
+            # Within the scheduler's own timeout for the call: no wait the apiserver names.
+            await client.request(
+                "POST", path, body=binding_body(args), timeout=BIND_TIMEOUT, retry_when_told=False
+            )
 
         async def lookup(resource: Resource, namespace: str | None, name: str) -> JSON | None:
             try:
                 return await client.request(
-                    "GET", resource.path(namespace, name), timeout=LOOKUP_TIMEOUT
+                    "GET",
+                    resource.path(namespace, name),
+                    timeout=LOOKUP_TIMEOUT,
+                    retry_when_told=False,
                 )
             except ApiError as error:
                 if is_not_found(error):

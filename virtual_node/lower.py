@@ -242,8 +242,9 @@ class LowerCluster:
         """Whether the lower apiserver is ready: /version alone answers with its etcd
         down, when it can neither create nor report a pod."""
         try:
-            await self.client.get_text("/readyz", timeout=5)
-            version = await self.client.request("GET", "/version", timeout=5)
+            # Within the Lease's interval: no wait the apiserver names.
+            await self.client.get_text("/readyz", timeout=5, retry_when_told=False)
+            version = await self.client.request("GET", "/version", timeout=5, retry_when_told=False)
         except API_ERRORS as error:
             log.debug("lower cluster %s: %s", self.owner.cluster_id, error)
             self.reachable = False

@@ -52,7 +52,9 @@ class FakeClient(KubeClient):
             if r.method != "GET" and (method is None or r.method == method)
         ]
 
-    async def get_text(self, path: str, *, timeout: float = 60.0) -> str:
+    async def get_text(
+        self, path: str, *, timeout: float = 60.0, retry_when_told: bool = True
+    ) -> str:
         self.requests.append(Request("GET", path, None))
         scripted = self.answers.get(("GET", path))
         if scripted:
