@@ -405,8 +405,9 @@ class Informer:
                 read_timeout=self.silence_seconds,
                 **self._selectors(),
             ):
-                self.backoff.reset()
                 self.apply(event)
+                # After: an event that cannot be applied lets the backoff grow.
+                self.backoff.reset()
                 events += 1
         except WatchSilent as silent:
             log.info("%r: %s, not even a bookmark; watching again", self, silent)
