@@ -96,18 +96,17 @@ class NodeController:
         what it registers with comes from the caches."""
         task = asyncio.ensure_future(work)
         try:
-            try:
-                existing = await self.upper.get(NODES, self.identity.name)
-            except API_ERRORS as error:
-                if not is_not_found(error):
-                    log.warning("node %s not read: %s", self.identity.name, error)
-                await task
-                return
-            self._node_uid = existing["metadata"]["uid"]
             while not task.done():
                 try:
+                    if not self._node_uid:
+                        existing = await self.upper.get(NODES, self.identity.name)
+                        self._node_uid = existing["metadata"]["uid"]
                     if await self.provider.ping():
                         await self.renew_lease()
+                except ApiError as error:
+                    if is_not_found(error) and not self._node_uid:
+                        break
+                    log.warning("lease of %s not renewed: %s", self.identity.name, error)
                 except API_ERRORS as error:
                     log.warning("lease of %s not renewed: %s", self.identity.name, error)
                 await asyncio.wait({task}, timeout=LEASE_INTERVAL_SECONDS)
