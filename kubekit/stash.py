@@ -210,9 +210,10 @@ def stash_scheduling(
     webhook changed a pod the apiserver runs its own admission plugins again, and the
     RuntimeClass and PodNodeSelector plugins put back the node selector entries they
     add, which the upper scheduler would then look for on the virtual nodes. An entry
-    added to a stashed node selector joins the stashed one; a field not stashed is
-    stashed as it is now; a stashed affinity or spread is left as it is (no plugin of
-    the apiserver adds to them). A pod as it left the webhook comes back unchanged."""
+    added to a stashed node selector joins the stashed one; another field that is not
+    the view of its stashed value (not stashed, changed by a webhook since, or a stash
+    written by hand) is stashed as it is now. A pod as it left the webhook comes back
+    unchanged."""
     existing = annotations.get(keys.STASH_ANNOTATION)
     originals: JSON = decode(existing) if existing is not None else {}
     if "nodeSelector" in originals and spec.get("nodeSelector"):
@@ -223,15 +224,15 @@ def stash_scheduling(
     new_spec: JSON = json_copy(dict(spec))
     # The tolerations above are the pod's own (see _tolerations_below).
     stashed = {k: v for k, v in originals.items() if k != "tolerations"}
+    as_it_is = upper_view(spec, keep, kept_off)
     for field, value in upper_view({**spec, **stashed}, keep, kept_off).items():
-        if field in originals:
-            if field in ("nodeSelector", "tolerations"):
-                _set_or_drop(new_spec, field, value)
-            continue
-        if spec.get(field) == value or (value is None and field not in spec):
-            continue
-        originals[field] = spec.get(field)  # only encoded, never changed
-        _set_or_drop(new_spec, field, value)
+        if field in ("nodeSelector", "tolerations") and field in originals:
+            _set_or_drop(new_spec, field, value)
+        elif not (spec.get(field) == value or (value is None and field not in spec)):
+            # Not stashed, or not the view of what is stashed (changed by a webhook since,
+            # or a stash written by hand beside what the upper admission saw): the spec's.
+            originals[field] = spec.get(field)  # only encoded, never changed
+            _set_or_drop(new_spec, field, as_it_is[field])
     new_annotations = dict(annotations)
     if originals:
         new_annotations[keys.STASH_ANNOTATION] = encode(originals)

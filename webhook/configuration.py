@@ -41,7 +41,7 @@ def stash_webhook(client_config: JSON) -> JSON:
     - reinvocationPolicy IfNeeded: after our change the apiserver runs its own admission
       plugins again (RuntimeClass, PodNodeSelector put their node selector back), and
       other webhooks may add scheduling fields after ours; called again, the webhook
-      stashes what was added (``kubekit.stash.stash_scheduling``).
+      stashes them again (``kubekit.stash.stash_scheduling`` says how).
     """
     return {
         "name": WEBHOOK_NAME,

@@ -307,3 +307,23 @@ def test_a_node_selector_not_stashed_at_first_is_stashed_once_entries_come_back(
     assert (
         stash.decode(annotations_again[keys.STASH_ANNOTATION])["topologySpreadConstraints"] is None
     )
+
+
+def test_a_stashed_affinity_is_the_one_the_spec_shows_when_they_differ() -> None:
+    """A stash written by hand beside an affinity a policy imposed (or a webhook changed
+    after ours): the lower pod gets the spec's, which the upper admission saw."""
+    imposed = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["t1"]}]}
+                ]
+            }
+        }
+    }
+    forged = stash.encode({"affinity": None})
+    spec = {"affinity": imposed, "tolerations": [PROVIDER_TOLERATION]}
+    stashed, annotations = stash_scheduling(spec, {keys.STASH_ANNOTATION: forged})
+    assert "affinity" not in stashed
+    restored = restore_scheduling(stashed, annotations[keys.STASH_ANNOTATION])
+    assert restored["affinity"] == imposed
