@@ -261,9 +261,9 @@ class KubeClient:
             except ApiError as error:
                 wait = error.retry_after
                 told = error.status == 429 or (method == "GET" and 500 <= error.status < 600)
-                if not retry_when_told or wait is None or not told:
-                    raise
-                if retries == RETRIES_WHEN_TOLD:
+                if not (retry_when_told and told and wait is not None) or (
+                    retries == RETRIES_WHEN_TOLD
+                ):
                     raise
                 retries += 1
                 log.info("%s %s: %s; again in %g s", method, path, error, wait)

@@ -225,7 +225,8 @@ def stash_scheduling(
     # The tolerations above are the pod's own (see _tolerations_below).
     stashed = {k: v for k, v in originals.items() if k != "tolerations"}
     as_it_is = upper_view(spec, keep, kept_off)
-    for field, value in upper_view({**spec, **stashed}, keep, kept_off).items():
+    of_the_stash = upper_view({**spec, **stashed}, keep, kept_off) if stashed else as_it_is
+    for field, value in of_the_stash.items():
         if field in ("nodeSelector", "tolerations") and field in originals:
             _set_or_drop(new_spec, field, value)
         elif not (spec.get(field) == value or (value is None and field not in spec)):
@@ -240,6 +241,7 @@ def stash_scheduling(
 
 
 def _set_or_drop(spec: JSON, field: str, value: Any) -> None:
+    """The field set to value, absent for None (an empty value stays: the pod as written)."""
     if value is None:
         spec.pop(field, None)
     else:
@@ -254,8 +256,5 @@ def restore_scheduling(spec: Mapping[str, Any], stash: str | None) -> JSON:
     for field, value in decode(stash).items():
         if field == "tolerations":
             value = _tolerations_below(list(spec.get("tolerations") or []), value)
-        if value is None:
-            restored.pop(field, None)
-        else:
-            restored[field] = value  # decoded afresh, nobody else holds it
+        _set_or_drop(restored, field, value)  # decoded afresh, nobody else holds it
     return restored

@@ -103,11 +103,9 @@ class NodeController:
                         self._node_uid = existing["metadata"]["uid"]
                     if await self.provider.ping():
                         await self.renew_lease()
-                except ApiError as error:
+                except API_ERRORS as error:
                     if is_not_found(error) and not self._node_uid:
                         break
-                    log.warning("lease of %s not renewed: %s", self.identity.name, error)
-                except API_ERRORS as error:
                     log.warning("lease of %s not renewed: %s", self.identity.name, error)
                 await asyncio.wait({task}, timeout=LEASE_INTERVAL_SECONDS)
             await task
