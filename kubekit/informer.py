@@ -380,7 +380,6 @@ class Informer:
         self._unsettled = dict.fromkeys(self._store, changed)
         self._by_namespace = namespace_index(self._store)
         self.resource_version = page["metadata"]["resourceVersion"]
-        self.backoff.reset()
         for key in diff.added:
             self._notify("on_add", listed[key])
         for key in diff.updated:
@@ -406,7 +405,8 @@ class Informer:
                 **self._selectors(),
             ):
                 self.apply(event)
-                # After: an event that cannot be applied lets the backoff grow.
+                # Only an event applied says the cache works again (not a list, nor an
+                # event received): one that cannot be applied lets the backoff grow.
                 self.backoff.reset()
                 events += 1
         except WatchSilent as silent:

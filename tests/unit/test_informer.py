@@ -405,6 +405,21 @@ async def test_an_event_without_metadata_lists_again_and_the_informer_runs_on() 
     assert 2 <= server.lists <= 7 and server.watches in (server.lists, server.lists - 1)
 
 
+async def test_an_event_that_keeps_failing_lets_the_pause_before_the_relist_grow() -> None:
+    """The backoff is reset by an event applied, not by one received: reset before, the
+    pause stayed at its first step and the cache relisted everything that often."""
+    server = WatchAnswering(None, ({"type": "ADDED", "object": {"kind": "ConfigMap"}},))
+    growing = Backoff(initial=0.05, cap=10, jitter=0)
+    cache = Informer(server, Resource("", "v1", "configmaps"), backoff=growing)  # type: ignore[arg-type]
+    running = asyncio.create_task(cache.run())
+    await asyncio.sleep(0.6)
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    # Pauses of 0.05, 0.1, 0.2 and 0.4 s: four lists at most, not one every 0.05 s.
+    assert 2 <= server.lists <= 4
+
+
 async def test_a_watch_that_ends_at_once_with_nothing_is_opened_again_after_a_pause() -> None:
     server = WatchAnswering(None)
     await run_for(server, 0.5)
