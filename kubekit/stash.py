@@ -240,6 +240,45 @@ def stash_scheduling(
     return new_spec, new_annotations
 
 
+def stash_update(
+    old_spec: Mapping[str, Any],
+    spec: Mapping[str, Any],
+    annotations: Mapping[str, str],
+    keep: Collection[str] = DEFAULT_KEEP_KEYS,
+) -> tuple[JSON, dict[str, str]]:
+    """The spec and annotations an update of a stashed pod should store (``annotations``
+    carry its stash), as ``stash_scheduling`` for a create.
+
+    An update that puts back what the stash restores (the pod's manifest applied again,
+    with a new image or label: the apply puts back the fields the webhook moved and
+    drops the provider's toleration it added) leaves that field as the upper scheduler
+    saw it, so the update changes what it meant to and no field a pod may not change.
+    Tolerations added are kept, with the provider's. A pod waiting on a scheduling gate
+    may take scheduling fields before it is scheduled (what a queueing controller such
+    as Kueue does): its new node selector entries join the stashed ones and another
+    changed field is stashed as it is now. Any other change is left for the apiserver,
+    which refuses it on a pod past its gates as it would without kubestrata."""
+    originals = decode(annotations[keys.STASH_ANNOTATION])
+    restored = restore_scheduling(old_spec, annotations[keys.STASH_ANNOTATION])
+    gated = bool(old_spec.get("schedulingGates"))
+    new_spec: JSON = json_copy(dict(spec))
+    for field in FIELDS:
+        value = spec.get(field)
+        if value == old_spec.get(field):
+            continue
+        if value == restored.get(field):
+            _set_or_drop(new_spec, field, old_spec.get(field))
+        elif field == "tolerations":
+            new_spec[field] = _project_tolerations(list(value or []))
+        elif gated:
+            if field == "nodeSelector":
+                stashed = originals[field] if field in originals else old_spec.get(field)
+                value = {**(stashed or {}), **(value or {})}
+            originals[field] = value  # only encoded, never changed
+            _set_or_drop(new_spec, field, upper_view({field: value}, keep)[field])
+    return new_spec, {**annotations, keys.STASH_ANNOTATION: encode(originals)}
+
+
 def _set_or_drop(spec: JSON, field: str, value: Any) -> None:
     """The field set to value, absent for None (an empty value stays: the pod as written)."""
     if value is None:

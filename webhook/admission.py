@@ -76,22 +76,26 @@ def parse_review(body: bytes) -> JSON:
         if request["operation"] == "UPDATE":
             old = _object(request.get("oldObject"), "request.oldObject")
             _object(old.get("spec"), "request.oldObject.spec")
-    if request.get("operation") == "CREATE" and _is_pod(request):
-        pod = _object(request.get("object"), "request.object")
-        spec = _object(pod.get("spec"), "request.object.spec")
-        _check_shape(spec, shapes.SCHEDULING_FIELDS, "request.object.spec")
-        if not _depth_at_most(spec, MAX_SPEC_DEPTH):
-            raise BadReview(f"request.object.spec is nested deeper than {MAX_SPEC_DEPTH}")
-        metadata = _object(pod.get("metadata", {}), "request.object.metadata")
-        annotations = metadata.get("annotations")
-        if annotations is not None and not (
-            isinstance(annotations, dict) and all(isinstance(v, str) for v in annotations.values())
-        ):
-            raise BadReview("request.object.metadata.annotations must map strings to strings")
-        _check_shape(
-            metadata.get("ownerReferences"), [{}], "request.object.metadata.ownerReferences"
-        )
+    if request.get("operation") in ("CREATE", "UPDATE") and _is_pod(request):
+        _check_pod(request.get("object"), "request.object")
+        if request["operation"] == "UPDATE":
+            _check_pod(request.get("oldObject"), "request.oldObject")
     return request
+
+
+def _check_pod(value: Any, where: str) -> None:
+    pod = _object(value, where)
+    spec = _object(pod.get("spec"), f"{where}.spec")
+    _check_shape(spec, shapes.SCHEDULING_FIELDS, f"{where}.spec")
+    if not _depth_at_most(spec, MAX_SPEC_DEPTH):
+        raise BadReview(f"{where}.spec is nested deeper than {MAX_SPEC_DEPTH}")
+    metadata = _object(pod.get("metadata", {}), f"{where}.metadata")
+    annotations = metadata.get("annotations")
+    if annotations is not None and not (
+        isinstance(annotations, dict) and all(isinstance(v, str) for v in annotations.values())
+    ):
+        raise BadReview(f"{where}.metadata.annotations must map strings to strings")
+    _check_shape(metadata.get("ownerReferences"), [{}], f"{where}.metadata.ownerReferences")
 
 
 def _check_shape(value: Any, shape: Any, where: str) -> None:
@@ -159,9 +163,31 @@ def stash_patch(
 ) -> list[JSON]:
     """The JSONPatch that turns ``pod`` into its upper view with the stash annotation,
     kept off the virtual nodes ``kept_off``."""
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    return _patch_to(pod, *stash.stash_scheduling(pod["spec"], annotations, keep, kept_off))
+
+
+def update_patch(
+    old: Mapping[str, Any], pod: Mapping[str, Any], keep: Collection[str]
+) -> list[JSON]:
+    """The JSONPatch for an update of a stashed pod (``stash.stash_update``); an update
+    that drops the stash annotation (``kubectl replace`` of the pod's manifest) keeps it."""
+    old_stash = _annotations(old)[keys.STASH_ANNOTATION]
+    annotations = {keys.STASH_ANNOTATION: old_stash, **_annotations(pod)}
+    return _patch_to(pod, *stash.stash_update(old["spec"], pod["spec"], annotations, keep))
+
+
+def _annotations(pod: Mapping[str, Any]) -> Mapping[str, str]:
+    return (pod.get("metadata") or {}).get("annotations") or {}
+
+
+def _patch_to(
+    pod: Mapping[str, Any], new_spec: Mapping[str, Any], new_annotations: Mapping[str, str]
+) -> list[JSON]:
+    """The JSONPatch from ``pod`` to one with ``new_spec``'s scheduling fields and
+    ``new_annotations``."""
     spec = pod["spec"]
     annotations = (pod.get("metadata") or {}).get("annotations")
-    new_spec, new_annotations = stash.stash_scheduling(spec, annotations or {}, keep, kept_off)
     patch: list[JSON] = []
     for field in stash.FIELDS:
         path = _pointer("spec", field)
@@ -191,8 +217,7 @@ def stash_patch(
 def descheduler_annotation_warning(pod: Mapping[str, Any]) -> str | None:
     """What ``kubectl`` should say of a descheduler annotation whose value is not the one
     it takes; the descheduler reads any value as that one (descheduler.rescue.hands_off)."""
-    annotations = (pod.get("metadata") or {}).get("annotations") or {}
-    value = annotations.get(keys.DESCHEDULER_ANNOTATION)
+    value = _annotations(pod).get(keys.DESCHEDULER_ANNOTATION)
     if value is None or value == keys.DESCHEDULER_NEVER:
         return None
     return (
@@ -215,22 +240,20 @@ def review_response(
     response: JSON = {"uid": request["uid"], "allowed": True}
     if request.get("operation") in ("CREATE", "UPDATE") and _is_daemonset(request):
         return _review(_with_patch(response, daemonset_patch(request)))
-    if request.get("operation") == "CREATE" and _is_pod(request):
-        existing = ((request["object"].get("metadata") or {}).get("annotations") or {}).get(
-            keys.STASH_ANNOTATION
-        )
-        if existing is not None:
-            try:
-                stash.decode(existing)
-            except stash.StashError as error:
-                response["allowed"] = False
-                response["status"] = {
-                    "code": 400,
-                    "reason": "BadRequest",
-                    "message": f"annotation {keys.STASH_ANNOTATION}: {error}",
-                }
-                return _review(response)
-        pod = request["object"]
+    if not _is_pod(request) or request.get("operation") not in ("CREATE", "UPDATE"):
+        return _review(response)
+    pod = request["object"]
+    old_stash = _annotations(request.get("oldObject") or {}).get(keys.STASH_ANNOTATION)
+    unreadable = _unreadable_stash(_annotations(pod).get(keys.STASH_ANNOTATION, old_stash))
+    if unreadable:
+        response["allowed"] = False
+        response["status"] = {"code": 400, "reason": "BadRequest", "message": unreadable}
+        return _review(response)
+    if request["operation"] == "UPDATE":
+        # Only a pod the webhook stashed when it was made (an older one runs as it was).
+        if old_stash is not None:
+            response = _with_patch(response, update_patch(request["oldObject"], pod, keep))
+    else:
         warning = descheduler_annotation_warning(pod)
         if warning:
             response["warnings"] = [warning]
@@ -239,6 +262,17 @@ def review_response(
         avoided = kept_off(moves, pod, now or datetime.now(UTC)) if moves else []
         response = _with_patch(response, stash_patch(pod, keep, avoided))
     return _review(response)
+
+
+def _unreadable_stash(text: str | None) -> str | None:
+    """Why a stash annotation cannot be read, if it cannot."""
+    if text is None:
+        return None
+    try:
+        stash.decode(text)
+    except stash.StashError as error:
+        return f"annotation {keys.STASH_ANNOTATION}: {error}"
+    return None
 
 
 def _with_patch(response: JSON, patch: list[JSON]) -> JSON:

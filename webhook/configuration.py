@@ -27,6 +27,11 @@ PROTECTED_NAMESPACES = (
     keys.SYSTEM_NAMESPACE,
 )
 TIMEOUT_SECONDS = 5
+ON_CREATE_OR_STASHED_SPEC_CHANGE = (
+    "request.operation == 'CREATE' || object.spec != oldObject.spec"
+    " && has(oldObject.metadata.annotations)"
+    f" && '{keys.STASH_ANNOTATION}' in oldObject.metadata.annotations"
+)
 
 
 def stash_webhook(client_config: JSON) -> JSON:
@@ -42,6 +47,11 @@ def stash_webhook(client_config: JSON) -> JSON:
       plugins again (RuntimeClass, PodNodeSelector put their node selector back), and
       other webhooks may add scheduling fields after ours; called again, the webhook
       stashes them again (``kubekit.stash.stash_scheduling`` says how).
+    - UPDATE too, but only of a stashed pod's spec (``matchConditions``): applying a pod's
+      manifest again puts back the fields the webhook moved, which a running pod may not
+      take, and a pod waiting on a scheduling gate may be given scheduling fields
+      (``kubekit.stash.stash_update``). Other updates (labels, finalizers, a
+      controller's adoption) never wait on the webhook, nor fail while it is away.
     """
     return {
         "name": WEBHOOK_NAME,
@@ -51,9 +61,15 @@ def stash_webhook(client_config: JSON) -> JSON:
             {
                 "apiGroups": [""],
                 "apiVersions": ["v1"],
-                "operations": ["CREATE"],
+                "operations": ["CREATE", "UPDATE"],
                 "resources": ["pods"],
                 "scope": "Namespaced",
+            }
+        ],
+        "matchConditions": [
+            {
+                "name": "create-or-stashed-spec-change",
+                "expression": ON_CREATE_OR_STASHED_SPEC_CHANGE,
             }
         ],
         "namespaceSelector": {

@@ -488,3 +488,110 @@ def test_daemonsets_on_virtual_nodes_only_when_they_mean_them_and_without_churn(
     finally:
         upper.kubectl("delete", "namespace", "daemons", "--wait=false")
         upper.kubectl("delete", "node", plain, "--ignore-not-found")
+
+
+def test_a_bare_pod_manifest_applied_again_updates_the_pod(
+    federation: Federation, ssd_node: str
+) -> None:
+    """Applying a pod's manifest again (a new image, a label) puts back the scheduling
+    fields the webhook moved into the stash and drops the provider's toleration it added;
+    the webhook, called on that update, moves them again, so the update changes only what
+    the manifest changed, as it does without kubestrata. Client-side and server-side
+    apply both."""
+    upper = federation.upper
+    apply(upper, federated_namespace("wh-reapply"))
+    pod: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "again", "namespace": "wh-reapply", "labels": {"v": "1"}},
+        "spec": {
+            "nodeSelector": SSD,
+            "tolerations": [{"key": "spot", "operator": "Exists", "effect": "NoSchedule"}],
+            "terminationGracePeriodSeconds": 0,
+            "containers": [container()],
+        },
+    }
+    upper.kubectl("apply", "-f", "-", input=json.dumps(pod))
+    lower_pod(federation, "lower-1", "wh-reapply", "again")
+    before = get_json(upper, "pod", "-n", "wh-reapply", "again")
+
+    pod["metadata"]["labels"] = {"v": "2"}
+    pod["spec"]["containers"] = [{**container(), "image": "registry.k8s.io/pause:3.9"}]
+    upper.kubectl("apply", "-f", "-", input=json.dumps(pod))
+    pod["metadata"]["labels"] = {"v": "3"}
+    upper.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=json.dumps(pod))
+
+    after = get_json(upper, "pod", "-n", "wh-reapply", "again")
+    assert after["metadata"]["labels"]["v"] == "3"
+    assert after["spec"]["containers"][0]["image"] == "registry.k8s.io/pause:3.9"
+    for field in stash.FIELDS:
+        assert after["spec"].get(field) == before["spec"].get(field), field
+    assert (
+        after["metadata"]["annotations"][keys.STASH_ANNOTATION]
+        == before["metadata"]["annotations"][keys.STASH_ANNOTATION]
+    )
+    wait_for(
+        lambda: (
+            lower_pod(federation, "lower-1", "wh-reapply", "again")["spec"]["containers"][0][
+                "image"
+            ]
+            == "registry.k8s.io/pause:3.9"
+        ),
+        "the new image on the lower pod",
+    )
+    assert lower_pod(federation, "lower-1", "wh-reapply", "again")["spec"]["nodeSelector"] == SSD
+    # An update that leaves the spec alone is not sent to the webhook (nor refused while
+    # it is away): the apiserver counts it as excluded by the match condition.
+    excluded = _match_condition_exclusions(upper)
+    upper.kubectl("label", "pod", "again", "-n", "wh-reapply", "v=4", "--overwrite")
+    assert _match_condition_exclusions(upper) == excluded + 1
+    # What a running pod may not change it still may not, through the stash or not.
+    elsewhere = upper.kubectl(
+        "patch", "pod", "again", "-n", "wh-reapply",
+        "-p", json.dumps({"spec": {"nodeSelector": {"disk": "hdd"}}}), check=False,
+    )  # fmt: skip
+    assert elsewhere.returncode != 0
+    assert "pod updates may not change fields" in elsewhere.stderr
+
+
+def test_a_gated_pod_given_a_node_selector_before_its_gate_is_lifted_runs_where_it_says(
+    federation: Federation, ssd_node: str
+) -> None:
+    """What a queueing controller (Kueue) does: the pod waits on a scheduling gate, is
+    given a node selector, then the gate is lifted. The selector is stashed (above, no
+    virtual node carries disk=ssd) and restored below."""
+    upper = federation.upper
+    apply(upper, federated_namespace("wh-gated"))
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "queued", "namespace": "wh-gated"},
+        "spec": {
+            "schedulingGates": [{"name": "example.com/quota"}],
+            "terminationGracePeriodSeconds": 0,
+            "containers": [container()],
+        },
+    }
+    upper.kubectl("create", "-f", "-", input=json.dumps(pod))
+    upper.kubectl(
+        "patch", "pod", "queued", "-n", "wh-gated",
+        "-p", json.dumps({"spec": {"nodeSelector": SSD}}),
+    )  # fmt: skip
+    gated = get_json(upper, "pod", "-n", "wh-gated", "queued")
+    assert "nodeSelector" not in gated["spec"]
+    upper.kubectl(
+        "patch", "pod", "queued", "-n", "wh-gated", "--type=json",
+        "-p", json.dumps([{"op": "remove", "path": "/spec/schedulingGates"}]),
+    )  # fmt: skip
+    below = lower_pod(federation, "lower-1", "wh-gated", "queued")
+    assert below["spec"]["nodeSelector"] == SSD
+    assert below["spec"]["nodeName"] == ssd_node
+
+
+def _match_condition_exclusions(upper: LocalCluster) -> float:
+    metric = "apiserver_admission_match_condition_exclusions_total{"
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in upper.kubectl("get", "--raw", "/metrics").stdout.splitlines()
+        if line.startswith(metric) and 'name="stash.kubestrata.io"' in line
+    )

@@ -6,7 +6,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kubekit import keys, stash
-from kubekit.stash import PROVIDER_TOLERATION, StashError, restore_scheduling, stash_scheduling
+from kubekit.stash import (
+    PROVIDER_TOLERATION,
+    StashError,
+    restore_scheduling,
+    stash_scheduling,
+    stash_update,
+)
 
 label_keys = st.sampled_from(
     [
@@ -327,3 +333,68 @@ def test_a_stashed_affinity_is_the_one_the_spec_shows_when_they_differ() -> None
     assert "affinity" not in stashed
     restored = restore_scheduling(stashed, annotations[keys.STASH_ANNOTATION])
     assert restored["affinity"] == imposed
+
+
+@given(specs)
+def test_a_manifest_applied_again_leaves_the_stashed_pod_as_it_was(spec: dict[str, Any]) -> None:
+    """``kubectl apply`` of the pod's manifest again sets every field the manifest has
+    (those the webhook moved included); the update changes none of them."""
+    stashed, annotations = stash_scheduling(spec, {})
+    applied = {**stashed, **{f: spec[f] for f in stash.FIELDS if f in spec}}
+    if keys.STASH_ANNOTATION in annotations:
+        assert stash_update(stashed, applied, annotations) == (stashed, annotations)
+
+
+SPOT = {"key": "spot", "operator": "Exists", "effect": "NoSchedule"}
+
+
+def test_an_applied_manifest_without_the_provider_toleration_keeps_it() -> None:
+    spec = {"nodeSelector": {"disk": "ssd"}, "tolerations": [SPOT]}
+    stashed, annotations = stash_scheduling(spec, {})
+    assert stashed["tolerations"] == [SPOT, PROVIDER_TOLERATION]
+    added = {"key": "gpu", "operator": "Exists"}
+    updated, _ = stash_update(stashed, {**stashed, "tolerations": [SPOT, added]}, annotations)
+    assert updated["tolerations"] == [SPOT, added, PROVIDER_TOLERATION]
+    assert "nodeSelector" not in updated
+
+
+GATED = {"schedulingGates": [{"name": "example.com/quota"}]}
+
+
+def test_a_gated_pod_given_a_node_selector_has_it_stashed_beside_the_stashed_one() -> None:
+    """A queueing controller gives a gated pod its node selector before it lifts the gate;
+    the entries only lower nodes carry join the stash, a cluster-level one stays above."""
+    spec = {**GATED, "nodeSelector": {"disk": "ssd"}}
+    stashed, annotations = stash_scheduling(spec, {})
+    given_more = {**stashed, "nodeSelector": {**IN_LOWER_1, "flavor": "spot"}}
+    updated, updated_annotations = stash_update(stashed, given_more, annotations)
+    assert updated["nodeSelector"] == IN_LOWER_1
+    restored = restore_scheduling(updated, updated_annotations[keys.STASH_ANNOTATION])
+    assert restored["nodeSelector"] == {"disk": "ssd", "flavor": "spot", **IN_LOWER_1}
+
+
+def test_a_gated_pod_given_an_affinity_has_it_stashed() -> None:
+    stashed, annotations = stash_scheduling(dict(GATED), {})
+    given = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "disk", "operator": "In", "values": ["ssd"]}]}
+                ]
+            }
+        }
+    }
+    updated, updated_annotations = stash_update(
+        stashed, {**stashed, "affinity": given}, annotations
+    )
+    assert "affinity" not in updated
+    restored = restore_scheduling(updated, updated_annotations[keys.STASH_ANNOTATION])
+    assert restored["affinity"] == given
+
+
+def test_a_changed_node_selector_of_a_pod_past_its_gates_is_left_to_the_apiserver() -> None:
+    """The apiserver refuses it, as it would without kubestrata; stashed, the update would
+    be taken and the stash would no longer say what the lower pod runs with."""
+    stashed, annotations = stash_scheduling({"nodeSelector": {"disk": "ssd"}}, {})
+    changed = {**stashed, "nodeSelector": {"disk": "hdd"}}
+    assert stash_update(stashed, changed, annotations) == (changed, annotations)

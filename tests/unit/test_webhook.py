@@ -135,7 +135,7 @@ def test_a_descheduler_annotation_other_than_never_is_warned_of(value: str) -> N
 @pytest.mark.parametrize(
     "body",
     [
-        review(pod({"nodeSelector": {"disk": "ssd"}}), operation="UPDATE"),
+        review(pod({"nodeSelector": {"disk": "ssd"}}), operation="UPDATE", oldObject=pod({})),
         review(pod({"nodeSelector": {"disk": "ssd"}}), subResource="ephemeralcontainers"),
         review(
             {"metadata": {"name": "c"}, "data": {}},
@@ -143,7 +143,7 @@ def test_a_descheduler_annotation_other_than_never_is_warned_of(value: str) -> N
         ),
         review(None, operation="DELETE", oldObject=pod({})),
     ],
-    ids=["update", "subresource", "configmap", "delete"],
+    ids=["update of a pod made before the webhook", "subresource", "configmap", "delete"],
 )
 def test_what_is_not_a_pod_creation_passes_untouched(body: dict[str, Any]) -> None:
     assert answer(body) == {"uid": "d2c1", "allowed": True}
@@ -409,3 +409,40 @@ def test_a_serving_pair_is_reused_while_it_covers_the_names(tmp_path: Path) -> N
     wider = pki.serving_pair(tmp_path, "webhook", ("127.0.0.1", "webhook.svc"))
     assert wider.cert_path.read_bytes() != created
     assert pki.ca_path(wider).read_bytes() == ca
+
+
+def test_an_update_putting_back_the_moved_fields_is_patched_back() -> None:
+    """``kubectl apply`` of the manifest again, and ``kubectl replace``, which also drops
+    the stash annotation: the fields return to the upper view and the stash stays."""
+    manifest = {"nodeSelector": {"disk": "ssd"}, "containers": [{"name": "c", "image": "i"}]}
+    stashed_spec, annotations = stash.stash_scheduling(manifest, {})
+    old = pod(stashed_spec, annotations)
+    new_image = {"name": "c", "image": "i2"}
+    for new in (
+        pod(
+            {**manifest, "tolerations": stashed_spec["tolerations"], "containers": [new_image]},
+            annotations,
+        ),
+        pod({**manifest, "containers": [new_image]}, {}),
+    ):
+        response = answer(review(new, operation="UPDATE", oldObject=old))
+        assert patched(new, response) == pod(
+            {**stashed_spec, "containers": [new_image]}, annotations
+        )
+
+
+def test_an_update_with_an_unreadable_stash_is_refused() -> None:
+    stashed_spec, annotations = stash.stash_scheduling({"nodeSelector": {"disk": "ssd"}}, {})
+    old = pod(stashed_spec, annotations)
+    forged = pod(stashed_spec, {keys.STASH_ANNOTATION: '{"version": 9}'})
+    refused = answer(review(forged, operation="UPDATE", oldObject=old))
+    assert refused["allowed"] is False
+    assert "unknown stash version 9" in refused["status"]["message"]
+    bad_old = pod(stashed_spec, {keys.STASH_ANNOTATION: "{"})
+    refused = answer(review(pod(stashed_spec), operation="UPDATE", oldObject=bad_old))
+    assert refused["allowed"] is False
+
+
+def test_an_update_review_without_an_old_pod_is_a_bad_review() -> None:
+    with pytest.raises(BadReview, match=r"request\.oldObject must be a JSON object"):
+        parse_review(json.dumps(review(pod({}), operation="UPDATE")).encode())
