@@ -63,6 +63,12 @@ _SMP = "application/strategic-merge-patch+json"
 # Statuses of the lower apiserver that mean "this pod will never be accepted as is".
 # 403 is not one: admission refuses for reasons that pass (quota, a namespace still
 # being set up).
+# A lower cluster is unreachable once this many pings in a row failed, a pause apart: one
+# dropped connection or one apiserver of several restarting would otherwise mark the Node
+# not ready, pause mirroring and reconcile every pod again once back (a kubelet tries its
+# node status five times before it gives up on an update).
+PING_ATTEMPTS = 3
+PING_PAUSE_SECONDS = 1.0
 _PERMANENT = frozenset({400, 422})
 _PATCH_REFUSED = _PERMANENT | {403}
 
@@ -239,16 +245,22 @@ class LowerCluster:
     # -- NodeProvider ----------------------------------------------------------------------
 
     async def ping(self) -> bool:
-        """Whether the lower apiserver is ready: /version alone answers with its etcd
-        down, when it can neither create nor report a pod."""
-        try:
-            # Within the Lease's interval: no wait the apiserver names.
-            await self.client.get_text("/readyz", timeout=5, retry_when_told=False)
-            version = await self.client.request("GET", "/version", timeout=5, retry_when_told=False)
-        except API_ERRORS as error:
-            log.debug("lower cluster %s: %s", self.owner.cluster_id, error)
-            self.reachable = False
-            return False
+        """Whether the lower apiserver is ready (``PING_ATTEMPTS`` tries): /version alone
+        answers with its etcd down, when it can neither create nor report a pod."""
+        for attempt in range(1, PING_ATTEMPTS + 1):
+            try:
+                # Within the Lease's interval: no wait the apiserver names.
+                await self.client.get_text("/readyz", timeout=5, retry_when_told=False)
+                version = await self.client.request(
+                    "GET", "/version", timeout=5, retry_when_told=False
+                )
+                break
+            except API_ERRORS as error:
+                log.debug("lower cluster %s: %s", self.owner.cluster_id, error)
+                if attempt == PING_ATTEMPTS:
+                    self.reachable = False
+                    return False
+                await asyncio.sleep(PING_PAUSE_SECONDS)
         self.version = str(version.get("gitVersion", ""))
         self.reachable = True
         return True

@@ -17,6 +17,7 @@ from kubekit.client import NODES, PODS, ApiError
 from kubekit.informer import Informer
 from kubekit.workqueue import WorkQueue
 from tests.unit.fakeapi import FakeClient, not_found, status_error
+from virtual_node import lower as lower_module
 from virtual_node.lower import LowerCluster, NameTaken
 from virtual_node.naming import NamespaceMapping
 from virtual_node.podcontroller import PodController, RetryLater, SyncResult
@@ -734,6 +735,7 @@ async def test_a_pod_whose_namespace_has_no_name_below_is_let_go_when_deleted() 
     assert mirroring.upper.writes("DELETE") == [("DELETE", f"/api/v1/namespaces/{long}/pods/web")]
 
 
+@pytest.mark.usefixtures("no_ping_pause")
 async def test_a_deletion_while_the_lower_cluster_is_unreachable_changes_nothing_above(
     mirroring: Mirroring,
 ) -> None:
@@ -745,22 +747,47 @@ async def test_a_deletion_while_the_lower_cluster_is_unreachable_changes_nothing
     ending = lower_pod(phase="Running", conditions=[{"type": "Ready", "status": "True"}])
     ending["metadata"]["deletionTimestamp"] = "2026-11-25T08:00:00Z"
     mirroring.below(ending)
-    mirroring.lower.answer("GET", "/readyz", ConnectionRefusedError("lower apiserver down"))
+    down = ConnectionRefusedError("lower apiserver down")
+    mirroring.lower.answer("GET", "/readyz", *[down] * lower_module.PING_ATTEMPTS)
     assert await backend.ping() is False
     await mirroring.controller.reconcile("shop/web")
     assert mirroring.upper.requests == []
 
 
+@pytest.mark.usefixtures("no_ping_pause")
 async def test_a_lower_apiserver_without_its_etcd_is_unreachable(mirroring: Mirroring) -> None:
     """/version answers with etcd down; /readyz does not."""
     backend = mirroring.controller.backend
     assert isinstance(backend, LowerCluster)
     mirroring.lower.answer("GET", "/version", {"gitVersion": "v1.35.4"}, {"gitVersion": "v1.35.4"})
     assert await backend.ping() is True and backend.version == "v1.35.4"
-    mirroring.lower.answer("GET", "/readyz", ApiError(500, "[-]etcd failed: reason withheld"))
+    failed = ApiError(500, "[-]etcd failed: reason withheld")
+    mirroring.lower.answer("GET", "/readyz", *[failed] * lower_module.PING_ATTEMPTS)
     assert await backend.ping() is False
 
 
+@pytest.fixture
+def no_ping_pause(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lower_module, "PING_PAUSE_SECONDS", 0.0)
+
+
+@pytest.mark.usefixtures("no_ping_pause")
+async def test_a_ping_that_fails_once_leaves_the_lower_cluster_reachable(
+    mirroring: Mirroring,
+) -> None:
+    """One dropped connection, or one of several lower apiservers restarting: the Node
+    stays Ready and mirroring goes on (no resync of every pod once back)."""
+    backend = mirroring.controller.backend
+    assert isinstance(backend, LowerCluster)
+    down = ConnectionRefusedError("lower apiserver restarting")
+    mirroring.lower.answer("GET", "/readyz", *[down] * (lower_module.PING_ATTEMPTS - 1))
+    mirroring.lower.answer("GET", "/version", {"gitVersion": "v1.35.4"})
+    assert await backend.ping() is True and backend.reachable
+    readyz = [r for r in mirroring.lower.requests if r.path == "/readyz"]
+    assert len(readyz) == lower_module.PING_ATTEMPTS
+
+
+@pytest.mark.usefixtures("no_ping_pause")
 async def test_an_unreachable_lower_cluster_is_not_mirrored_until_a_resync(
     mirroring: Mirroring,
 ) -> None:
@@ -772,10 +799,12 @@ async def test_an_unreachable_lower_cluster_is_not_mirrored_until_a_resync(
     not_ready["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "status": "False"}]}
     mirroring.above(not_ready)
     mirroring.below(lower_pod(phase="Running", conditions=[{"type": "Ready", "status": "True"}]))
-    mirroring.lower.answer("GET", "/readyz", ConnectionRefusedError("lower apiserver down"))
+    down = ConnectionRefusedError("lower apiserver down")
+    mirroring.lower.answer("GET", "/readyz", *[down] * lower_module.PING_ATTEMPTS)
     assert await backend.ping() is False
     await mirroring.controller.reconcile("shop/web")
-    assert mirroring.upper.requests == [] and mirroring.lower.requests[1:] == []
+    assert mirroring.upper.requests == []
+    assert {r.path for r in mirroring.lower.requests} == {"/readyz"}
 
     mirroring.lower.answer("GET", "/version", {"gitVersion": "v1.35.4"})
     assert await backend.ping() is True
