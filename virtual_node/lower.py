@@ -60,15 +60,18 @@ log = logging.getLogger(__name__)
 
 JSON = dict[str, Any]
 _SMP = "application/strategic-merge-patch+json"
-# Statuses of the lower apiserver that mean "this pod will never be accepted as is".
-# 403 is not one: admission refuses for reasons that pass (quota, a namespace still
-# being set up).
 # A lower cluster is unreachable once this many pings in a row failed, a pause apart: one
 # dropped connection or one apiserver of several restarting would otherwise mark the Node
 # not ready, pause mirroring and reconcile every pod again once back (a kubelet tries its
-# node status five times before it gives up on an update).
+# node status five times before it gives up on an update). All of them within the Lease's
+# renewal interval, so a lower cluster that answers slowly does not let the Lease lapse.
 PING_ATTEMPTS = 3
 PING_PAUSE_SECONDS = 1.0
+PING_DEADLINE_SECONDS = 10.0
+_PING_FAILURES: tuple[type[Exception], ...] = (TimeoutError, *API_ERRORS)
+# Statuses of the lower apiserver that mean "this pod will never be accepted as is".
+# 403 is not one: admission refuses for reasons that pass (quota, a namespace still
+# being set up).
 _PERMANENT = frozenset({400, 422})
 _PATCH_REFUSED = _PERMANENT | {403}
 
@@ -245,25 +248,40 @@ class LowerCluster:
     # -- NodeProvider ----------------------------------------------------------------------
 
     async def ping(self) -> bool:
-        """Whether the lower apiserver is ready (``PING_ATTEMPTS`` tries): /version alone
-        answers with its etcd down, when it can neither create nor report a pod."""
-        for attempt in range(1, PING_ATTEMPTS + 1):
-            try:
-                # Within the Lease's interval: no wait the apiserver names.
-                await self.client.get_text("/readyz", timeout=5, retry_when_told=False)
-                version = await self.client.request(
-                    "GET", "/version", timeout=5, retry_when_told=False
-                )
-                break
-            except API_ERRORS as error:
-                log.debug("lower cluster %s: %s", self.owner.cluster_id, error)
-                if attempt == PING_ATTEMPTS:
-                    self.reachable = False
-                    return False
-                await asyncio.sleep(PING_PAUSE_SECONDS)
+        """Whether the lower apiserver is ready (up to ``PING_ATTEMPTS`` tries within
+        ``PING_DEADLINE_SECONDS``): /version alone answers with its etcd down, when it
+        can neither create nor report a pod."""
+        try:
+            async with asyncio.timeout(PING_DEADLINE_SECONDS):
+                version = await self._ping_tries()
+        except _PING_FAILURES as error:
+            log.debug("lower cluster %s: %s", self.owner.cluster_id, error)
+            self.reachable = False
+            return False
         self.version = str(version.get("gitVersion", ""))
         self.reachable = True
         return True
+
+    async def _ping_tries(self) -> JSON:
+        for _ in range(PING_ATTEMPTS - 1):
+            try:
+                return await self._ready_version()
+            except API_ERRORS as error:
+                log.info(
+                    "lower cluster %s did not answer (%s); trying again",
+                    self.owner.cluster_id,
+                    error,
+                )
+                await asyncio.sleep(PING_PAUSE_SECONDS)
+        return await self._ready_version()
+
+    async def _ready_version(self) -> JSON:
+        # No wait the apiserver names: the deadline is the Lease's.
+        await self.client.get_text("/readyz", timeout=5, retry_when_told=False)
+        version: JSON = await self.client.request(
+            "GET", "/version", timeout=5, retry_when_told=False
+        )
+        return version
 
     def report(self, reachable: bool) -> NodeReport:
         nodes = list(self.nodes.items())

@@ -787,6 +787,18 @@ async def test_a_ping_that_fails_once_leaves_the_lower_cluster_reachable(
     assert len(readyz) == lower_module.PING_ATTEMPTS
 
 
+async def test_pings_that_outlast_the_lease_interval_find_the_lower_cluster_unreachable(
+    mirroring: Mirroring, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """However slowly the tries fail, the Lease is renewed or the Node is marked not
+    ready within the renewal interval."""
+    monkeypatch.setattr(lower_module, "PING_DEADLINE_SECONDS", 0.05)
+    backend = mirroring.controller.backend
+    assert isinstance(backend, LowerCluster)
+    mirroring.lower.answer("GET", "/readyz", ConnectionRefusedError("lower apiserver restarting"))
+    assert await backend.ping() is False and not backend.reachable
+
+
 @pytest.mark.usefixtures("no_ping_pause")
 async def test_an_unreachable_lower_cluster_is_not_mirrored_until_a_resync(
     mirroring: Mirroring,
