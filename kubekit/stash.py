@@ -242,41 +242,84 @@ def stash_scheduling(
 
 def stash_update(
     old_spec: Mapping[str, Any],
+    old_stash: str,
     spec: Mapping[str, Any],
     annotations: Mapping[str, str],
     keep: Collection[str] = DEFAULT_KEEP_KEYS,
 ) -> tuple[JSON, dict[str, str]]:
     """The spec and annotations an update of a stashed pod should store (``annotations``
-    carry its stash), as ``stash_scheduling`` for a create.
+    carry its stash, ``old_stash`` the one stored before the update: called again on its
+    own answer, after another webhook's change, the function changes nothing more), as
+    ``stash_scheduling`` for a create.
 
     An update that puts back what the stash restores (the pod's manifest applied again,
     with a new image or label: the apply puts back the fields the webhook moved and
     drops the provider's toleration it added) leaves that field as the upper scheduler
     saw it, so the update changes what it meant to and no field a pod may not change.
     Tolerations added are kept, with the provider's. A pod waiting on a scheduling gate
-    may take scheduling fields before it is scheduled (what a queueing controller such
-    as Kueue does): its new node selector entries join the stashed ones and another
-    changed field is stashed as it is now. Any other change is left for the apiserver,
-    which refuses it on a pod past its gates as it would without kubestrata."""
+    may be given what Kubernetes lets it take before it is scheduled (what a queueing
+    controller such as Kueue does): node selector entries join the stashed ones, and a
+    node affinity on cluster-level keys (or node names) only is taken as it is (it speaks
+    to the upper scheduler; the lower pod keeps its stashed affinity). One that names a
+    key the stash holds with another value, or a node affinity on lower nodes' labels, is
+    refused (``StashRefused``): the apiserver, which sees only the upper view, would take
+    it and lose the stashed one. Any other change is left for the apiserver, which
+    refuses it as it would without kubestrata."""
     originals = decode(annotations[keys.STASH_ANNOTATION])
-    restored = restore_scheduling(old_spec, annotations[keys.STASH_ANNOTATION])
+    restored = restore_scheduling(old_spec, old_stash)
     gated = bool(old_spec.get("schedulingGates"))
     new_spec: JSON = json_copy(dict(spec))
     for field in FIELDS:
-        value = spec.get(field)
-        if value == old_spec.get(field):
+        value, old = spec.get(field), old_spec.get(field)
+        if value == old:
             continue
-        if value == restored.get(field):
-            _set_or_drop(new_spec, field, old_spec.get(field))
+        if _puts_back(field, value, old, restored.get(field)):
+            _set_or_drop(new_spec, field, old)
         elif field == "tolerations":
             new_spec[field] = _project_tolerations(list(value or []))
-        elif gated:
-            if field == "nodeSelector":
-                stashed = originals[field] if field in originals else old_spec.get(field)
-                value = {**(stashed or {}), **(value or {})}
-            originals[field] = value  # only encoded, never changed
-            _set_or_drop(new_spec, field, upper_view({field: value}, keep)[field])
+        elif gated and field == "nodeSelector" and (old or {}).items() <= (value or {}).items():
+            # Entries added (one changed or dropped is the apiserver's to refuse).
+            stashed = originals.get(field, old) or {}
+            added = {k: v for k, v in (value or {}).items() if k not in (old or {})}
+            for key, wanted in added.items():
+                if key in stashed and stashed[key] != wanted:
+                    raise StashRefused(
+                        f"spec.nodeSelector: the pod asks for {key}={stashed[key]} already "
+                        f"(kept in annotation {keys.STASH_ANNOTATION}); a node selector "
+                        "entry cannot be changed"
+                    )
+            originals[field] = {**stashed, **added}
+            above = {**(old or {}), **(_project_node_selector(added, keep) or {})}
+            _set_or_drop(new_spec, field, above or old)
+        elif gated and field == "affinity" and _only_node_affinity_changed(old, value):
+            node_affinity = (value or {}).get("nodeAffinity") or {}
+            if _project_node_affinity(node_affinity, keep) != node_affinity:
+                raise StashRefused(
+                    "spec.affinity.nodeAffinity: a node affinity on lower nodes' labels "
+                    "given to a pod waiting on a scheduling gate cannot be kept apart from "
+                    "the upper scheduler; give those labels as a nodeSelector"
+                )
+            originals.setdefault(field, old)
     return new_spec, {**annotations, keys.STASH_ANNOTATION: encode(originals)}
+
+
+class StashRefused(ValueError):
+    """An update of a stashed pod's scheduling fields that cannot be taken."""
+
+
+def _puts_back(field: str, value: Any, old: Any, restored: Any) -> bool:
+    """Whether ``value`` is the stashed original (or, for a node selector, which an apply
+    merges key by key into the upper one, a part of it over the upper entries)."""
+    if field != "nodeSelector" or not isinstance(value, dict) or not isinstance(restored, dict):
+        return bool(value == restored)
+    return (old or {}).items() <= value.items() <= restored.items()
+
+
+def _only_node_affinity_changed(old: Mapping[str, Any] | None, value: Any) -> bool:
+    others = ("podAffinity", "podAntiAffinity")
+    return isinstance(value, dict) and all(
+        (old or {}).get(kind) == value.get(kind) for kind in others
+    )
 
 
 def _set_or_drop(spec: JSON, field: str, value: Any) -> None:

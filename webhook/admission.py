@@ -174,7 +174,9 @@ def update_patch(
     that drops the stash annotation (``kubectl replace`` of the pod's manifest) keeps it."""
     old_stash = _annotations(old)[keys.STASH_ANNOTATION]
     annotations = {keys.STASH_ANNOTATION: old_stash, **_annotations(pod)}
-    return _patch_to(pod, *stash.stash_update(old["spec"], pod["spec"], annotations, keep))
+    return _patch_to(
+        pod, *stash.stash_update(old["spec"], old_stash, pod["spec"], annotations, keep)
+    )
 
 
 def _annotations(pod: Mapping[str, Any]) -> Mapping[str, str]:
@@ -246,13 +248,15 @@ def review_response(
     old_stash = _annotations(request.get("oldObject") or {}).get(keys.STASH_ANNOTATION)
     unreadable = _unreadable_stash(_annotations(pod).get(keys.STASH_ANNOTATION, old_stash))
     if unreadable:
-        response["allowed"] = False
-        response["status"] = {"code": 400, "reason": "BadRequest", "message": unreadable}
-        return _review(response)
+        return _review(_refused(response, 400, "BadRequest", unreadable))
     if request["operation"] == "UPDATE":
         # Only a pod the webhook stashed when it was made (an older one runs as it was).
         if old_stash is not None:
-            response = _with_patch(response, update_patch(request["oldObject"], pod, keep))
+            try:
+                patch = update_patch(request["oldObject"], pod, keep)
+            except stash.StashRefused as error:
+                return _review(_refused(response, 422, "Invalid", str(error)))
+            response = _with_patch(response, patch)
     else:
         warning = descheduler_annotation_warning(pod)
         if warning:
@@ -273,6 +277,14 @@ def _unreadable_stash(text: str | None) -> str | None:
     except stash.StashError as error:
         return f"annotation {keys.STASH_ANNOTATION}: {error}"
     return None
+
+
+def _refused(response: JSON, code: int, reason: str, message: str) -> JSON:
+    return {
+        **response,
+        "allowed": False,
+        "status": {"code": code, "reason": reason, "message": message},
+    }
 
 
 def _with_patch(response: JSON, patch: list[JSON]) -> JSON:

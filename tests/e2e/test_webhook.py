@@ -579,6 +579,13 @@ def test_a_gated_pod_given_a_node_selector_before_its_gate_is_lifted_runs_where_
     )  # fmt: skip
     gated = get_json(upper, "pod", "-n", "wh-gated", "queued")
     assert "nodeSelector" not in gated["spec"]
+    # The apiserver cannot see the stashed entry: the webhook refuses another value.
+    other = upper.kubectl(
+        "patch", "pod", "queued", "-n", "wh-gated",
+        "-p", json.dumps({"spec": {"nodeSelector": {"disk": "hdd"}}}), check=False,
+    )  # fmt: skip
+    assert other.returncode != 0
+    assert "the pod asks for disk=ssd already" in other.stderr
     upper.kubectl(
         "patch", "pod", "queued", "-n", "wh-gated", "--type=json",
         "-p", json.dumps([{"op": "remove", "path": "/spec/schedulingGates"}]),

@@ -335,6 +335,10 @@ def test_a_stashed_affinity_is_the_one_the_spec_shows_when_they_differ() -> None
     assert restored["affinity"] == imposed
 
 
+def update(old: dict[str, Any], annotations: dict[str, str], new: dict[str, Any]) -> Any:
+    return stash_update(old, annotations[keys.STASH_ANNOTATION], new, annotations)
+
+
 @given(specs)
 def test_a_manifest_applied_again_leaves_the_stashed_pod_as_it_was(spec: dict[str, Any]) -> None:
     """``kubectl apply`` of the pod's manifest again sets every field the manifest has
@@ -342,7 +346,15 @@ def test_a_manifest_applied_again_leaves_the_stashed_pod_as_it_was(spec: dict[st
     stashed, annotations = stash_scheduling(spec, {})
     applied = {**stashed, **{f: spec[f] for f in stash.FIELDS if f in spec}}
     if keys.STASH_ANNOTATION in annotations:
-        assert stash_update(stashed, applied, annotations) == (stashed, annotations)
+        assert update(stashed, annotations, applied) == (stashed, annotations)
+
+
+def test_a_manifest_applied_again_over_a_node_selector_the_apiserver_extended() -> None:
+    """The RuntimeClass plugin added its class's entries at create; an apply merges the
+    manifest's entries into the upper selector, which then holds part of the stashed one."""
+    stashed, annotations = stash_scheduling({"nodeSelector": {**GVISOR, "disk": "ssd"}}, {})
+    applied = {**stashed, "nodeSelector": {"disk": "ssd"}}
+    assert update(stashed, annotations, applied) == (stashed, annotations)
 
 
 SPOT = {"key": "spot", "operator": "Exists", "effect": "NoSchedule"}
@@ -353,7 +365,7 @@ def test_an_applied_manifest_without_the_provider_toleration_keeps_it() -> None:
     stashed, annotations = stash_scheduling(spec, {})
     assert stashed["tolerations"] == [SPOT, PROVIDER_TOLERATION]
     added = {"key": "gpu", "operator": "Exists"}
-    updated, _ = stash_update(stashed, {**stashed, "tolerations": [SPOT, added]}, annotations)
+    updated, _ = update(stashed, annotations, {**stashed, "tolerations": [SPOT, added]})
     assert updated["tolerations"] == [SPOT, added, PROVIDER_TOLERATION]
     assert "nodeSelector" not in updated
 
@@ -364,37 +376,91 @@ GATED = {"schedulingGates": [{"name": "example.com/quota"}]}
 def test_a_gated_pod_given_a_node_selector_has_it_stashed_beside_the_stashed_one() -> None:
     """A queueing controller gives a gated pod its node selector before it lifts the gate;
     the entries only lower nodes carry join the stash, a cluster-level one stays above."""
-    spec = {**GATED, "nodeSelector": {"disk": "ssd"}}
-    stashed, annotations = stash_scheduling(spec, {})
+    stashed, annotations = stash_scheduling({**GATED, "nodeSelector": {"disk": "ssd"}}, {})
     given_more = {**stashed, "nodeSelector": {**IN_LOWER_1, "flavor": "spot"}}
-    updated, updated_annotations = stash_update(stashed, given_more, annotations)
+    updated, updated_annotations = update(stashed, annotations, given_more)
     assert updated["nodeSelector"] == IN_LOWER_1
     restored = restore_scheduling(updated, updated_annotations[keys.STASH_ANNOTATION])
     assert restored["nodeSelector"] == {"disk": "ssd", "flavor": "spot", **IN_LOWER_1}
 
 
-def test_a_gated_pod_given_an_affinity_has_it_stashed() -> None:
-    stashed, annotations = stash_scheduling(dict(GATED), {})
+@given(specs, st.dictionaries(label_keys, values, max_size=3))
+def test_stashing_an_update_again_changes_nothing(
+    spec: dict[str, Any], given: dict[str, str]
+) -> None:
+    """After another webhook changed the pod the webhook is called again on its own
+    answer, with the old pod as it was stored."""
+    stashed, annotations = stash_scheduling({**spec, **GATED}, {})
+    if keys.STASH_ANNOTATION not in annotations:
+        annotations = {keys.STASH_ANNOTATION: stash.encode({})}
+    new = {**stashed, "nodeSelector": {**given, **(stashed.get("nodeSelector") or {})}}
+    old_stash = annotations[keys.STASH_ANNOTATION]
+    try:
+        once = stash_update(stashed, old_stash, new, annotations)
+    except stash.StashRefused:
+        return
+    assert stash_update(stashed, old_stash, *once) == once
+
+
+def test_a_gated_pod_asking_for_another_value_of_a_stashed_key_is_refused() -> None:
+    """The apiserver sees no entry for the key above and would take it; the stashed one
+    would be lost."""
+    stashed, annotations = stash_scheduling({**GATED, "nodeSelector": {"disk": "ssd"}}, {})
+    with pytest.raises(stash.StashRefused, match="asks for disk=ssd already"):
+        update(stashed, annotations, {**stashed, "nodeSelector": {"disk": "hdd"}})
+
+
+def test_a_gated_pod_given_a_cluster_level_node_affinity_keeps_it_above_only() -> None:
+    original = {
+        "podAntiAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {"topologyKey": "kubernetes.io/hostname", "labelSelector": {}}
+            ]
+        }
+    }
+    stashed, annotations = stash_scheduling({**GATED, "affinity": original}, {})
+    in_lower_1 = {"key": keys.CLUSTER_ID_LABEL, "operator": "In", "values": ["lower-1"]}
     given = {
         "nodeAffinity": {
             "requiredDuringSchedulingIgnoredDuringExecution": {
-                "nodeSelectorTerms": [
-                    {"matchExpressions": [{"key": "disk", "operator": "In", "values": ["ssd"]}]}
-                ]
+                "nodeSelectorTerms": [{"matchExpressions": [in_lower_1]}]
             }
         }
     }
-    updated, updated_annotations = stash_update(
-        stashed, {**stashed, "affinity": given}, annotations
-    )
-    assert "affinity" not in updated
+    updated, updated_annotations = update(stashed, annotations, {**stashed, "affinity": given})
+    assert updated["affinity"] == given
     restored = restore_scheduling(updated, updated_annotations[keys.STASH_ANNOTATION])
-    assert restored["affinity"] == given
+    assert restored["affinity"] == original
+    on_disk = {"key": "disk", "operator": "In", "values": ["ssd"]}
+    lower_level = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [on_disk]}]
+            }
+        }
+    }
+    with pytest.raises(stash.StashRefused, match="give those labels as a nodeSelector"):
+        update(stashed, annotations, {**stashed, "affinity": lower_level})
 
 
-def test_a_changed_node_selector_of_a_pod_past_its_gates_is_left_to_the_apiserver() -> None:
+@pytest.mark.parametrize(
+    ("spec", "changed"),
+    [
+        ({"nodeSelector": {"disk": "ssd"}}, {"nodeSelector": {"disk": "hdd"}}),
+        ({**GATED, "nodeSelector": IN_LOWER_1}, {"nodeSelector": None}),
+        (
+            {**GATED, "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone"}]},
+            {"topologySpreadConstraints": [{"maxSkew": 5, "topologyKey": "zone"}]},
+        ),
+    ],
+    ids=["running pod's node selector", "gated pod's entry dropped", "gated pod's spread"],
+)
+def test_a_change_kubernetes_refuses_is_left_to_the_apiserver(
+    spec: dict[str, Any], changed: dict[str, Any]
+) -> None:
     """The apiserver refuses it, as it would without kubestrata; stashed, the update would
     be taken and the stash would no longer say what the lower pod runs with."""
-    stashed, annotations = stash_scheduling({"nodeSelector": {"disk": "ssd"}}, {})
-    changed = {**stashed, "nodeSelector": {"disk": "hdd"}}
-    assert stash_update(stashed, changed, annotations) == (changed, annotations)
+    stashed, annotations = stash_scheduling(spec, {})
+    annotations = annotations or {keys.STASH_ANNOTATION: stash.encode({})}
+    new = {**stashed, **changed}
+    assert update(stashed, annotations, new) == (new, annotations)

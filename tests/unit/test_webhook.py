@@ -446,3 +446,14 @@ def test_an_update_with_an_unreadable_stash_is_refused() -> None:
 def test_an_update_review_without_an_old_pod_is_a_bad_review() -> None:
     with pytest.raises(BadReview, match=r"request\.oldObject must be a JSON object"):
         parse_review(json.dumps(review(pod({}), operation="UPDATE")).encode())
+
+
+def test_a_gated_pod_asking_for_another_value_of_a_stashed_key_is_refused_with_the_reason() -> None:
+    gated = {"schedulingGates": [{"name": "q"}], "nodeSelector": {"disk": "ssd"}}
+    stashed_spec, annotations = stash.stash_scheduling(gated, {})
+    old = pod(stashed_spec, annotations)
+    new = pod({**stashed_spec, "nodeSelector": {"disk": "hdd"}}, annotations)
+    refused = answer(review(new, operation="UPDATE", oldObject=old))
+    assert refused["allowed"] is False
+    assert refused["status"]["code"] == 422
+    assert "spec.nodeSelector: the pod asks for disk=ssd already" in refused["status"]["message"]
