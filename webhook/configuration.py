@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from kubekit import keys
+from kubekit import keys, stash
 
 JSON = dict[str, Any]
 
@@ -27,10 +27,15 @@ PROTECTED_NAMESPACES = (
     keys.SYSTEM_NAMESPACE,
 )
 TIMEOUT_SECONDS = 5
-ON_CREATE_OR_STASHED_SPEC_CHANGE = (
-    "request.operation == 'CREATE' || object.spec != oldObject.spec"
-    " && has(oldObject.metadata.annotations)"
-    f" && '{keys.STASH_ANNOTATION}' in oldObject.metadata.annotations"
+ON_CREATE_OR_STASHED_SCHEDULING_CHANGE = (
+    "request.operation == 'CREATE' || has(oldObject.metadata.annotations)"
+    f" && '{keys.STASH_ANNOTATION}' in oldObject.metadata.annotations && ("
+    + " || ".join(
+        f"has(object.spec.{f}) != has(oldObject.spec.{f})"
+        f" || has(object.spec.{f}) && object.spec.{f} != oldObject.spec.{f}"
+        for f in stash.FIELDS
+    )
+    + ")"
 )
 
 
@@ -47,11 +52,12 @@ def stash_webhook(client_config: JSON) -> JSON:
       plugins again (RuntimeClass, PodNodeSelector put their node selector back), and
       other webhooks may add scheduling fields after ours; called again, the webhook
       stashes them again (``kubekit.stash.stash_scheduling`` says how).
-    - UPDATE too, but only of a stashed pod's spec (``matchConditions``): applying a pod's
-      manifest again puts back the fields the webhook moved, which a running pod may not
-      take, and a pod waiting on a scheduling gate may be given scheduling fields
-      (``kubekit.stash.stash_update``). Other updates (labels, finalizers, a
-      controller's adoption) never wait on the webhook, nor fail while it is away.
+    - UPDATE too, but only of a stashed pod's scheduling fields (``matchConditions``):
+      applying a pod's manifest again puts back the fields the webhook moved, which a
+      running pod may not take, and a pod waiting on a scheduling gate may be given
+      scheduling fields (``kubekit.stash.stash_update``). Other updates (labels,
+      finalizers, a controller's adoption, a new image, a scheduling gate lifted) never
+      wait on the webhook, nor fail while it is away.
     """
     return {
         "name": WEBHOOK_NAME,
@@ -68,8 +74,8 @@ def stash_webhook(client_config: JSON) -> JSON:
         ],
         "matchConditions": [
             {
-                "name": "create-or-stashed-spec-change",
-                "expression": ON_CREATE_OR_STASHED_SPEC_CHANGE,
+                "name": "create-or-stashed-scheduling-change",
+                "expression": ON_CREATE_OR_STASHED_SCHEDULING_CHANGE,
             }
         ],
         "namespaceSelector": {
