@@ -171,7 +171,7 @@ def update_patch(
     old: Mapping[str, Any], pod: Mapping[str, Any], keep: Collection[str]
 ) -> list[JSON]:
     """The JSONPatch for an update of a stashed pod (``stash.stash_update``); an update
-    that drops the stash annotation (``kubectl replace`` of the pod's manifest) keeps it."""
+    that drops the stash annotation keeps it."""
     old_stash = _annotations(old)[keys.STASH_ANNOTATION]
     annotations = {keys.STASH_ANNOTATION: old_stash, **_annotations(pod)}
     return _patch_to(
