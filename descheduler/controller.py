@@ -230,18 +230,25 @@ class Descheduler:
         )
 
     async def _stay(self, stay: Stay) -> None:
-        message = f"{stay.stuck.describe()}; left where it is: {stay.message}"
-        await self._say_once(stay.stuck.pod, "NotRescheduled", message)
+        stuck = stay.stuck
+        message = f"{stuck.describe()}; left where it is: {stay.message}"
+        await self._say_once(
+            stuck.pod, "NotRescheduled", message, f"{stuck.why} {stuck.node}: {stay.message}"
+        )
 
-    async def _say_once(self, pod: Mapping[str, Any], reason: str, message: str) -> None:
-        """A warning about a pod left as it is, said again only when it changes or after
+    async def _say_once(
+        self, pod: Mapping[str, Any], reason: str, message: str, gist: str | None = None
+    ) -> None:
+        """A warning about a pod left as it is, said again only when its ``gist`` (the
+        message but for how long it has waited, which grows every cycle) changes or after
         a while, not every cycle."""
         uid = str(pod["metadata"]["uid"])
         said = self._said.get(uid)
         moment = self.clock()
-        if said is not None and said[0] == message and moment - said[1] < STAY_EVENT_SECONDS:
+        gist = message if gist is None else gist
+        if said is not None and said[0] == gist and moment - said[1] < STAY_EVENT_SECONDS:
             return
-        self._said[uid] = (message, moment)
+        self._said[uid] = (gist, moment)
         log.info("%s: %s", object_key(pod), message)
         if not self.dry_run:
             await self._event(pod, reason, message, warning=True)
@@ -443,6 +450,7 @@ class Descheduler:
             "NotDefragmented",
             f"no cluster has a node that fits it ({waiting.seconds:.0f} s), and no complete "
             f"plan makes room: {found}",
+            found,
         )
         return None
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from descheduler.controller import Descheduler, receivers
+from descheduler.controller import STAY_EVENT_SECONDS, Descheduler, receivers
 from descheduler.defrag import (
     Plan,
     Waiting,
@@ -495,6 +495,9 @@ class FakePool:
         self.released.append((list(names), uid))
 
 
+START = 1000.0
+
+
 class World:
     def __init__(self, answers: Mapping[str, Answer], dry_run: bool = False) -> None:
         self.client = FakeClient()
@@ -512,10 +515,11 @@ class World:
             self.pool,  # type: ignore[arg-type]
             Policy(),
             dry_run=dry_run,
-            now=lambda: NOW,
+            # The wall clock moves with the monotonic one, from NOW.
+            now=lambda: NOW + timedelta(seconds=self.moment - START),
             clock=lambda: self.moment,
         )
-        self.moment = 1000.0
+        self.moment = START
 
     def add(self, obj: dict[str, Any]) -> None:
         self.pods.apply({"type": "ADDED", "object": obj})
@@ -921,8 +925,9 @@ async def test_a_plan_whose_homeless_pods_find_no_room_is_not_carried_out() -> N
     assert world.reasons() == ["NotDefragmented"]
     message = world.client.events[0]["message"]
     assert "vk-lower-1/n1: no other cluster has room for apps/b" in message
+    world.moment += 10
     await world.descheduler.cycle()
-    assert world.reasons() == ["NotDefragmented"], "said once"
+    assert world.reasons() == ["NotDefragmented"], "said once, though it waited longer"
 
 
 async def test_a_plan_beyond_a_budget_or_the_limits_is_not_carried_out() -> None:
@@ -1084,3 +1089,16 @@ def test_a_bad_policy_file_stops_the_command_with_its_reason(
         parse_args([f"--policy={policy_file}"])
     assert exit_info.value.code == 2
     assert "defragAfter: 'soon' is not a number" in capsys.readouterr().err
+
+
+async def test_a_pod_no_cluster_can_take_is_warned_of_once_while_it_waits_on() -> None:
+    """Its message says how long it has been stuck, which grows every cycle."""
+    world = World({"vk-lower-2": NO_ROOM, "vk-lower-3": NO_ROOM})
+    world.add(pod("solo", owned=False))
+    for _ in range(3):
+        await world.descheduler.cycle()
+        world.moment += 10
+    assert world.reasons() == ["NotRescheduled"]
+    world.moment += STAY_EVENT_SECONDS
+    await world.descheduler.cycle()
+    assert world.reasons() == ["NotRescheduled", "NotRescheduled"], "said again after a while"
