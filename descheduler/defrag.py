@@ -18,7 +18,14 @@ from datetime import datetime
 from typing import Any
 
 from descheduler.policy import Policy
-from descheduler.rescue import PodCase, condition, hands_off, owned, since
+from descheduler.rescue import (
+    REPLACING_CONTROLLERS,
+    PodCase,
+    condition,
+    controller_kind,
+    hands_off,
+    since,
+)
 from kubekit import fit, keys
 from kubekit.estimatorapi.estimator_pb2 import DefragmentResponse
 from kubekit.informer import object_key
@@ -110,7 +117,8 @@ def movable_pods(
     budgets: Sequence[Mapping[str, Any]],
 ) -> dict[str, list[Mapping[str, Any]]]:
     """By virtual node, the pods that may be evicted to make room for ``waiting``:
-    Running there, replaced by a controller (not a DaemonSet), of no higher priority, not
+    Running there, replaced by a controller (``rescue.REPLACING_CONTROLLERS``: not a
+    DaemonSet, not a Job), of no higher priority, not
     in a protected namespace, not opted out, and under at most one PodDisruptionBudget
     that allows a disruption now (the Eviction API refuses a pod under several)."""
     nodes = set(virtual_nodes)
@@ -123,7 +131,9 @@ def movable_pods(
             continue
         if (pod.get("status") or {}).get("phase") != "Running":
             continue
-        if not owned(pod) or hands_off(pod) or priority(pod) > ceiling:
+        if controller_kind(pod) not in REPLACING_CONTROLLERS:
+            continue
+        if hands_off(pod) or priority(pod) > ceiling:
             continue
         if metadata.get("namespace") in PROTECTED_NAMESPACES:
             continue

@@ -24,7 +24,7 @@ from kubekit import fit, keys
 from kubekit.estimatorapi.estimator_pb2 import PodEstimate
 from kubekit.informer import object_key
 from kubekit.jsonvalue import json_copy
-from kubekit.moves import controller_uid, is_daemon_pod
+from kubekit.moves import controller_reference, controller_uid, is_daemon_pod
 from kubekit.timestamps import parse_time
 
 JSON = dict[str, Any]
@@ -43,9 +43,35 @@ class Why(enum.StrEnum):
     CLUSTER_DOWN = "ClusterDown"
 
 
+# The controllers known to make a new pod for one of theirs evicted: the built-in ones. A
+# Job counts one evicted pod as failed, against its backoffLimit: it is moved when stuck
+# (it makes no progress where it is, and a cluster down would have it deleted), never to
+# make room (a running one would lose its work). Another controller (a workflow engine's,
+# a CI system's) may fail its whole run, or never make the pod again: its pods stay.
+REPLACING_CONTROLLERS = frozenset(
+    {("apps", "ReplicaSet"), ("apps", "StatefulSet"), ("", "ReplicationController")}
+)
+JOB = ("batch", "Job")
+
+
 def owned(pod: Mapping[str, Any]) -> bool:
-    """Whether a controller replaces the pod when it goes."""
+    """Whether the pod has a controller (which may or may not replace it when it goes)."""
     return controller_uid(pod) is not None
+
+
+def controller_kind(pod: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The API group and kind of the pod's controller."""
+    reference = controller_reference(pod)
+    if reference is None:
+        return None
+    group = str(reference.get("apiVersion") or "").rpartition("/")[0]
+    return group, str(reference.get("kind") or "")
+
+
+def replaced_when_stuck(pod: Mapping[str, Any]) -> bool:
+    """Whether evicting the pod, stuck where it is, has its controller make a new one."""
+    kind = controller_kind(pod)
+    return kind in REPLACING_CONTROLLERS or kind == JOB
 
 
 def hands_off(pod: Mapping[str, Any]) -> bool:
@@ -173,7 +199,7 @@ def stuck_pods(
             continue
         if status.get("phase") in _FINISHED:
             continue
-        if hands_off(pod):
+        if hands_off(pod) or (owned(pod) and not replaced_when_stuck(pod)):
             continue
         if node in down:
             deleted_at = taint_deletion_at(pod, virtual_nodes[node])

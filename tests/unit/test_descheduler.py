@@ -96,7 +96,15 @@ def pod(
             }
         ]
     )
-    owners = [{"kind": "ReplicaSet", "name": "web-1", "uid": "rs", "controller": True}]
+    owners = [
+        {
+            "apiVersion": "apps/v1",
+            "kind": "ReplicaSet",
+            "name": "web-1",
+            "uid": "rs",
+            "controller": True,
+        }
+    ]
     return {
         "metadata": {
             "name": name,
@@ -265,6 +273,15 @@ def test_taint_deletion_follows_the_taint_managers_rule() -> None:
 
 # Its controller makes a DaemonSet's pod again for the same node: moving it frees nothing.
 DAEMON_SET_OWNER = {"kind": "DaemonSet", "name": "agent", "uid": "ds", "controller": True}
+# A controller that may fail its whole run for one pod evicted, or never make it again.
+WORKFLOW_OWNER = {
+    "apiVersion": "argoproj.io/v1alpha1",
+    "kind": "Workflow",
+    "name": "w",
+    "uid": "wf",
+    "controller": True,
+}
+JOB_OWNER = {"apiVersion": "batch/v1", "kind": "Job", "name": "j", "uid": "job", "controller": True}
 
 
 def test_pods_left_alone() -> None:
@@ -278,12 +295,19 @@ def test_pods_left_alone() -> None:
         pod("running", phase="Running"),
         pod("waiting-without-a-verdict", unschedulable_for=None),
         pod("daemon", ownerReferences=[DAEMON_SET_OWNER]),
+        pod("workflow-step", ownerReferences=[WORKFLOW_OWNER]),
     ]
     # Its data is in the cluster it was placed in.
     stateful = pod("stateful")
     stateful["spec"]["volumes"] = [{"name": "d", "persistentVolumeClaim": {"claimName": "d"}}]
     pods.append(stateful)
     assert stuck_pods(pods, NODES_UP, NOW, Policy()) == []
+
+
+def test_a_stuck_job_pod_is_moved_by_eviction() -> None:
+    """It makes no progress where it is; its Job makes a new one (one failure counted)."""
+    (stuck,) = stuck_pods([pod("batch", ownerReferences=[JOB_OWNER])], NODES_UP, NOW, Policy())
+    assert stuck.owned
 
 
 def test_stuck_pods_come_in_key_order() -> None:
@@ -812,6 +836,9 @@ def test_movable_pods_are_running_controller_pods_of_no_higher_priority() -> Non
         pod("never", phase="Running", annotations={keys.DESCHEDULER_ANNOTATION: "never"}),
         pod("no", phase="Running", annotations={keys.DESCHEDULER_ANNOTATION: "no"}),
         pod("daemon", phase="Running", ownerReferences=[DAEMON_SET_OWNER]),
+        # A running Job pod would lose its work and count against the Job's backoffLimit.
+        pod("batch", phase="Running", ownerReferences=[JOB_OWNER]),
+        pod("workflow-step", phase="Running", ownerReferences=[WORKFLOW_OWNER]),
     ]
     stateful = running("stateful")
     stateful["spec"]["volumes"] = [{"name": "d", "persistentVolumeClaim": {"claimName": "d"}}]
