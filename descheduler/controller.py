@@ -168,7 +168,9 @@ class Descheduler:
         ]
         decisions += await asyncio.gather(
             *(
-                self._destination(s, receivers(virtual_nodes, now, s.node))
+                self._destination(
+                    s, admitting(s.pod, virtual_nodes, receivers(virtual_nodes, now, s.node))
+                )
                 for s in stuck
                 if s.uid not in copied
             )

@@ -74,19 +74,25 @@ def waiting_pods(pods: Iterable[Mapping[str, Any]], now: datetime, policy: Polic
 def admitting(
     pod: Mapping[str, Any], virtual_nodes: Mapping[str, Mapping[str, Any]], names: Iterable[str]
 ) -> list[str]:
-    """Of the virtual nodes ``names``, those the pod's own nodeSelector and required node
-    affinity admit, as the upper scheduler's NodeAffinity filter judges them: a
-    controller's new pods are kept off a cluster it moved pods out of that way
-    (``kubekit.moves.keep_off``), which the estimators below, judging the lower pod,
-    cannot see. Room made there would be made for nothing."""
+    """Of the virtual nodes ``names``, those the pod's own nodeSelector, required node
+    affinity and tolerations admit, as the upper scheduler's NodeAffinity and
+    TaintToleration filters judge them: a controller's new pods are kept off a cluster it
+    moved pods out of that way (``kubekit.moves.keep_off``), and an admin may taint a
+    virtual node to keep pods off its cluster, which the estimators below, judging the
+    lower pod, cannot see. Room made there would be made for nothing, and a bare pod's
+    copy bound there would break the pod's own rules (or, under a NoExecute taint, be
+    deleted by the taint manager: the pod lost). The virtual nodes' own taint is not
+    judged: the pod is on one already."""
     facts = fit.PodFacts.of(dict(pod))
-    return [
-        name
-        for name in names
-        if fit.node_affinity_matches(
-            facts, (virtual_nodes[name].get("metadata") or {}).get("labels") or {}, name
-        )
-    ]
+    admitted = []
+    for name in names:
+        node = fit.NodeFacts.of(dict(virtual_nodes[name]))
+        taints = [t for t in node.barriers.taints if t.key != keys.PROVIDER_TAINT_KEY]
+        if fit.node_affinity_matches(facts, node.labels, name) and not fit.untolerated(
+            facts.tolerations, taints
+        ):
+            admitted.append(name)
+    return admitted
 
 
 def budgets_of(

@@ -273,12 +273,15 @@ def copy_name(pod: Mapping[str, Any]) -> str:
 
 def pod_copy(pod: Mapping[str, Any], to: str) -> JSON:
     """A bare pod re-created on virtual node ``to``: what its creator wrote (metadata the
-    apiserver sets, status and the old binding dropped), marked with the original's UID."""
+    apiserver sets, status, the old binding and ephemeral containers dropped), marked with
+    the original's UID."""
     metadata = pod["metadata"]
     annotations = dict(metadata.get("annotations") or {})
     annotations[keys.COPY_OF_ANNOTATION] = str(metadata["uid"])
     spec = json_copy(dict(pod.get("spec") or {}))
     spec["nodeName"] = to
+    # Added by `kubectl debug` through their own subresource; a create refuses them.
+    spec.pop("ephemeralContainers", None)
     return {
         "apiVersion": "v1",
         "kind": "Pod",

@@ -387,7 +387,9 @@ def test_a_bare_pods_copy_is_bound_elsewhere_and_named_the_same_every_time() -> 
         resourceVersion="42",
         creationTimestamp=stamp(100),
     )
+    original["spec"]["ephemeralContainers"] = [{"name": "debugger", "image": "busybox"}]
     copy = pod_copy(original, "vk-lower-2")
+    assert "ephemeralContainers" not in copy["spec"], "kubectl debug's: a create refuses them"
     assert copy["metadata"] == {
         "name": copy_name(original),
         "namespace": "apps",
@@ -1129,3 +1131,23 @@ async def test_a_pod_no_cluster_can_take_is_warned_of_once_while_it_waits_on() -
     world.moment += STAY_EVENT_SECONDS
     await world.descheduler.cycle()
     assert world.reasons() == ["NotRescheduled", "NotRescheduled"], "said again after a while"
+
+
+async def test_a_bare_pod_is_not_copied_to_a_virtual_node_whose_taints_it_does_not_tolerate() -> (
+    None
+):
+    """An admin taints a virtual node NoExecute to empty its cluster: a copy bound there
+    would be deleted by the taint manager once the original had gone, the pod lost."""
+    world = World(ROOM_IN_2)
+    draining = virtual("vk-lower-2")
+    draining["spec"]["taints"] = [{"key": "drain", "effect": "NoExecute"}]
+    world.nodes.apply({"type": "MODIFIED", "object": draining})
+    world.add(pod("solo", owned=False))
+    (decision,) = await world.descheduler.cycle()
+    assert isinstance(decision, Stay)
+    assert world.client.calls == []
+    tolerant = pod("tolerant", owned=False)
+    tolerant["spec"]["tolerations"] = [{"key": "drain", "operator": "Exists"}]
+    world.add(tolerant)
+    moved = [d for d in await world.descheduler.cycle() if isinstance(d, Move)]
+    assert [(m.stuck.key, m.to) for m in moved] == [("apps/tolerant", "vk-lower-2")]
