@@ -53,10 +53,14 @@ def parse_args(argv: Sequence[str]) -> Config:
         "--policy",
         type=Path,
         help="YAML policy: pendingTimeout, clusterDownTimeout, interval, defragAfter, "
-        "holdTimeout (seconds), maxEvictionsPerCycle, maxEvictionsPerNamespace, "
-        "maxEvictionsPerNode (default: 60, 300, 10, 60, 120, 10, 5, 5)",
+        "holdTimeout, returnAfter (seconds), maxEvictionsPerCycle, maxEvictionsPerNamespace, "
+        "maxEvictionsPerNode (default: 60, 300, 10, 60, 120, 600, 10, 5, 5)",
     )
-    parser.add_argument("--dry-run", action="store_true", help="print every move and make none")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print every move and make none (with no leader election)",
+    )
     parser.add_argument("--once", action="store_true", help="one cycle, then exit")
     parser.add_argument(
         "--health-port",
@@ -77,7 +81,9 @@ def parse_args(argv: Sequence[str]) -> Config:
     if not 0 <= args.health_port < 65536:
         parser.error(f"--health-port {args.health_port} is not a TCP port (0: none)")
     try:
-        election = leader.election_settings(args, keys.DESCHEDULER_LEASE)
+        # A dry run changes nothing: it neither waits for the Lease nor takes it from the
+        # replicas that move pods.
+        election = None if args.dry_run else leader.election_settings(args, keys.DESCHEDULER_LEASE)
     except ValueError as error:
         parser.error(str(error))
     policy = Policy()

@@ -9,6 +9,8 @@ from typing import Any
 
 import yaml
 
+from kubekit.estimatorapi import MAX_HOLD_SECONDS
+
 
 class PolicyError(ValueError):
     """A policy file that cannot be used, with what is wrong in it."""
@@ -65,6 +67,12 @@ def parse_policy(text: str) -> Policy:
         if name is None:
             raise PolicyError(f"unknown key {key!r} (known: {', '.join(sorted(_KEYS))})")
         values[name] = _number(key, value, integer=isinstance(getattr(defaults, name), int))
+    if values.get("hold_timeout", 0) > MAX_HOLD_SECONDS:
+        # The estimators refuse a longer hold: every plan would find its room not held.
+        raise PolicyError(
+            f"holdTimeout: {values['hold_timeout']:g} s is longer than the estimators hold "
+            f"room ({MAX_HOLD_SECONDS:.0f} s)"
+        )
     return Policy(**values)
 
 

@@ -29,7 +29,7 @@ from kubekit import keys, metrics, pki
 from kubekit.certreload import CertificateFiles
 from kubekit.client import API_ERRORS
 from kubekit.clusterstate import ClusterState, Estimate
-from kubekit.estimatorapi import estimator_pb2, estimator_pb2_grpc
+from kubekit.estimatorapi import MAX_HOLD_SECONDS, estimator_pb2, estimator_pb2_grpc
 from kubekit.fit import PodFacts, counted_node
 from kubekit.informer import FunctionHandler, Informer, object_key
 from kubekit.loops import on_loop
@@ -55,8 +55,6 @@ JSON = dict[str, Any]
 # binding here nor a release arrives (the scheduler chose another node and the release
 # was lost, or the binding failed).
 RESERVATION_SECONDS = 30.0
-# The longest a hold for a defragmentation may last.
-MAX_HOLD_SECONDS = 3600.0
 _FINISHED = frozenset({"Succeeded", "Failed"})
 # The longest the estimator's thread waits for the interpreter while the virtual node's
 # loop is busy (Python's default is 5 ms, a whole answer's budget).

@@ -160,6 +160,8 @@ def test_every_policy_key() -> None:
         ("maxEvictionsPerCycle: 1.5\n", "not a whole number"),
         ("maxEvictionsPerNode: -1\n", "not a whole number"),
         ("pendingTimeout: [\n", "not YAML"),
+        # The estimators hold room no longer: every plan's room would go unheld.
+        ("holdTimeout: 7200\n", "longer than the estimators hold room"),
     ],
 )
 def test_a_bad_policy_says_what_is_wrong(text: str, complaint: str) -> None:
@@ -1070,6 +1072,8 @@ def test_the_deployment_runs_the_policy_of_its_config_map(
     assert deployment["spec"]["replicas"] == 2, "one moves, one stands by"
     assert config.election is not None
     assert config.election.name == "kubestrata-descheduler"
+    # A preview neither waits for the Lease nor takes it from the replicas moving pods.
+    assert parse_args(["--dry-run"]).election is None
 
 
 def test_rbac_grants_exactly_what_the_descheduler_uses() -> None:
