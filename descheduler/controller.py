@@ -126,6 +126,11 @@ class Descheduler:
         # UID of a waiting pod -> until when the room made for it is held, and by which
         # virtual node (not planned for again meanwhile).
         self._holding: dict[str, tuple[float, str]] = {}
+        # The pods evicted this cycle (planned, in a dry run): the cached budgets and pods
+        # do not show them yet, and a second plan judged on the cache alone could ask a
+        # budget for more than it allows and be refused half way, its first evictions
+        # made for nothing.
+        self._evicted_now: list[Mapping[str, Any]] = []
         pods.add_handler(FunctionHandler(update=self._pod_changed, delete=self._give_back))
 
     async def wait_synced(self) -> None:
@@ -150,6 +155,7 @@ class Descheduler:
         plans carried out for waiting ones."""
         now, virtual_nodes = self.now(), self._virtual_nodes()
         moment = self.clock()
+        self._evicted_now = []
         # Read once: the cache decodes each pod on every read.
         pods = list(self.pods.items())
         stuck = [
@@ -307,6 +313,7 @@ class Descheduler:
                 raise EvictionBlocked(error.message) from error
             raise
         metrics.EVICTIONS.labels(reason, "Evicted").inc()
+        self._evicted_now.append(pod)
         return True
 
     async def _record_move(self, stuck: Stuck) -> None:
@@ -408,7 +415,13 @@ class Descheduler:
         if any(isinstance(a, PodEstimate) and a.max_replicas > 0 for a in answers.values()):
             return None  # a node fits it now: the scheduler's next try places it
         budgets = list(self.budgets.items())
-        movable = movable_pods(self.pods.items(), waiting, names, budgets)
+        evicted = {p["metadata"]["uid"] for p in self._evicted_now}
+        movable = movable_pods(
+            (p for p in self.pods.items() if p["metadata"]["uid"] not in evicted),
+            waiting,
+            names,
+            budgets,
+        )
         most = min(self.policy.max_evictions_per_node, self.policy.max_evictions_per_cycle)
         asked = sorted(movable)
         responses = await asyncio.gather(
@@ -461,7 +474,7 @@ class Descheduler:
     ) -> str | None:
         """Why a plan cannot be carried out in full now; None when it can (then its
         evictions are counted against this cycle's limits)."""
-        if not budgets_allow(plan.evicted, budgets):
+        if not budgets_allow([*self._evicted_now, *plan.evicted], budgets):
             return "its PodDisruptionBudgets do not allow all its evictions at once"
         if plan.homeless:
             others = [name for name in names if name != plan.cluster]
@@ -490,6 +503,7 @@ class Descheduler:
         waiting = plan.waiting
         if self.dry_run:
             print(f"dry run: {plan.describe()}", flush=True)
+            self._evicted_now += plan.evicted
             return
         log.info("%s", plan.describe())
         hold = HoldRequest(

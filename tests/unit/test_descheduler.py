@@ -1155,3 +1155,24 @@ async def test_a_bare_pod_is_not_copied_to_a_virtual_node_whose_taints_it_does_n
     world.add(tolerant)
     moved = [d for d in await world.descheduler.cycle() if isinstance(d, Move)]
     assert [(m.stuck.key, m.to) for m in moved] == [("apps/tolerant", "vk-lower-2")]
+
+
+async def test_plans_of_one_cycle_share_its_budgets_and_never_evict_a_pod_twice() -> None:
+    """The cache shows the first plan's evictions neither in the budget nor in the pods:
+    judged on it, the second plan asked the budget for more than it allows (refused half
+    way, its first evictions for nothing) or took the same pods again."""
+    world = Fragmented()
+    world.add(federated("big-2"))
+    world.add(running("c", node="vk-lower-2"))
+    world.add(running("d", node="vk-lower-2"))
+    world.pool.plans["vk-lower-1"] = [Freeing(node="n1", evicted_pod_uids=["uid-a", "uid-b"])]
+    world.pool.plans["vk-lower-2"] = [Freeing(node="n2", evicted_pod_uids=["uid-c", "uid-d"])]
+    world.budgets.apply({"type": "ADDED", "object": budget(2)})
+    (plan,) = await world.descheduler.cycle()
+    assert isinstance(plan, Plan) and plan.node == "n1"
+    assert world.client.calls == [
+        ("POST", "/api/v1/namespaces/apps/pods/a/eviction"),
+        ("POST", "/api/v1/namespaces/apps/pods/b/eviction"),
+    ]
+    (refused,) = [e for e in world.client.events if e["reason"] == "NotDefragmented"]
+    assert "do not allow all its evictions at once" in refused["message"]
