@@ -255,10 +255,12 @@ def destination(stuck: Stuck, answers: Mapping[str, PodEstimate | str]) -> Move 
 
 
 def within_limits(moves: Sequence[Move], limits: Limits) -> tuple[list[Move], list[Move]]:
-    """The moves this cycle may make, in order, and those left for later."""
+    """The moves this cycle may make, bare pods first, and those left for later: a bare
+    pod left on a cluster that is down is lost once the taint manager deletes it, while a
+    controller makes its pod again anyway."""
     allowed: list[Move] = []
     deferred: list[Move] = []
-    for move in moves:
+    for move in sorted(moves, key=lambda move: move.stuck.owned):
         fits = limits.take([(move.stuck.namespace, move.stuck.node)])
         (allowed if fits else deferred).append(move)
     return allowed, deferred

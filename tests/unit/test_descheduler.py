@@ -377,6 +377,15 @@ def test_limits_per_cycle_namespace_and_node() -> None:
     assert [m.stuck.pod["metadata"]["name"] for m in deferred] == ["a2", "d1"]
 
 
+def test_bare_pods_move_first_within_the_limits() -> None:
+    """A bare pod left on a cluster that is down is lost once the taint manager deletes
+    it; a controller makes its pod again anyway."""
+    moves = [Move(stuck("a-owned"), "vk-x"), Move(stuck("b-bare", owned=False), "vk-x")]
+    allowed, deferred = within_limits(moves, Limits(Policy(max_evictions_per_cycle=1)))
+    assert [m.stuck.key for m in allowed] == ["apps/b-bare"]
+    assert [m.stuck.key for m in deferred] == ["apps/a-owned"]
+
+
 # -- the bare pod's copy --------------------------------------------------------------------
 
 
