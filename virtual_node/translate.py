@@ -132,8 +132,9 @@ def desired_lower_pod(
     spec = _without_virtual_node_terms(
         spec, {keys.CLUSTER_ID_LABEL: owner.cluster_id}, owner.node_name
     )
-
     upper_labels = metadata.get("labels") or {}
+    _drop_merged_label_keys(spec, upper_labels)
+
     annotations[keys.UPPER_KEYS_ANNOTATION] = orjson.dumps(
         {"labels": sorted(upper_labels), "annotations": sorted(annotations)}
     ).decode()
@@ -308,6 +309,34 @@ def _without_virtual_node_terms(
         _set_or_drop(affinity, kind, pod_affinity)
     _set_or_drop(spec, "affinity", affinity)
     return spec
+
+
+def _drop_merged_label_keys(spec: JSON, labels: Mapping[str, str]) -> None:
+    """The upper apiserver merged each ``matchLabelKeys`` key of a spread constraint or pod
+    (anti-)affinity term the webhook did not stash (on a cluster-level key) into its
+    selector as ``key In [the pod's value]`` (``mismatchLabelKeys``: ``NotIn``) when it
+    created the pod; the lower apiserver would merge it again, find the key in both and
+    refuse the pod, and its controller would make it again without end. The key goes
+    from the list: the selector already says it."""
+    terms = list(spec.get("topologySpreadConstraints") or [])
+    for kind in ("podAffinity", "podAntiAffinity"):
+        pod_affinity = (spec.get("affinity") or {}).get(kind) or {}
+        terms += pod_affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or []
+        terms += [
+            t.get("podAffinityTerm") or {}
+            for t in pod_affinity.get("preferredDuringSchedulingIgnoredDuringExecution") or []
+        ]
+    for term in terms:
+        expressions = (term.get("labelSelector") or {}).get("matchExpressions") or []
+        for field, operator in (("matchLabelKeys", "In"), ("mismatchLabelKeys", "NotIn")):
+            merged = {
+                key
+                for key in term.get(field) or []
+                if key in labels
+                and {"key": key, "operator": operator, "values": [labels[key]]} in expressions
+            }
+            if merged:
+                _set_or_drop(term, field, [k for k in term[field] if k not in merged])
 
 
 def _lower_node_term(

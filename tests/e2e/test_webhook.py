@@ -16,7 +16,15 @@ from harness.federation import Federation
 from harness.localcluster import LocalCluster, NodeSpec
 from kubekit import keys, stash
 
-from .helpers import apply, federated_namespace, get_json, pods_by_name, rollout, wait_for
+from .helpers import (
+    apply,
+    federated_deployment,
+    federated_namespace,
+    get_json,
+    pods_by_name,
+    rollout,
+    wait_for,
+)
 
 SSD = {"disk": "ssd"}
 
@@ -605,3 +613,31 @@ def _match_condition_exclusions(upper: LocalCluster) -> float:
         for line in upper.kubectl("get", "--raw", "/metrics").stdout.splitlines()
         if line.startswith(metric) and 'name="stash.kubestrata.io"' in line
     )
+
+
+def test_a_spread_with_match_label_keys_on_a_cluster_level_key_runs_below(
+    federation: Federation,
+) -> None:
+    """A Deployment's spread over regions with matchLabelKeys [pod-template-hash] stays
+    above (region is a cluster-level key), where the apiserver merges the key into the
+    selector; the lower apiserver must not be asked to merge it again (it refused the
+    pod, and the ReplicaSet made it again without end)."""
+    upper = federation.upper
+    apply(upper, federated_namespace("wh-spread-keys"))
+    deployment = federated_deployment("spread", "wh-spread-keys", 1)
+    deployment["spec"]["template"]["spec"]["topologySpreadConstraints"] = [
+        {
+            "maxSkew": 1,
+            "topologyKey": "topology.kubernetes.io/region",
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": {"app": "spread"}},
+            "matchLabelKeys": ["pod-template-hash"],
+        }
+    ]
+    apply(upper, deployment)
+    rollout(upper, "spread", "wh-spread-keys")
+    (above,) = pods_by_name(upper, "wh-spread-keys", "app=spread").values()
+    cluster = above["spec"]["nodeName"].removeprefix("vk-")
+    below = lower_pod(federation, cluster, "wh-spread-keys", above["metadata"]["name"])
+    (spread,) = below["spec"]["topologySpreadConstraints"]
+    assert "matchLabelKeys" not in spread

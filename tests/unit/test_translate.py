@@ -932,3 +932,43 @@ def test_values_this_virtual_node_does_not_have_are_left_for_the_lower_nodes() -
     assert lower["spec"]["nodeSelector"] == selector
     lower_node_pin = required_terms(node_term((keys.HOSTNAME_LABEL, "In", ["kwok-node-3"])))
     assert lower_affinity(lower_node_pin) == lower_node_pin
+
+
+def test_label_keys_the_upper_apiserver_merged_are_not_merged_again_below() -> None:
+    """A Deployment's zone spread with matchLabelKeys [pod-template-hash] stays above
+    (zone kept), and the upper apiserver merged the key into its selector: sent down as
+    it is, the lower apiserver would merge it again, find the key in both and refuse the
+    pod."""
+    region = "topology.kubernetes.io/region"
+    merged = {"key": "pod-template-hash", "operator": "In", "values": ["abc"]}
+    other = {"key": "track", "operator": "NotIn", "values": ["canary"]}
+    spread = {
+        "maxSkew": 1,
+        "topologyKey": region,
+        "whenUnsatisfiable": "DoNotSchedule",
+        "labelSelector": {"matchLabels": {"app": "web"}, "matchExpressions": [merged]},
+        "matchLabelKeys": ["pod-template-hash", "unlabelled"],
+    }
+    anti = {
+        "topologyKey": region,
+        "labelSelector": {"matchExpressions": [other]},
+        "mismatchLabelKeys": ["track"],
+    }
+    upper = upper_pod(
+        topologySpreadConstraints=[spread],
+        affinity={"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [anti]}},
+    )
+    upper["metadata"]["labels"] = {"app": "web", "pod-template-hash": "abc", "track": "canary"}
+    lower = desired_lower_pod(upper, NamespaceMapping(), OWNER)["spec"]
+    (lower_spread,) = lower["topologySpreadConstraints"]
+    assert lower_spread["matchLabelKeys"] == ["unlabelled"], "a key not merged stays"
+    assert lower_spread["labelSelector"] == spread["labelSelector"]
+    (lower_anti,) = lower["affinity"]["podAntiAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert "mismatchLabelKeys" not in lower_anti
+    assert lower_anti["labelSelector"] == anti["labelSelector"]
+    assert upper["spec"]["topologySpreadConstraints"][0]["matchLabelKeys"] == [
+        "pod-template-hash",
+        "unlabelled",
+    ], "the upper pod is not changed"
