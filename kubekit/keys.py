@@ -59,6 +59,9 @@ UPPER_KEYS_ANNOTATION = f"{PREFIX}/upper-keys"
 # On a lower pod: each container's image as the upper pod gives it, by container name (a
 # lower admission webhook may have rewritten the one the pod runs).
 UPPER_IMAGES_ANNOTATION = f"{PREFIX}/upper-images"
+# On a lower pod: each container's resources as the upper pod gave them when it was made
+# or last resized (a lower admission webhook may have changed the ones the pod has).
+UPPER_RESOURCES_ANNOTATION = f"{PREFIX}/upper-resources"
 
 # The webhook's stash of scheduling fields on federated pods (kubekit.stash).
 STASH_ANNOTATION = f"{PREFIX}/scheduling-stash"

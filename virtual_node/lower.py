@@ -52,6 +52,7 @@ from virtual_node.translate import (
     lower_pod_patch,
     pinned_to,
     resize_patch,
+    resources_recorded,
     upper_status,
     uses_unmodelled_filters,
 )
@@ -384,6 +385,9 @@ class LowerCluster:
                 if refusal is not None:
                     refusals.append(refusal)
                     retry = retry or again
+                if subresource == "resize" and not again:
+                    # Made, or refused for good: not asked for again on the next sync.
+                    lower, _, _ = await self._patch(lower, resources_recorded(desired), "")
         # A finished pod takes no change: nothing to try again for.
         done = (lower.get("status") or {}).get("phase") in FINISHED
         return Mirrored(

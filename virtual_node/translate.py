@@ -141,6 +141,7 @@ def desired_lower_pod(
     annotations[keys.UPPER_IMAGES_ANNOTATION] = orjson.dumps(
         _images(spec), option=orjson.OPT_SORT_KEYS
     ).decode()
+    annotations[keys.UPPER_RESOURCES_ANNOTATION] = _resources_record(spec)
     annotations[keys.UPPER_UID_ANNOTATION] = metadata["uid"]
     annotations[keys.UPPER_NAMESPACE_ANNOTATION] = metadata["namespace"]
     labels = {**upper_labels, **owner.labels()}
@@ -452,6 +453,8 @@ def lower_pod_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> J
         ):
             # Recorded with the images it records, not written to a pod on its own.
             want.pop(keys.UPPER_IMAGES_ANNOTATION, None)
+        # Recorded once a resize is made (``resources_recorded``).
+        want.pop(keys.UPPER_RESOURCES_ANNOTATION, None)
         change: JSON = {k: v for k, v in want.items() if have.get(k) != v}
         change.update({k: None for k in from_above.get(field, ()) if k in have and k not in want})
         if change:
@@ -472,7 +475,27 @@ def _images(spec: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _recorded_images(lower: Mapping[str, Any]) -> dict[str, Any] | None:
-    value = (lower["metadata"].get("annotations") or {}).get(keys.UPPER_IMAGES_ANNOTATION)
+    return _recorded(lower, keys.UPPER_IMAGES_ANNOTATION)
+
+
+def _resources_record(spec: Mapping[str, Any]) -> str:
+    resources = {
+        c["name"]: c.get("resources") or {}
+        for kind in ("initContainers", "containers")
+        for c in spec.get(kind) or []
+    }
+    return orjson.dumps(resources, option=orjson.OPT_SORT_KEYS).decode()
+
+
+def resources_recorded(desired: Mapping[str, Any]) -> JSON:
+    """The patch recording on the lower pod the resources the upper pod gives it now,
+    once a resize asked for them was made or refused for good."""
+    record = desired["metadata"]["annotations"][keys.UPPER_RESOURCES_ANNOTATION]
+    return {"metadata": {"annotations": {keys.UPPER_RESOURCES_ANNOTATION: record}}}
+
+
+def _recorded(lower: Mapping[str, Any], key: str) -> dict[str, Any] | None:
+    value = ((lower.get("metadata") or {}).get("annotations") or {}).get(key)
     try:
         recorded = orjson.loads(value) if isinstance(value, str) else None
     except ValueError:
@@ -486,7 +509,12 @@ def resize_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> JSON
     resize above, `kubectl patch --subresource resize`), or None when they match. The
     upper apiserver has judged the resize already (QoS class kept, only what may change);
     the lower kubelet carries it out and reports it in the container statuses and
-    conditions that come up with the lower pod's status."""
+    conditions that come up with the lower pod's status. A container whose resources
+    above are as recorded on the lower pod (``keys.UPPER_RESOURCES_ANNOTATION``) is not
+    resized: a lower admission webhook may have changed them when the pod was made (a
+    minimum, a ratio), and setting them back would undo its policy, or be refused on
+    every sync. Pods made before the record are compared as they run."""
+    recorded = _recorded(current, keys.UPPER_RESOURCES_ANNOTATION)
     spec: JSON = {}
     for kind in ("containers", "initContainers"):
         have = {c["name"]: c.get("resources") or {} for c in current["spec"].get(kind) or []}
@@ -498,6 +526,8 @@ def resize_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> JSON
             if name not in have:
                 continue
             want = container.get("resources") or {}
+            if recorded is not None and recorded.get(name) == want:
+                continue
             parts: JSON = {}
             for part in ("requests", "limits"):
                 below = have[name].get(part) or {}

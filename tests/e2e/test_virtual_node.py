@@ -897,6 +897,16 @@ def test_an_in_place_resize_above_resizes_the_pod_below(federation: Federation) 
         "the resize to reach the lower pod",
     )
     wait_for(lambda: reported(upper) == [after], "the resize to be reported above")
+    # Recorded once made: the next sync does not resize again what a lower webhook might
+    # have changed, and the next resize above goes down as well.
+    annotations = get_json(lower, "pod", "-n", "resized", "resized")["metadata"]["annotations"]
+    assert json.loads(annotations[keys.UPPER_RESOURCES_ANNOTATION]) == {"app": after}
+    again = {"requests": {"cpu": "120m", "memory": "64Mi"}, "limits": {"cpu": "300m"}}
+    upper.kubectl(
+        "patch", "pod", "resized", "-n", "resized", "--subresource", "resize",
+        "-p", json.dumps({"spec": {"containers": [{"name": "app", "resources": again}]}}),
+    )  # fmt: skip
+    wait_for(lambda: reported(upper) == [again], "the second resize to be reported above")
     upper.kubectl("delete", "namespace", "resized", "--wait=false")
 
 

@@ -20,6 +20,7 @@ from virtual_node.translate import (
     pinned_to,
     refused_status,
     resize_patch,
+    resources_recorded,
     terminated_status,
     upper_status,
     uses_unmodelled_filters,
@@ -82,6 +83,7 @@ def test_lower_pod_is_stripped_and_owned() -> None:
         keys.UPPER_NAMESPACE_ANNOTATION: "shop",
         keys.UPPER_KEYS_ANNOTATION: '{"labels":["app"],"annotations":["note"]}',
         keys.UPPER_IMAGES_ANNOTATION: '{"app":"nginx:1"}',
+        keys.UPPER_RESOURCES_ANNOTATION: '{"app":{}}',
     }
     spec = lower["spec"]
     for stripped in ("nodeName", "priority", "schedulerName"):
@@ -611,6 +613,23 @@ def test_only_sidecars_among_init_containers_are_resized() -> None:
     assert resize_patch(pod("100m"), pod("200m")) == {
         "spec": {"initContainers": [{"name": "proxy", "resources": {"requests": {"cpu": "200m"}}}]}
     }
+
+
+def test_resources_a_lower_webhook_changed_are_resized_only_when_they_change_above() -> None:
+    """A minimum or a ratio a lower admission webhook imposed when the pod was made is its
+    policy: set back on the first sync it would be undone, or refused on every sync."""
+    upper = upper_pod(containers=[sized("100m")])
+    lower = desired_lower_pod(upper, NamespaceMapping(), OWNER)
+    lower["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "250m"  # the policy's
+    desired = desired_lower_pod(upper, NamespaceMapping(), OWNER)
+    assert resize_patch(lower, desired) is None
+    assert lower_pod_patch(lower, desired) is None, "the record is not written on its own"
+    resized = desired_lower_pod(upper_pod(containers=[sized("300m")]), NamespaceMapping(), OWNER)
+    assert resize_patch(lower, resized) == {
+        "spec": {"containers": [{"name": "app", "resources": {"requests": {"cpu": "300m"}}}]}
+    }
+    lower["metadata"]["annotations"].update(resources_recorded(resized)["metadata"]["annotations"])
+    assert resize_patch(lower, resized) is None, "recorded once made"
 
 
 def test_a_value_only_the_lower_cluster_set_is_left_alone() -> None:
