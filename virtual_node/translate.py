@@ -668,6 +668,9 @@ def _gated_ready(
         return condition  # not ready below: the containers' reason stands, as a kubelet's
     by_type = {c["type"]: c for c in owned_above}
     unready = []
+    # When the containers were ready below and each gate that is not ready above last
+    # changed: the later is when the pod became not ready, if it was ready before.
+    changed = [condition.get("lastTransitionTime") or ""]
     for gate in gates:
         gate_condition = by_type.get(gate)
         if gate_condition is None:
@@ -679,6 +682,7 @@ def _gated_ready(
                 f'the status of pod readiness gate "{gate}" is not "True", but '
                 f"{gate_condition.get('status')}"
             )
+            changed.append(gate_condition.get("lastTransitionTime") or "")
     if not unready:
         # Ready since the last of the containers below and the gates above was.
         since = max(
@@ -690,7 +694,7 @@ def _gated_ready(
     since = (
         was.get("lastTransitionTime")
         if was is not None and was.get("status") == "False"
-        else condition.get("lastTransitionTime")
+        else max(changed) or None
     )
     return {
         "type": "Ready",

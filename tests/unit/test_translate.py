@@ -466,6 +466,25 @@ def test_a_pod_ready_below_is_not_ready_above_until_its_gate_is_true() -> None:
     ]
 
 
+def test_a_ready_pod_whose_gate_turns_false_is_not_ready_since_the_gate_turned() -> None:
+    """Not since the containers became ready below, which would put the transition
+    before the time the pod was last Ready."""
+    ready_above = {"type": "Ready", "status": "True", "lastTransitionTime": "2026-01-01T00:10:00Z"}
+    gate_false = {
+        "type": "example.com/lb",
+        "status": "False",
+        "lastTransitionTime": "2026-01-01T01:00:00Z",
+    }
+    pod = gated_pod(gate_false)
+    pod["status"]["conditions"].append(ready_above)
+    ready = next(
+        c
+        for c in upper_status(RUNNING_BELOW, pod, host_ip="127.0.0.2")["conditions"]
+        if c["type"] == "Ready"
+    )
+    assert (ready["status"], ready["lastTransitionTime"]) == ("False", "2026-01-01T01:00:00Z")
+
+
 def test_a_gate_set_below_does_not_count_and_not_ready_below_keeps_its_reason() -> None:
     gate_below = {"type": "example.com/lb", "status": "True"}
     not_ready = {"type": "Ready", "status": "False", "reason": "ContainersNotReady"}
