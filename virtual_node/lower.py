@@ -442,8 +442,9 @@ class LowerCluster:
                 f"{what.get(subresource, subresource)}: {error.message}"
             )
             log.warning("lower pod %s/%s: %s", namespace, name, refusal)
-            # A quota may have room later; an invalid change never becomes valid.
-            return lower, refusal, error.status == 403
+            # A quota may have room later for a resize; an invalid change never becomes
+            # valid, nor does a debug container Pod Security forbids (they ask no room).
+            return lower, refusal, error.status == 403 and subresource != "ephemeralcontainers"
 
     async def _create(self, upper: Mapping[str, Any], desired: JSON) -> SyncResult:
         namespace = desired["metadata"]["namespace"]
