@@ -67,6 +67,9 @@ ORPHAN_SWEEP_SECONDS = 60.0
 # a burst left the lower cluster idle a tenth of the time.
 DEFAULT_WORKERS = 64
 _CLUSTER_ID = re.compile(r"^[a-z0-9]([-a-z0-9]{0,51}[a-z0-9])?$")
+# A Node name that is also a label value (kubernetes.io/hostname, the virtual node label
+# on every lower pod): 63 characters at most.
+_NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?$")
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,12 @@ class VirtualNodeConfig:
             raise ValueError(
                 f"cluster id {self.cluster_id!r} must be a DNS label of at most 53 characters "
                 "(lowercase letters, digits, '-')"
+            )
+        if self.node_name and not _NODE_NAME.match(self.node_name):
+            # Every lower pod, labelled with it, would be refused.
+            raise ValueError(
+                f"node name {self.node_name!r} must be a DNS name of at most 63 characters "
+                "(lowercase letters, digits, '-', '.'): it is a label value too"
             )
         if self.streaming_connection_idle_timeout < 0:
             raise ValueError("the streaming connection idle timeout cannot be negative")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
 Strategy = Literal["same", "prefix"]
 
 _MAX_NAMESPACE = 63
+# With a dash and at least one character after it, a DNS label.
+_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]{0,59}[a-z0-9])?$")
 
 
 class NamingError(ValueError):
@@ -25,6 +28,12 @@ class NamespaceMapping:
     def __post_init__(self) -> None:
         if self.strategy == "prefix" and not self.prefix:
             raise NamingError("the prefix namespace strategy needs a prefix")
+        if self.strategy == "prefix" and not _PREFIX.match(self.prefix):
+            # Every namespace made below would be refused, and its pods wait for good.
+            raise NamingError(
+                f"namespace prefix {self.prefix!r} must be a DNS label of at most 61 "
+                "characters (lowercase letters, digits, '-')"
+            )
 
     def lower(self, upper_namespace: str) -> str:
         if self.strategy == "same":

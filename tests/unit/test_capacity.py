@@ -328,3 +328,21 @@ def test_a_kubeconfig_that_is_not_there_is_one_line_not_a_traceback(
     with pytest.raises(SystemExit):
         check_files(config)
     assert f"--lower-kubeconfig: no such file: {missing}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("settings", "words"),
+    [
+        ({"node_name": "vk-" + "x" * 61}, "node name 'vk-xxx"),
+        ({"node_name": "VK_Lower"}, "must be a DNS name of at most 63 characters"),
+        ({"namespace_strategy": "prefix", "namespace_prefix": "Tenant_1"}, "must be a DNS label"),
+        ({"namespace_strategy": "prefix", "namespace_prefix": "t" * 62}, "at most 61 characters"),
+    ],
+)
+def test_a_name_every_lower_object_would_be_refused_for_is_refused_at_start(
+    settings: dict[str, Any], words: str
+) -> None:
+    """The node name labels every lower pod; the prefix starts every lower namespace's
+    name: either wrong, every create below would fail, and the pods wait for good."""
+    with pytest.raises(ValueError, match=words):
+        VirtualNodeConfig("l", "c", client_ca_file="ca", **settings)
