@@ -63,11 +63,6 @@ UPPER_IMAGES_ANNOTATION = f"{PREFIX}/upper-images"
 # or last resized (a lower admission webhook may have changed the ones the pod has).
 UPPER_RESOURCES_ANNOTATION = f"{PREFIX}/upper-resources"
 
-# The cluster autoscaler's: a node is not scaled down while it runs a pod no controller
-# replaces, unless the pod says it is safe to evict. A lower pod has no controller below,
-# but the upper controller of its upper pod replaces it (docs/virtual-node.md).
-SAFE_TO_EVICT_ANNOTATION = "cluster-autoscaler.kubernetes.io/safe-to-evict"
-
 # The webhook's stash of scheduling fields on federated pods (kubekit.stash).
 STASH_ANNOTATION = f"{PREFIX}/scheduling-stash"
 

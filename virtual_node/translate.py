@@ -12,7 +12,6 @@ import orjson
 from kubekit import keys
 from kubekit.fit import NODE_OPERATORS, requirement
 from kubekit.jsonvalue import json_copy
-from kubekit.moves import controller_reference
 from kubekit.stash import StashError, restore_scheduling
 from virtual_node.naming import NamespaceMapping
 
@@ -145,9 +144,6 @@ def desired_lower_pod(
     annotations[keys.UPPER_RESOURCES_ANNOTATION] = _resources_record(spec)
     annotations[keys.UPPER_UID_ANNOTATION] = metadata["uid"]
     annotations[keys.UPPER_NAMESPACE_ANNOTATION] = metadata["namespace"]
-    if controller_reference(upper) is not None:
-        # Its controller above replaces it when it goes below (the pod's own word wins).
-        annotations.setdefault(keys.SAFE_TO_EVICT_ANNOTATION, "true")
     labels = {**upper_labels, **owner.labels()}
     return {
         "apiVersion": "v1",

@@ -94,22 +94,6 @@ def test_lower_pod_is_stripped_and_owned() -> None:
     assert OWNER.owns(lower)
 
 
-def test_a_lower_pod_whose_upper_controller_replaces_it_is_safe_to_evict_below() -> None:
-    """A lower cluster autoscaler keeps a node that runs a pod with no controller; the
-    upper controller replaces the pod (a bare upper pod would be lost: not said)."""
-    upper = upper_pod()
-    upper["metadata"]["ownerReferences"][0]["controller"] = True
-    lower = desired_lower_pod(upper, NamespaceMapping(), OWNER)
-    assert lower["metadata"]["annotations"][keys.SAFE_TO_EVICT_ANNOTATION] == "true"
-    upper["metadata"]["annotations"][keys.SAFE_TO_EVICT_ANNOTATION] = "false"
-    lower = desired_lower_pod(upper, NamespaceMapping(), OWNER)
-    assert lower["metadata"]["annotations"][keys.SAFE_TO_EVICT_ANNOTATION] == "false"
-    bare = upper_pod()
-    del bare["metadata"]["ownerReferences"]
-    lower = desired_lower_pod(bare, NamespaceMapping(), OWNER)
-    assert keys.SAFE_TO_EVICT_ANNOTATION not in lower["metadata"]["annotations"]
-
-
 def test_upper_pod_is_not_modified() -> None:
     pod = upper_pod()
     before = copy.deepcopy(pod)
