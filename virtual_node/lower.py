@@ -52,7 +52,7 @@ from virtual_node.translate import (
     lower_pod_patch,
     pinned_to,
     resize_patch,
-    resources_recorded,
+    resources_record_patch,
     upper_status,
     uses_unmodelled_filters,
 )
@@ -375,9 +375,10 @@ class LowerCluster:
             refusals.append(f"ephemeral containers not added below: {refused.message}")
             debug = None
         retry = False
+        resize = resize_patch(lower, desired)
         for patch, subresource in (
-            (lower_pod_patch(lower, desired), ""),
-            (resize_patch(lower, desired), "resize"),
+            (lower_pod_patch(lower, desired, resize_pending=resize is not None), ""),
+            (resize, "resize"),
             (debug, "ephemeralcontainers"),
         ):
             if patch is not None:
@@ -387,7 +388,7 @@ class LowerCluster:
                     retry = retry or again
                 if subresource == "resize" and not again:
                     # Made, or refused for good: not asked for again on the next sync.
-                    lower, _, _ = await self._patch(lower, resources_recorded(desired), "")
+                    lower, _, _ = await self._patch(lower, resources_record_patch(desired), "")
         # A finished pod takes no change: nothing to try again for.
         done = (lower.get("status") or {}).get("phase") in FINISHED
         return Mirrored(

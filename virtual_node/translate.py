@@ -412,10 +412,15 @@ def ephemeral_containers_patch(upper: Mapping[str, Any], lower: Mapping[str, Any
     return {"spec": {"ephemeralContainers": missing}} if missing else None
 
 
-def lower_pod_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> JSON | None:
+def lower_pod_patch(
+    current: Mapping[str, Any], desired: Mapping[str, Any], *, resize_pending: bool = False
+) -> JSON | None:
     """A strategic merge patch bringing the fields that may change on a running pod
     (labels, annotations, images, activeDeadlineSeconds, tolerations) to the desired
-    values, or None when they already match."""
+    values, or None when they already match. The record of the resources above is
+    brought up to date too (its write failed after a resize, or a resize above went back
+    to what the pod has), unless a resize is to be made first (``resize_patch``: then it
+    is recorded once made, ``resources_record_patch``)."""
     spec: JSON = {}
     # An image changes below when it changed above, not when it differs from the one the
     # pod runs: a lower webhook may have rewritten that (to a registry mirror) at creation,
@@ -453,8 +458,11 @@ def lower_pod_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> J
         ):
             # Recorded with the images it records, not written to a pod on its own.
             want.pop(keys.UPPER_IMAGES_ANNOTATION, None)
-        # Recorded once a resize is made (``resources_recorded``).
-        want.pop(keys.UPPER_RESOURCES_ANNOTATION, None)
+        if field == "annotations" and (
+            resize_pending or keys.UPPER_RESOURCES_ANNOTATION not in have
+        ):
+            # Made before resources were recorded: compared as it runs, nothing written.
+            want.pop(keys.UPPER_RESOURCES_ANNOTATION, None)
         change: JSON = {k: v for k, v in want.items() if have.get(k) != v}
         change.update({k: None for k in from_above.get(field, ()) if k in have and k not in want})
         if change:
@@ -487,7 +495,7 @@ def _resources_record(spec: Mapping[str, Any]) -> str:
     return orjson.dumps(resources, option=orjson.OPT_SORT_KEYS).decode()
 
 
-def resources_recorded(desired: Mapping[str, Any]) -> JSON:
+def resources_record_patch(desired: Mapping[str, Any]) -> JSON:
     """The patch recording on the lower pod the resources the upper pod gives it now,
     once a resize asked for them was made or refused for good."""
     record = desired["metadata"]["annotations"][keys.UPPER_RESOURCES_ANNOTATION]

@@ -823,3 +823,30 @@ async def test_an_unreachable_lower_cluster_is_not_mirrored_until_a_resync(
     await mirroring.controller.reconcile(await mirroring.controller.queue.get())
     (status,) = mirroring.upper_statuses()
     assert status["conditions"] == [{"type": "Ready", "status": "True"}]
+
+
+@pytest.mark.parametrize(("answer", "recorded"), [(None, True), (403, False), (422, True)])
+async def test_a_resize_is_recorded_once_made_or_refused_for_good(
+    mirroring: Mirroring, answer: int | None, recorded: bool
+) -> None:
+    """Recorded, it is not asked for again on the next sync; a quota's 403 may have room
+    later, so it is not recorded and the resize is tried again."""
+    sized = [{"name": "app", "image": "nginx", "resources": {"requests": {"cpu": "300m"}}}]
+    mirroring.above(upper_pod(containers=sized))
+    below = lower_pod(phase="Running")
+    below["spec"]["containers"][0]["resources"] = {"requests": {"cpu": "100m"}}
+    below["metadata"]["annotations"][keys.UPPER_RESOURCES_ANNOTATION] = (
+        '{"app":{"requests":{"cpu":"100m"}}}'
+    )
+    mirroring.below(below)
+    resize_path = f"{LOWER_POD_PATH}/web/resize"
+    made = {**below, "spec": {**below["spec"], "containers": sized}}
+    refused = None if answer is None else status_error(answer, "Refused", "no")
+    mirroring.lower.answer("PATCH", resize_path, made if refused is None else refused)
+    try:
+        await mirroring.controller.reconcile("shop/web")
+    except RetryLater:
+        assert answer == 403
+    writes = [path for _, path in mirroring.lower.writes()]
+    assert writes[0] == resize_path
+    assert (f"{LOWER_POD_PATH}/web" in writes[1:]) is recorded

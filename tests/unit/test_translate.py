@@ -20,7 +20,7 @@ from virtual_node.translate import (
     pinned_to,
     refused_status,
     resize_patch,
-    resources_recorded,
+    resources_record_patch,
     terminated_status,
     upper_status,
     uses_unmodelled_filters,
@@ -613,8 +613,14 @@ def test_a_resize_above_is_a_resize_below() -> None:
         }
     }
     assert resize_patch(desired, desired) is None
-    # Resources are not among the fields a plain update may change.
-    assert lower_pod_patch(lower, desired) is None
+    # Resources are not among the fields a plain update may change; their record is
+    # written once the resize is made.
+    assert lower_pod_patch(lower, desired, resize_pending=True) is None
+    # A record left behind (its write failed) is brought up to date with no resize due.
+    assert lower_pod_patch(lower, desired) == resources_record_patch(desired)
+    older = copy.deepcopy(lower)
+    del older["metadata"]["annotations"][keys.UPPER_RESOURCES_ANNOTATION]
+    assert lower_pod_patch(older, desired) is None, "made before the record: none written"
 
 
 def test_only_sidecars_among_init_containers_are_resized() -> None:
@@ -647,7 +653,9 @@ def test_resources_a_lower_webhook_changed_are_resized_only_when_they_change_abo
     assert resize_patch(lower, resized) == {
         "spec": {"containers": [{"name": "app", "resources": {"requests": {"cpu": "300m"}}}]}
     }
-    lower["metadata"]["annotations"].update(resources_recorded(resized)["metadata"]["annotations"])
+    lower["metadata"]["annotations"].update(
+        resources_record_patch(resized)["metadata"]["annotations"]
+    )
     assert resize_patch(lower, resized) is None, "recorded once made"
 
 
