@@ -6,8 +6,9 @@ moved its pods off (kubekit.moves), or allows the pod unchanged (a DaemonSet's p
 them: its controller pins it to one node by name, and moved off that pin it would be
 bound elsewhere, deleted by its controller as on the wrong node, and made again without
 end); it refuses only a pod that arrives with a stash annotation the virtual node could
-not read. For a DaemonSet whose pods tolerate every taint, it answers with the affinity
-that keeps them off virtual nodes (webhook.daemonsets). A body it cannot read is a
+not read, and an update of a stashed pod that would lose a stashed entry
+(``stash.StashRefused``). For a DaemonSet whose pods tolerate every taint, it answers
+with the affinity that keeps them off virtual nodes (webhook.daemonsets). A body it cannot read is a
 ``BadReview``, which the server turns into a 400 naming what is wrong: not only what is
 not JSON or not a review, but an object whose scheduling fields do not have the types
 the apiserver's own decoding would have given them (only a client that is not an
@@ -163,16 +164,15 @@ def stash_patch(
 ) -> list[JSON]:
     """The JSONPatch that turns ``pod`` into its upper view with the stash annotation,
     kept off the virtual nodes ``kept_off``."""
-    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    annotations = _annotations(pod)
     return _patch_to(pod, *stash.stash_scheduling(pod["spec"], annotations, keep, kept_off))
 
 
 def update_patch(
-    old: Mapping[str, Any], pod: Mapping[str, Any], keep: Collection[str]
+    old: Mapping[str, Any], old_stash: str, pod: Mapping[str, Any], keep: Collection[str]
 ) -> list[JSON]:
-    """The JSONPatch for an update of a stashed pod (``stash.stash_update``); an update
-    that drops the stash annotation keeps it."""
-    old_stash = _annotations(old)[keys.STASH_ANNOTATION]
+    """The JSONPatch for an update of a stashed pod (``stash.stash_update``; ``old_stash``
+    as stored); an update that drops the stash annotation keeps it."""
     annotations = {keys.STASH_ANNOTATION: old_stash, **_annotations(pod)}
     return _patch_to(
         pod, *stash.stash_update(old["spec"], old_stash, pod["spec"], annotations, keep)
@@ -245,15 +245,24 @@ def review_response(
     if not _is_pod(request) or request.get("operation") not in ("CREATE", "UPDATE"):
         return _review(response)
     pod = request["object"]
-    old_stash = _annotations(request.get("oldObject") or {}).get(keys.STASH_ANNOTATION)
-    unreadable = _unreadable_stash(_annotations(pod).get(keys.STASH_ANNOTATION, old_stash))
+    old = request.get("oldObject") or {}
+    old_stash = _annotations(old).get(keys.STASH_ANNOTATION)
+    stored_unreadable = _unreadable_stash(old_stash)
+    unreadable = _unreadable_stash(_annotations(pod).get(keys.STASH_ANNOTATION)) or (
+        stored_unreadable and f"as stored, {stored_unreadable}"
+    )
     if unreadable:
         return _review(_refused(response, 400, "BadRequest", unreadable))
     if request["operation"] == "UPDATE":
-        # Only a pod the webhook stashed when it was made (an older one runs as it was).
-        if old_stash is not None:
+        if old_stash is None and (old.get("spec") or {}).get("schedulingGates"):
+            # Stashed nothing when it was made (it asked for nothing the upper scheduler
+            # must not see); given scheduling fields while gated, it has them stashed.
+            old_stash = stash.encode({})
+        # Otherwise only a pod the webhook stashed when it was made (an older one runs as
+        # it was).
+        if old_stash is not None and not is_daemon_pod(pod):
             try:
-                patch = update_patch(request["oldObject"], pod, keep)
+                patch = update_patch(old, old_stash, pod, keep)
             except stash.StashRefused as error:
                 return _review(_refused(response, 422, "Invalid", str(error)))
             response = _with_patch(response, patch)

@@ -28,8 +28,9 @@ PROTECTED_NAMESPACES = (
 )
 TIMEOUT_SECONDS = 5
 ON_CREATE_OR_STASHED_SCHEDULING_CHANGE = (
-    "request.operation == 'CREATE' || has(oldObject.metadata.annotations)"
-    f" && '{keys.STASH_ANNOTATION}' in oldObject.metadata.annotations && ("
+    "request.operation == 'CREATE' || (has(oldObject.spec.schedulingGates)"
+    " || has(oldObject.metadata.annotations)"
+    f" && '{keys.STASH_ANNOTATION}' in oldObject.metadata.annotations) && ("
     + " || ".join(
         f"has(object.spec.{f}) != has(oldObject.spec.{f})"
         f" || has(object.spec.{f}) && object.spec.{f} != oldObject.spec.{f}"
@@ -52,7 +53,8 @@ def stash_webhook(client_config: JSON) -> JSON:
       plugins again (RuntimeClass, PodNodeSelector put their node selector back), and
       other webhooks may add scheduling fields after ours; called again, the webhook
       stashes them again (``kubekit.stash.stash_scheduling`` says how).
-    - UPDATE too, but only of a stashed pod's scheduling fields (``matchConditions``):
+    - UPDATE too, but only of a stashed or gated pod's scheduling fields
+      (``matchConditions``):
       applying a pod's manifest again puts back the fields the webhook moved, which a
       running pod may not take, and a pod waiting on a scheduling gate may be given
       scheduling fields (``kubekit.stash.stash_update``). Other updates (labels,

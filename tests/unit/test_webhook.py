@@ -441,6 +441,10 @@ def test_an_update_with_an_unreadable_stash_is_refused() -> None:
     bad_old = pod(stashed_spec, {keys.STASH_ANNOTATION: "{"})
     refused = answer(review(pod(stashed_spec), operation="UPDATE", oldObject=bad_old))
     assert refused["allowed"] is False
+    # A readable one given while the stored one is not: refused with the reason too.
+    refused = answer(review(pod(stashed_spec, annotations), operation="UPDATE", oldObject=bad_old))
+    assert refused["status"]["code"] == 400
+    assert refused["status"]["message"].startswith("as stored, annotation")
 
 
 def test_an_update_review_without_an_old_pod_is_a_bad_review() -> None:
@@ -457,3 +461,17 @@ def test_a_gated_pod_asking_for_another_value_of_a_stashed_key_is_refused_with_t
     assert refused["allowed"] is False
     assert refused["status"]["code"] == 422
     assert "spec.nodeSelector: the pod asks for disk=ssd already" in refused["status"]["message"]
+
+
+def test_a_gated_pod_that_stashed_nothing_has_a_node_selector_given_later_stashed() -> None:
+    """It tolerated the virtual nodes' taint and asked for nothing else when made: no
+    stash then. A queueing controller's node selector must not reach the upper scheduler."""
+    provider = dict(stash.PROVIDER_TOLERATION)
+    gated = {"schedulingGates": [{"name": "q"}], "tolerations": [provider]}
+    assert stash.stash_scheduling(gated, {}) == (gated, {})
+    old = pod(gated)
+    new = pod({**gated, "nodeSelector": {"disk": "ssd"}})
+    after = patched(new, answer(review(new, operation="UPDATE", oldObject=old)))
+    assert "nodeSelector" not in after["spec"]
+    saved = stash.decode(after["metadata"]["annotations"][keys.STASH_ANNOTATION])
+    assert saved["nodeSelector"] == {"disk": "ssd"}
