@@ -150,6 +150,24 @@ def movable_pods(
     return found
 
 
+def not_yet_counted(
+    evicted: Iterable[Mapping[str, Any]], budgets: Sequence[Mapping[str, Any]]
+) -> list[Mapping[str, Any]]:
+    """Of the pods evicted (or planned, in a dry run) this cycle, those the budgets as
+    cached do not count yet: Running (the Eviction API takes nothing from a budget for a
+    pod that is not) and listed in no covering budget's ``disruptedPods``, where the
+    apiserver records an eviction it lowered ``disruptionsAllowed`` for."""
+    return [
+        pod
+        for pod in evicted
+        if (pod.get("status") or {}).get("phase") == "Running"
+        and not any(
+            pod["metadata"]["name"] in ((budget.get("status") or {}).get("disruptedPods") or {})
+            for budget in budgets_of(pod, budgets)
+        )
+    ]
+
+
 def budgets_allow(
     evicted: Iterable[Mapping[str, Any]], budgets: Sequence[Mapping[str, Any]]
 ) -> bool:

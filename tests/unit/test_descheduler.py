@@ -18,6 +18,7 @@ from descheduler.defrag import (
     budgets_allow,
     candidate_plans,
     movable_pods,
+    not_yet_counted,
     waiting_pods,
 )
 from descheduler.main import parse_args
@@ -1166,17 +1167,22 @@ async def test_a_bare_pod_is_not_copied_to_a_virtual_node_whose_taints_it_does_n
     assert [(m.stuck.key, m.to) for m in moved] == [("apps/tolerant", "vk-lower-2")]
 
 
-async def test_plans_of_one_cycle_share_its_budgets_and_never_evict_a_pod_twice() -> None:
-    """The cache shows the first plan's evictions neither in the budget nor in the pods:
-    judged on it, the second plan asked the budget for more than it allows (refused half
-    way, its first evictions for nothing) or took the same pods again."""
-    world = Fragmented()
+def two_plans_one_budget(dry_run: bool = False) -> Fragmented:
+    world = Fragmented(dry_run=dry_run)
     world.add(federated("big-2"))
     world.add(running("c", node="vk-lower-2"))
     world.add(running("d", node="vk-lower-2"))
     world.pool.plans["vk-lower-1"] = [Freeing(node="n1", evicted_pod_uids=["uid-a", "uid-b"])]
     world.pool.plans["vk-lower-2"] = [Freeing(node="n2", evicted_pod_uids=["uid-c", "uid-d"])]
     world.budgets.apply({"type": "ADDED", "object": budget(2)})
+    return world
+
+
+async def test_plans_of_one_cycle_share_its_budgets_and_never_evict_a_pod_twice() -> None:
+    """The cache shows the first plan's evictions neither in the budget nor in the pods:
+    judged on it, the second plan asked the budget for more than it allows (refused half
+    way, its first evictions for nothing) or took the same pods again."""
+    world = two_plans_one_budget()
     (plan,) = await world.descheduler.cycle()
     assert isinstance(plan, Plan) and plan.node == "n1"
     assert world.client.calls == [
@@ -1185,3 +1191,21 @@ async def test_plans_of_one_cycle_share_its_budgets_and_never_evict_a_pod_twice(
     ]
     (refused,) = [e for e in world.client.events if e["reason"] == "NotDefragmented"]
     assert "do not allow all its evictions at once" in refused["message"]
+
+
+def test_an_eviction_a_budget_already_counts_is_not_counted_again() -> None:
+    """The apiserver lists an eviction it took from a budget in its disruptedPods; a
+    Pending pod's eviction takes nothing from it."""
+    evicted = running("a")
+    pending = pod("p", phase="Pending")
+    pending["metadata"]["labels"] = {"app": "small"}
+    fresh = budget(2)
+    assert not_yet_counted([evicted, pending], [fresh]) == [evicted]
+    seen = budget(1)
+    seen["status"]["disruptedPods"] = {"a": "2026-11-27T10:00:00Z"}
+    assert not_yet_counted([evicted], [seen]) == []
+
+
+async def test_a_dry_run_plans_one_cycle_as_it_would_carry_it_out() -> None:
+    (plan,) = await two_plans_one_budget(dry_run=True).descheduler.cycle()
+    assert isinstance(plan, Plan) and plan.node == "n1"
