@@ -69,7 +69,6 @@ _SMP = "application/strategic-merge-patch+json"
 PING_ATTEMPTS = 3
 PING_PAUSE_SECONDS = 1.0
 PING_DEADLINE_SECONDS = 10.0
-_PING_FAILURES: tuple[type[Exception], ...] = (TimeoutError, *API_ERRORS)
 # Statuses of the lower apiserver that mean "this pod will never be accepted as is".
 # 403 is not one: admission refuses for reasons that pass (quota, a namespace still
 # being set up).
@@ -255,7 +254,7 @@ class LowerCluster:
         try:
             async with asyncio.timeout(PING_DEADLINE_SECONDS):
                 version = await self._ping_tries()
-        except _PING_FAILURES as error:
+        except API_ERRORS as error:  # TimeoutError among them
             log.debug("lower cluster %s: %s", self.owner.cluster_id, error)
             self.reachable = False
             return False
@@ -277,10 +276,11 @@ class LowerCluster:
         return await self._ready_version()
 
     async def _ready_version(self) -> JSON:
-        # No wait the apiserver names: the deadline is the Lease's.
-        await self.client.get_text("/readyz", timeout=5, retry_when_told=False)
+        # No wait the apiserver names: the deadline is the Lease's, and a try that hangs
+        # leaves room for another.
+        await self.client.get_text("/readyz", timeout=3, retry_when_told=False)
         version: JSON = await self.client.request(
-            "GET", "/version", timeout=5, retry_when_told=False
+            "GET", "/version", timeout=3, retry_when_told=False
         )
         return version
 

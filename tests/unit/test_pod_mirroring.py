@@ -793,8 +793,14 @@ async def test_pings_that_outlast_the_lease_interval_find_the_lower_cluster_unre
     monkeypatch.setattr(lower_module, "PING_DEADLINE_SECONDS", 0.05)
     backend = mirroring.controller.backend
     assert isinstance(backend, LowerCluster)
-    mirroring.lower.answer("GET", "/readyz", ConnectionRefusedError("lower apiserver restarting"))
-    assert await backend.ping() is False and not backend.reachable
+
+    async def hangs(path: str, **_: Any) -> str:
+        await asyncio.sleep(60)
+        return "ok"
+
+    monkeypatch.setattr(mirroring.lower, "get_text", hangs)
+    assert await asyncio.wait_for(backend.ping(), timeout=5) is False
+    assert not backend.reachable
 
 
 @pytest.mark.usefixtures("no_ping_pause")
