@@ -1209,3 +1209,15 @@ def test_an_eviction_a_budget_already_counts_is_not_counted_again() -> None:
 async def test_a_dry_run_plans_one_cycle_as_it_would_carry_it_out() -> None:
     (plan,) = await two_plans_one_budget(dry_run=True).descheduler.cycle()
     assert isinstance(plan, Plan) and plan.node == "n1"
+
+
+async def test_a_stuck_pod_goes_only_where_its_node_selector_admits_it() -> None:
+    """A bare pod's copy is bound by name, past the scheduler: on a virtual node its
+    selector does not admit it would run against its own rules."""
+    world = World(ROOM_IN_2)
+    pinned = pod("pinned", owned=False)
+    pinned["spec"]["nodeSelector"] = {keys.CLUSTER_ID_LABEL: "lower-3"}
+    world.add(pinned)
+    (decision,) = await world.descheduler.cycle()
+    assert isinstance(decision, Stay)
+    assert world.client.calls == []
