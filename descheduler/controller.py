@@ -22,7 +22,7 @@ from descheduler.defrag import (
     budgets_allow,
     candidate_plans,
     movable_pods,
-    not_yet_counted,
+    taking_from_budgets,
     waiting_pods,
 )
 from descheduler.policy import Limits, Policy
@@ -128,7 +128,7 @@ class Descheduler:
         # virtual node (not planned for again meanwhile).
         self._holding: dict[str, tuple[float, str]] = {}
         # The pods evicted this cycle (planned, in a dry run): the cached budgets and pods
-        # may not show them yet (``not_yet_counted``), and a second plan judged on the
+        # may not show them yet (``taking_from_budgets``), and a second plan judged on the
         # cache alone could ask a budget for more than it allows and be refused half way,
         # its first evictions made for nothing.
         self._evicted_now: list[Mapping[str, Any]] = []
@@ -475,9 +475,7 @@ class Descheduler:
     ) -> str | None:
         """Why a plan cannot be carried out in full now; None when it can (then its
         evictions are counted against this cycle's limits)."""
-        if not budgets_allow(
-            [*not_yet_counted(self._evicted_now, budgets), *plan.evicted], budgets
-        ):
+        if not budgets_allow([*taking_from_budgets(self._evicted_now), *plan.evicted], budgets):
             return "its PodDisruptionBudgets do not allow all its evictions at once"
         if plan.homeless:
             others = [name for name in names if name != plan.cluster]

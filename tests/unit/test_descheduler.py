@@ -18,7 +18,7 @@ from descheduler.defrag import (
     budgets_allow,
     candidate_plans,
     movable_pods,
-    not_yet_counted,
+    taking_from_budgets,
     waiting_pods,
 )
 from descheduler.main import parse_args
@@ -1193,17 +1193,11 @@ async def test_plans_of_one_cycle_share_its_budgets_and_never_evict_a_pod_twice(
     assert "do not allow all its evictions at once" in refused["message"]
 
 
-def test_an_eviction_a_budget_already_counts_is_not_counted_again() -> None:
-    """The apiserver lists an eviction it took from a budget in its disruptedPods; a
-    Pending pod's eviction takes nothing from it."""
+def test_only_evictions_of_running_pods_are_counted_against_the_budgets() -> None:
+    """A Pending pod's eviction takes nothing from a budget."""
     evicted = running("a")
     pending = pod("p", phase="Pending")
-    pending["metadata"]["labels"] = {"app": "small"}
-    fresh = budget(2)
-    assert not_yet_counted([evicted, pending], [fresh]) == [evicted]
-    seen = budget(1)
-    seen["status"]["disruptedPods"] = {"a": "2026-11-27T10:00:00Z"}
-    assert not_yet_counted([evicted], [seen]) == []
+    assert taking_from_budgets([evicted, pending]) == [evicted]
 
 
 async def test_a_dry_run_plans_one_cycle_as_it_would_carry_it_out() -> None:
