@@ -248,9 +248,9 @@ def stash_update(
     keep: Collection[str] = DEFAULT_KEEP_KEYS,
 ) -> tuple[JSON, dict[str, str]]:
     """The spec and annotations an update of a stashed pod should store (``annotations``
-    carry its stash, ``old_stash`` the one stored before the update: called again on its
-    own answer, after another webhook's change, the function changes nothing more), as
-    ``stash_scheduling`` for a create.
+    carry its stash, if it has one; ``old_stash`` is the one stored before the update:
+    called again on its own answer, after another webhook's change, the function changes
+    nothing more), as ``stash_scheduling`` for a create.
 
     An update that puts back what the stash restores (the pod's manifest applied again,
     with a new image or label: the apply puts back the fields the webhook moved and
@@ -265,7 +265,8 @@ def stash_update(
     refused (``StashRefused``): the apiserver, which sees only the upper view, would take
     it and lose the stashed one. Any other change is left for the apiserver, which
     refuses it as it would without kubestrata."""
-    originals = decode(annotations[keys.STASH_ANNOTATION])
+    stashed_before = keys.STASH_ANNOTATION in annotations
+    originals = decode(annotations[keys.STASH_ANNOTATION]) if stashed_before else {}
     restored = restore_scheduling(old_spec, old_stash)
     gated = bool(old_spec.get("schedulingGates"))
     new_spec: JSON = json_copy(dict(spec))
@@ -300,7 +301,10 @@ def stash_update(
                     "the upper scheduler; give those labels as a nodeSelector"
                 )
             originals.setdefault(field, old)
-    return new_spec, {**annotations, keys.STASH_ANNOTATION: encode(originals)}
+    new_annotations = dict(annotations)
+    if originals or stashed_before:
+        new_annotations[keys.STASH_ANNOTATION] = encode(originals)
+    return new_spec, new_annotations
 
 
 class StashRefused(ValueError):

@@ -69,6 +69,8 @@ _SMP = "application/strategic-merge-patch+json"
 PING_ATTEMPTS = 3
 PING_PAUSE_SECONDS = 1.0
 PING_DEADLINE_SECONDS = 10.0
+# Each request of a try: one that hangs leaves room for another try within the deadline.
+PING_REQUEST_SECONDS = 3.0
 # Statuses of the lower apiserver that mean "this pod will never be accepted as is".
 # 403 is not one: admission refuses for reasons that pass (quota, a namespace still
 # being set up).
@@ -276,11 +278,10 @@ class LowerCluster:
         return await self._ready_version()
 
     async def _ready_version(self) -> JSON:
-        # No wait the apiserver names: the deadline is the Lease's, and a try that hangs
-        # leaves room for another.
-        await self.client.get_text("/readyz", timeout=3, retry_when_told=False)
+        # No wait the apiserver names: the deadline is the Lease's.
+        await self.client.get_text("/readyz", timeout=PING_REQUEST_SECONDS, retry_when_told=False)
         version: JSON = await self.client.request(
-            "GET", "/version", timeout=3, retry_when_told=False
+            "GET", "/version", timeout=PING_REQUEST_SECONDS, retry_when_told=False
         )
         return version
 

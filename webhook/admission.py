@@ -169,14 +169,15 @@ def stash_patch(
 
 
 def update_patch(
-    old: Mapping[str, Any], old_stash: str, pod: Mapping[str, Any], keep: Collection[str]
+    old: Mapping[str, Any], old_stash: str | None, pod: Mapping[str, Any], keep: Collection[str]
 ) -> list[JSON]:
-    """The JSONPatch for an update of a stashed pod (``stash.stash_update``; ``old_stash``
-    as stored); an update that drops the stash annotation keeps it."""
-    annotations = {keys.STASH_ANNOTATION: old_stash, **_annotations(pod)}
-    return _patch_to(
-        pod, *stash.stash_update(old["spec"], old_stash, pod["spec"], annotations, keep)
-    )
+    """The JSONPatch for an update of a pod (``stash.stash_update``; ``old_stash`` as
+    stored, if any); an update that drops the stash annotation keeps it."""
+    annotations = dict(_annotations(pod))
+    if old_stash is not None:
+        annotations.setdefault(keys.STASH_ANNOTATION, old_stash)
+    stored = stash.encode({}) if old_stash is None else old_stash
+    return _patch_to(pod, *stash.stash_update(old["spec"], stored, pod["spec"], annotations, keep))
 
 
 def _annotations(pod: Mapping[str, Any]) -> Mapping[str, str]:
@@ -254,13 +255,11 @@ def review_response(
     if unreadable:
         return _review(_refused(response, 400, "BadRequest", unreadable))
     if request["operation"] == "UPDATE":
-        if old_stash is None and (old.get("spec") or {}).get("schedulingGates"):
-            # Stashed nothing when it was made (it asked for nothing the upper scheduler
-            # must not see); given scheduling fields while gated, it has them stashed.
-            old_stash = stash.encode({})
-        # Otherwise only a pod the webhook stashed when it was made (an older one runs as
-        # it was).
-        if old_stash is not None and not is_daemon_pod(pod):
+        # A pod the webhook stashed when it was made (an older one runs as it was), or one
+        # waiting on a gate, which may be given scheduling fields to stash (it had none
+        # to stash when made, or was made before the webhook).
+        gated = bool((old.get("spec") or {}).get("schedulingGates"))
+        if (old_stash is not None or gated) and not is_daemon_pod(pod):
             try:
                 patch = update_patch(old, old_stash, pod, keep)
             except stash.StashRefused as error:

@@ -804,6 +804,28 @@ async def test_pings_that_outlast_the_lease_interval_find_the_lower_cluster_unre
 
 
 @pytest.mark.usefixtures("no_ping_pause")
+async def test_a_ping_whose_first_try_hangs_is_answered_by_the_next(
+    mirroring: Mirroring, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lower_module, "PING_REQUEST_SECONDS", 0.01)
+    backend = mirroring.controller.backend
+    assert isinstance(backend, LowerCluster)
+    tries = []
+
+    async def hangs_once(path: str, *, timeout: float, **_: Any) -> str:
+        tries.append(timeout)
+        if len(tries) == 1:
+            await asyncio.sleep(timeout)
+            raise TimeoutError(path)
+        return "ok"
+
+    monkeypatch.setattr(mirroring.lower, "get_text", hangs_once)
+    mirroring.lower.answer("GET", "/version", {"gitVersion": "v1.35.4"})
+    assert await asyncio.wait_for(backend.ping(), timeout=5) is True
+    assert tries == [0.01, 0.01]
+
+
+@pytest.mark.usefixtures("no_ping_pause")
 async def test_an_unreachable_lower_cluster_is_not_mirrored_until_a_resync(
     mirroring: Mirroring,
 ) -> None:

@@ -475,3 +475,39 @@ def test_a_gated_pod_that_stashed_nothing_has_a_node_selector_given_later_stashe
     assert "nodeSelector" not in after["spec"]
     saved = stash.decode(after["metadata"]["annotations"][keys.STASH_ANNOTATION])
     assert saved["nodeSelector"] == {"disk": "ssd"}
+
+
+def test_a_gated_pod_that_stashed_nothing_gets_no_empty_stash_for_a_toleration() -> None:
+    gated = {"schedulingGates": [{"name": "q"}], "tolerations": [dict(stash.PROVIDER_TOLERATION)]}
+    spot = {"key": "spot", "operator": "Exists"}
+    new = pod({**gated, "tolerations": [*gated["tolerations"], spot]})
+    after = patched(new, answer(review(new, operation="UPDATE", oldObject=pod(gated))))
+    assert after == new
+
+
+def test_a_gated_daemonset_pod_is_left_as_it_is_on_update() -> None:
+    """Its DaemonSet pins it to one node by name: stashed, the pin would be lost above."""
+    owner = {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "name": "d",
+        "uid": "d",
+        "controller": True,
+    }
+    gated = pod({"schedulingGates": [{"name": "q"}]})
+    gated["metadata"]["ownerReferences"] = [owner]
+    pinned = copy.deepcopy(gated)
+    pinned["spec"]["affinity"] = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n"]}]}
+                ]
+            }
+        }
+    }
+    pinned["spec"]["nodeSelector"] = {"disk": "ssd"}
+    assert answer(review(pinned, operation="UPDATE", oldObject=gated)) == {
+        "uid": "d2c1",
+        "allowed": True,
+    }
