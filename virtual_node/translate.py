@@ -429,7 +429,7 @@ def lower_pod_patch(
     recorded = (current["metadata"].get("annotations") or {}).get(keys.UPPER_IMAGES_ANNOTATION)
     # Most syncs find the images above as recorded: nothing to decode then.
     if recorded != desired["metadata"]["annotations"].get(keys.UPPER_IMAGES_ANNOTATION):
-        given = _recorded_images(current) or _images(current["spec"])
+        given = _recorded(current, keys.UPPER_IMAGES_ANNOTATION) or _images(current["spec"])
         for kind in ("containers", "initContainers"):
             running = {c["name"] for c in current["spec"].get(kind) or []}
             changed = [
@@ -482,10 +482,6 @@ def _images(spec: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _recorded_images(lower: Mapping[str, Any]) -> dict[str, Any] | None:
-    return _recorded(lower, keys.UPPER_IMAGES_ANNOTATION)
-
-
 def _resources_record(spec: Mapping[str, Any]) -> str:
     resources = {
         c["name"]: c.get("resources") or {}
@@ -522,6 +518,16 @@ def resize_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> JSON
     resized: a lower admission webhook may have changed them when the pod was made (a
     minimum, a ratio), and setting them back would undo its policy, or be refused on
     every sync. Pods made before the record are compared as they run."""
+    # Most syncs find the resources above as recorded: nothing to decode or compare then.
+    record = ((current.get("metadata") or {}).get("annotations") or {}).get(
+        keys.UPPER_RESOURCES_ANNOTATION
+    )
+    if record is not None and record == (
+        ((desired.get("metadata") or {}).get("annotations") or {}).get(
+            keys.UPPER_RESOURCES_ANNOTATION
+        )
+    ):
+        return None
     recorded = _recorded(current, keys.UPPER_RESOURCES_ANNOTATION)
     spec: JSON = {}
     for kind in ("containers", "initContainers"):

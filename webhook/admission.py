@@ -8,11 +8,11 @@ bound elsewhere, deleted by its controller as on the wrong node, and made again 
 end); it refuses only a pod that arrives with a stash annotation the virtual node could
 not read, and an update of a stashed pod that would lose a stashed entry
 (``stash.StashRefused``). For a DaemonSet whose pods tolerate every taint, it answers
-with the affinity that keeps them off virtual nodes (webhook.daemonsets). A body it cannot read is a
-``BadReview``, which the server turns into a 400 naming what is wrong: not only what is
-not JSON or not a review, but an object whose scheduling fields do not have the types
-the apiserver's own decoding would have given them (only a client that is not an
-apiserver sends those)."""
+with the affinity that keeps them off virtual nodes (webhook.daemonsets). A body it
+cannot read is a ``BadReview``, which the server turns into a 400 naming what is wrong:
+not only what is not JSON or not a review, but an object whose scheduling fields do not
+have the types the apiserver's own decoding would have given them (only a client that is
+not an apiserver sends those)."""
 
 from __future__ import annotations
 
@@ -164,8 +164,8 @@ def stash_patch(
 ) -> list[JSON]:
     """The JSONPatch that turns ``pod`` into its upper view with the stash annotation,
     kept off the virtual nodes ``kept_off``."""
-    annotations = _annotations(pod)
-    return _patch_to(pod, *stash.stash_scheduling(pod["spec"], annotations, keep, kept_off))
+    new = stash.stash_scheduling(pod["spec"], _annotations(pod), keep, kept_off)
+    return _patch_to(pod, *new)
 
 
 def update_patch(
