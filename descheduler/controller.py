@@ -185,6 +185,9 @@ class Descheduler:
         moves = [d for d in decisions if isinstance(d, Move)]
         for stay in (d for d in decisions if isinstance(d, Stay)):
             await self._stay(stay)
+        moves, crowded = await self._room_for_all(moves, set(copied))
+        for move in crowded:
+            log.info("%s: %s has no room for it too this cycle", move.stuck.key, move.to)
         limits = Limits(self.policy)
         allowed, deferred = within_limits(moves, limits)
         for move in deferred:
@@ -237,6 +240,34 @@ class Descheduler:
                 for name, answer in answers.items()
             },
         )
+
+    async def _room_for_all(
+        self, moves: list[Move], copied: set[str]
+    ) -> tuple[list[Move], list[Move]]:
+        """The moves whose cluster has room for every bare pod sent there this cycle, and
+        those left for a later cycle. Each estimate counted the same free room, and a
+        bare pod's copy is bound to the cluster by us, so two copies could be sent where
+        one fits (the extra would wait there and be moved again). Next cycle the
+        estimators count the copies made meanwhile. A controller's pods go through the
+        scheduler, which places them one by one."""
+        sent: dict[str, list[Move]] = {}
+        for move in moves:
+            if not move.stuck.owned and move.stuck.uid not in copied:
+                sent.setdefault(move.to, []).append(move)
+        crowded: list[Move] = []
+        for name, group in sent.items():
+            if len(group) < 2:
+                continue
+            request = FitInTurnRequest(pods=[orjson.dumps(move.stuck.pod) for move in group])
+            answer = await self.pool.fit_in_turn(name, request, ESTIMATOR_TIMEOUT)
+            if isinstance(answer, FitInTurnResponse) and len(answer.nodes) == len(group):
+                crowded += [
+                    move for move, node in zip(group, answer.nodes, strict=True) if not node
+                ]
+            else:
+                crowded += group[1:]  # its estimate promised room for one
+        left = {move.stuck.uid for move in crowded}
+        return [move for move in moves if move.stuck.uid not in left], crowded
 
     async def _stay(self, stay: Stay) -> None:
         stuck = stay.stuck

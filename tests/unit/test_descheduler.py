@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import yaml
 
@@ -506,6 +507,9 @@ class FakePool:
         self.defragment_asked: dict[str, DefragmentRequest] = {}
         self.held: list[tuple[str, HoldRequest]] = []
         self.released: list[tuple[list[str], str]] = []
+        # Virtual node -> the names of the pods asked in turn, each time.
+        self.asked_in_turn: list[tuple[str, list[str]]] = []
+        self.in_turn_failure: EstimatorFailure | None = None
 
     async def estimate(
         self, names: Sequence[str], query: PodQuery, timeout: float
@@ -521,7 +525,11 @@ class FakePool:
 
     async def fit_in_turn(
         self, name: str, request: FitInTurnRequest, timeout: float
-    ) -> FitInTurnResponse:
+    ) -> FitInTurnResponse | EstimatorFailure:
+        pods = [orjson.loads(pod) for pod in request.pods]
+        self.asked_in_turn.append((name, [p["metadata"]["name"] for p in pods]))
+        if self.in_turn_failure is not None:
+            return self.in_turn_failure
         room = self.room.get(name, 0)
         nodes = ["n" if index < room else "" for index in range(len(request.pods))]
         return FitInTurnResponse(cluster_id=name, nodes=nodes)
@@ -607,6 +615,7 @@ async def test_an_eviction_a_budget_refuses_is_tried_again_later() -> None:
 
 async def test_a_move_the_apiserver_refuses_waits_and_the_others_go_on() -> None:
     world = World(ROOM_IN_2)
+    world.pool.room["vk-lower-2"] = 2
     first, second = (pod(name, owned=False) for name in ("a-first", "b-second"))
     world.add(first)
     world.add(second)
@@ -673,6 +682,35 @@ async def test_a_bare_pod_is_copied_before_the_original_goes() -> None:
     assert world.client.calls == [("create", f"apps/{name}"), ("delete", "apps/solo")]
     assert world.client.created[name]["spec"]["nodeName"] == "vk-lower-2"
     assert world.reasons() == ["Rescheduled", "Rescheduled"]
+
+
+async def test_bare_pods_sent_to_one_cluster_in_a_cycle_go_as_far_as_its_room_goes() -> None:
+    """Each estimate counts the same free room: three stuck pods each fit vk-lower-2,
+    which has room for two of them together. The third waits for the next cycle, where
+    the estimators count the copies bound meanwhile."""
+    world = World(ROOM_IN_2)
+    world.pool.room["vk-lower-2"] = 2
+    for name in ("a", "b", "c"):
+        world.add(pod(name, owned=False))
+    world.add(pod("web"))
+    await world.descheduler.cycle()
+    assert world.pool.asked_in_turn == [("vk-lower-2", ["a", "b", "c"])]
+    made = sorted(
+        c["metadata"]["annotations"][keys.COPY_OF_ANNOTATION] for c in world.client.created.values()
+    )
+    assert made == ["uid-a", "uid-b"]
+    assert ("delete", "apps/c") not in world.client.calls
+    assert world.client.evictions() == 1, "a controller's pod is placed by the scheduler"
+    assert "NotRescheduled" not in world.reasons(), "nothing to say: it moves next cycle"
+
+
+async def test_an_estimator_that_cannot_say_how_many_fit_in_turn_takes_one() -> None:
+    world = World(ROOM_IN_2)
+    world.pool.in_turn_failure = EstimatorFailure("deadline")
+    for name in ("a", "b"):
+        world.add(pod(name, owned=False))
+    await world.descheduler.cycle()
+    assert list(world.client.created) == [copy_name(pod("a"))]
 
 
 async def test_a_copy_made_before_a_crash_is_found_and_only_the_original_deleted() -> None:
