@@ -459,8 +459,10 @@ class KubeClient:
             if not continue_token:
                 return
 
-    async def create(self, resource: Resource, body: JSON, namespace: str | None = None) -> JSON:
-        return await self.request("POST", resource.path(namespace), body=body)
+    async def create(
+        self, resource: Resource, body: JSON, namespace: str | None = None, *, timeout: float = 60.0
+    ) -> JSON:
+        return await self.request("POST", resource.path(namespace), body=body, timeout=timeout)
 
     async def replace(
         self, resource: Resource, body: JSON, namespace: str | None = None, subresource: str = ""
@@ -477,12 +479,14 @@ class KubeClient:
         *,
         subresource: str = "",
         patch_type: str = "application/merge-patch+json",
+        timeout: float = 60.0,
     ) -> JSON:
         return await self.request(
             "PATCH",
             resource.path(namespace, name, subresource),
             body=patch,
             content_type=patch_type,
+            timeout=timeout,
         )
 
     async def update_configmap_data(

@@ -237,12 +237,19 @@ def node_status(
 def status_patch(previous: Mapping[str, Any], current: Mapping[str, Any]) -> JSON:
     """``current`` as a strategic merge patch over ``previous``: the patch merges the
     resource maps key by key, so a resource gone from the report (every node cordoned,
-    the GPU node removed) is written as null, as the kubelet's own patch writes it."""
+    the GPU node removed) is written as null, as the kubelet's own patch writes it. The
+    addresses merge by type, so changed ones replace the whole list (as the kubelet's
+    patch does): a Node written by a version that also gave a ``Hostname`` address would
+    keep it, and the apiserver, preferring that type, would dial a name that resolves
+    nowhere for every log and exec."""
     patch = dict(current)
     for resources in ("capacity", "allocatable"):
         gone = set(previous.get(resources) or {}) - set(current.get(resources) or {})
         if gone:
             patch[resources] = {**dict.fromkeys(sorted(gone)), **(current.get(resources) or {})}
+    addresses = current.get("addresses")
+    if addresses is not None and previous.get("addresses", addresses) != addresses:
+        patch["addresses"] = [*addresses, {"$patch": "replace"}]
     return patch
 
 

@@ -39,6 +39,12 @@ from virtual_node.node import (
 log = logging.getLogger(__name__)
 
 LEASE_INTERVAL_SECONDS = 10.0
+# A renewal waits this long at most (the kubelet's heartbeat client: min(10 s, the lease's
+# duration)), and one that failed is tried again this soon: a request hung on a dead
+# connection for the client's usual 60 s would outlast the 40 s Lease, and the upper node
+# controller would taint the Node and take its pods off their Services' endpoints.
+LEASE_REQUEST_TIMEOUT_SECONDS = 10.0
+LEASE_RETRY_SECONDS = 2.0
 STATUS_INTERVAL_SECONDS = 60.0
 # Changes arriving close together become one status update.
 STATUS_COALESCE_SECONDS = 1.0
@@ -174,6 +180,8 @@ class NodeController:
                     await self.renew_lease()
             except API_ERRORS as error:
                 log.warning("lease of %s not renewed: %s", self.identity.name, error)
+                await asyncio.sleep(LEASE_RETRY_SECONDS)
+                continue
             await asyncio.sleep(LEASE_INTERVAL_SECONDS)
 
     async def renew_lease(self) -> None:
@@ -188,12 +196,16 @@ class NodeController:
                     }
                 },
                 keys.NODE_LEASE_NAMESPACE,
+                timeout=LEASE_REQUEST_TIMEOUT_SECONDS,
             )
         except ApiError as error:
             if not is_not_found(error):
                 raise
             await self.upper.create(
-                LEASES, lease(self.identity, self._node_uid), keys.NODE_LEASE_NAMESPACE
+                LEASES,
+                lease(self.identity, self._node_uid),
+                keys.NODE_LEASE_NAMESPACE,
+                timeout=LEASE_REQUEST_TIMEOUT_SECONDS,
             )
 
     async def _status_loop(self) -> None:

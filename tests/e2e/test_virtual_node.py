@@ -611,6 +611,27 @@ def test_a_restarted_virtual_node_does_not_copy_events_up_again(federation: Fede
     upper.kubectl("delete", "namespace", "copied", "--timeout=120s")
 
 
+def test_a_hostname_address_an_older_version_left_goes_at_restart(federation: Federation) -> None:
+    """Addresses merge by type: without replacing the list, a Hostname address written by
+    an older version would stay, and the apiserver (preferring it) would dial it for
+    every log and exec."""
+    upper = federation.upper
+    virtual_node = federation.components[virtual_node_name("lower-1")]
+    virtual_node.kill()
+    hostname = {"type": "Hostname", "address": "vk-lower-1"}
+    patch = json.dumps({"status": {"addresses": [hostname]}})
+    upper.kubectl("patch", "node", "vk-lower-1", "--subresource=status", "-p", patch)
+    assert hostname in get_json(upper, "node", "vk-lower-1")["status"]["addresses"]
+    virtual_node.start()
+    wait_for(
+        lambda: (
+            get_json(upper, "node", "vk-lower-1")["status"]["addresses"]
+            == [{"type": "InternalIP", "address": "127.0.0.1"}]
+        ),
+        "the Hostname address to go",
+    )
+
+
 def test_a_pod_deleted_above_while_the_virtual_node_was_down_goes_below_on_restart(
     federation: Federation,
 ) -> None:

@@ -30,6 +30,7 @@ class Request:
     method: str
     path: str
     body: Any
+    timeout: float = 60.0
 
 
 @dataclass
@@ -74,7 +75,7 @@ class FakeClient(KubeClient):
         timeout: float = 60.0,
         retry_when_told: bool = True,
     ) -> JSON:
-        self.requests.append(Request(method, path, body))
+        self.requests.append(Request(method, path, body, timeout))
         scripted = self.answers.get((method, path))
         if scripted:
             answer = scripted.pop(0)

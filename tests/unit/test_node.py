@@ -186,6 +186,17 @@ def test_a_resource_gone_from_the_report_is_patched_to_null() -> None:
     assert status_patch({}, now) == now
 
 
+def test_changed_addresses_replace_the_whole_list() -> None:
+    """Strategic merge by type would keep a Hostname address an older version wrote."""
+    internal = [{"type": "InternalIP", "address": "10.0.0.7"}]
+    before = {"addresses": [{"type": "Hostname", "address": "vk-lower-1"}, *internal]}
+    assert status_patch(before, {"addresses": internal}) == {
+        "addresses": [*internal, {"$patch": "replace"}]
+    }
+    assert status_patch({"addresses": internal}, {"addresses": internal}) == {"addresses": internal}
+    assert status_patch({}, {"addresses": internal}) == {"addresses": internal}
+
+
 async def test_a_node_changed_while_registering_is_read_again() -> None:
     """The conditional patch meets a Node written meanwhile (a 409): the process read it
     again rather than ending."""
@@ -335,3 +346,22 @@ async def test_the_lease_of_a_registered_node_is_renewed_while_the_caches_sync(
         assert 2 <= len([r for r in renewals if r.method == "PATCH"]) <= 8
     else:
         assert renewals == []
+
+
+async def test_a_lease_renewal_waits_ten_seconds_at_most_and_a_failed_one_is_soon_tried_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A renewal hung on a dead connection for the client's usual 60 s, then 10 s more
+    before the next, would outlast the 40 s Lease."""
+    monkeypatch.setattr(nodecontroller, "LEASE_RETRY_SECONDS", 0.01)
+    upper = FakeClient()
+    lease = f"/apis/coordination.k8s.io/v1/namespaces/{keys.NODE_LEASE_NAMESPACE}/leases"
+    upper.answer("PATCH", f"{lease}/vk-lower-1", TimeoutError(), {})
+    controller = nodecontroller.NodeController(upper, identity(), FlakyLowerCluster(True))
+    looping = asyncio.create_task(controller._lease_loop())
+    await asyncio.sleep(0.2)
+    looping.cancel()
+    renewals = [r for r in upper.requests if r.path.startswith(lease)]
+    assert [r.method for r in renewals] == ["PATCH", "PATCH"], "the next after 10 s"
+    assert {r.timeout for r in renewals} == {nodecontroller.LEASE_REQUEST_TIMEOUT_SECONDS}
+    assert nodecontroller.LEASE_REQUEST_TIMEOUT_SECONDS <= 10
