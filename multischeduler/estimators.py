@@ -326,7 +326,16 @@ class EstimatorPool:
                 f"the node has no {keys.ESTIMATOR_ADDRESS_ANNOTATION} annotation"
             )
         if estimator.flushing is not None:
-            await asyncio.shield(estimator.flushing)
+            # Within the call's own deadline: an estimator that hangs would hold every
+            # later decision for the Release call's whole timeout.
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            done, _ = await asyncio.wait({estimator.flushing}, timeout=timeout)
+            if not done:
+                return EstimatorFailure(
+                    f"{estimator.address}: room given back {timeout:g} s ago not confirmed yet"
+                )
+            timeout = max(0.0, deadline - loop.time())
         releases = sorted(estimator.releases)
         estimator.releases.clear()
         request = EstimateRequest(pods=[query], release_pod_uids=releases)

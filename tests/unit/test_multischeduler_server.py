@@ -67,6 +67,9 @@ class FakeEstimator(estimator_pb2_grpc.EstimatorServicer):
         # Answers after which it ends an EstimateStream call.
         self.answers_per_call: int | None = None
         self.releases: list[list[str]] = []
+        # How long a Release call takes, and those that ended.
+        self.release_delay = 0.0
+        self.releases_ended = 0
         self.authorization: list[str] = []
 
     def _caller(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
@@ -105,6 +108,8 @@ class FakeEstimator(estimator_pb2_grpc.EstimatorServicer):
     ) -> ReleaseResponse:
         self._caller(context)
         self.releases.append(list(request.pod_uids))
+        await asyncio.sleep(self.release_delay)
+        self.releases_ended += 1
         return ReleaseResponse(released=len(request.pod_uids))
 
     async def Defragment(
@@ -563,6 +568,22 @@ async def test_releases_with_no_call_to_ride_on_go_alone(federation: Federation)
     alone = [uid for call in estimators["vk-b"].releases for uid in call]
     assert sorted(carried + alone) == ["u1", "u2"]
     assert estimators["vk-b"].releases[-1][-1] == "u2"
+
+
+async def test_a_release_that_hangs_fails_its_node_only_within_the_deadline(
+    federation: Federation,
+) -> None:
+    """The next call to an estimator waits for a Release on its way, so that the room is
+    given back before the same pod could be judged again; an estimator that hangs must
+    not hold every later decision for the Release's own timeout."""
+    await surplus_on_vk_b(federation, release_delay=0.01)
+    estimators = federation.estimators
+    estimators["vk-b"].release_delay = 3.0
+    await eventually(lambda: bool(estimators["vk-b"].releases))
+    result = await federation.filter("vk-a", "vk-b", pod=named("q", "u2"))
+    assert estimators["vk-b"].releases_ended == 0, "answered while the Release hung"
+    assert result["NodeNames"] == ["vk-a"]
+    assert "not confirmed yet" in result["FailedAndUnresolvableNodes"]["vk-b"]
 
 
 async def test_releases_of_a_failed_call_are_sent_again(federation: Federation) -> None:
