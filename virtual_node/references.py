@@ -167,12 +167,13 @@ def _copy_metadata(
 
 
 # The Service fields that mean the same below; addresses, node ports and load balancers
-# are the lower cluster's own.
+# are the lower cluster's own. Not `internalTrafficPolicy: Local`: kube-proxy counts an
+# endpoint as local by its nodeName, which the reflected endpoints do not carry, so every
+# lower node would drop the traffic.
 _SERVICE_FIELDS = (
     "sessionAffinity",
     "sessionAffinityConfig",
     "publishNotReadyAddresses",
-    "internalTrafficPolicy",
 )
 
 
@@ -189,7 +190,8 @@ def desired_service(upper: Mapping[str, Any], mapping: NamespaceMapping, owner: 
             "metadata": _copy_metadata(upper, mapping, owner),
             "spec": {"type": "ExternalName", "externalName": spec.get("externalName", "")},
         }
-    lower_spec: JSON = {"type": "ClusterIP"}
+    # Explicit, so that a copy made with Local before is set back.
+    lower_spec: JSON = {"type": "ClusterIP", "internalTrafficPolicy": "Cluster"}
     if spec.get("clusterIP") == "None":
         lower_spec["clusterIP"] = "None"
     ports = [{k: v for k, v in port.items() if k != "nodePort"} for port in spec.get("ports") or []]

@@ -275,7 +275,14 @@ class Reflector:
                 namespace in self._synced and synced_namespace_wide(kind, name)
             )
         upper = self.upper_objects[kind].get(f"{namespace}/{name}")
-        return upper is not None and self._wanted(("services", namespace, service_of_slice(upper)))
+        if upper is None:
+            return False
+        # Only beside our own copy of its Service: kube-proxy and DNS group slices by the
+        # Service name they carry, so a slice beside a Service of that name that is not
+        # ours (the lower cluster's own, another upper cluster's) would send its traffic
+        # to our pods.
+        service: Key = ("services", namespace, service_of_slice(upper))
+        return self._wanted(service) and self._has_copy(service)
 
     def _claim_kept(self, namespace: str, name: str) -> bool:
         """A claim's copy, once made, stays as long as its upper claim: gone with its last
@@ -289,6 +296,8 @@ class Reflector:
         key = self._key_of_copy(kind, obj)
         if key is not None:
             self.queue.add(key)
+            # Its slices are wanted while the copy is there.
+            self._enqueue_slices_of(key)
 
     @staticmethod
     def _key_of_copy(kind: Kind, obj: Mapping[str, Any]) -> Key | None:

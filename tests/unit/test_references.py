@@ -323,6 +323,7 @@ def test_lower_service_gets_its_own_addresses_and_no_selector() -> None:
         clusterIPs=["10.0.0.7"],
         ports=[{"port": 80, "targetPort": 8080, "protocol": "TCP", "nodePort": 30080}],
         sessionAffinity="ClientIP",
+        internalTrafficPolicy="Local",
     )
     lower = desired_service(upper, NamespaceMapping("prefix", "up"), OWNER)
     assert lower["metadata"]["namespace"] == "up-shop"
@@ -331,7 +332,12 @@ def test_lower_service_gets_its_own_addresses_and_no_selector() -> None:
         "type": "ClusterIP",
         "ports": [{"port": 80, "targetPort": 8080, "protocol": "TCP"}],
         "sessionAffinity": "ClientIP",
+        # Local would drop every packet below: kube-proxy finds an endpoint local by its
+        # nodeName, which reflected endpoints do not carry.
+        "internalTrafficPolicy": "Cluster",
     }
+    made_local_before = {**lower, "spec": {**lower["spec"], "internalTrafficPolicy": "Local"}}
+    assert copy_differs(made_local_before, lower)
     headless = desired_service(service("db", {"app": "db"}, clusterIP="None"), MAPPING, OWNER)
     assert headless["spec"]["clusterIP"] == "None"
     # What the lower apiserver fills in is no difference; what we set is.

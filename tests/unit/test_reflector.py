@@ -438,6 +438,34 @@ async def test_a_cluster_wide_namesake_below_is_used_as_it_is() -> None:
     assert r.lower.writes() == [("POST", PRIORITY_CLASSES)]
 
 
+async def test_endpoint_slices_go_below_only_beside_our_own_copy_of_their_service() -> None:
+    """kube-proxy and DNS group slices by the Service name they carry: beside the lower
+    cluster's own Service of that name, they would send its clients to our pods."""
+    r = reflecting()
+    r.above(None, pod("web-1", {"app": "web"}))
+    r.above("services", named("Service", "front", spec={"selector": {"app": "web"}}))
+    endpoint_slice = named("EndpointSlice", "front-abc", addressType="IPv4", endpoints=[])
+    endpoint_slice["metadata"]["labels"] = {"kubernetes.io/service-name": "front"}
+    r.above("endpointslices", endpoint_slice)
+    services, slices = (
+        "/api/v1/namespaces/shop/services",
+        ("/apis/discovery.k8s.io/v1/namespaces/shop/endpointslices"),
+    )
+    theirs = {"metadata": {"name": "front", "namespace": "shop", "labels": {}}}
+    taken(services, f"{services}/front", theirs, r)
+    await r.drain()
+    assert r.created(slices) == [], "no slice beside a Service not ours"
+    assert ("endpointslices", "shop", "front-abc") not in r.reflector.orphan_keys()
+    # Theirs gone, ours made: its slices follow.
+    r.above("services", named("Service", "front", spec={"selector": {"app": "web"}}), "MODIFIED")
+    await r.drain()
+    (copy,) = r.created(services)[1:]
+    assert r.created(slices) == [], "not before our Service is there"
+    r.below("services", {**copy, "metadata": {**copy["metadata"], "uid": "lower-svc"}})
+    await r.drain()
+    assert [body["metadata"]["name"] for body in r.created(slices)] == ["front-abc"]
+
+
 async def test_an_endpoint_slice_deleted_above_goes_below_at_once() -> None:
     """Its wanting asks for the upper slice, gone with the delete: the copy is what
     queues it, not the 60 s orphan sweep (clients below would route to dead pods)."""
@@ -448,6 +476,9 @@ async def test_an_endpoint_slice_deleted_above_goes_below_at_once() -> None:
     old_slice = named("EndpointSlice", "front-abc", addressType="IPv4", endpoints=[])
     old_slice["metadata"]["labels"] = labels
     r.above("endpointslices", old_slice)
+    await r.drain()
+    (service_copy,) = r.created("/api/v1/namespaces/shop/services")
+    r.below("services", service_copy)
     await r.drain()
     (copy,) = r.created("/apis/discovery.k8s.io/v1/namespaces/shop/endpointslices")
     r.below("endpointslices", {**copy, "metadata": {**copy["metadata"], "uid": "lower-slice"}})
