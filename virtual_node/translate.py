@@ -128,6 +128,11 @@ def desired_lower_pod(
                     container["volumeMounts"] = mounts
                 else:
                     container.pop("volumeMounts", None)
+    # Decided above, by the pod or its service account: left unset, the lower admission
+    # would ask the lower copy of the account, or the lower cluster's own `default` (never
+    # copied), which may decide the other way: a token below for a pod hardened above to
+    # have none, or none for a pod whose clients need one.
+    spec["automountServiceAccountToken"] = bool(token_volumes)
 
     spec = _without_virtual_node_terms(
         spec, {keys.CLUSTER_ID_LABEL: owner.cluster_id}, owner.node_name

@@ -825,6 +825,40 @@ def test_a_namespace_deleted_above_goes_below_unless_made_by_someone_else(
     assert lower.kubectl("get", "pods", "-n", "theirs", "-o", "name").stdout.strip() == ""
 
 
+def test_a_pod_of_an_account_that_mounts_no_token_above_gets_none_below(
+    federation: Federation,
+) -> None:
+    """The upper `default` account hardened (no token mounted) is never copied: the lower
+    cluster's own `default` would give the pod a token below."""
+    upper, lower = federation.upper, federation.clusters["lower-1"]
+    apply(upper, namespace("hardened"))
+    wait_for(
+        lambda: (
+            upper.kubectl(
+                "get", "serviceaccount", "default", "-n", "hardened", check=False
+            ).returncode
+            == 0
+        ),
+        "the upper default account",
+    )
+    upper.kubectl(
+        "patch", "serviceaccount", "default", "-n", "hardened",
+        "-p", '{"automountServiceAccountToken":false}',
+    )  # fmt: skip
+    apply(upper, bound_pod("quiet", "hardened", "vk-lower-1"))
+    wait_for(
+        lambda: (
+            get_json(upper, "pod", "-n", "hardened", "quiet")["status"].get("phase") == "Running"
+        ),
+        "the pod to run below",
+    )
+    below = get_json(lower, "pod", "-n", "hardened", "quiet")
+    volumes = [v["name"] for v in below["spec"].get("volumes") or []]
+    assert not any(name.startswith("kube-api-access-") for name in volumes), volumes
+    assert below["spec"]["automountServiceAccountToken"] is False
+    upper.kubectl("delete", "namespace", "hardened", "--wait=false")
+
+
 def test_a_pods_service_account_and_priority_class_follow_it_down_and_away(
     federation: Federation,
 ) -> None:

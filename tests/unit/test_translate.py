@@ -94,6 +94,20 @@ def test_lower_pod_is_stripped_and_owned() -> None:
     assert OWNER.owns(lower)
 
 
+def test_whether_a_token_is_mounted_is_decided_above() -> None:
+    """By the pod or its service account, above: left unset, the lower admission would
+    ask the lower cluster's own `default` account, which may decide the other way."""
+    with_token = desired_lower_pod(upper_pod(), NamespaceMapping(), OWNER)
+    assert with_token["spec"]["automountServiceAccountToken"] is True
+    hardened = upper_pod()
+    hardened["spec"]["containers"][0]["volumeMounts"] = [{"name": "data", "mountPath": "/d"}]
+    hardened["spec"]["volumes"] = [{"name": "data", "emptyDir": {}}]
+    without = desired_lower_pod(hardened, NamespaceMapping(), OWNER)
+    assert without["spec"]["automountServiceAccountToken"] is False
+    hardened["spec"]["automountServiceAccountToken"] = False
+    assert desired_lower_pod(hardened, NamespaceMapping(), OWNER) == without
+
+
 def test_upper_pod_is_not_modified() -> None:
     pod = upper_pod()
     before = copy.deepcopy(pod)
