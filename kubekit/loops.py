@@ -1,6 +1,6 @@
 """Work handed from one thread's event loop to another's (an API client's connections
 belong to the loop that opened them, so a caller on another thread has its requests run
-there), and work a caller starts without awaiting it."""
+there), work a caller starts without awaiting it, and loops run together."""
 
 from __future__ import annotations
 
@@ -16,6 +16,19 @@ async def on_loop(home: asyncio.AbstractEventLoop | None, work: Coroutine[Any, A
     if home is None or home is asyncio.get_running_loop():
         return await work
     return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(work, home))
+
+
+async def run_together(*work: Coroutine[Any, Any, Any]) -> None:
+    """Runs every coroutine until all end. The first to fail ends the others, awaited,
+    and its error is raised: ``asyncio.gather`` would leave them running for a caller
+    that has moved on (closed its clients, started them all again)."""
+    tasks = [asyncio.create_task(each) for each in work]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def being_cancelled() -> bool:

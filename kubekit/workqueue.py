@@ -16,7 +16,7 @@ from typing import Generic, TypeVar
 
 from kubekit import metrics
 from kubekit.client import ApiError
-from kubekit.loops import being_cancelled
+from kubekit.loops import being_cancelled, run_together
 from kubekit.ratelimit import ItemBackoff, TokenBucket
 
 Key = TypeVar("Key", bound=Hashable)
@@ -194,15 +194,7 @@ class WorkQueue(Generic[Key]):
                     self._work_duration.observe(time.perf_counter() - started)
                     self.done(key)
 
-        tasks = [asyncio.create_task(worker()) for _ in range(workers)]
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            # One worker failing ends them all, not only the wait for them: the others
-            # would go on working for a caller that has moved on (closed its clients).
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await run_together(*(worker() for _ in range(workers)))
 
     def _failed(self, key: Key, error: BaseException, max_retries: int | None) -> None:
         metrics.RECONCILE_ERRORS.labels(self.name, _reason(error)).inc()

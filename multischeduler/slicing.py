@@ -28,6 +28,7 @@ from kubekit.estimatorapi.estimator_pb2 import (
     SliceRoomResponse,
 )
 from kubekit.informer import FunctionHandler, Informer
+from kubekit.loops import run_together
 from kubekit.podevents import record_pod_event
 from kubekit.slices import (
     Amount,
@@ -183,7 +184,7 @@ class SliceController:
         return dict(record.slices) if record is not None else {}
 
     async def run(self, workers: int = 2) -> None:
-        await asyncio.gather(self.queue.run_workers(workers, self.reconcile), self._sweeping())
+        await run_together(self.queue.run_workers(workers, self.reconcile), self._sweeping())
 
     async def _sweeping(self) -> None:
         while True:

@@ -37,6 +37,7 @@ from kubekit.component import run_component
 from kubekit.health import Health
 from kubekit.informer import FunctionHandler, InformerFactory
 from kubekit.leader import ElectionSettings
+from kubekit.loops import run_together
 from kubekit.serving import check_kubeconfig
 from kubekit.slices import held_namespaces
 from kubekit.timestamps import now_micro
@@ -498,7 +499,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
                 pair,
             )
         lower_event_informers.start()
-        await asyncio.gather(
+        await run_together(
             nodes.run(),
             pods.run(config.workers),
             reflector.run(config.workers),

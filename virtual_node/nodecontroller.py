@@ -22,6 +22,7 @@ from kubekit.client import (
     is_conflict,
     is_not_found,
 )
+from kubekit.loops import run_together
 from kubekit.timestamps import now_micro
 from virtual_node.node import (
     NodeIdentity,
@@ -121,7 +122,7 @@ class NodeController:
     async def run(self) -> None:
         self.reachable = await self.provider.ping()
         await self.register()
-        await asyncio.gather(self._lease_loop(), self._status_loop())
+        await run_together(self._lease_loop(), self._status_loop())
 
     async def register(self) -> None:
         for attempt in range(1, REGISTER_ATTEMPTS + 1):

@@ -1,7 +1,9 @@
 import asyncio
 import threading
 
-from kubekit.loops import Background, on_loop
+import pytest
+
+from kubekit.loops import Background, on_loop, run_together
 
 
 async def running_thread() -> threading.Thread:
@@ -37,3 +39,34 @@ async def test_background_tasks_are_awaited_or_ended_together() -> None:
     assert not forever.done()
     await background.cancel()
     assert forever.cancelled()
+
+
+async def test_loops_run_together_end_together_when_one_fails() -> None:
+    """asyncio.gather alone leaves the others running for a caller that has closed its
+    clients and started them all again."""
+    ended: list[str] = []
+
+    async def forever(name: str) -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            ended.append(name)
+
+    async def failing() -> None:
+        await asyncio.sleep(0)
+        raise ConnectionResetError("the apiserver hung up")
+
+    with pytest.raises(ConnectionResetError, match="hung up"):
+        await run_together(forever("pods"), failing(), forever("reflector"))
+    assert sorted(ended) == ["pods", "reflector"], "ended before the error reached the caller"
+
+
+async def test_loops_run_together_until_all_end() -> None:
+    done: list[int] = []
+
+    async def after(seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        done.append(len(done))
+
+    await run_together(after(0.02), after(0))
+    assert done == [0, 1]
