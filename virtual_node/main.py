@@ -268,12 +268,20 @@ def parse_args(argv: Sequence[str]) -> VirtualNodeConfig:
         parser.error(str(error))
 
 
+# How long a stopping virtual node lets open streams (`logs -f`, exec, port-forward) go
+# on: aiohttp's own 60 s would outlast a pod's 30 s grace, and the process would be
+# killed before it let go of its leader Lease, holding its standby back.
+KUBELET_API_SHUTDOWN_SECONDS = 2.0
+
+
 async def serve_kubelet_api(
     config: VirtualNodeConfig, provider: LowerKubelet, authorizer: Authorizer, pair: pki.KeyPair
 ) -> tuple[web.AppRunner, asyncio.Task[None]]:
     """The kubelet API's server, and the task that reloads its certificate files."""
     server = KubeletServer(provider, authorizer, config.streaming_connection_idle_timeout)
-    runner = web.AppRunner(server.app(), access_log=None)
+    runner = web.AppRunner(
+        server.app(), access_log=None, shutdown_timeout=KUBELET_API_SHUTDOWN_SECONDS
+    )
     await runner.setup()
     reloading = await start_https_site(
         runner,

@@ -4,18 +4,25 @@ WebSocket and SPDY/3.1 streaming protocols, and what hostile SPDY peers get."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import struct
 import zlib
+from collections.abc import AsyncGenerator, Mapping
+from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import ClientResponse, WSMsgType
 
+from kubekit import pki
 from tests.unit.fakekubelet import (
     AUTH,
     LOG_CHUNKS,
     POD,
     TIMEOUT,
+    FakeAuthorizer,
+    FakeProvider,
     Kubelet,
     SpdyPeer,
     control_frame,
@@ -34,6 +41,7 @@ from virtual_node.kubeletapi.spdy import (
     StreamReplied,
     StreamReset,
 )
+from virtual_node.main import KUBELET_API_SHUTDOWN_SECONDS, VirtualNodeConfig, serve_kubelet_api
 
 
 async def error_of(response: ClientResponse) -> tuple[int, str]:
@@ -507,3 +515,48 @@ async def test_an_idle_websocket_exec_is_closed_but_a_busy_one_is_not() -> None:
         assert socket.closed
         [(_container, _attach, process)] = kubelet.provider.processes
         await asyncio.wait_for(process.closed.wait(), TIMEOUT)
+
+
+class QuietProvider(FakeProvider):
+    """A followed log that writes one line, then no more."""
+
+    async def container_logs(
+        self, pod: Mapping[str, Any], container: str, options: LogOptions
+    ) -> AsyncGenerator[bytes, None]:
+        yield LOG_CHUNKS[0]
+        await asyncio.Event().wait()
+
+
+async def test_a_stopping_server_ends_the_streams_still_open_within_its_grace(
+    tmp_path: Path,
+) -> None:
+    """aiohttp waits 60 s for open handlers by default: past a pod's 30 s grace, so the
+    process would be killed before it let go of its leader Lease."""
+    ca = pki.create_ca(tmp_path, "test")
+    pair = pki.issue(ca, tmp_path / "server", "server", server_names=("127.0.0.1",))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = VirtualNodeConfig(
+        "l", "c", client_ca_file=str(ca.cert_path), address="127.0.0.1", kubelet_port=port
+    )
+    runner, reloading = await serve_kubelet_api(
+        config,
+        QuietProvider(),  # type: ignore[arg-type]
+        FakeAuthorizer(),
+        pair,
+    )
+    try:
+        async with aiohttp.ClientSession() as session:
+            response = await session.get(
+                f"https://127.0.0.1:{port}/containerLogs/default/p/app?follow=true",
+                headers={"Authorization": "Bearer alice"},
+                ssl=False,
+            )
+            assert await response.content.readexactly(len(LOG_CHUNKS[0])) == LOG_CHUNKS[0]
+            # Well within a pod's 30 s grace (aiohttp's own wait would be 60 s).
+            assert KUBELET_API_SHUTDOWN_SECONDS < 10
+            async with asyncio.timeout(20):
+                await runner.cleanup()
+    finally:
+        reloading.cancel()
