@@ -42,6 +42,9 @@ def others_objects(objects: Iterable[Mapping[str, Any]], owner: Ownership) -> li
     ]
 
 
+KEPT_NAMESPACE_RECHECK_SECONDS = 300.0
+
+
 class LowerNamespaces:
     """Deletes the lower namespaces this upper cluster made whose upper namespace is gone;
     keyed by lower namespace."""
@@ -106,10 +109,15 @@ class LowerNamespaces:
             others = others_objects(claims.get("items") or [], self.owner)
         if others:
             log.warning(
-                "namespace %s: gone above, kept below for objects not of this upper cluster (%s)",
+                "namespace %s: gone above, kept below for objects not of this upper cluster "
+                "(%s); looked at again in %.0f s",
                 name,
                 ", ".join(sorted(others)[:3]),
+                KEPT_NAMESPACE_RECHECK_SECONDS,
             )
+            # Nothing here hears of their objects going (claims are not watched): the
+            # namespace would stay until the next restart.
+            self.queue.add_after(name, KEPT_NAMESPACE_RECHECK_SECONDS)
             return
         await self.lower.delete_exact(NAMESPACES, namespace)
         self.forget(name)
