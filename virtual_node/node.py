@@ -91,19 +91,19 @@ def nodes_digest(lower_nodes: Iterable[Mapping[str, Any]]) -> str:
     return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:16]
 
 
-def report_annotations(report: NodeReport) -> dict[str, str]:
+def report_annotations(report: NodeReport) -> dict[str, str | None]:
     """The Node annotations that follow the lower cluster: what its nodes offer the
-    filters, what its quotas cap, and its largest free slot."""
-    annotations = {}
-    if report.nodes_digest:
-        annotations[keys.LOWER_NODES_ANNOTATION] = report.nodes_digest
-    if report.quotas_digest:
-        annotations[keys.LOWER_QUOTAS_ANNOTATION] = report.quotas_digest
-    if report.largest_free_slot:
-        annotations[keys.LARGEST_FREE_SLOT_ANNOTATION] = json.dumps(
-            dict(report.largest_free_slot), sort_keys=True, separators=(",", ":")
-        )
-    return annotations
+    filters, what its quotas cap, and its largest free slot. One it no longer gives is
+    None, to be written as null: a largest slot left standing would show room that is
+    gone (every lower node cordoned, say)."""
+    slot = report.largest_free_slot
+    return {
+        keys.LOWER_NODES_ANNOTATION: report.nodes_digest or None,
+        keys.LOWER_QUOTAS_ANNOTATION: report.quotas_digest or None,
+        keys.LARGEST_FREE_SLOT_ANNOTATION: (
+            json.dumps(dict(slot), sort_keys=True, separators=(",", ":")) if slot else None
+        ),
+    }
 
 
 def node_labels(identity: NodeIdentity, report: NodeReport) -> dict[str, str]:

@@ -269,7 +269,11 @@ class NodeController:
         if not metadata:
             return
         await self.upper.patch(NODES, self.identity.name, {"metadata": metadata})
-        self._annotations.update(annotations)
+        for key, value in annotations.items():
+            if value is None:
+                self._annotations.pop(key, None)
+            else:
+                self._annotations[key] = value
         self._labels = wanted
 
     async def update_status(self, force: bool) -> None:

@@ -79,7 +79,11 @@ def test_the_lower_nodes_digest_moves_with_what_node_filters_read_and_only_that(
 
 
 def test_the_node_annotations_say_what_the_lower_nodes_offer_and_the_largest_slot() -> None:
-    assert report_annotations(REPORT) == {}
+    assert report_annotations(REPORT) == {
+        keys.LOWER_NODES_ANNOTATION: None,
+        keys.LOWER_QUOTAS_ANNOTATION: None,
+        keys.LARGEST_FREE_SLOT_ANNOTATION: None,
+    }
     report = NodeReport(
         ready=True,
         allocatable={"cpu": "8"},
@@ -365,3 +369,18 @@ async def test_a_lease_renewal_waits_ten_seconds_at_most_and_a_failed_one_is_soo
     assert [r.method for r in renewals] == ["PATCH", "PATCH"], "the next after 10 s"
     assert {r.timeout for r in renewals} == {nodecontroller.LEASE_REQUEST_TIMEOUT_SECONDS}
     assert nodecontroller.LEASE_REQUEST_TIMEOUT_SECONDS <= 10
+
+
+async def test_an_annotation_the_lower_cluster_no_longer_gives_is_written_as_null() -> None:
+    """A largest free slot left standing would show room that is gone."""
+    upper = FakeClient()
+    controller = nodecontroller.NodeController(upper, identity(), FlakyLowerCluster(True))
+    roomy = NodeReport(ready=True, allocatable={"cpu": "8"}, largest_free_slot={"cpu": "2"})
+    await controller._send_metadata(roomy)
+    await controller._send_metadata(REPORT)
+    await controller._send_metadata(REPORT)
+    sent = [r.body["metadata"].get("annotations") for r in upper.requests if r.method == "PATCH"]
+    assert sent == [
+        {keys.LARGEST_FREE_SLOT_ANNOTATION: '{"cpu":"2"}'},
+        {keys.LARGEST_FREE_SLOT_ANNOTATION: None},
+    ], "and nothing the third time"
