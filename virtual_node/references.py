@@ -358,6 +358,18 @@ def copy_differs(lower: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
     return bool(labels != wanted["labels"] or annotations != wanted["annotations"])
 
 
+def made_again(lower: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
+    """Whether the copy must be deleted and made again rather than updated: a Service
+    that is to become headless, or stop being so. Its cluster IP cannot change, and an
+    update leaving it out keeps the old one (the apiserver fills it in from the stored
+    Service), so the copy would stay as it was."""
+    spec: Mapping[str, Any] = desired.get("spec") or {}
+    if desired.get("kind") != "Service" or spec.get("type") == "ExternalName":
+        return False
+    headless = (lower.get("spec") or {}).get("clusterIP") == "None"
+    return bool(headless != (spec.get("clusterIP") == "None"))
+
+
 def replacement(lower: Mapping[str, Any], desired: Mapping[str, Any]) -> JSON:
     """The body that brings ``lower`` to ``desired`` in one update, keeping what the lower
     cluster owns: the version it is at, and of a claim its spec (fixed once created; its

@@ -44,6 +44,7 @@ from virtual_node.references import (
     desired_priority_class,
     desired_service,
     desired_service_account,
+    made_again,
     referenced_objects,
     reflectable,
     replacement,
@@ -363,6 +364,9 @@ class Reflector:
             if lower is None:
                 if not await self._create(resource, desired, lower_namespace) and namespace:
                     self._taken.add(key)
+            elif made_again(lower, desired):
+                await self.lower.delete_exact(resource, lower)
+                await self._create(resource, desired, lower_namespace)
             elif copy_differs(lower, desired):
                 await self._replace(resource, lower, desired, lower_namespace)
         elif lower is not None:

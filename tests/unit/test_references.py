@@ -8,6 +8,7 @@ from virtual_node.references import (
     desired_endpoint_slice,
     desired_service,
     desired_service_account,
+    made_again,
     referenced_objects,
     reflectable,
     replacement,
@@ -344,6 +345,17 @@ def test_lower_service_gets_its_own_addresses_and_no_selector() -> None:
     defaulted = {**lower, "spec": {**lower["spec"], "clusterIP": "10.96.0.9"}}
     assert not copy_differs(defaulted, lower)
     assert copy_differs({**defaulted, "spec": {**defaulted["spec"], "ports": []}}, lower)
+
+
+def test_a_service_that_becomes_headless_or_stops_being_so_is_made_again_below() -> None:
+    """Its cluster IP cannot change, and an update leaving it out keeps the old one."""
+    ordinary = desired_service(service("db", {"app": "db"}), MAPPING, OWNER)
+    headless = desired_service(service("db", {"app": "db"}, clusterIP="None"), MAPPING, OWNER)
+    allocated = {**ordinary, "spec": {**ordinary["spec"], "clusterIP": "10.96.0.9"}}
+    assert made_again(headless, ordinary) and made_again(allocated, headless)
+    assert not made_again(allocated, ordinary) and not made_again(headless, headless)
+    alias = service("db", None, type="ExternalName", externalName="example.com")
+    assert not made_again(allocated, desired_service(alias, MAPPING, OWNER)), "an update does"
 
 
 def test_lower_endpoint_slice_is_ours_without_upper_node_names() -> None:

@@ -402,6 +402,27 @@ async def test_a_claim_made_again_above_gets_a_new_copy_not_the_old_volume() -> 
     assert fresh["metadata"]["annotations"][keys.UPPER_UID_ANNOTATION] == "new-uid"
 
 
+async def test_a_headless_copy_of_a_service_made_again_with_an_address_is_made_again() -> None:
+    """Deleted and made again above while the virtual node was away: an update would keep
+    the copy headless (its cluster IP cannot change)."""
+    r = reflecting()
+    r.above(None, pod("web-1", {"app": "web"}))
+    service = named("Service", "front", spec={"selector": {"app": "web"}, "clusterIP": "None"})
+    r.above("services", service)
+    await r.drain()
+    (copy,) = r.created("/api/v1/namespaces/shop/services")
+    assert copy["spec"]["clusterIP"] == "None"
+    r.below("services", {**copy, "metadata": {**copy["metadata"], "uid": "lower-svc"}})
+    r.lower.requests.clear()
+    r.above("services", named("Service", "front", spec={"selector": {"app": "web"}}), "MODIFIED")
+    await r.drain()
+    assert r.lower.writes() == [
+        ("DELETE", "/api/v1/namespaces/shop/services/front"),
+        ("POST", "/api/v1/namespaces/shop/services"),
+    ]
+    assert "clusterIP" not in r.created("/api/v1/namespaces/shop/services")[0]["spec"]
+
+
 def taken(error_path: str, existing_path: str, existing: dict[str, Any], r: Reflecting) -> None:
     """The lower apiserver already has an object of that name, not made by us."""
     r.lower.answer("POST", error_path, status_error(409, "AlreadyExists", "exists"))
