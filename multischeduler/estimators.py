@@ -242,6 +242,9 @@ class EstimatorPool:
         self.token = token
         self.release_delay = release_delay
         self.nodes: dict[str, VirtualNode] = {}
+        # Every Node the watch has shown, virtual or not: a name the scheduler sends that
+        # is not here may be a virtual node the watch has not shown yet.
+        self.known: set[str] = set()
         self._estimators: dict[str, _Estimator] = {}
         # Fire-and-forget calls and channel closes.
         self._background = Background()
@@ -252,12 +255,17 @@ class EstimatorPool:
     def is_virtual(self, name: str) -> bool:
         return name in self.nodes
 
+    def is_known(self, name: str) -> bool:
+        return name in self.known
+
     def put(self, obj: JSON) -> bool:
-        """Takes a virtual Node (from the watch, or read afresh ahead of it); True when it
-        names another estimator than the one known (the virtual node restarted or moved)."""
+        """Takes a Node (from the watch, or read afresh ahead of it); True when it is a
+        virtual one that names another estimator than the one known (the virtual node
+        restarted or moved)."""
+        self.known.add(str(obj["metadata"]["name"]))
         node = virtual_node(obj)
         if node is None:
-            self.remove(obj)
+            self._forget(str(obj["metadata"]["name"]))
             return False
         self.nodes[node.name] = node
         current = self._estimators.get(node.name)
@@ -281,6 +289,10 @@ class EstimatorPool:
 
     def remove(self, obj: JSON) -> None:
         name = str(obj["metadata"]["name"])
+        self.known.discard(name)
+        self._forget(name)
+
+    def _forget(self, name: str) -> None:
         self.nodes.pop(name, None)
         estimator = self._estimators.pop(name, None)
         if estimator is not None:

@@ -193,9 +193,9 @@ async def run(config: Config) -> None:
                 raise
 
         pool = config.estimators.pool()
-        nodes = Informer(
-            client, NODES, label_selector=f"{keys.NODE_TYPE_LABEL}={keys.NODE_TYPE_VIRTUAL}"
-        )
+        # Every Node, not only virtual ones: a name the scheduler sends that the cache
+        # has not seen is then news, not taken for an ordinary node and let through.
+        nodes = Informer(client, NODES)
         nodes.add_handler(pool.handler())
         namespaces = Informer(client, NAMESPACES)
         quotas = Informer(client, RESOURCEQUOTAS)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import orjson
@@ -76,8 +76,8 @@ class Extender:
 
     async def filter(self, args: ExtenderArgs) -> JSON:
         began = self.clock()
+        answers: dict[str, Answer] = await self._read_unknown(args.node_names)
         virtual = [n for n in args.node_names if self.pool.is_virtual(n)]
-        answers: dict[str, Answer] = {}
         namespace = str(args.pod["metadata"].get("namespace", ""))
         slices = self.slices_of(namespace) if virtual else None
         if slices is not None:
@@ -105,6 +105,27 @@ class Extender:
         self.metrics.filter_seconds.observe(self.clock() - began)
         self.metrics.decisions.labels("filter").inc()
         return result
+
+    async def _read_unknown(self, names: Sequence[str]) -> dict[str, Answer]:
+        """Reads the Nodes the cache has not shown yet (the scheduler's watch was ahead of
+        ours): taken for ordinary ones, new virtual nodes would pass unchecked. Those that
+        cannot be read are refused this time."""
+        unknown = [name for name in names if not self.pool.is_known(name)]
+        if not unknown:
+            return {}
+        reads = await asyncio.gather(
+            *(self.lookup(NODES, None, name) for name in unknown), return_exceptions=True
+        )
+        refused: dict[str, Answer] = {}
+        for name, node in zip(unknown, reads, strict=True):
+            if isinstance(node, BaseException) and not isinstance(node, API_ERRORS):
+                raise node
+            if isinstance(node, BaseException) or node is None:
+                why = node or "not found"
+                refused[name] = PodEstimate(message=f"Node not known yet ({why})")
+            else:
+                self.pool.put(node)
+        return refused
 
     async def _ask_restarted(
         self, answers: Mapping[str, Answer], pod: bytes, pod_key: str

@@ -265,6 +265,8 @@ async def federation(tmp_path: Path) -> AsyncIterator[Federation]:
     pool = EstimatorPool(channel_credentials(ca), TokenFile(token))
     nodes = Informer(client=None, resource=NODES)  # type: ignore[arg-type]
     nodes.add_handler(pool.handler())
+    for ordinary in ("worker", "worker-1", "worker-2"):
+        nodes.apply({"type": "ADDED", "object": {"metadata": {"name": ordinary}}})
     nodes.synced.set()
     world: Federation
 
@@ -434,9 +436,27 @@ async def test_nodes_that_change_or_go_are_followed(federation: Federation) -> N
     }
     federation.virtual_node("vk-a", address, "DELETED")
     assert not federation.extender.pool.is_virtual("vk-a")
-    # An unknown node is an ordinary one: no question asked.
-    assert (await federation.filter("vk-a"))["NodeNames"] == ["vk-a"]
+    # A name the cache has not shown is read, not taken for an ordinary node.
+    failed = (await federation.filter("vk-a"))["FailedAndUnresolvableNodes"]
+    assert failed == {"vk-a": "vk-a: Node not known yet (not found)"}
     assert len(moved.estimates) == 2  # vk-b's only
+
+
+async def test_a_virtual_node_the_cache_has_not_shown_yet_is_read_and_asked(
+    federation: Federation,
+) -> None:
+    """The scheduler's watch can be ahead of the extender's: taken for an ordinary node,
+    a new virtual node would pass with no question asked and no room held."""
+    await federation.estimator("vk-new", NO_ROOM)
+    federation.virtual_node("vk-new", None, "DELETED")
+    address = await federation.serve(federation.estimators["vk-new"])
+    federation.upper_nodes["vk-new"] = virtual_node_object("vk-new", address)
+    result = await federation.filter("worker", "vk-new")
+    assert result["NodeNames"] == ["worker"]
+    assert "Insufficient cpu" in result["FailedAndUnresolvableNodes"]["vk-new"]
+    assert federation.extender.pool.is_virtual("vk-new"), "and known from then on"
+    refused = (await federation.filter("worker", "gone"))["FailedAndUnresolvableNodes"]
+    assert refused == {"gone": "gone: Node not known yet (not found)"}
 
 
 async def test_a_rotated_token_is_sent(federation: Federation) -> None:
