@@ -72,6 +72,12 @@ FEDERATION_LABEL = f"{PREFIX}/federation"
 FEDERATION_ENABLED = "enabled"
 FEDERATION_DISABLED = "disabled"
 
+# A Secret of this type names a ServiceAccount, and each cluster's tokens controller
+# fills it with a token of that account (and records the account's UID on it).
+SERVICE_ACCOUNT_TOKEN_TYPE = "kubernetes.io/service-account-token"
+SERVICE_ACCOUNT_NAME_ANNOTATION = "kubernetes.io/service-account.name"
+SERVICE_ACCOUNT_UID_ANNOTATION = "kubernetes.io/service-account.uid"
+
 # Kubernetes' own keys on EndpointSlices: the Service a slice belongs to, and which
 # controller manages it (the lower cluster's controllers leave slices marked as ours).
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"

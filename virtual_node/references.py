@@ -35,8 +35,8 @@ _MADE_IN_EVERY_NAMESPACE = frozenset(
     {("serviceaccounts", DEFAULT_SERVICE_ACCOUNT), ("configmaps", "kube-root-ca.crt")}
 )
 
-# Secrets whose content the lower cluster makes for itself.
-_NOT_REFLECTED_SECRET_TYPES = frozenset({"kubernetes.io/service-account-token"})
+# What the lower tokens controller puts in a token Secret's copy: its own.
+_LOWER_TOKEN_FIELDS = ("data", "binaryData")
 
 
 def _containers(spec: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
@@ -136,13 +136,22 @@ def synced_namespace_wide(kind: Kind, name: str) -> bool:
     return kind in NAMESPACE_WIDE and (kind, name) not in _MADE_IN_EVERY_NAMESPACE
 
 
+def token_account(secret: Mapping[str, Any]) -> str | None:
+    """The ServiceAccount a service-account token Secret names; None for other objects.
+    Its copy below holds a token of the lower copy of that account, which the lower
+    tokens controller puts there (the upper token would not authenticate below)."""
+    if secret.get("type") != keys.SERVICE_ACCOUNT_TOKEN_TYPE:
+        return None
+    annotations = (secret.get("metadata") or {}).get("annotations") or {}
+    account = annotations.get(keys.SERVICE_ACCOUNT_NAME_ANNOTATION)
+    return account if isinstance(account, str) and account else None
+
+
 def reflectable(upper: Mapping[str, Any]) -> bool:
-    """Whether an object is copied below at all: not a Secret whose content the lower
-    cluster makes for itself, nor a claim a pod controls (a generic ephemeral volume's:
-    the lower ephemeral volume controller makes the lower pod's own from its template,
-    and a claim of that name it did not make keeps the pod Pending for good)."""
-    if upper.get("type") in _NOT_REFLECTED_SECRET_TYPES:
-        return False
+    """Whether an object is copied below at all: not a claim a pod controls (a generic
+    ephemeral volume's: the lower ephemeral volume controller makes the lower pod's own
+    from its template, and a claim of that name it did not make keeps the pod Pending
+    for good)."""
     owners = (upper.get("metadata") or {}).get("ownerReferences") or []
     return not (
         _is_claim(upper)
@@ -237,7 +246,8 @@ def desired_endpoint_slice(
 
 
 def desired_copy(upper: Mapping[str, Any], mapping: NamespaceMapping, owner: Ownership) -> JSON:
-    """The lower copy of an upper ConfigMap, Secret or PersistentVolumeClaim."""
+    """The lower copy of an upper ConfigMap, Secret or PersistentVolumeClaim; of a token
+    Secret, the account it names and nothing the upper tokens controller put there."""
     copy: JSON = {
         "apiVersion": "v1",
         "kind": upper.get("kind") or "ConfigMap",
@@ -246,6 +256,10 @@ def desired_copy(upper: Mapping[str, Any], mapping: NamespaceMapping, owner: Own
     for field in ("data", "binaryData", "stringData", "type", "immutable"):
         if field in upper:
             copy[field] = upper[field]
+    if token_account(upper) is not None:
+        for field in (*_LOWER_TOKEN_FIELDS, "stringData"):
+            copy.pop(field, None)
+        copy["metadata"]["annotations"].pop(keys.SERVICE_ACCOUNT_UID_ANNOTATION, None)
     if "spec" in upper:
         # A claim is bound below, to the lower cluster's own volumes.
         copy["spec"] = {k: v for k, v in upper["spec"].items() if k != "volumeName"}
@@ -255,6 +269,10 @@ def desired_copy(upper: Mapping[str, Any], mapping: NamespaceMapping, owner: Own
 
 def _is_claim(obj: Mapping[str, Any]) -> bool:
     return obj.get("kind") == "PersistentVolumeClaim"
+
+
+def _without_lower_token(annotations: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in annotations.items() if k != keys.SERVICE_ACCOUNT_UID_ANNOTATION}
 
 
 def _without_binding(annotations: Mapping[str, str]) -> dict[str, str]:
@@ -328,7 +346,7 @@ def copy_differs(lower: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
     # (an expansion above goes below, where the lower class's driver grows the volume).
     if _is_claim(desired) and _grown(lower, desired):
         return True
-    fields = (
+    fields: tuple[str, ...] = (
         "data",
         "binaryData",
         "type",
@@ -343,6 +361,8 @@ def copy_differs(lower: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
         "preemptionPolicy",
         "description",
     )
+    if token_account(desired) is not None:
+        fields = tuple(f for f in fields if f not in _LOWER_TOKEN_FIELDS)
     if any(lower.get(f) != desired.get(f) for f in fields):
         return True
     if desired.get("kind") == "Service":
@@ -354,6 +374,8 @@ def copy_differs(lower: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
     annotations: Mapping[str, str] = lower["metadata"].get("annotations") or {}
     if _is_claim(desired):
         annotations = _without_binding(annotations)
+    if token_account(desired) is not None:
+        annotations = _without_lower_token(annotations)
     wanted = desired["metadata"]
     return bool(labels != wanted["labels"] or annotations != wanted["annotations"])
 
@@ -372,12 +394,24 @@ def made_again(lower: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
 
 def replacement(lower: Mapping[str, Any], desired: Mapping[str, Any]) -> JSON:
     """The body that brings ``lower`` to ``desired`` in one update, keeping what the lower
-    cluster owns: the version it is at, and of a claim its spec (fixed once created; its
-    volume is the lower cluster's) and the annotations that say how it was bound there.
-    Replaced with the copy's own spec, a bound claim would be refused, and dropping its
-    binding annotations would undo the binding's bookkeeping."""
+    cluster owns: the version it is at, of a claim its spec (fixed once created; its
+    volume is the lower cluster's) and the annotations that say how it was bound there,
+    and of a token Secret the token in it. Replaced with the copy's own spec, a bound
+    claim would be refused, and dropping its binding annotations would undo the
+    binding's bookkeeping."""
     metadata = {**desired["metadata"], "resourceVersion": lower["metadata"]["resourceVersion"]}
     body = {**desired, "metadata": metadata}
+    if token_account(desired) is not None:
+        # The lower tokens controller's token, and the account's UID it was made for.
+        body.update({f: lower[f] for f in _LOWER_TOKEN_FIELDS if f in lower})
+        given = (lower["metadata"].get("annotations") or {}).get(
+            keys.SERVICE_ACCOUNT_UID_ANNOTATION
+        )
+        if given is not None:
+            metadata["annotations"] = {
+                **metadata["annotations"],
+                keys.SERVICE_ACCOUNT_UID_ANNOTATION: given,
+            }
     if _is_claim(desired):
         bound_below = {
             k: v

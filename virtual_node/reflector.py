@@ -52,6 +52,7 @@ from virtual_node.references import (
     service_of_slice,
     service_selector,
     synced_namespace_wide,
+    token_account,
 )
 from virtual_node.translate import Ownership
 
@@ -121,6 +122,9 @@ class Reflector:
         # Namespaced names held below by an object not ours (the lower cluster's own,
         # another upper cluster's): a pod using that name would get someone else's.
         self._taken: set[Key] = set()
+        # The account each upper service-account token Secret names, by (namespace,
+        # Secret): its copy is filled below only while a copy of that account is there.
+        self._token_accounts: dict[tuple[str, str], str] = {}
         upper_pods.add_handler(
             FunctionHandler(
                 add=self._pod_changed,
@@ -208,17 +212,25 @@ class Reflector:
             users.discard(pod_key)
             if not users:
                 self._users.pop(ref, None)
-                self._enqueue_slices_of(ref)
+                self._enqueue_dependents_of(ref)
             self.queue.add(ref)
         for ref in refs - before:
             if ref not in self._users:
-                self._enqueue_slices_of(ref)
+                self._enqueue_dependents_of(ref)
             self._users.setdefault(ref, set()).add(pod_key)
             self.queue.add(ref)
         if refs:
             self._refs_of_pod[pod_key] = refs
         else:
             self._refs_of_pod.pop(pod_key, None)
+
+    def _enqueue_dependents_of(self, ref: Key) -> None:
+        """What is wanted below with a Service (its slices) or a token Secret (its
+        account), now that the Service or Secret is wanted or not."""
+        self._enqueue_slices_of(ref)
+        account = self._account_of_token(ref)
+        if account is not None:
+            self.queue.add(account)
 
     def _enqueue_slices_of(self, ref: Key) -> None:
         kind, namespace, name = ref
@@ -233,10 +245,25 @@ class Reflector:
         key = reflected_key(kind, metadata.get("namespace") or "", metadata["name"])
         if kind == "services":
             self._service_changed(key[1], key[2])
+        if kind == "secrets":
+            self._token_changed(key, obj)
         # An object deleted above may no longer be wanted (a claim, an EndpointSlice, whose
         # wanting asks for the upper object): its copy goes with it.
         if self._wanted(key) or self._has_copy(key):
             self.queue.add(key)
+
+    def _token_changed(self, key: Key, secret: Mapping[str, Any]) -> None:
+        _, namespace, name = key
+        before = self._account_of_token(key)
+        there = self.upper_objects["secrets"].get(f"{namespace}/{name}") is not None
+        account = token_account(secret) if there else None
+        if account is None:
+            self._token_accounts.pop((namespace, name), None)
+        else:
+            self._token_accounts[(namespace, name)] = account
+        for changed in (before, self._account_of_token(key)):
+            if changed is not None:
+                self.queue.add(changed)
 
     def _has_copy(self, key: Key) -> bool:
         kind, namespace, name = key
@@ -271,6 +298,8 @@ class Reflector:
         kind, namespace, name = key
         if kind == "persistentvolumeclaims" and self._claim_kept(namespace, name):
             return True
+        if kind == "serviceaccounts" and self._named_by_wanted_token(namespace, name):
+            return True
         if kind != "endpointslices":
             return key in self._users or (
                 namespace in self._synced and synced_namespace_wide(kind, name)
@@ -284,6 +313,21 @@ class Reflector:
         # to our pods.
         service: Key = ("services", namespace, service_of_slice(upper))
         return self._wanted(service) and self._has_copy(service)
+
+    def _named_by_wanted_token(self, namespace: str, account: str) -> bool:
+        """Whether a token Secret copied below names this account (but `default`, which
+        every namespace has of its own): without it the lower tokens controller deletes
+        the Secret's copy."""
+        return synced_namespace_wide("serviceaccounts", account) and any(
+            (secret_namespace, named) == (namespace, account)
+            and self._wanted(("secrets", namespace, secret))
+            for (secret_namespace, secret), named in self._token_accounts.items()
+        )
+
+    def _account_of_token(self, key: Key) -> Key | None:
+        kind, namespace, name = key
+        account = self._token_accounts.get((namespace, name)) if kind == "secrets" else None
+        return ("serviceaccounts", namespace, account) if account else None
 
     def _claim_kept(self, namespace: str, name: str) -> bool:
         """A claim's copy, once made, stays as long as its upper claim: gone with its last
@@ -322,8 +366,20 @@ class Reflector:
         """Brings the copies a pod needs up to date now, before the pod is created below:
         through the queue, so no worker reconciles the same key meanwhile."""
         namespace = pod["metadata"]["namespace"]
-        for kind, name in sorted(referenced_objects(pod.get("spec") or {})):
-            key = reflected_key(kind, namespace, name)
+        refs = [
+            reflected_key(kind, namespace, name)
+            for kind, name in sorted(referenced_objects(pod.get("spec") or {}))
+        ]
+        # The account a token Secret names first: the lower tokens controller deletes a
+        # token Secret whose account is not there.
+        accounts = {
+            account
+            for ref in refs
+            if (account := self._account_of_token(ref))
+            and synced_namespace_wide("serviceaccounts", account[2])  # not `default`
+        }
+        for key in [*sorted(accounts), *(ref for ref in refs if ref not in accounts)]:
+            kind, _, name = key
             await self.queue.process_now(key, self.reconcile)
             if key in self._taken:
                 raise NameTaken(

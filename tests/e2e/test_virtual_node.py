@@ -3,6 +3,7 @@ ways, conflicts, drain and faults, all through the stock kubectl against real cl
 
 from __future__ import annotations
 
+import base64
 import ipaddress
 import json
 import subprocess
@@ -832,15 +833,7 @@ def test_a_pod_of_an_account_that_mounts_no_token_above_gets_none_below(
     cluster's own `default` would give the pod a token below."""
     upper, lower = federation.upper, federation.clusters["lower-1"]
     apply(upper, namespace("hardened"))
-    wait_for(
-        lambda: (
-            upper.kubectl(
-                "get", "serviceaccount", "default", "-n", "hardened", check=False
-            ).returncode
-            == 0
-        ),
-        "the upper default account",
-    )
+    wait_for_default_account(upper, "hardened")
     upper.kubectl(
         "patch", "serviceaccount", "default", "-n", "hardened",
         "-p", '{"automountServiceAccountToken":false}',
@@ -857,6 +850,74 @@ def test_a_pod_of_an_account_that_mounts_no_token_above_gets_none_below(
     assert not any(name.startswith("kube-api-access-") for name in volumes), volumes
     assert below["spec"]["automountServiceAccountToken"] is False
     upper.kubectl("delete", "namespace", "hardened", "--wait=false")
+
+
+def jwt_claims(token: str) -> dict[str, Any]:
+    payload = token.split(".")[1]
+    return dict(json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4))))
+
+
+def test_a_token_secret_a_pod_mounts_holds_a_token_of_the_lower_clusters_account(
+    federation: Federation,
+) -> None:
+    """A long-lived token Secret (the way to one since 1.24): the upper token would not
+    authenticate below; the copy is filled by the lower tokens controller, for the lower
+    copy of the account, which goes down first."""
+    upper, lower = federation.upper, federation.clusters["lower-1"]
+    account = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": {"name": "robot", "namespace": "robots"},
+    }
+    token = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "kubernetes.io/service-account-token",
+        "metadata": {
+            "name": "robot-token",
+            "namespace": "robots",
+            "annotations": {"kubernetes.io/service-account.name": "robot"},
+        },
+    }
+    apply(upper, namespace("robots"))
+    wait_for_default_account(upper, "robots")
+    apply(upper, account, token)
+    wait_for(
+        lambda: (
+            "token" in (get_json(upper, "secret", "-n", "robots", "robot-token").get("data") or {})
+        ),
+        "the upper tokens controller to fill the Secret",
+    )
+    pod = bound_pod(
+        "robot", "robots", "vk-lower-1",
+        volumes=[{"name": "token", "secret": {"secretName": "robot-token"}}],
+    )  # fmt: skip
+    apply(upper, pod)
+    wait_for(
+        lambda: get_json(upper, "pod", "-n", "robots", "robot")["status"].get("phase") == "Running",
+        "the pod mounting the token Secret to run below",
+    )
+
+    def filled_below() -> dict[str, Any]:
+        secret = get_json(lower, "secret", "-n", "robots", "robot-token")
+        return secret if "token" in (secret.get("data") or {}) else {}
+
+    below = wait_for(filled_below, "the lower tokens controller to fill the copy")
+    lower_account = get_json(lower, "serviceaccount", "-n", "robots", "robot")
+    claims = jwt_claims(base64.b64decode(below["data"]["token"]).decode())
+    assert (
+        claims["kubernetes.io/serviceaccount/service-account.uid"]
+        == (lower_account["metadata"]["uid"])
+    ), "a token of the lower copy of the account, not the upper one's"
+    upper.kubectl("delete", "pod", "robot", "-n", "robots")
+
+    def copies_gone() -> bool:
+        names = lower.kubectl("get", "secrets,serviceaccounts", "-n", "robots", "-o", "name")
+        left = set(names.stdout.split())
+        return not left & {"secret/robot-token", "serviceaccount/robot"}
+
+    wait_for(copies_gone, "the copies no pod needs any more to be removed")
+    upper.kubectl("delete", "namespace", "robots", "--wait=false")
 
 
 def test_a_pods_service_account_and_priority_class_follow_it_down_and_away(

@@ -15,6 +15,7 @@ from virtual_node.references import (
     selector_matches,
     service_of_slice,
     service_selector,
+    token_account,
 )
 from virtual_node.translate import Ownership
 
@@ -107,8 +108,47 @@ def test_copy_keeps_content_and_marks_ownership() -> None:
     assert copy_differs({**copy, "data": {"k": "old"}}, copy)
 
 
-def test_service_account_tokens_are_not_reflected() -> None:
-    assert not reflectable({"type": "kubernetes.io/service-account-token"})
+def test_a_token_secret_goes_below_without_its_token_and_keeps_the_lower_one() -> None:
+    """The upper token would not authenticate below: the copy names the account, and the
+    lower tokens controller fills it with a token of the lower copy of that account."""
+    annotations = {
+        keys.SERVICE_ACCOUNT_NAME_ANNOTATION: "robot",
+        keys.SERVICE_ACCOUNT_UID_ANNOTATION: "upper-robot-uid",
+    }
+    metadata = {"name": "robot-token", "namespace": "shop", "uid": "u1"}
+    upper: dict[str, Any] = {
+        "kind": "Secret",
+        "type": keys.SERVICE_ACCOUNT_TOKEN_TYPE,
+        "metadata": {**metadata, "annotations": annotations},
+        "data": {"token": "dXBwZXI=", "ca.crt": "Y2E=", "namespace": "c2hvcA=="},
+    }
+    assert token_account(upper) == "robot"
+    assert token_account({**upper, "type": "Opaque"}) is None
+    assert reflectable(upper)
+    copy = desired_copy(upper, MAPPING, OWNER)
+    assert "data" not in copy and copy["type"] == keys.SERVICE_ACCOUNT_TOKEN_TYPE
+    assert copy["metadata"]["annotations"][keys.SERVICE_ACCOUNT_NAME_ANNOTATION] == "robot"
+    assert keys.SERVICE_ACCOUNT_UID_ANNOTATION not in copy["metadata"]["annotations"]
+    filled_below = {
+        **copy,
+        "data": {"token": "bG93ZXI="},
+        "metadata": {
+            **copy["metadata"],
+            "resourceVersion": "5",
+            "annotations": {
+                **copy["metadata"]["annotations"],
+                keys.SERVICE_ACCOUNT_UID_ANNOTATION: "lower-robot-uid",
+            },
+        },
+    }
+    assert not copy_differs(filled_below, copy), "the lower controller's work is no change"
+    relabelled = {**copy, "metadata": {**copy["metadata"], "labels": {"team": "a"}}}
+    assert copy_differs(filled_below, relabelled)
+    body = replacement(filled_below, relabelled)
+    assert body["data"] == {"token": "bG93ZXI="}, "an update keeps the lower token"
+    assert body["metadata"]["annotations"][keys.SERVICE_ACCOUNT_UID_ANNOTATION] == (
+        "lower-robot-uid"
+    )
     assert reflectable({"type": "Opaque"})
     assert reflectable({"data": {}})
 

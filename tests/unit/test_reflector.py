@@ -103,6 +103,51 @@ async def test_a_pods_service_account_and_priority_class_are_copied_before_it() 
     assert copied_class["metadata"]["labels"] == OWNER.labels()
 
 
+def token_secret(name: str, account_name: str) -> dict[str, Any]:
+    secret = named("Secret", name, type=keys.SERVICE_ACCOUNT_TOKEN_TYPE, data={"token": "dXA="})
+    secret["metadata"]["annotations"] = {keys.SERVICE_ACCOUNT_NAME_ANNOTATION: account_name}
+    return secret
+
+
+SECRETS = "/api/v1/namespaces/shop/secrets"
+
+
+async def test_a_token_secret_goes_below_after_the_account_it_names_and_goes_with_it() -> None:
+    """The lower tokens controller fills the copy with a token of the lower copy of the
+    account, and deletes a token Secret whose account is not there."""
+    r = reflecting()
+    r.above("serviceaccounts", account())
+    r.above("secrets", token_secret("builder-token", "builder"))
+    web = pod(volumes=[{"name": "t", "secret": {"secretName": "builder-token"}}])
+    r.above(None, web)
+    await r.reflector.ensure_for_pod(web)
+    assert [path for _, path in r.lower.writes()] == [ACCOUNTS, SECRETS], "the account first"
+    (copy,) = r.created(SECRETS)
+    assert "data" not in copy, "the lower tokens controller's to fill"
+    assert r.created(ACCOUNTS)[0]["metadata"]["name"] == "builder"
+    await r.drain()
+    made_account = r.created(ACCOUNTS)[0]
+    r.below("serviceaccounts", {**made_account, "metadata": {**made_account["metadata"]}})
+    r.below("secrets", {**copy, "metadata": {**copy["metadata"], "uid": "lower-secret"}})
+    await r.drain()
+    assert r.reflector.orphan_keys() == []
+    r.above(None, web, "DELETED")
+    assert sorted(r.reflector.orphan_keys()) == [
+        ("secrets", "shop", "builder-token"),
+        ("serviceaccounts", "shop", "builder"),
+    ]
+
+
+async def test_a_token_secret_of_the_default_account_copies_no_account() -> None:
+    r = reflecting()
+    r.above("secrets", token_secret("default-token", "default"))
+    web = pod(volumes=[{"name": "t", "secret": {"secretName": "default-token"}}])
+    r.above(None, web)
+    await r.reflector.ensure_for_pod(web)
+    await r.drain()
+    assert r.lower.writes() == [("POST", SECRETS)]
+
+
 async def test_what_every_cluster_makes_itself_is_not_copied() -> None:
     r = reflecting()
     web = pod(serviceAccountName="default", priorityClassName="system-cluster-critical")
