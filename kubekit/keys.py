@@ -99,15 +99,17 @@ PROVISIONED_BY_ANNOTATION = "pv.kubernetes.io/provisioned-by"
 
 # Kubernetes' own annotations on a claim, written by the cluster that binds it: its
 # PersistentVolume controller's (bound, by whom, which provisioner, which plugin it moved
-# to) and its scheduler's (the node a WaitForFirstConsumer volume is made for). The upper
-# cluster's mean nothing below (bind-completed without a volume makes the claim Lost), and
-# the lower cluster's are its own.
+# to, which resizer grows it) and its scheduler's (the node a WaitForFirstConsumer volume
+# is made for). The upper cluster's mean nothing below (bind-completed without a volume
+# makes the claim Lost), and the lower cluster's are its own (dropped by an update, the
+# resizer's would be written again, and dropped again, through a whole expansion).
 CLAIM_BINDING_ANNOTATIONS = frozenset(
     {
         "pv.kubernetes.io/bind-completed",
         "pv.kubernetes.io/bound-by-controller",
         "pv.kubernetes.io/migrated-to",
         "volume.beta.kubernetes.io/storage-provisioner",
+        "volume.kubernetes.io/storage-resizer",
         STORAGE_PROVISIONER_ANNOTATION,
         SELECTED_NODE_ANNOTATION,
     }

@@ -176,6 +176,7 @@ UPPER_BINDING = {
     "volume.kubernetes.io/storage-provisioner": "upper.example/disk",
     "volume.beta.kubernetes.io/storage-provisioner": "upper.example/disk",
     "volume.kubernetes.io/selected-node": "vk-a",
+    "volume.kubernetes.io/storage-resizer": "upper.example/disk",
 }
 BOUND_CLAIM: dict[str, Any] = {
     "kind": "PersistentVolumeClaim",
@@ -207,6 +208,8 @@ def bound_below(copy: dict[str, Any]) -> dict[str, Any]:
                 **copy["metadata"]["annotations"],
                 "pv.kubernetes.io/bind-completed": "yes",
                 "volume.kubernetes.io/selected-node": "lower-node-3",
+                # Its resize controller's, while the volume grows.
+                "volume.kubernetes.io/storage-resizer": "lower.example/disk",
             },
         },
         "spec": {**copy["spec"], "volumeName": "pv-lower"},
