@@ -322,7 +322,7 @@ class FitEstimator:
         else:
             # Most namespaces hold no slices: their pods' requests are not summed.
             if self.budgets.holds(namespace):
-                self.budgets.count(uid, namespace, requested(pod))
+                self.budgets.count(uid, namespace, self._charged(pod))
         if uid in self._landed or uid in self._in_flight:
             return
         self._in_flight.add(uid)
@@ -347,7 +347,7 @@ class FitEstimator:
                 continue
             for pod in self._upper_pods.items(upper_namespace):
                 if (pod.get("status") or {}).get("phase") not in _FINISHED:
-                    self.budgets.count(pod["metadata"]["uid"], namespace, requested(pod))
+                    self.budgets.count(pod["metadata"]["uid"], namespace, self._charged(pod))
 
     @_exclusive
     def _upper_pod_deleted(self, pod: JSON) -> None:
@@ -389,6 +389,15 @@ class FitEstimator:
         # that are not what they should be.
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise QueryError(str(error)) from error
+
+    def _charged(self, upper: Mapping[str, Any]) -> Amount:
+        """What a pod bound here takes of its namespace's slices: its lower form's
+        requests, as a reservation counted them and the lower quota charges them (the
+        lower RuntimeClass's overhead, not the upper one the upper pod carries)."""
+        try:
+            return requested(self._lower_form(upper)[0])
+        except QueryError:
+            return requested(upper)  # never made below; counted as it asks above
 
     # -- queries ---------------------------------------------------------------------------
 

@@ -622,6 +622,32 @@ def test_a_runtime_class_the_cluster_lacks_fits_nowhere_one_it_has_brings_its_ov
     assert cluster.estimator.answer(orjson.dumps(pod)).refusal.endswith("runtime class gvisor")
 
 
+def test_a_bound_pod_takes_of_its_slices_what_the_lower_quota_charges() -> None:
+    """Its lower RuntimeClass's overhead, as its reservation counted it, not the upper
+    one's: counted by the upper pod, the slices would let in a pod the lower quota
+    refuses."""
+    cluster = Cluster()
+    classes = Informer(client=None, resource=RUNTIMECLASSES)  # type: ignore[arg-type]
+    cluster.estimator.watch_runtime_classes(classes)
+    lower_class = {
+        "metadata": {"name": "kata"},
+        "handler": "kata",
+        "overhead": {"podFixed": {"cpu": "250m"}},
+    }
+    classes.apply({"type": "ADDED", "object": lower_class})
+    cluster.estimator.ledger_changed(ledger_map(("ns", 2, Amount(cpu=1000))))
+
+    def sandboxed(name: str) -> dict[str, Any]:
+        pod = upper_pod(name, "500m")
+        pod["spec"]["runtimeClassName"] = "kata"  # no overhead in the upper class
+        return pod
+
+    for name in ("a", "b"):
+        cluster.upper_pods.apply({"type": "ADDED", "object": sandboxed(name)})
+    # 2 x 750m of the 2 cpu: 500m left, not 1 cpu.
+    assert cluster.estimator.answer(orjson.dumps(sandboxed("c"))).estimate.max_replicas == 0
+
+
 def test_a_pod_the_virtual_node_would_not_create_below_fits_nowhere_here() -> None:
     """Refused here, it stays unbound above with the reason, rather than bound and failed
     (a DaemonSet would make it again and again)."""
