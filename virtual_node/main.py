@@ -427,8 +427,10 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             if config.tls_cert_file
             else None
         )
-        pair, renewable = await serving_certificate(
-            upper, config.name, [config.address], directory, files
+        # A standby taking over files a CSR (its certificate directory has none): the
+        # Lease is kept meanwhile, however long the signer takes.
+        pair, renewable = await nodes.renewing_lease_while(
+            serving_certificate(upper, config.name, [config.address], directory, files)
         )
         # One authorizer, so the kubelet API and the estimator share its caches.
         authorizer = Authorizer(upper, config.name, home=asyncio.get_running_loop())

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from kubekit import keys
 from kubekit.client import (
@@ -38,6 +38,8 @@ from virtual_node.node import (
 )
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 LEASE_INTERVAL_SECONDS = 10.0
 # A renewal waits this long at most (the kubelet's heartbeat client: min(10 s, the lease's
@@ -94,13 +96,13 @@ class NodeController:
         self.on_reachable = on_reachable
         self._reachable_unannounced = False
 
-    async def renewing_lease_while(self, work: Awaitable[object]) -> None:
-        """Awaits ``work`` (the caches' first sync) renewing the Lease of a Node that is
-        registered already (a restart, a standby taking over): the kubelet renews its
-        Lease apart from its pods, and a sync longer than the Lease's 40 s would have the
-        upper node controller mark the Node not ready, taint it unreachable and take
-        every pod off its Services' endpoints. A Node not there yet waits for the sync:
-        what it registers with comes from the caches."""
+    async def renewing_lease_while(self, work: Awaitable[T]) -> T:
+        """Awaits ``work`` (the serving certificate, the caches' first sync) renewing the
+        Lease of a Node that is registered already (a restart, a standby taking over):
+        the kubelet renews its Lease apart from its pods, and a start longer than the
+        Lease's 40 s would have the upper node controller mark the Node not ready, taint
+        it unreachable and take every pod off its Services' endpoints. A Node not there
+        yet waits for the sync: what it registers with comes from the caches."""
         task = asyncio.ensure_future(work)
         try:
             while not task.done():
@@ -115,7 +117,7 @@ class NodeController:
                         break
                     log.warning("lease of %s not renewed: %s", self.identity.name, error)
                 await asyncio.wait({task}, timeout=LEASE_INTERVAL_SECONDS)
-            await task
+            return await task
         finally:
             task.cancel()
 

@@ -343,7 +343,7 @@ async def test_the_lease_of_a_registered_node_is_renewed_while_the_caches_sync(
         failed = [ApiError(503, "unavailable")] if registered == "after a failed read" else []
         upper.answer("GET", "/api/v1/nodes/vk-lower-1", *failed, node)
     controller = nodecontroller.NodeController(upper, identity(), FlakyLowerCluster(True))
-    await controller.renewing_lease_while(asyncio.sleep(0.3))
+    assert await controller.renewing_lease_while(asyncio.sleep(0.3, "signed")) == "signed"
     lease = f"/apis/coordination.k8s.io/v1/namespaces/{keys.NODE_LEASE_NAMESPACE}/leases"
     renewals = [r for r in upper.requests if r.path.startswith(lease)]
     if registered:
