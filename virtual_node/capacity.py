@@ -38,22 +38,25 @@ class PodUsage:
 
     node_name: str
     requests: Resources
+    # One of our mirrored pods: the upper scheduler counts it against the Node already.
+    mirrored: bool = False
 
 
 def pod_usage(pod: JSON, is_mirrored: Callable[[JSON], bool]) -> PodUsage | None:
-    """What a lower pod takes from the capacity the virtual Node offers: None for our own
-    mirrored pods (the upper cluster accounts for those already) and for pods that hold
-    nothing."""
-    if not pod_holds_resources(pod) or is_mirrored(pod):
+    """What a lower pod takes from its node; None for pods that hold nothing."""
+    if not pod_holds_resources(pod):
         return None
-    return PodUsage(pod["spec"]["nodeName"], pod_requests(pod))
+    return PodUsage(pod["spec"]["nodeName"], pod_requests(pod), is_mirrored(pod))
 
 
 def free_capacity(
     nodes: Iterable[JSON], usages: Iterable[PodUsage], counted_taint_keys: Collection[str] = ()
 ) -> Resources:
-    """Allocatable of the lower nodes that count minus what the pods on them take, never
-    below zero."""
+    """What the virtual Node offers, never below zero: the allocatable of the lower nodes
+    that count, minus what other pods on them take (ours the upper scheduler subtracts
+    itself), plus what ours take on nodes that do not count. The upper scheduler
+    subtracts those too, from room they never were in: a lower node cordoned under our
+    pods would otherwise be offered less than nothing."""
     usable = {
         node["metadata"]["name"]: node for node in nodes if node_counts(node, counted_taint_keys)
     }
@@ -62,7 +65,10 @@ def free_capacity(
         allocatable = (node.get("status") or {}).get("allocatable") or {}
         add(free, {name: parse_quantity(value) for name, value in allocatable.items()})
     for usage in usages:
-        if usage.node_name in usable:
+        counted = usage.node_name in usable
+        if usage.mirrored and not counted:
+            add(free, usage.requests)
+        elif counted and not usage.mirrored:
             for name, value in usage.requests.items():
                 if name in free:
                     free[name] -= value

@@ -111,7 +111,11 @@ def test_free_capacity_counts_usable_nodes_and_foreign_pods_only() -> None:
         pod(None, container("pending", cpu="5"), phase="Pending"),
     ]
     usages = [u for u in (pod_usage(p, is_mirrored) for p in pods) if u is not None]
-    assert [u.node_name for u in usages] == ["a", "not-ready"]
+    assert [(u.node_name, u.mirrored) for u in usages] == [
+        ("a", False),
+        ("b", True),
+        ("not-ready", False),
+    ]
     free = free_capacity(nodes, usages)
     assert as_resource_list(free) == {
         "cpu": "13",
@@ -119,6 +123,20 @@ def test_free_capacity_counts_usable_nodes_and_foreign_pods_only() -> None:
         "memory": "60Gi",
         "pods": "219",
     }
+
+
+def test_our_pods_on_a_node_that_does_not_count_are_given_back() -> None:
+    """The upper scheduler subtracts every pod bound to the virtual Node: ours on a
+    lower node cordoned under them too, from room that node's allocatable never added."""
+    nodes = [node("a", cpu="8", pods="110"), node("c", unschedulable=True, cpu="8", pods="110")]
+    ours = [
+        pod("a", container("ours-on-a", cpu="2"), mirrored=True),
+        pod("c", container("ours-on-c", cpu="3", **{"example.com/gpu": "1"}), mirrored=True),
+    ]
+    usages = [u for u in (pod_usage(p, is_mirrored) for p in ours) if u is not None]
+    free = free_capacity(nodes, usages)
+    # The scheduler takes the 2 + 3 cpu of ours from 11: 6 left above, as on a.
+    assert as_resource_list(free) == {"cpu": "11", "example.com/gpu": "1", "pods": "111"}
 
 
 def test_tainted_nodes_count_only_when_their_taint_keys_are_listed() -> None:
