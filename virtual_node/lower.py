@@ -148,7 +148,7 @@ class LowerCluster:
         # burst of pods into a new namespace waits for one request, not one per worker.
         self._namespaces: dict[str, asyncio.Future[None]] = {}
         self._default_accounts: dict[str, asyncio.Future[None]] = {}
-        # What each foreign lower pod takes, kept by the pod handler: a report sums this
+        # What each lower pod takes (ours marked), kept by the pod handler: a report sums this
         # table (never running totals that could drift) instead of decoding every pod.
         self._usage: dict[str, PodUsage] = {}
         # lower key -> upper key of each pod of ours below, kept by the same handler, so

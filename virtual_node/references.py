@@ -259,7 +259,9 @@ def desired_copy(upper: Mapping[str, Any], mapping: NamespaceMapping, owner: Own
     if token_account(upper) is not None:
         for field in (*_LOWER_TOKEN_FIELDS, "stringData"):
             copy.pop(field, None)
-        copy["metadata"]["annotations"].pop(keys.SERVICE_ACCOUNT_UID_ANNOTATION, None)
+        metadata = copy["metadata"]
+        metadata["annotations"].pop(keys.SERVICE_ACCOUNT_UID_ANNOTATION, None)
+        metadata["labels"] = _without_lower_token_labels(metadata["labels"])
     if "spec" in upper:
         # A claim is bound below, to the lower cluster's own volumes.
         copy["spec"] = {k: v for k, v in upper["spec"].items() if k != "volumeName"}
@@ -273,6 +275,13 @@ def _is_claim(obj: Mapping[str, Any]) -> bool:
 
 def _without_lower_token(annotations: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in annotations.items() if k != keys.SERVICE_ACCOUNT_UID_ANNOTATION}
+
+
+def _without_lower_token_labels(labels: Mapping[str, str]) -> dict[str, str]:
+    """Without the labels each cluster's apiserver writes on a token Secret when its
+    token is used (the day, rewritten daily): the upper ones mean nothing below, and the
+    lower ones, compared, would be taken away after every authenticated request."""
+    return {k: v for k, v in labels.items() if k not in keys.LEGACY_TOKEN_LABELS}
 
 
 def _without_binding(annotations: Mapping[str, str]) -> dict[str, str]:
@@ -376,6 +385,7 @@ def copy_differs(lower: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
         annotations = _without_binding(annotations)
     if token_account(desired) is not None:
         annotations = _without_lower_token(annotations)
+        labels = _without_lower_token_labels(labels)
     wanted = desired["metadata"]
     return bool(labels != wanted["labels"] or annotations != wanted["annotations"])
 
@@ -402,7 +412,8 @@ def replacement(lower: Mapping[str, Any], desired: Mapping[str, Any]) -> JSON:
     metadata = {**desired["metadata"], "resourceVersion": lower["metadata"]["resourceVersion"]}
     body = {**desired, "metadata": metadata}
     if token_account(desired) is not None:
-        # The lower tokens controller's token, and the account's UID it was made for.
+        # The lower tokens controller's token, the account's UID it was made for, and
+        # the lower apiserver's record of the token's use.
         body.update({f: lower[f] for f in _LOWER_TOKEN_FIELDS if f in lower})
         given = (lower["metadata"].get("annotations") or {}).get(
             keys.SERVICE_ACCOUNT_UID_ANNOTATION
@@ -412,6 +423,12 @@ def replacement(lower: Mapping[str, Any], desired: Mapping[str, Any]) -> JSON:
                 **metadata["annotations"],
                 keys.SERVICE_ACCOUNT_UID_ANNOTATION: given,
             }
+        used = {
+            k: v
+            for k, v in (lower["metadata"].get("labels") or {}).items()
+            if k in keys.LEGACY_TOKEN_LABELS
+        }
+        metadata["labels"] = {**metadata["labels"], **used}
     if _is_claim(desired):
         bound_below = {
             k: v

@@ -298,12 +298,12 @@ class Reflector:
         kind, namespace, name = key
         if kind == "persistentvolumeclaims" and self._claim_kept(namespace, name):
             return True
-        if kind == "serviceaccounts" and self._named_by_wanted_token(namespace, name):
+        if kind == "serviceaccounts" and self._named_by_needed_token(namespace, name):
             return True
+        if kind == "secrets" and not self._account_copied(key):
+            return False
         if kind != "endpointslices":
-            return key in self._users or (
-                namespace in self._synced and synced_namespace_wide(kind, name)
-            )
+            return self._needed(key)
         upper = self.upper_objects[kind].get(f"{namespace}/{name}")
         if upper is None:
             return False
@@ -314,15 +314,42 @@ class Reflector:
         service: Key = ("services", namespace, service_of_slice(upper))
         return self._wanted(service) and self._has_copy(service)
 
-    def _named_by_wanted_token(self, namespace: str, account: str) -> bool:
-        """Whether a token Secret copied below names this account (but `default`, which
-        every namespace has of its own): without it the lower tokens controller deletes
-        the Secret's copy."""
+    def _needed(self, key: Key) -> bool:
+        """Referred to by a pod here, or of a namespace holding quota slices here."""
+        _, namespace, name = key
+        return key in self._users or (
+            namespace in self._synced and synced_namespace_wide(key[0], name)
+        )
+
+    def _named_by_needed_token(self, namespace: str, account: str) -> bool:
+        """Whether a token Secret needed below names this account (but `default`, which
+        every namespace has of its own): the Secret's copy waits for the account's."""
         return synced_namespace_wide("serviceaccounts", account) and any(
             (secret_namespace, named) == (namespace, account)
-            and self._wanted(("secrets", namespace, secret))
+            and self._needed(("secrets", namespace, secret))
             for (secret_namespace, secret), named in self._token_accounts.items()
         )
+
+    def _account_copied(self, key: Key) -> bool:
+        """Whether the account a token Secret names is ours below (or `default`): the
+        lower tokens controller matches the account by name, and would fill the copy
+        with a token of someone else's account of that name (the lower cluster's own,
+        another upper cluster's). True for other Secrets."""
+        account = self._account_of_token(key)
+        return (
+            account is None
+            or not synced_namespace_wide("serviceaccounts", account[2])
+            or self._has_copy(account)
+        )
+
+    def _enqueue_tokens_of(self, key: Key) -> None:
+        """The token Secrets naming an account whose copy came or went."""
+        kind, namespace, name = key
+        if kind != "serviceaccounts":
+            return
+        for (secret_namespace, secret), account in self._token_accounts.items():
+            if (secret_namespace, account) == (namespace, name):
+                self.queue.add(("secrets", namespace, secret))
 
     def _account_of_token(self, key: Key) -> Key | None:
         kind, namespace, name = key
@@ -341,8 +368,9 @@ class Reflector:
         key = self._key_of_copy(kind, obj)
         if key is not None:
             self.queue.add(key)
-            # Its slices are wanted while the copy is there.
+            # Its slices, or its token Secrets, are wanted while the copy is there.
             self._enqueue_slices_of(key)
+            self._enqueue_tokens_of(key)
 
     @staticmethod
     def _key_of_copy(kind: Kind, obj: Mapping[str, Any]) -> Key | None:

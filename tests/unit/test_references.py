@@ -115,7 +115,9 @@ def test_a_token_secret_goes_below_without_its_token_and_keeps_the_lower_one() -
         keys.SERVICE_ACCOUNT_NAME_ANNOTATION: "robot",
         keys.SERVICE_ACCOUNT_UID_ANNOTATION: "upper-robot-uid",
     }
-    metadata = {"name": "robot-token", "namespace": "shop", "uid": "u1"}
+    # Written by the upper apiserver the day its token was last used: nothing below.
+    used_above = {"kubernetes.io/legacy-token-last-used": "2026-10-01"}
+    metadata = {"name": "robot-token", "namespace": "shop", "uid": "u1", "labels": used_above}
     upper: dict[str, Any] = {
         "kind": "Secret",
         "type": keys.SERVICE_ACCOUNT_TOKEN_TYPE,
@@ -129,12 +131,18 @@ def test_a_token_secret_goes_below_without_its_token_and_keeps_the_lower_one() -
     assert "data" not in copy and copy["type"] == keys.SERVICE_ACCOUNT_TOKEN_TYPE
     assert copy["metadata"]["annotations"][keys.SERVICE_ACCOUNT_NAME_ANNOTATION] == "robot"
     assert keys.SERVICE_ACCOUNT_UID_ANNOTATION not in copy["metadata"]["annotations"]
+    assert copy["metadata"]["labels"] == OWNER.labels()
     filled_below = {
         **copy,
         "data": {"token": "bG93ZXI="},
         "metadata": {
             **copy["metadata"],
             "resourceVersion": "5",
+            # The lower apiserver's, each day the token authenticates there.
+            "labels": {
+                **copy["metadata"]["labels"],
+                "kubernetes.io/legacy-token-last-used": "2026-11-28",
+            },
             "annotations": {
                 **copy["metadata"]["annotations"],
                 keys.SERVICE_ACCOUNT_UID_ANNOTATION: "lower-robot-uid",
@@ -146,6 +154,7 @@ def test_a_token_secret_goes_below_without_its_token_and_keeps_the_lower_one() -
     assert copy_differs(filled_below, relabelled)
     body = replacement(filled_below, relabelled)
     assert body["data"] == {"token": "bG93ZXI="}, "an update keeps the lower token"
+    assert body["metadata"]["labels"]["kubernetes.io/legacy-token-last-used"] == "2026-11-28"
     assert body["metadata"]["annotations"][keys.SERVICE_ACCOUNT_UID_ANNOTATION] == (
         "lower-robot-uid"
     )

@@ -121,13 +121,15 @@ async def test_a_token_secret_goes_below_after_the_account_it_names_and_goes_wit
     web = pod(volumes=[{"name": "t", "secret": {"secretName": "builder-token"}}])
     r.above(None, web)
     await r.reflector.ensure_for_pod(web)
-    assert [path for _, path in r.lower.writes()] == [ACCOUNTS, SECRETS], "the account first"
+    await r.drain()
+    assert [path for _, path in r.lower.writes()] == [ACCOUNTS], "the account first"
+    (made_account,) = r.created(ACCOUNTS)
+    assert made_account["metadata"]["name"] == "builder"
+    # Once its copy is there, the Secret follows.
+    r.below("serviceaccounts", made_account)
+    await r.drain()
     (copy,) = r.created(SECRETS)
     assert "data" not in copy, "the lower tokens controller's to fill"
-    assert r.created(ACCOUNTS)[0]["metadata"]["name"] == "builder"
-    await r.drain()
-    made_account = r.created(ACCOUNTS)[0]
-    r.below("serviceaccounts", {**made_account, "metadata": {**made_account["metadata"]}})
     r.below("secrets", {**copy, "metadata": {**copy["metadata"], "uid": "lower-secret"}})
     await r.drain()
     assert r.reflector.orphan_keys() == []
@@ -136,6 +138,22 @@ async def test_a_token_secret_goes_below_after_the_account_it_names_and_goes_wit
         ("secrets", "shop", "builder-token"),
         ("serviceaccounts", "shop", "builder"),
     ]
+
+
+async def test_a_token_secret_naming_an_account_not_ours_below_is_not_copied() -> None:
+    """The lower tokens controller matches the account by name: the copy would hold a
+    token of the lower cluster's own account of that name."""
+    r = reflecting()
+    r.above("serviceaccounts", account())
+    r.above("secrets", token_secret("builder-token", "builder"))
+    theirs = {"metadata": {"name": "builder", "namespace": "shop", "labels": {}}}
+    taken(ACCOUNTS, f"{ACCOUNTS}/builder", theirs, r)
+    web = pod(volumes=[{"name": "t", "secret": {"secretName": "builder-token"}}])
+    r.above(None, web)
+    with pytest.raises(NameTaken, match="serviceaccounts shop/builder"):
+        await r.reflector.ensure_for_pod(web)
+    await r.drain()
+    assert r.created(SECRETS) == []
 
 
 async def test_a_token_secret_of_the_default_account_copies_no_account() -> None:
