@@ -103,23 +103,31 @@ class NodeController:
         Lease's 40 s would have the upper node controller mark the Node not ready, taint
         it unreachable and take every pod off its Services' endpoints. A Node not there
         yet waits for the sync: what it registers with comes from the caches."""
-        task = asyncio.ensure_future(work)
+        # Beside the work, not in turn with it: a renewal (a ping of an unreachable lower
+        # cluster takes its whole 10 s) holds the start back no longer than the work.
+        renewing = asyncio.create_task(self._renew_registered())
         try:
-            while not task.done():
-                try:
-                    if not self._node_uid:
-                        existing = await self.upper.get(NODES, self.identity.name)
-                        self._node_uid = existing["metadata"]["uid"]
-                    if await self.provider.ping():
-                        await self.renew_lease()
-                except API_ERRORS as error:
-                    if is_not_found(error) and not self._node_uid:
-                        break
-                    log.warning("lease of %s not renewed: %s", self.identity.name, error)
-                await asyncio.wait({task}, timeout=LEASE_INTERVAL_SECONDS)
-            return await task
+            return await work
         finally:
-            task.cancel()
+            renewing.cancel()
+
+    async def _renew_registered(self) -> None:
+        while True:
+            try:
+                if not self._node_uid:
+                    existing = await self.upper.request(
+                        "GET",
+                        NODES.path(None, self.identity.name),
+                        timeout=LEASE_REQUEST_TIMEOUT_SECONDS,
+                    )
+                    self._node_uid = existing["metadata"]["uid"]
+                if await self.provider.ping():
+                    await self.renew_lease()
+            except API_ERRORS as error:
+                if is_not_found(error) and not self._node_uid:
+                    return
+                log.warning("lease of %s not renewed: %s", self.identity.name, error)
+            await asyncio.sleep(LEASE_INTERVAL_SECONDS)
 
     async def run(self) -> None:
         self.reachable = await self.provider.ping()

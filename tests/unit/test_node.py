@@ -384,3 +384,22 @@ async def test_an_annotation_the_lower_cluster_no_longer_gives_is_written_as_nul
         {keys.LARGEST_FREE_SLOT_ANNOTATION: '{"cpu":"2"}'},
         {keys.LARGEST_FREE_SLOT_ANNOTATION: None},
     ], "and nothing the third time"
+
+
+class SilentLowerCluster(FlakyLowerCluster):
+    """A lower cluster whose ping has not answered yet (it would take its 10 s)."""
+
+    async def ping(self) -> bool:
+        await asyncio.Event().wait()
+        return False
+
+
+async def test_a_start_is_not_held_back_by_a_lease_renewal_on_its_way() -> None:
+    """The renewal goes beside the work: a ping of an unreachable lower cluster would
+    otherwise hold each step of the start for its whole deadline."""
+    upper = FakeClient()
+    node = {"metadata": {"name": "vk-lower-1", "uid": "node-uid"}, "status": {}}
+    upper.answer("GET", "/api/v1/nodes/vk-lower-1", node)
+    controller = nodecontroller.NodeController(upper, identity(), SilentLowerCluster(False))
+    async with asyncio.timeout(5):
+        assert await controller.renewing_lease_while(asyncio.sleep(0, "read")) == "read"
