@@ -78,10 +78,10 @@ SERVICE_ACCOUNT_TOKEN_TYPE = "kubernetes.io/service-account-token"
 SERVICE_ACCOUNT_NAME_ANNOTATION = "kubernetes.io/service-account.name"
 SERVICE_ACCOUNT_UID_ANNOTATION = "kubernetes.io/service-account.uid"
 # Labels each cluster's apiserver and legacy-token cleaner put on such a Secret: the day
-# its token last authenticated, and since when it is marked unused.
-LEGACY_TOKEN_LABELS = frozenset(
-    {"kubernetes.io/legacy-token-last-used", "kubernetes.io/legacy-token-invalid-since"}
-)
+# its token last authenticated, and since when it is marked unused (it then no longer
+# authenticates).
+LEGACY_TOKEN_LAST_USED_LABEL = "kubernetes.io/legacy-token-last-used"
+LEGACY_TOKEN_INVALID_SINCE_LABEL = "kubernetes.io/legacy-token-invalid-since"
 
 # Kubernetes' own keys on EndpointSlices: the Service a slice belongs to, and which
 # controller manages it (the lower cluster's controllers leave slices marked as ours).

@@ -261,7 +261,9 @@ def desired_copy(upper: Mapping[str, Any], mapping: NamespaceMapping, owner: Own
             copy.pop(field, None)
         metadata = copy["metadata"]
         metadata["annotations"].pop(keys.SERVICE_ACCOUNT_UID_ANNOTATION, None)
-        metadata["labels"] = _without_lower_token_labels(metadata["labels"])
+        # The upper apiserver's and cleaner's record of the upper token: nothing below.
+        for label in (keys.LEGACY_TOKEN_LAST_USED_LABEL, keys.LEGACY_TOKEN_INVALID_SINCE_LABEL):
+            metadata["labels"].pop(label, None)
     if "spec" in upper:
         # A claim is bound below, to the lower cluster's own volumes.
         copy["spec"] = {k: v for k, v in upper["spec"].items() if k != "volumeName"}
@@ -275,13 +277,6 @@ def _is_claim(obj: Mapping[str, Any]) -> bool:
 
 def _without_lower_token(annotations: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in annotations.items() if k != keys.SERVICE_ACCOUNT_UID_ANNOTATION}
-
-
-def _without_lower_token_labels(labels: Mapping[str, str]) -> dict[str, str]:
-    """Without the labels each cluster's apiserver writes on a token Secret when its
-    token is used (the day, rewritten daily): the upper ones mean nothing below, and the
-    lower ones, compared, would be taken away after every authenticated request."""
-    return {k: v for k, v in labels.items() if k not in keys.LEGACY_TOKEN_LABELS}
 
 
 def _without_binding(annotations: Mapping[str, str]) -> dict[str, str]:
@@ -385,7 +380,7 @@ def copy_differs(lower: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
         annotations = _without_binding(annotations)
     if token_account(desired) is not None:
         annotations = _without_lower_token(annotations)
-        labels = _without_lower_token_labels(labels)
+        labels = {k: v for k, v in labels.items() if k != keys.LEGACY_TOKEN_LAST_USED_LABEL}
     wanted = desired["metadata"]
     return bool(labels != wanted["labels"] or annotations != wanted["annotations"])
 
@@ -413,7 +408,9 @@ def replacement(lower: Mapping[str, Any], desired: Mapping[str, Any]) -> JSON:
     body = {**desired, "metadata": metadata}
     if token_account(desired) is not None:
         # The lower tokens controller's token, the account's UID it was made for, and
-        # the lower apiserver's record of the token's use.
+        # the day the lower apiserver last saw the token used (rewritten daily: compared
+        # as ours, it would be taken away after every authenticated request). Not the
+        # cleaner's mark of an unused token, which would stop one a pod now mounts.
         body.update({f: lower[f] for f in _LOWER_TOKEN_FIELDS if f in lower})
         given = (lower["metadata"].get("annotations") or {}).get(
             keys.SERVICE_ACCOUNT_UID_ANNOTATION
@@ -423,12 +420,9 @@ def replacement(lower: Mapping[str, Any], desired: Mapping[str, Any]) -> JSON:
                 **metadata["annotations"],
                 keys.SERVICE_ACCOUNT_UID_ANNOTATION: given,
             }
-        used = {
-            k: v
-            for k, v in (lower["metadata"].get("labels") or {}).items()
-            if k in keys.LEGACY_TOKEN_LABELS
-        }
-        metadata["labels"] = {**metadata["labels"], **used}
+        used = (lower["metadata"].get("labels") or {}).get(keys.LEGACY_TOKEN_LAST_USED_LABEL)
+        if used is not None:
+            metadata["labels"] = {**metadata["labels"], keys.LEGACY_TOKEN_LAST_USED_LABEL: used}
     if _is_claim(desired):
         bound_below = {
             k: v

@@ -125,6 +125,9 @@ class Reflector:
         # The account each upper service-account token Secret names, by (namespace,
         # Secret): its copy is filled below only while a copy of that account is there.
         self._token_accounts: dict[tuple[str, str], str] = {}
+        # Accounts made below whose copies the lower cache may not show yet: their token
+        # Secrets need not wait for the watch (a pod is made right after them).
+        self._accounts_made: set[Key] = set()
         upper_pods.add_handler(
             FunctionHandler(
                 add=self._pod_changed,
@@ -339,6 +342,7 @@ class Reflector:
         return (
             account is None
             or not synced_namespace_wide("serviceaccounts", account[2])
+            or account in self._accounts_made
             or self._has_copy(account)
         )
 
@@ -367,6 +371,7 @@ class Reflector:
     def _lower_changed(self, kind: Kind, obj: Mapping[str, Any]) -> None:
         key = self._key_of_copy(kind, obj)
         if key is not None:
+            self._accounts_made.discard(key)  # the cache shows it, or its deletion
             self.queue.add(key)
             # Its slices, or its token Secrets, are wanted while the copy is there.
             self._enqueue_slices_of(key)
@@ -448,6 +453,8 @@ class Reflector:
             if lower is None:
                 if not await self._create(resource, desired, lower_namespace) and namespace:
                     self._taken.add(key)
+                elif resource is SERVICEACCOUNTS:
+                    self._accounts_made.add(key)
             elif made_again(lower, desired):
                 await self.lower.delete_exact(resource, lower)
                 await self._create(resource, desired, lower_namespace)

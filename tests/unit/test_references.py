@@ -155,6 +155,23 @@ def test_a_token_secret_goes_below_without_its_token_and_keeps_the_lower_one() -
     body = replacement(filled_below, relabelled)
     assert body["data"] == {"token": "bG93ZXI="}, "an update keeps the lower token"
     assert body["metadata"]["labels"]["kubernetes.io/legacy-token-last-used"] == "2026-11-28"
+    # The lower cleaner's mark of a token unused below would stop the one a pod now
+    # mounts: a difference, and not kept.
+    marked = {
+        **filled_below,
+        "metadata": {
+            **filled_below["metadata"],
+            "labels": {
+                **filled_below["metadata"]["labels"],
+                "kubernetes.io/legacy-token-invalid-since": "2026-11-01",
+            },
+        },
+    }
+    assert copy_differs(marked, copy)
+    assert (
+        "kubernetes.io/legacy-token-invalid-since"
+        not in (replacement(marked, copy)["metadata"]["labels"])
+    )
     assert body["metadata"]["annotations"][keys.SERVICE_ACCOUNT_UID_ANNOTATION] == (
         "lower-robot-uid"
     )
