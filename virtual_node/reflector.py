@@ -319,9 +319,9 @@ class Reflector:
 
     def _needed(self, key: Key) -> bool:
         """Referred to by a pod here, or of a namespace holding quota slices here."""
-        _, namespace, name = key
+        kind, namespace, name = key
         return key in self._users or (
-            namespace in self._synced and synced_namespace_wide(key[0], name)
+            namespace in self._synced and synced_namespace_wide(kind, name)
         )
 
     def _named_by_needed_token(self, namespace: str, account: str) -> bool:
