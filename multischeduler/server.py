@@ -113,19 +113,25 @@ class Extender:
         unknown = [name for name in names if not self.pool.is_known(name)]
         if not unknown:
             return {}
-        reads = await asyncio.gather(
-            *(self.lookup(NODES, None, name) for name in unknown), return_exceptions=True
-        )
         refused: dict[str, Answer] = {}
-        for name, node in zip(unknown, reads, strict=True):
-            if isinstance(node, BaseException) and not isinstance(node, API_ERRORS):
-                raise node
+        for name, node in zip(unknown, await self._read_nodes(unknown), strict=True):
             if isinstance(node, BaseException) or node is None:
                 why = node or "not found"
                 refused[name] = PodEstimate(message=f"Node not known yet ({why})")
             else:
                 self.pool.put(node)
         return refused
+
+    async def _read_nodes(self, names: Sequence[str]) -> list[JSON | BaseException | None]:
+        """The Nodes of ``names`` read afresh, all at once (the scheduler gives the whole
+        call 5 s): each a Node, None when gone, or the API error its read met."""
+        reads = await asyncio.gather(
+            *(self.lookup(NODES, None, name) for name in names), return_exceptions=True
+        )
+        for read in reads:
+            if isinstance(read, BaseException) and not isinstance(read, API_ERRORS):
+                raise read
+        return reads
 
     async def _ask_restarted(
         self, answers: Mapping[str, Answer], pod: bytes, pod_key: str
@@ -138,15 +144,9 @@ class Extender:
         failed = [n for n, a in answers.items() if isinstance(a, EstimatorFailure)]
         if not failed:
             return {}
-        # At once: the scheduler gives the whole call 5 s.
-        reads = await asyncio.gather(
-            *(self.lookup(NODES, None, name) for name in failed), return_exceptions=True
-        )
         restarted = []
-        for name, node in zip(failed, reads, strict=True):
+        for name, node in zip(failed, await self._read_nodes(failed), strict=True):
             if isinstance(node, BaseException):
-                if not isinstance(node, API_ERRORS):
-                    raise node
                 log.warning("%s: not read again (%s)", name, node)
             elif node is not None and self.pool.put(node):
                 restarted.append(name)
