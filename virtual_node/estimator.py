@@ -890,7 +890,22 @@ def _run(loop: asyncio.AbstractEventLoop) -> None:
     try:
         loop.run_forever()
     finally:
-        loop.close()
+        try:
+            _end_tasks(loop)
+        finally:
+            loop.close()
+
+
+def _end_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    """Ends what the stopped server left on its loop, as ``asyncio.run`` does: a call the
+    server cancelled, or the closing of a stream's generator, can still want a turn of the
+    loop, and a task closed pending is destroyed with an error report."""
+    tasks = asyncio.all_tasks(loop)
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+    loop.run_until_complete(loop.shutdown_asyncgens())
 
 
 class EstimatorServer:

@@ -73,15 +73,12 @@ async def settled(kubelet: Kubelet, caplog: pytest.LogCaptureFixture) -> None:
 
 def server_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
     """What was logged as an error, less aiohttp's reports of requests it could not parse
-    (answered 400: the client's fault, however loudly aiohttp logs them), and less gRPC
-    server tasks of an earlier test's closed loop that the garbage collector happens to
-    report meanwhile (the kubelet API runs no gRPC)."""
+    (answered 400: the client's fault, however loudly aiohttp logs them)."""
     return [
         record.getMessage()
         for record in caplog.records
         if record.levelno >= logging.ERROR
         and not (record.exc_info and isinstance(record.exc_info[1], HttpProcessingError))
-        and not (record.name == "asyncio" and "name='rpc_task'" in record.getMessage())
     ]
 
 
