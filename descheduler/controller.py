@@ -132,6 +132,10 @@ class Descheduler:
         # cache alone could ask a budget for more than it allows and be refused half way,
         # its first evictions made for nothing.
         self._evicted_now: list[Mapping[str, Any]] = []
+        # Virtual node -> the pods sent there this cycle: moved there, or counted on to
+        # find room there by a plan's check. An estimate holds none of them, so the next
+        # check asks for room for them first.
+        self._landing_now: dict[str, list[Mapping[str, Any]]] = {}
         pods.add_handler(FunctionHandler(update=self._pod_changed, delete=self._give_back))
 
     async def wait_synced(self) -> None:
@@ -157,6 +161,7 @@ class Descheduler:
         now, virtual_nodes = self.now(), self._virtual_nodes()
         moment = self.clock()
         self._evicted_now = []
+        self._landing_now = {}
         # Read once: the cache decodes each pod on every read.
         pods = list(self.pods.items())
         stuck = [
@@ -197,6 +202,8 @@ class Descheduler:
                 await self._move(move)
             except API_ERRORS as error:
                 await self._move_failed(move.stuck, error)
+            else:
+                self._landing_now.setdefault(move.to, []).append(move.stuck.pod)
         handled = {s.uid for s in stuck}
         for original, copy in unfinished_moves(pods):
             if str(original["metadata"]["uid"]) not in handled:
@@ -212,7 +219,7 @@ class Descheduler:
         plans = []
         for each in waiting:
             names = admitting(each.pod, virtual_nodes, receivers(virtual_nodes, now, ""))
-            plan = await self._defragment(each, names, limits)
+            plan = await self._defragment(each, names, limits, virtual_nodes, now)
             if plan is not None:
                 plans.append(plan)
         # A pod waiting out a failed move is said about again only when that changes.
@@ -440,7 +447,14 @@ class Descheduler:
 
     # -- defragmentation ---------------------------------------------------------------------
 
-    async def _defragment(self, waiting: Waiting, names: list[str], limits: Limits) -> Plan | None:
+    async def _defragment(
+        self,
+        waiting: Waiting,
+        names: list[str],
+        limits: Limits,
+        virtual_nodes: Mapping[str, Mapping[str, Any]],
+        now: datetime,
+    ) -> Plan | None:
         """Makes room for a waiting pod if a complete plan exists; returns it."""
         pod_json = orjson.dumps(waiting.pod)
         answers = await self.pool.estimate(names, PodQuery(pod=pod_json), ESTIMATOR_TIMEOUT)
@@ -481,7 +495,7 @@ class Descheduler:
         )
         refusals = []
         for plan in plans:
-            why = await self._incomplete(plan, names, budgets, limits)
+            why = await self._incomplete(plan, budgets, limits, virtual_nodes, now)
             if why is None:
                 await self._carry_out(plan)
                 return plan
@@ -502,34 +516,58 @@ class Descheduler:
         return None
 
     async def _incomplete(
-        self, plan: Plan, names: list[str], budgets: list[JSON], limits: Limits
+        self,
+        plan: Plan,
+        budgets: list[JSON],
+        limits: Limits,
+        virtual_nodes: Mapping[str, Mapping[str, Any]],
+        now: datetime,
     ) -> str | None:
         """Why a plan cannot be carried out in full now; None when it can (then its
-        evictions are counted against this cycle's limits)."""
+        evictions are counted against this cycle's limits, and its homeless pods as
+        landing where they found room)."""
         if not budgets_allow([*taking_from_budgets(self._evicted_now), *plan.evicted], budgets):
             return "its PodDisruptionBudgets do not allow all its evictions at once"
-        if plan.homeless:
-            others = [name for name in names if name != plan.cluster]
-            left = await self._rehome(plan.homeless, others)
-            if left:
-                return f"no other cluster has room for {', '.join(left)}"
+        # Each homeless pod by the clusters its own rules admit (not the waiting pod's).
+        admitted = [
+            (pod, admitting(pod, virtual_nodes, receivers(virtual_nodes, now, plan.cluster)))
+            for pod in plan.homeless
+        ]
+        left, landing = await self._rehome(admitted)
+        if left:
+            return f"no other cluster has room for {', '.join(left)}"
         evictions = [(str(pod["metadata"]["namespace"]), plan.cluster) for pod in plan.evicted]
         if not limits.take(evictions):
             return f"{len(evictions)} evictions are beyond this cycle's limits"
+        for name, pods in landing.items():
+            self._landing_now.setdefault(name, []).extend(pods)
         return None
 
-    async def _rehome(self, pods: tuple[Mapping[str, Any], ...], names: list[str]) -> list[str]:
-        """Which of the pods the clusters of ``names``, asked in turn, cannot all take
-        between them (each cluster placing what is left one after another)."""
-        left = list(pods)
-        for name in names:
-            if not left:
-                break
-            request = FitInTurnRequest(pods=[orjson.dumps(pod) for pod in left])
+    async def _rehome(
+        self, admitted: list[tuple[Mapping[str, Any], list[str]]]
+    ) -> tuple[list[str], dict[str, list[Mapping[str, Any]]]]:
+        """Which of the pods the clusters their own rules admit cannot all take between
+        them, each cluster asked in turn for what is left of the pods it admits, after
+        the pods already landing there this cycle; and where the others land."""
+        left = list(admitted)
+        landing: dict[str, list[Mapping[str, Any]]] = {}
+        for name in sorted({name for _, names in admitted for name in names}):
+            asked = [pod for pod, names in left if name in names]
+            if not asked:
+                continue
+            before = self._landing_now.get(name, [])
+            request = FitInTurnRequest(pods=[orjson.dumps(pod) for pod in [*before, *asked]])
             answer = await self.pool.fit_in_turn(name, request, ESTIMATOR_TIMEOUT)
-            if isinstance(answer, FitInTurnResponse) and len(answer.nodes) == len(left):
-                left = [pod for pod, node in zip(left, answer.nodes, strict=True) if not node]
-        return [object_key(pod) for pod in left]
+            if not isinstance(answer, FitInTurnResponse) or len(answer.nodes) != len(request.pods):
+                continue
+            if not all(answer.nodes[: len(before)]):
+                continue  # the room it has is already promised
+            placed = [
+                pod for pod, node in zip(asked, answer.nodes[len(before) :], strict=True) if node
+            ]
+            landing[name] = placed
+            left = [(pod, names) for pod, names in left if not any(pod is p for p in placed)]
+        return [object_key(pod) for pod, _ in left], landing
 
     async def _carry_out(self, plan: Plan) -> None:
         waiting = plan.waiting

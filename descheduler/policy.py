@@ -11,6 +11,8 @@ import yaml
 
 from kubekit.estimatorapi import MAX_HOLD_SECONDS
 
+INT32_MAX = 2**31 - 1
+
 
 class PolicyError(ValueError):
     """A policy file that cannot be used, with what is wrong in it."""
@@ -80,8 +82,9 @@ def _number(key: str, value: Any, integer: bool) -> float | int:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise PolicyError(f"{key}: {value!r} is not a number")
     if integer:
-        if not isinstance(value, int) or value < 0:
-            raise PolicyError(f"{key}: {value!r} is not a whole number of 0 or more")
+        # The estimators' API carries a count of evictions as an int32.
+        if not isinstance(value, int) or not 0 <= value <= INT32_MAX:
+            raise PolicyError(f"{key}: {value!r} is not a whole number from 0 to {INT32_MAX}")
         return value
     if not 0 < value <= 86400:
         raise PolicyError(f"{key}: {value!r} seconds is not above 0 and at most a day")

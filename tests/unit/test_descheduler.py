@@ -161,6 +161,8 @@ def test_every_policy_key() -> None:
         ("pendingTimeout: true\n", "is not a number"),
         ("maxEvictionsPerCycle: 1.5\n", "not a whole number"),
         ("maxEvictionsPerNode: -1\n", "not a whole number"),
+        # Sent to the estimators as an int32: a larger count crashed the first plan.
+        ("maxEvictionsPerNode: 10000000000\n", "from 0 to 2147483647"),
         ("pendingTimeout: [\n", "not YAML"),
         # The estimators hold room no longer: every plan's room would go unheld.
         ("holdTimeout: 7200\n", "longer than the estimators hold room"),
@@ -1229,6 +1231,45 @@ async def test_plans_of_one_cycle_share_its_budgets_and_never_evict_a_pod_twice(
     ]
     (refused,) = [e for e in world.client.events if e["reason"] == "NotDefragmented"]
     assert "do not allow all its evictions at once" in refused["message"]
+
+
+async def test_a_homeless_pod_finds_room_only_in_a_cluster_its_own_rules_admit() -> None:
+    """The waiting pod may go anywhere; the pod its plan evicts is kept to vk-lower-1 by
+    its nodeSelector, so room in vk-lower-3 is no home for it."""
+    world = Fragmented()
+    world.pool.room["vk-lower-3"] = 1
+    b = running("b", nodeSelector={"region": "eu"})
+    world.pods.apply({"type": "MODIFIED", "object": b})
+    labelled = virtual("vk-lower-1")
+    labelled["metadata"]["labels"] = {"region": "eu"}
+    world.nodes.apply({"type": "MODIFIED", "object": labelled})
+    assert await world.descheduler.cycle() == []
+    assert world.client.calls == [] and world.pool.held == []
+    assert world.pool.asked_in_turn == [], "no other cluster admits it: none is asked"
+    assert "no other cluster has room for apps/b" in world.client.events[0]["message"]
+
+
+async def test_plans_of_one_cycle_do_not_count_on_the_same_room_for_their_homeless_pods() -> None:
+    """Two waiting pods, each with a plan whose one homeless pod needs a home elsewhere:
+    vk-lower-3 has room for one. The first plan is carried out; the second's check asks
+    for room for the first's homeless pod before its own, and is refused."""
+    world = Fragmented()
+    world.pool.room["vk-lower-3"] = 1
+    world.add(federated("big-2"))
+    world.add(running("c", node="vk-lower-2"))
+    world.add(running("d", node="vk-lower-2"))
+    world.pool.plans["vk-lower-2"] = [
+        Freeing(node="n2", evicted_pod_uids=["uid-c", "uid-d"], homeless_pod_uids=["uid-d"])
+    ]
+    (plan,) = await world.descheduler.cycle()
+    assert isinstance(plan, Plan) and plan.node == "n1"
+    assert ("vk-lower-3", ["b", "d"]) in world.pool.asked_in_turn
+    assert world.client.calls == [
+        ("POST", "/api/v1/namespaces/apps/pods/a/eviction"),
+        ("POST", "/api/v1/namespaces/apps/pods/b/eviction"),
+    ]
+    (refused,) = [e for e in world.client.events if e["reason"] == "NotDefragmented"]
+    assert "no other cluster has room for apps/d" in refused["message"]
 
 
 def test_only_evictions_of_running_pods_are_counted_against_the_budgets() -> None:
