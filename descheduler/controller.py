@@ -27,14 +27,17 @@ from descheduler.defrag import (
 )
 from descheduler.policy import Limits, Policy
 from descheduler.rescue import (
+    JOB,
     Move,
     Stay,
     Stuck,
+    controller_kind,
     copy_alive,
     copy_name,
     destination,
     down_for,
     is_copy_of,
+    job_lost_by_eviction,
     pod_copy,
     stuck_pods,
     unfinished_moves,
@@ -43,6 +46,7 @@ from descheduler.rescue import (
 from kubekit import keys, metrics
 from kubekit.client import (
     API_ERRORS,
+    JOBS,
     PODS,
     ApiError,
     KubeClient,
@@ -57,7 +61,7 @@ from kubekit.estimatorapi.estimator_pb2 import (
     PodQuery,
 )
 from kubekit.informer import FunctionHandler, Informer, object_key
-from kubekit.moves import controller_uid, parse_moves, record_move
+from kubekit.moves import controller_reference, controller_uid, parse_moves, record_move
 from kubekit.podevents import record_pod_event
 from multischeduler.estimators import EstimatorPool
 from multischeduler.extender import EstimatorFailure
@@ -236,6 +240,10 @@ class Descheduler:
         return made if made is not None and is_copy_of(made, stuck.pod) else None
 
     async def _destination(self, stuck: Stuck, names: list[str]) -> Move | Stay:
+        if controller_kind(stuck.pod) == JOB:
+            lost = await self._job_lost(stuck)
+            if lost is not None:
+                return Stay(stuck, lost)
         if not names:
             return destination(stuck, {})
         query = PodQuery(pod=orjson.dumps(stuck.pod))
@@ -247,6 +255,19 @@ class Descheduler:
                 for name, answer in answers.items()
             },
         )
+
+    async def _job_lost(self, stuck: Stuck) -> str | None:
+        """Why evicting a Job's stuck pod would lose it (the Job would fail, or its
+        index, rather than make the pod again); None when it would not. Read afresh:
+        the Job's failures change between cycles, and only its stuck pods need it."""
+        reference = controller_reference(stuck.pod) or {}
+        try:
+            job = await self.client.get(JOBS, str(reference.get("name", "")), stuck.namespace)
+        except API_ERRORS as error:
+            return f"its Job could not be read: {error}"
+        if (job.get("metadata") or {}).get("uid") != reference.get("uid"):
+            return "its Job is gone"
+        return job_lost_by_eviction(job, stuck.pod)
 
     async def _room_for_all(
         self, moves: list[Move], copied: set[str]

@@ -74,6 +74,54 @@ def replaced_when_stuck(pod: Mapping[str, Any]) -> bool:
     return kind in REPLACING_CONTROLLERS or kind == JOB
 
 
+# The Job controller's default spec.backoffLimit.
+DEFAULT_BACKOFF_LIMIT = 6
+
+
+def job_lost_by_eviction(job: Mapping[str, Any], pod: Mapping[str, Any]) -> str | None:
+    """Why evicting the Job's pod would fail the Job, or the pod's index, rather than
+    have the pod made again; None when it would be made again. An eviction marks the pod
+    with a ``DisruptionTarget`` condition, which the Job's podFailurePolicy judges first
+    (its first rule that names that condition); else the pod counts as one failure
+    against the backoff limit of its index, or of the Job (the Job fails once its
+    failures exceed the limit)."""
+    spec, status = job.get("spec") or {}, job.get("status") or {}
+    for rule in (spec.get("podFailurePolicy") or {}).get("rules") or []:
+        conditions = rule.get("onPodConditions") or []
+        if not any(
+            c.get("type") == "DisruptionTarget" and c.get("status", "True") == "True"
+            for c in conditions
+        ):
+            continue
+        action = rule.get("action")
+        if action == "Ignore":
+            return None
+        if action == "FailJob":
+            return "its Job's podFailurePolicy fails the Job on an eviction"
+        if action == "FailIndex":
+            return "its Job's podFailurePolicy fails the pod's index on an eviction"
+        break  # Count: a failure like any other
+    per_index = spec.get("backoffLimitPerIndex")
+    if isinstance(per_index, int):
+        annotations = (pod.get("metadata") or {}).get("annotations") or {}
+        try:
+            failures = int(annotations.get(keys.JOB_INDEX_FAILURE_COUNT_ANNOTATION, 0))
+        except (TypeError, ValueError):
+            failures = 0
+        if failures >= per_index:
+            return (
+                f"its index has failed {failures} times, its Job's backoffLimitPerIndex: "
+                "evicted, the index would fail"
+            )
+        return None
+    limit = spec.get("backoffLimit")
+    limit = limit if isinstance(limit, int) else DEFAULT_BACKOFF_LIMIT
+    failed = status.get("failed") or 0
+    if isinstance(failed, int) and failed >= limit:
+        return f"its Job has failed {failed} times, its backoffLimit: evicted, the Job would fail"
+    return None
+
+
 def hands_off(pod: Mapping[str, Any]) -> bool:
     """A pod the descheduler neither moves nor makes room for: opted out by its
     annotation (whatever its value); a DaemonSet's, which its controller makes again for

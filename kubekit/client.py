@@ -154,6 +154,7 @@ LEASES = Resource("coordination.k8s.io", "v1", "leases")
 SERVICES = Resource("", "v1", "services")
 ENDPOINTSLICES = Resource("discovery.k8s.io", "v1", "endpointslices")
 PODDISRUPTIONBUDGETS = Resource("policy", "v1", "poddisruptionbudgets")
+JOBS = Resource("batch", "v1", "jobs")
 RESOURCEQUOTAS = Resource("", "v1", "resourcequotas")
 PRIORITYCLASSES = Resource("scheduling.k8s.io", "v1", "priorityclasses", namespaced=False)
 

@@ -83,6 +83,10 @@ SERVICE_ACCOUNT_UID_ANNOTATION = "kubernetes.io/service-account.uid"
 LEGACY_TOKEN_LAST_USED_LABEL = "kubernetes.io/legacy-token-last-used"
 LEGACY_TOKEN_INVALID_SINCE_LABEL = "kubernetes.io/legacy-token-invalid-since"
 
+# The Job controller's count, on a pod of a Job with a backoff limit per index, of the
+# failures of that pod's index so far.
+JOB_INDEX_FAILURE_COUNT_ANNOTATION = "batch.kubernetes.io/job-index-failure-count"
+
 # Kubernetes' own keys on EndpointSlices: the Service a slice belongs to, and which
 # controller manages it (the lower cluster's controllers leave slices marked as ours).
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"

@@ -254,6 +254,42 @@ def test_a_pod_no_cluster_can_run_is_left_where_it_is_with_an_event(
     assert not copies_of(descheduling, pod["metadata"]["uid"])
 
 
+def test_a_job_s_pod_whose_eviction_would_fail_the_job_stays_and_says_why(
+    descheduling: Federation,
+) -> None:
+    """A Job with no failure to spare (backoffLimit 0): evicted, its stuck pod would fail
+    the Job rather than be made again. The descheduler reads the Job with the rights its
+    manifests give it."""
+    spec = {**stuck_pod("last-try", "3")["spec"], "restartPolicy": "Never"}
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "last-try", "namespace": NAMESPACE},
+        "spec": {"backoffLimit": 0, "template": {"spec": spec}},
+    }
+    apply(descheduling.upper, job)
+    try:
+        (pod,) = wait_for(
+            lambda: list(pods_by_name(descheduling.upper, NAMESPACE, "job-name=last-try").values()),
+            "the Job's pod",
+        )
+        said = wait_for(
+            lambda: events(descheduling, pod["metadata"]["name"], "NotRescheduled"),
+            "a NotRescheduled event",
+        )
+        assert "its Job has failed 0 times, its backoffLimit" in said[0], said
+        again = get_json(descheduling.upper, "pod", "-n", NAMESPACE, pod["metadata"]["name"])
+        assert again["metadata"]["uid"] == pod["metadata"]["uid"] and not again["metadata"].get(
+            "deletionTimestamp"
+        )
+        job_status = get_json(descheduling.upper, "job", "-n", NAMESPACE, "last-try")["status"]
+        assert not job_status.get("failed")
+    finally:
+        descheduling.upper.kubectl(
+            "delete", "job", "-n", NAMESPACE, "last-try", "--cascade=foreground", "--wait=false"
+        )
+
+
 def stuck_deployment(name: str, cpu: str, prefer: str) -> dict[str, Any]:
     """One replica whose pods prefer the cluster ``prefer`` (a cluster-id term the upper
     scheduler sees) and need a move node below."""

@@ -32,6 +32,7 @@ from descheduler.rescue import (
     copy_name,
     destination,
     is_copy_of,
+    job_lost_by_eviction,
     pod_copy,
     stuck_pods,
     taint_deletion_at,
@@ -39,7 +40,15 @@ from descheduler.rescue import (
     within_limits,
 )
 from kubekit import keys
-from kubekit.client import CONFIGMAPS, NODES, PODDISRUPTIONBUDGETS, PODS, ApiError, KubeClient
+from kubekit.client import (
+    CONFIGMAPS,
+    JOBS,
+    NODES,
+    PODDISRUPTIONBUDGETS,
+    PODS,
+    ApiError,
+    KubeClient,
+)
 from kubekit.estimatorapi.estimator_pb2 import (
     DefragmentRequest,
     DefragmentResponse,
@@ -316,6 +325,95 @@ def test_a_stuck_job_pod_is_moved_by_eviction() -> None:
     assert stuck.owned
 
 
+def job(failed: int = 0, **spec: Any) -> dict[str, Any]:
+    return {"metadata": {"name": "j", "uid": "job"}, "spec": spec, "status": {"failed": failed}}
+
+
+DISRUPTED = {"onPodConditions": [{"type": "DisruptionTarget"}]}
+
+
+@pytest.mark.parametrize(
+    ("stored", "annotations", "lost"),
+    [
+        (job(), {}, None),
+        (job(failed=5), {}, None),
+        # The default backoffLimit is 6: a seventh failure fails the Job.
+        (job(failed=6), {}, "failed 6 times, its backoffLimit"),
+        (job(failed=0, backoffLimit=0), {}, "failed 0 times, its backoffLimit"),
+        (job(failed=2, backoffLimit=3), {}, None),
+        # Per index, the pod's own index counts, not the Job's failures.
+        (job(failed=9, backoffLimitPerIndex=1), {}, None),
+        (
+            job(backoffLimitPerIndex=1),
+            {keys.JOB_INDEX_FAILURE_COUNT_ANNOTATION: "1"},
+            "its index has failed 1 times",
+        ),
+        (job(backoffLimitPerIndex=0), {keys.JOB_INDEX_FAILURE_COUNT_ANNOTATION: "x"}, "index"),
+        # The first rule naming the eviction's condition decides.
+        (job(failed=6, podFailurePolicy={"rules": [{"action": "Ignore", **DISRUPTED}]}), {}, None),
+        (
+            job(podFailurePolicy={"rules": [{"action": "FailJob", **DISRUPTED}]}),
+            {},
+            "fails the Job",
+        ),
+        (
+            job(podFailurePolicy={"rules": [{"action": "FailIndex", **DISRUPTED}]}),
+            {},
+            "fails the pod's index",
+        ),
+        (
+            job(failed=6, podFailurePolicy={"rules": [{"action": "Count", **DISRUPTED}]}),
+            {},
+            "6 times",
+        ),
+        (
+            job(
+                podFailurePolicy={
+                    "rules": [
+                        {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [42]}},
+                        {"action": "Ignore", **DISRUPTED},
+                    ]
+                }
+            ),
+            {},
+            None,
+        ),
+    ],
+)
+def test_a_job_pod_is_evicted_only_when_its_job_makes_it_again(
+    stored: dict[str, Any], annotations: dict[str, str], lost: str | None
+) -> None:
+    batch = pod("batch", ownerReferences=[JOB_OWNER], annotations=annotations)
+    found = job_lost_by_eviction(stored, batch)
+    assert found is None if lost is None else (found is not None and lost in found), found
+
+
+async def test_a_stuck_job_pod_whose_job_would_fail_stays_and_says_why() -> None:
+    world = World(ROOM_IN_2)
+    world.client.jobs["j"] = job(failed=6)
+    world.add(pod("batch", ownerReferences=[JOB_OWNER]))
+    (decision,) = await world.descheduler.cycle()
+    assert isinstance(decision, Stay) and "the Job would fail" in decision.message
+    assert world.client.evictions() == 0 and world.pool.asked == []
+    assert world.reasons() == ["NotRescheduled"]
+    world.client.jobs["j"] = job(failed=5)
+    world.moment += 10
+    (decision,) = await world.descheduler.cycle()
+    assert isinstance(decision, Move), "a failure left to spend: moved"
+    assert world.client.evictions() == 1
+
+
+async def test_a_stuck_job_pod_of_a_job_gone_or_made_again_stays() -> None:
+    world = World(ROOM_IN_2)
+    world.add(pod("batch", ownerReferences=[JOB_OWNER]))
+    (decision,) = await world.descheduler.cycle()
+    assert isinstance(decision, Stay) and "could not be read" in decision.message
+    world.client.jobs["j"] = {**job(), "metadata": {"name": "j", "uid": "another"}}
+    (decision,) = await world.descheduler.cycle()
+    assert isinstance(decision, Stay) and decision.message == "its Job is gone"
+    assert world.client.evictions() == 0
+
+
 def test_stuck_pods_come_in_key_order() -> None:
     pods = [pod("b"), pod("a", namespace="zz"), pod("a")]
     keys_found = [s.key for s in stuck_pods(pods, NODES_UP, NOW, Policy())]
@@ -438,6 +536,8 @@ class FakeClient:
         self.moves_errors: list[ApiError] = []
         # Pod name -> the error its creation gets.
         self.create_errors: dict[str, ApiError] = {}
+        # Job name -> the Job as stored.
+        self.jobs: dict[str, dict[str, Any]] = {}
 
     def evictions(self) -> int:
         return sum(path.endswith("/eviction") for _, path in self.calls)
@@ -485,6 +585,10 @@ class FakeClient:
         return made
 
     async def get(self, resource: Any, name: str, namespace: str) -> dict[str, Any]:
+        if resource is JOBS:
+            if name not in self.jobs:
+                raise ApiError(404, {"reason": "NotFound", "message": "not found"})
+            return self.jobs[name]
         if resource is CONFIGMAPS:
             if self.moves is None:
                 raise ApiError(404, {"reason": "NotFound", "message": "not found"})
@@ -1137,6 +1241,9 @@ def test_rbac_grants_exactly_what_the_descheduler_uses() -> None:
         ("events", "create"),
         ("nodes/estimator", "get"),
     }
+    assert [rule for rule in role["rules"] if rule["apiGroups"] == ["batch"]] == [
+        {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get"]}
+    ]
     policy_rules = [rule for rule in role["rules"] if rule["apiGroups"] == ["policy"]]
     assert policy_rules == [
         {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": ["list", "watch"]}
