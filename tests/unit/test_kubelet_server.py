@@ -4,6 +4,7 @@ WebSocket and SPDY/3.1 streaming protocols, and what hostile SPDY peers get."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import struct
 import zlib
@@ -41,6 +42,7 @@ from virtual_node.kubeletapi.spdy import (
     StreamReplied,
     StreamReset,
 )
+from virtual_node.kubeletapi.spdysession import SpdySession
 from virtual_node.main import KUBELET_API_SHUTDOWN_SECONDS, VirtualNodeConfig, serve_kubelet_api
 
 
@@ -397,6 +399,7 @@ async def test_a_forwarded_connection_the_client_closed_closes_the_pods_soon(
     monkeypatch.setattr(server_module, "CLIENT_DONE_GRACE", 0.05)
     async with spdy_upgrade(kubelet.server, "/portForward/default/p", "portforward.k8s.io") as peer:
         error = peer.open(streamtype="error", port="8080", requestid="0")
+        peer.send(error, b"", fin=True)  # as client-go does: it only reads it
         data = peer.open(streamtype="data", port="8080", requestid="0")
         peer.send(data, b"ping", fin=True)
         await peer.until(lambda p: p.data(data) == b"echo:ping")
@@ -405,6 +408,12 @@ async def test_a_forwarded_connection_the_client_closed_closes_the_pods_soon(
         await asyncio.wait_for(connection.closed.wait(), TIMEOUT)
         await peer.until(lambda p: p.finished(data) and p.finished(error))
         assert not peer.eof
+        # Both halves of both streams closed: the session keeps neither (a long forward
+        # of many connections grew by each).
+        (session,) = [
+            o for o in gc.get_objects() if isinstance(o, SpdySession) and not o.closed.is_set()
+        ]
+        assert session._streams == {}
 
 
 async def test_half_a_port_forward_pair_is_reset_after_the_creation_timeout(

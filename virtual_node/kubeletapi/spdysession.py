@@ -71,7 +71,9 @@ class SpdyStream:
         if self.local_closed:
             return
         self.local_closed = fin
-        if self.session.send(lambda c: c.send_data(self.id, data, fin=fin)):
+        sent = self.session.send(lambda c: c.send_data(self.id, data, fin=fin))
+        self._forget_when_done()
+        if sent:
             await self.session.drain()
 
     async def close(self) -> None:
@@ -98,6 +100,14 @@ class SpdyStream:
         if fin and not self.remote_closed:
             self.remote_closed = True
             self._chunks.put_nowait(b"")
+            self._forget_when_done()
+
+    def _forget_when_done(self) -> None:
+        """Both halves closed, nothing more can arrive for the stream, and the connection
+        forgets it (a peer's later reset of it is no event): kept, every connection of a
+        long port-forward would stay in the session until its end."""
+        if self.local_closed and self.remote_closed:
+            self.session._streams.pop(self.id, None)
 
     def _end(self) -> None:
         self.local_closed = True
