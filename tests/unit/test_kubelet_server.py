@@ -8,7 +8,7 @@ import gc
 import socket
 import struct
 import zlib
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from tests.unit.fakekubelet import (
     LOG_CHUNKS,
     POD,
     TIMEOUT,
+    EchoProcess,
     FakeAuthorizer,
     FakeProvider,
     Kubelet,
@@ -34,7 +35,7 @@ from tests.unit.fakekubelet import (
 )
 from virtual_node.kubeletapi import channels
 from virtual_node.kubeletapi import server as server_module
-from virtual_node.kubeletapi.provider import LogOptions
+from virtual_node.kubeletapi.provider import ExecOptions, LogOptions
 from virtual_node.kubeletapi.spdy import (
     HEADER_DICTIONARY,
     GoAwayReceived,
@@ -524,6 +525,42 @@ async def test_an_idle_websocket_exec_is_closed_but_a_busy_one_is_not() -> None:
         assert socket.closed
         [(_container, _attach, process)] = kubelet.provider.processes
         await asyncio.wait_for(process.closed.wait(), TIMEOUT)
+
+
+class FloodingProcess(EchoProcess):
+    """Writes on stdout without end, whether anyone reads or not."""
+
+    async def output(self) -> AsyncIterator[tuple[int, bytes]]:
+        while True:
+            yield channels.STDOUT, bytes(65536)
+
+
+async def test_an_idle_session_whose_client_reads_nothing_is_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The session goes idle with our writes waiting for a client that reads nothing (a
+    suspended kubectl): its goodbye would wait for good too, so the connection goes."""
+    monkeypatch.setattr(server_module, "IDLE_CLOSE_SECONDS", 0.2)
+    started: list[FloodingProcess] = []
+    made = asyncio.Event()
+
+    def flooding(options: ExecOptions) -> EchoProcess:
+        started.append(FloodingProcess(options))
+        made.set()
+        return started[0]
+
+    async with (
+        serving(FakeProvider(flooding), streaming_idle_timeout=0.5) as kubelet,
+        spdy_upgrade(
+            kubelet.server, "/exec/default/p/app?command=yes&output=1", channels.V5_PROTOCOL
+        ) as peer,
+    ):
+        peer.open(streamtype="error")
+        peer.open(streamtype="stdout")
+        # Nothing is read from here on.
+        async with asyncio.timeout(TIMEOUT):
+            await made.wait()
+            await started[0].closed.wait()
 
 
 class QuietProvider(FakeProvider):

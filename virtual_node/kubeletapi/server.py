@@ -178,6 +178,8 @@ def parse_ports(query: Any) -> tuple[int, ...]:
 
 # The kubelet's --streaming-connection-idle-timeout default.
 STREAMING_IDLE_TIMEOUT = 4 * 3600.0
+# How long closing an idle session may wait for the client to read the goodbye.
+IDLE_CLOSE_SECONDS = 5.0
 
 
 class KubeletServer:
@@ -310,7 +312,9 @@ class KubeletServer:
             process = await self.provider.exec(pod, container, options, attach=attach)
             async with _closed_on_failure(process.close):
                 session = await upgrade(request, protocol)
-            async with self._closed_when_idle(lambda: session.last_activity, session.close):
+            async with self._closed_when_idle(
+                request, lambda: session.last_activity, session.close
+            ):
                 await _serve_exec_spdy(session, process, options)
             return web.Response()  # never sent: the connection is already closed
         if request.headers.get("Upgrade", "").lower() == "websocket":
@@ -321,7 +325,7 @@ class KubeletServer:
             async with _closed_on_failure(process.close):
                 await socket.prepare(request)
             client = _ChannelSocket(socket, 5)
-            async with self._closed_when_idle(lambda: client.last_activity, socket.close):
+            async with self._closed_when_idle(request, lambda: client.last_activity, socket.close):
                 await _serve_exec_websocket(client, process, options)
             return socket
         raise BadParameter("Upgrade: exec and attach need SPDY/3.1 or WebSocket")
@@ -333,7 +337,9 @@ class KubeletServer:
             if choose_protocol(offered_protocols(request), protocols) is None:
                 return _no_common_protocol(request, protocols)
             session = await upgrade(request, PORT_FORWARD_SPDY_PROTOCOL)
-            async with self._closed_when_idle(lambda: session.last_activity, session.close):
+            async with self._closed_when_idle(
+                request, lambda: session.last_activity, session.close
+            ):
                 await _serve_port_forward_spdy(session, self.provider, pod)
             return web.Response()
         if request.headers.get("Upgrade", "").lower() == "websocket":
@@ -355,18 +361,23 @@ class KubeletServer:
                     connections.append(await self.provider.port_forward(pod, port))
                 await socket.prepare(request)
             client = _ChannelSocket(socket, layout.channel_count)
-            async with self._closed_when_idle(lambda: client.last_activity, socket.close):
+            async with self._closed_when_idle(request, lambda: client.last_activity, socket.close):
                 await _serve_port_forward_websocket(client, layout, connections)
             return socket
         raise BadParameter("Upgrade: port-forward needs SPDY/3.1 or WebSocket")
 
     @contextlib.asynccontextmanager
     async def _closed_when_idle(
-        self, last_activity: Callable[[], float], close: Callable[[], Awaitable[Any]]
+        self,
+        request: web.Request,
+        last_activity: Callable[[], float],
+        close: Callable[[], Awaitable[Any]],
     ) -> AsyncIterator[None]:
         """Closes a streaming session once nothing has gone through it, either way, for
         the idle timeout: a client that neither sends nor reads holds no connection for
-        good (its buffers are bounded already)."""
+        good (its buffers are bounded already). A goodbye not written within
+        ``IDLE_CLOSE_SECONDS`` (the client reads nothing: its session went idle with our
+        writes waiting for it) gives way to dropping the connection."""
         timeout = self.streaming_idle_timeout
 
         async def watch() -> None:
@@ -375,7 +386,12 @@ class KubeletServer:
             while (left := last_activity() + timeout - loop.time()) > 0:  # noqa: ASYNC110
                 await asyncio.sleep(left)
             log.info("closing a streaming session idle for %.0f s", timeout)
-            await close()
+            try:
+                async with asyncio.timeout(IDLE_CLOSE_SECONDS):
+                    await close()
+            except TimeoutError:
+                if request.transport is not None:
+                    request.transport.abort()
 
         watcher = asyncio.create_task(watch()) if timeout > 0 else None
         try:
