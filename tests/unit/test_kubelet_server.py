@@ -252,6 +252,46 @@ async def test_websocket_exec_echoes_and_reports_the_exit_code(kubelet: Kubelet)
     await asyncio.wait_for(process.closed.wait(), TIMEOUT)
 
 
+class SucceedingProcess(EchoProcess):
+    def status(self) -> bytes:
+        return channels.success_status()
+
+
+@pytest.mark.parametrize("protocol", [channels.CHANNEL_PROTOCOL, channels.BASE64_CHANNEL_PROTOCOL])
+@pytest.mark.parametrize("succeeds", [True, False])
+async def test_websocket_exec_before_v4_gets_the_outcome_as_text(
+    protocol: str, succeeds: bool
+) -> None:
+    """As the kubelet writes it for those protocols: nothing on success (a client of them
+    takes anything on the error channel for a failure), else the failure's message."""
+    provider = FakeProvider(SucceedingProcess if succeeds else EchoProcess)
+    async with serving(provider) as kubelet:
+        socket = await kubelet.client.ws_connect(
+            "/exec/default/p/app?command=cat&input=1&output=1", protocols=(protocol,), headers=AUTH
+        )
+        codec = channels.ChannelCodec(protocol, 5)
+        hi = codec.encode(channels.STDIN, b"hi")
+        await (socket.send_str(hi) if isinstance(hi, str) else socket.send_bytes(hi))
+        # No close message before v5: the client goes, the command ends.
+        received = []
+        async with asyncio.timeout(TIMEOUT):
+            async for message in socket:
+                decoded = codec.decode(message.data)
+                if isinstance(decoded, channels.ChannelData) and decoded.payload:
+                    received.append(decoded)
+                if decoded == channels.ChannelData(channels.STDOUT, b"hi"):
+                    [(_container, _attach, process)] = provider.processes
+                    await process.close_stdin()
+    errors = [d.payload for d in received if d.channel == channels.ERROR]
+    if succeeds:
+        assert errors == []
+    else:
+        assert errors == [
+            b"command terminated with non-zero exit code: error executing command [cat], "
+            b"exit code 3"
+        ]
+
+
 # A handshake offering only the protocols each test names.
 WEBSOCKET_UPGRADE = {
     **AUTH,

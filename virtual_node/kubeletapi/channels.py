@@ -60,6 +60,7 @@ _BASE64_BY_PROTOCOL = {
     BASE64_CHANNEL_PROTOCOL: True,
     V4_BASE64_PROTOCOL: True,
 }
+_TEXT_STATUS_PROTOCOLS = frozenset({"", CHANNEL_PROTOCOL, BASE64_CHANNEL_PROTOCOL})
 _BASE64_CHANNEL_ORIGIN = ord("0")
 # The channel character must stay ASCII, or a text message would carry it as two UTF-8 bytes.
 _MAX_BASE64_CHANNELS = 0x80 - _BASE64_CHANNEL_ORIGIN
@@ -109,6 +110,9 @@ class ChannelCodec:
         self.protocol = protocol
         self.base64 = _BASE64_BY_PROTOCOL[protocol]
         self.supports_close = protocol == V5_PROTOCOL
+        # Before v4 the error channel carries a failure's message as plain text, and
+        # nothing on success.
+        self.status_as_text = protocol in _TEXT_STATUS_PROTOCOLS
         limit = _MAX_BASE64_CHANNELS if self.base64 else _MAX_BINARY_CHANNELS
         if not 0 < channel_count <= limit:
             raise ValueError(f"{protocol!r} carries 1..{limit} channels, not {channel_count}")
@@ -280,6 +284,20 @@ def unwrapped_internal_error(payload: bytes) -> bytes:
             "details": {"causes": [{"message": inner.removeprefix(INTERNAL_ERROR_PREFIX)}]},
         }
     )
+
+
+def status_text(status: bytes) -> bytes:
+    """The error channel's Status as protocols before v4 carry it, as the kubelet writes
+    it for them: nothing for success, else the failure's message."""
+    try:
+        parsed: Any = json.loads(status)
+    except (ValueError, RecursionError):
+        return status
+    if not isinstance(parsed, dict):
+        return status
+    if parsed.get("status") == "Success":
+        return b""
+    return str(parsed.get("message") or "").encode()
 
 
 def parse_exec_status(payload: bytes) -> int | None:

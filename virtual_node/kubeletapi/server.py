@@ -684,7 +684,11 @@ async def _serve_exec_websocket(
             await client.send(channel, b"")
         async for channel, data in process.output():
             await client.send(channel, data)
-        await client.send(channels.ERROR, process.status())
+        status = process.status()
+        if client.codec.status_as_text:
+            status = channels.status_text(status)
+        if status:
+            await client.send(channels.ERROR, status)
 
     reader = asyncio.create_task(read_input())
     writer = asyncio.create_task(write_output())
