@@ -543,6 +543,14 @@ def test_an_idle_containers_counter_is_never_zero() -> None:
         assert len(counts) == 5 and all(v > 0 for v in counts)
 
 
+def test_a_node_with_no_pod_running_reports_a_working_set_metrics_server_keeps() -> None:
+    """metrics-server drops a node whose working set reads 0, as an empty virtual node's
+    sum of its pods' would: ``kubectl top node`` would show it <unknown>."""
+    samples = _samples(prometheus_text([], MIRRORED, CpuCounters(), now=1000.0))
+    assert samples["node_memory_working_set_bytes"] > 0
+    assert samples[NODE] > 0
+
+
 def test_cpu_counter_ignores_a_clock_going_back() -> None:
     counters = CpuCounters()
     assert counters.advance("k", 1.0, 100.0) == COUNTER_START_SECONDS

@@ -46,6 +46,10 @@ def _bytes(usage: Mapping[str, Any]) -> int:
 # metrics-server drops a pod with any container whose counter reads 0, and an idle
 # container's (usage "0" below) would stay 0 for good.
 COUNTER_START_SECONDS = 1e-9
+# The least working set the node reports. metrics-server drops a node whose working set
+# reads 0 (``kubectl top node`` shows it <unknown>), which a virtual node's, the sum of
+# its mirrored pods', is while none runs.
+NODE_MEMORY_FLOOR_BYTES = 1
 
 
 class CpuCounters:
@@ -249,7 +253,7 @@ def prometheus_text(
             "node_memory_working_set_bytes",
             "gauge",
             "[STABLE] Current working set of the node in bytes",
-            [f"node_memory_working_set_bytes {usage.memory} {stamp}"],
+            [f"node_memory_working_set_bytes {max(usage.memory, NODE_MEMORY_FLOOR_BYTES)} {stamp}"],
         ),
         *_family(
             "pod_cpu_usage_seconds_total",
