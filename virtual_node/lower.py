@@ -450,27 +450,28 @@ class LowerCluster:
 
     async def _create(self, upper: Mapping[str, Any], desired: JSON) -> SyncResult:
         namespace = desired["metadata"]["namespace"]
-        await self.ensure_namespace(namespace)
         account = desired["spec"].get("serviceAccountName") or DEFAULT_SERVICE_ACCOUNT
-        if account == DEFAULT_SERVICE_ACCOUNT:
-            await self._ensure_default_service_account(namespace)
-        if self.dependencies is not None:
-            try:
+        try:
+            # A policy below may refuse the namespace or its account as well as the copies.
+            await self.ensure_namespace(namespace)
+            if account == DEFAULT_SERVICE_ACCOUNT:
+                await self._ensure_default_service_account(namespace)
+            if self.dependencies is not None:
                 await self.dependencies.ensure_for_pod(upper)
-            except NameTaken as error:
-                # Made once the namesake is gone; until then the pod says why it waits.
-                return Refused("LowerNameTaken", str(error))
-            except ApiError as error:
-                if namespace_is_gone(error):
-                    # Deleted below since we made it: made again on the retry.
-                    self.forget_namespace(namespace)
-                if error.status == 403:
-                    return Refused(
-                        "LowerClusterRefused",
-                        f"lower cluster {self.owner.cluster_id} refused what the pod needs: "
-                        f"{error.message}",
-                    )
-                raise
+        except NameTaken as error:
+            # Made once the namesake is gone; until then the pod says why it waits.
+            return Refused("LowerNameTaken", str(error))
+        except ApiError as error:
+            if namespace_is_gone(error):
+                # Deleted below since we made it: made again on the retry.
+                self.forget_namespace(namespace)
+            if error.status == 403:
+                return Refused(
+                    "LowerClusterRefused",
+                    f"lower cluster {self.owner.cluster_id} refused what the pod needs: "
+                    f"{error.message}",
+                )
+            raise
         if self.held_node is not None and not uses_unmodelled_filters(desired["spec"]):
             node = self.held_node(upper["metadata"]["uid"])
             if node is not None:

@@ -311,6 +311,23 @@ async def test_an_admission_refusal_is_an_event_and_a_retry(mirroring: Mirroring
     assert 'exceeded quota: "compute"' in scheduled["message"]
 
 
+@pytest.mark.parametrize("path", ["/api/v1/namespaces", "/api/v1/namespaces/shop/serviceaccounts"])
+async def test_a_namespace_or_account_refused_below_makes_the_pod_wait_and_say_why(
+    mirroring: Mirroring, path: str
+) -> None:
+    """A policy below on Namespaces or ServiceAccounts: the pod says why it waits, as
+    for its other objects, rather than wait unexplained."""
+    mirroring.above(upper_pod())
+    mirroring.lower.answer("POST", path, status_error(403, "Forbidden", "labels required"))
+    with pytest.raises(RetryLater, match="labels required"):
+        await mirroring.controller.reconcile("shop/web")
+    assert ("POST", LOWER_POD_PATH) not in mirroring.lower.writes()
+    assert mirroring.upper_event_reasons() == ["LowerClusterRefused"]
+    (status,) = mirroring.upper_statuses()
+    (scheduled,) = [c for c in status["conditions"] if c["type"] == "PodScheduled"]
+    assert (scheduled["status"], scheduled["reason"]) == ("False", "LowerClusterRefused")
+
+
 class TakenBelow:
     """Dependencies whose ServiceAccount has a namesake below that is not ours."""
 
