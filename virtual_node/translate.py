@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -447,11 +447,11 @@ def lower_pod_patch(
     deadline = desired["spec"].get("activeDeadlineSeconds")
     if deadline is not None and deadline != current["spec"].get("activeDeadlineSeconds"):
         spec["activeDeadlineSeconds"] = deadline
-    have_tolerations = current["spec"].get("tolerations") or []
-    missing = [t for t in desired["spec"].get("tolerations") or [] if t not in have_tolerations]
-    if missing:
-        # Tolerations may only be added to a running pod; the list is replaced whole.
-        spec["tolerations"] = have_tolerations + missing
+    tolerations = updated_tolerations(
+        current["spec"].get("tolerations") or [], desired["spec"].get("tolerations") or []
+    )
+    if tolerations is not None:
+        spec["tolerations"] = tolerations
     patch: JSON = {}
     metadata: JSON = {}
     from_above = _upper_keys(current)
@@ -501,6 +501,34 @@ def resources_record_patch(desired: Mapping[str, Any]) -> JSON:
     once a resize asked for them was made or refused for good."""
     record = desired["metadata"]["annotations"][keys.UPPER_RESOURCES_ANNOTATION]
     return {"metadata": {"annotations": {keys.UPPER_RESOURCES_ANNOTATION: record}}}
+
+
+def _but_seconds(toleration: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in toleration.items() if k != "tolerationSeconds"}
+
+
+def updated_tolerations(
+    have: Sequence[Mapping[str, Any]], want: Sequence[Mapping[str, Any]]
+) -> list[Mapping[str, Any]] | None:
+    """The running lower pod's tolerations brought to the upper pod's, as the API lets
+    them change (the list is replaced whole): each one kept, with the ``tolerationSeconds``
+    the upper pod now gives it, and the upper pod's new ones added; None when nothing
+    changes. Those only below (added by a lower admission plugin) stay: none may go."""
+    taken: set[int] = set()
+    matched: dict[int, int] = {}
+    for same in (lambda a, b: a == b, lambda a, b: _but_seconds(a) == _but_seconds(b)):
+        for index, toleration in enumerate(have):
+            if index in matched:
+                continue
+            found = next(
+                (i for i, w in enumerate(want) if i not in taken and same(w, toleration)), None
+            )
+            if found is not None:
+                matched[index] = found
+                taken.add(found)
+    result = [want[matched[i]] if i in matched else t for i, t in enumerate(have)]
+    result += [w for i, w in enumerate(want) if i not in taken]
+    return None if result == list(have) else result
 
 
 def _recorded(lower: Mapping[str, Any], key: str) -> dict[str, Any] | None:

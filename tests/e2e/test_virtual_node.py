@@ -216,6 +216,45 @@ def test_pod_bound_by_node_name_runs_with_the_conditions_a_kubelet_reports(
     upper.kubectl("delete", "namespace", "bound", "--wait=false")
 
 
+def test_a_tolerations_seconds_changed_above_change_below(federation: Federation) -> None:
+    """Raised above, an `unreachable` toleration's seconds are raised below in place: kept
+    beside the new one, the old 300 s would still have the lower pod evicted first."""
+    upper, lower = federation.upper, federation.clusters["lower-2"]
+    unreachable = {"key": "node.kubernetes.io/unreachable", "operator": "Exists"}
+    apply(
+        upper,
+        namespace("tolerant"),
+        bound_pod(
+            "patient",
+            "tolerant",
+            "vk-lower-2",
+            tolerations=[{**unreachable, "effect": "NoExecute", "tolerationSeconds": 300}],
+        ),
+    )
+    wait_for(
+        lambda: (
+            get_json(upper, "pod", "-n", "tolerant", "patient")["status"].get("phase") == "Running"
+        ),
+        "the pod Running",
+    )
+    tolerations = get_json(upper, "pod", "-n", "tolerant", "patient")["spec"]["tolerations"]
+    raised = [
+        {**t, "tolerationSeconds": 3600} if t.get("key") == unreachable["key"] else t
+        for t in tolerations
+    ]
+    upper.kubectl(
+        "patch", "pod", "patient", "-n", "tolerant", "-p",
+        json.dumps({"spec": {"tolerations": raised}}),
+    )  # fmt: skip
+
+    def seconds_below() -> list[int]:
+        below = get_json(lower, "pod", "-n", "tolerant", "patient")["spec"]["tolerations"]
+        return [t.get("tolerationSeconds") for t in below if t.get("key") == unreachable["key"]]
+
+    wait_for(lambda: seconds_below() == [3600], "the toleration's new seconds below")
+    upper.kubectl("delete", "namespace", "tolerant", "--wait=false")
+
+
 def test_a_readiness_gate_is_judged_above_where_its_controller_sets_it(
     federation: Federation,
 ) -> None:

@@ -22,6 +22,7 @@ from virtual_node.translate import (
     resize_patch,
     resources_record_patch,
     terminated_status,
+    updated_tolerations,
     upper_status,
     uses_unmodelled_filters,
 )
@@ -194,6 +195,39 @@ def test_patch_pushes_down_mutable_fields_only() -> None:
             "tolerations": [{"key": "a", "operator": "Exists"}],
         },
     }
+
+
+UNREACHABLE = {"key": "node.kubernetes.io/unreachable", "operator": "Exists"}
+NOT_READY = {"key": "node.kubernetes.io/not-ready", "operator": "Exists"}
+
+
+@pytest.mark.parametrize(
+    ("have", "want", "updated"),
+    [
+        ([UNREACHABLE], [UNREACHABLE], None),
+        # A toleration's seconds change in place (the API lets them): appended beside the
+        # old one, the shorter would still have evicted the pod.
+        (
+            [{**UNREACHABLE, "tolerationSeconds": 300}, NOT_READY],
+            [{**UNREACHABLE, "tolerationSeconds": 3600}, NOT_READY],
+            [{**UNREACHABLE, "tolerationSeconds": 3600}, NOT_READY],
+        ),
+        ([{**UNREACHABLE, "tolerationSeconds": 300}], [UNREACHABLE], [UNREACHABLE]),
+        # Added above: added below; one only below (a lower admission plugin's) stays.
+        ([NOT_READY], [NOT_READY, UNREACHABLE], [NOT_READY, UNREACHABLE]),
+        ([NOT_READY, {"key": "lower-only"}], [NOT_READY], None),
+        # An exact match is kept as it is before a seconds variant is changed.
+        (
+            [{**UNREACHABLE, "tolerationSeconds": 5}, {**UNREACHABLE, "tolerationSeconds": 9}],
+            [{**UNREACHABLE, "tolerationSeconds": 9}, {**UNREACHABLE, "tolerationSeconds": 7}],
+            [{**UNREACHABLE, "tolerationSeconds": 7}, {**UNREACHABLE, "tolerationSeconds": 9}],
+        ),
+    ],
+)
+def test_tolerations_below_follow_the_upper_pods_as_the_api_lets_them_change(
+    have: list[dict[str, Any]], want: list[dict[str, Any]], updated: list[dict[str, Any]] | None
+) -> None:
+    assert updated_tolerations(have, want) == updated
 
 
 def test_an_image_a_lower_webhook_rewrote_is_changed_only_when_it_changes_above() -> None:
