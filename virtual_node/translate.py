@@ -139,6 +139,7 @@ def desired_lower_pod(
     )
     upper_labels = metadata.get("labels") or {}
     _drop_merged_label_keys(spec, upper_labels)
+    _lower_term_namespaces(spec, mapping)
 
     annotations[keys.UPPER_KEYS_ANNOTATION] = orjson.dumps(
         {"labels": sorted(upper_labels), "annotations": sorted(annotations)}
@@ -317,14 +318,9 @@ def _without_virtual_node_terms(
     return spec
 
 
-def _drop_merged_label_keys(spec: JSON, labels: Mapping[str, str]) -> None:
-    """The upper apiserver merged each ``matchLabelKeys`` key of a spread constraint or pod
-    (anti-)affinity term the webhook did not stash (on a cluster-level key) into its
-    selector as ``key In [the pod's value]`` (``mismatchLabelKeys``: ``NotIn``) when it
-    created the pod; the lower apiserver would merge it again, find the key in both and
-    refuse the pod, and its controller would make it again without end. The key goes
-    from the list: the selector already says it."""
-    terms = list(spec.get("topologySpreadConstraints") or [])
+def _pod_affinity_terms(spec: JSON) -> list[JSON]:
+    """Every pod (anti-)affinity term of the spec, required and preferred, to edit."""
+    terms: list[JSON] = []
     for kind in ("podAffinity", "podAntiAffinity"):
         pod_affinity = (spec.get("affinity") or {}).get(kind) or {}
         terms += pod_affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or []
@@ -332,6 +328,26 @@ def _drop_merged_label_keys(spec: JSON, labels: Mapping[str, str]) -> None:
             t.get("podAffinityTerm") or {}
             for t in pod_affinity.get("preferredDuringSchedulingIgnoredDuringExecution") or []
         ]
+    return terms
+
+
+def _lower_term_namespaces(spec: JSON, mapping: NamespaceMapping) -> None:
+    """A pod (anti-)affinity term's namespaces named as they are below: under the
+    ``prefix`` strategy the pods it means are in ``<prefix>-<namespace>``, and the upper
+    names would select another tenant's pods, or the lower cluster's own."""
+    for term in _pod_affinity_terms(spec):
+        if term.get("namespaces"):
+            term["namespaces"] = [mapping.lower(str(name)) for name in term["namespaces"]]
+
+
+def _drop_merged_label_keys(spec: JSON, labels: Mapping[str, str]) -> None:
+    """The upper apiserver merged each ``matchLabelKeys`` key of a spread constraint or pod
+    (anti-)affinity term the webhook did not stash (on a cluster-level key) into its
+    selector as ``key In [the pod's value]`` (``mismatchLabelKeys``: ``NotIn``) when it
+    created the pod; the lower apiserver would merge it again, find the key in both and
+    refuse the pod, and its controller would make it again without end. The key goes
+    from the list: the selector already says it."""
+    terms = [*(spec.get("topologySpreadConstraints") or []), *_pod_affinity_terms(spec)]
     for term in terms:
         expressions = (term.get("labelSelector") or {}).get("matchExpressions") or []
         for field, operator in (("matchLabelKeys", "In"), ("mismatchLabelKeys", "NotIn")):

@@ -166,6 +166,33 @@ def test_prefix_namespace_strategy() -> None:
         NamespaceMapping("prefix", "")
 
 
+def test_pod_affinity_terms_name_their_namespaces_as_they_are_below() -> None:
+    term = {"labelSelector": {"matchLabels": {"app": "redis"}}, "topologyKey": "zone"}
+    affinity = {
+        "podAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {**term, "namespaces": ["cache"]},
+                term,
+            ]
+        },
+        "podAntiAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 1, "podAffinityTerm": {**term, "namespaces": ["shop", "web"]}}
+            ]
+        },
+    }
+    upper = upper_pod(affinity=affinity)
+    lower = desired_lower_pod(upper, NamespaceMapping("prefix", "east"), OWNER)
+    lowered = lower["spec"]["affinity"]
+    required = lowered["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert [t.get("namespaces") for t in required] == [["east-cache"], None]
+    (preferred,) = lowered["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert preferred["podAffinityTerm"]["namespaces"] == ["east-shop", "east-web"]
+    assert upper["spec"]["affinity"] == affinity, "the upper pod is left as it is"
+    same = desired_lower_pod(upper, NamespaceMapping(), OWNER)
+    assert same["spec"]["affinity"] == affinity
+
+
 def test_patch_pushes_down_mutable_fields_only() -> None:
     current = desired_lower_pod(upper_pod(), NamespaceMapping(), OWNER)
     assert lower_pod_patch(current, current) is None
