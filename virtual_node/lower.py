@@ -310,9 +310,9 @@ class LowerCluster:
             return None
 
     async def sync(self, upper: Mapping[str, Any]) -> SyncResult:
-        removed = self._removed.pop(object_key(upper), None)
         if not self.reachable:
-            return Waiting()
+            return Waiting()  # what a removal left is kept for the reconcile once back
+        removed = self._removed.pop(object_key(upper), None)
         try:
             desired = desired_lower_pod(upper, self.mapping, self.owner)
         except (TranslationError, NamingError) as error:

@@ -485,6 +485,31 @@ async def test_a_lower_pod_finished_then_removed_below_ends_as_it_ended(
     assert mirroring.upper.writes("DELETE") == [] and mirroring.upper_event_reasons() == []
 
 
+async def test_a_pod_finished_and_removed_below_while_the_cluster_was_unreachable_ends_so(
+    mirroring: Mirroring,
+) -> None:
+    """The removal's last status is kept while the lower cluster is out of reach, for the
+    reconcile once it is back: dropped, the pod was taken for deleted behind our back."""
+    backend = mirroring.controller.backend
+    assert isinstance(backend, LowerCluster)
+    pod = upper_pod(controlled=True)
+    pod["status"] = {"phase": "Running", "hostIP": HOST_IP}
+    mirroring.above(pod)
+    mirroring.below(lower_pod(phase="Running"))
+    mirroring.below(lower_pod(phase="Succeeded"), "DELETED")
+    down = ConnectionRefusedError("lower apiserver down")
+    mirroring.lower.answer("GET", "/readyz", *[down] * lower_module.PING_ATTEMPTS)
+    assert await backend.ping() is False
+    await mirroring.controller.reconcile("shop/web")
+    assert mirroring.upper.requests == []
+    mirroring.lower.answer("GET", "/version", {"gitVersion": "v1.35.4"})
+    assert await backend.ping() is True
+    mirroring.lower.answer("GET", f"{LOWER_POD_PATH}/web", not_found("pods", "web"))
+    await mirroring.controller.reconcile("shop/web")
+    assert [status["phase"] for status in mirroring.upper_statuses()] == ["Succeeded"]
+    assert mirroring.upper.writes("DELETE") == []
+
+
 async def test_a_finished_pod_is_never_run_again(mirroring: Mirroring) -> None:
     pod = upper_pod()
     pod["status"] = {"phase": "Succeeded", "hostIP": HOST_IP}
