@@ -38,6 +38,7 @@ from descheduler.rescue import (
     down_for,
     is_copy_of,
     job_lost_by_eviction,
+    kept_off,
     pod_copy,
     stuck_pods,
     unfinished_moves,
@@ -185,7 +186,7 @@ class Descheduler:
         decisions += await asyncio.gather(
             *(
                 self._destination(
-                    s, admitting(s.pod, virtual_nodes, receivers(virtual_nodes, now, s.node))
+                    s, admitting(s.pod, virtual_nodes, self._receivers(s, virtual_nodes, now))
                 )
                 for s in stuck
                 if s.uid not in copied
@@ -232,6 +233,18 @@ class Descheduler:
         self._blocked = {uid: t for uid, t in self._blocked.items() if t > moment}
         self._holding = {uid: h for uid, h in self._holding.items() if h[0] > moment}
         return [*decisions, *plans]
+
+    @staticmethod
+    def _receivers(
+        stuck: Stuck, virtual_nodes: Mapping[str, Mapping[str, Any]], now: datetime
+    ) -> list[str]:
+        """The virtual nodes a stuck pod may move to; a bare pod's not those it was moved
+        off lately (a controller's new pods are kept off them by the webhook)."""
+        names = receivers(virtual_nodes, now, stuck.node)
+        if stuck.owned:
+            return names
+        off = kept_off(stuck.pod, now)
+        return [name for name in names if name not in off]
 
     def _copy_made(self, stuck: Stuck) -> JSON | None:
         if stuck.owned:
@@ -435,7 +448,7 @@ class Descheduler:
 
     async def _copy(self, move: Move) -> None:
         stuck = move.stuck
-        copy = pod_copy(stuck.pod, move.to)
+        copy = pod_copy(stuck.pod, move.to, self.now(), self.policy.return_after)
         name, namespace = copy["metadata"]["name"], stuck.namespace
         try:
             made = self._copy_made(stuck) or await self.client.create(PODS, copy, namespace)

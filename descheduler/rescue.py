@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -25,7 +26,7 @@ from kubekit.estimatorapi.estimator_pb2 import PodEstimate
 from kubekit.informer import object_key
 from kubekit.jsonvalue import json_copy
 from kubekit.moves import controller_reference, controller_uid, is_daemon_pod
-from kubekit.timestamps import parse_time
+from kubekit.timestamps import parse_time, rfc3339
 
 JSON = dict[str, Any]
 
@@ -321,13 +322,45 @@ def copy_name(pod: Mapping[str, Any]) -> str:
     return f"{str(metadata['name'])[:_BASE_NAME_LIMIT]}-{digest}"
 
 
-def pod_copy(pod: Mapping[str, Any], to: str) -> JSON:
+def left_until(pod: Mapping[str, Any]) -> dict[str, datetime]:
+    """The virtual nodes a bare pod was moved off, and until when its copies stay off
+    them (an entry that cannot be read is none)."""
+    text = (pod["metadata"].get("annotations") or {}).get(keys.LEFT_UNTIL_ANNOTATION)
+    try:
+        written = json.loads(text) if isinstance(text, str) else {}
+    except (ValueError, RecursionError):
+        return {}
+    found = {}
+    for name, until in written.items() if isinstance(written, dict) else ():
+        try:
+            moment = parse_time(until) if isinstance(until, str) else None
+        except ValueError:
+            continue
+        if moment is not None and moment.tzinfo is not None:
+            found[str(name)] = moment
+    return found
+
+
+def kept_off(pod: Mapping[str, Any], now: datetime) -> set[str]:
+    """The virtual nodes a bare pod's next copy may not go to now: those it was moved off
+    within ``returnAfter``. Without this, two clusters that both refuse the pod (a policy
+    below the estimators do not model) had it copied from one to the other for good."""
+    return {name for name, until in left_until(pod).items() if until > now}
+
+
+def pod_copy(pod: Mapping[str, Any], to: str, now: datetime, return_after: float) -> JSON:
     """A bare pod re-created on virtual node ``to``: what its creator wrote (metadata the
     apiserver sets, status, the old binding and ephemeral containers dropped), marked with
-    the original's UID."""
+    the original's UID and with the virtual node it leaves, kept off for ``return_after``
+    seconds (with those its original was still kept off)."""
     metadata = pod["metadata"]
     annotations = dict(metadata.get("annotations") or {})
     annotations[keys.COPY_OF_ANNOTATION] = str(metadata["uid"])
+    left = {name: rfc3339(until) for name, until in left_until(pod).items() if until > now}
+    leaving = str((pod.get("spec") or {}).get("nodeName") or "")
+    if leaving:
+        left[leaving] = rfc3339(now + timedelta(seconds=return_after))
+    annotations[keys.LEFT_UNTIL_ANNOTATION] = json.dumps(left, sort_keys=True)
     spec = json_copy(dict(pod.get("spec") or {}))
     spec["nodeName"] = to
     # Added by `kubectl debug` through their own subresource; a create refuses them.

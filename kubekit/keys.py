@@ -154,6 +154,9 @@ DESCHEDULER_NEVER = "never"
 MOVES_CONFIGMAP = "kubestrata-moves"
 # On a bare pod the descheduler re-created in another cluster: the UID of the original.
 COPY_OF_ANNOTATION = f"{PREFIX}/copy-of"
+# On such a copy: the virtual nodes the pod was moved off, and until when its later copies
+# stay off them (JSON {virtual node: RFC 3339 time}).
+LEFT_UNTIL_ANNOTATION = f"{PREFIX}/left-until"
 
 # Quota slices (kubekit.slices). On upper namespaces: the size of a slice (JSON
 # {"cpu": "2", "memory": "4Gi"}), the placement ({cluster-id: slices}, which users may

@@ -3,6 +3,7 @@ the bare pod's copy (pure), and the loop over a fake client fed through real inf
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -33,6 +34,8 @@ from descheduler.rescue import (
     destination,
     is_copy_of,
     job_lost_by_eviction,
+    kept_off,
+    left_until,
     pod_copy,
     stuck_pods,
     taint_deletion_at,
@@ -61,6 +64,7 @@ from kubekit.estimatorapi.estimator_pb2 import (
 )
 from kubekit.informer import Informer
 from kubekit.moves import keep_off, parse_moves
+from kubekit.timestamps import rfc3339
 from multischeduler.extender import Answer, EstimatorFailure
 from tests.unit.test_multischeduler import core_grants
 from virtual_node.translate import refused_status
@@ -501,13 +505,19 @@ def test_a_bare_pods_copy_is_bound_elsewhere_and_named_the_same_every_time() -> 
         creationTimestamp=stamp(100),
     )
     original["spec"]["ephemeralContainers"] = [{"name": "debugger", "image": "busybox"}]
-    copy = pod_copy(original, "vk-lower-2")
+    copy = pod_copy(original, "vk-lower-2", NOW, 600)
     assert "ephemeralContainers" not in copy["spec"], "kubectl debug's: a create refuses them"
     assert copy["metadata"] == {
         "name": copy_name(original),
         "namespace": "apps",
         "labels": {"app": "solo"},
-        "annotations": {keys.STASH_ANNOTATION: "{}", keys.COPY_OF_ANNOTATION: "uid-solo"},
+        "annotations": {
+            keys.STASH_ANNOTATION: "{}",
+            keys.COPY_OF_ANNOTATION: "uid-solo",
+            keys.LEFT_UNTIL_ANNOTATION: json.dumps(
+                {"vk-lower-1": rfc3339(NOW + timedelta(seconds=600))}
+            ),
+        },
     }
     assert copy["spec"]["nodeName"] == "vk-lower-2"
     assert "status" not in copy
@@ -819,10 +829,38 @@ async def test_an_estimator_that_cannot_say_how_many_fit_in_turn_takes_one() -> 
     assert list(world.client.created) == [copy_name(pod("a"))]
 
 
+async def test_a_bare_pod_is_not_copied_back_to_a_cluster_it_left_within_return_after() -> None:
+    """Two clusters that both refuse the pod (a policy below, which the estimators do not
+    model): its copies went from one to the other and back for good."""
+    world = World({"vk-lower-1": fits(0.5), "vk-lower-3": NO_ROOM})
+    solo = pod("solo", owned=False)
+    copy = pod_copy(solo, "vk-lower-2", NOW, Policy().return_after)
+    copy["metadata"]["uid"] = "uid-copy"
+    copy["status"] = solo["status"]  # stuck in vk-lower-2 too
+    world.add(copy)
+    (stay,) = await world.descheduler.cycle()
+    assert isinstance(stay, Stay) and world.client.calls == []
+    assert world.pool.asked[0][0] == ["vk-lower-3"], "not vk-lower-1, which it left"
+    world.moment += Policy().return_after + 1
+    (move,) = await world.descheduler.cycle()
+    assert isinstance(move, Move) and move.to == "vk-lower-1"
+    made = world.client.created[copy_name(copy)]
+    assert set(left_until(made)) == {"vk-lower-2"}, "vk-lower-1's lapsed"
+
+
+@pytest.mark.parametrize(
+    "written",
+    ["", "[", "[1]", '{"vk-1": 5}', '{"vk-1": "soon"}', '{"vk-1": "2026-11-23T10:00:00"}'],
+)
+def test_an_unreadable_left_until_entry_keeps_the_pod_off_nothing(written: str) -> None:
+    solo = pod("solo", owned=False, annotations={keys.LEFT_UNTIL_ANNOTATION: written})
+    assert left_until(solo) == {} and kept_off(solo, NOW) == set()
+
+
 async def test_a_copy_made_before_a_crash_is_found_and_only_the_original_deleted() -> None:
     world = World(ROOM_IN_2)
     solo = pod("solo", owned=False)
-    made = pod_copy(solo, "vk-lower-2")
+    made = pod_copy(solo, "vk-lower-2", NOW, 600)
     made["metadata"]["uid"] = "uid-copy"
     world.client.created[copy_name(solo)] = made
     world.add(solo)
@@ -835,7 +873,7 @@ async def test_a_copy_the_cache_holds_finishes_the_move_though_its_room_is_taken
     estimators would find for the original, so the move is finished without asking them."""
     world = World({"vk-lower-2": NO_ROOM, "vk-lower-3": NO_ROOM})
     solo = pod("solo", owned=False)
-    made = pod_copy(solo, "vk-lower-2")
+    made = pod_copy(solo, "vk-lower-2", NOW, 600)
     made["metadata"]["uid"] = "uid-copy"
     world.add(solo)
     world.add(made)
@@ -863,7 +901,7 @@ async def test_a_copy_that_failed_or_goes_never_takes_the_original_with_it() -> 
     for ending in ({"status": {"phase": "Failed"}}, {"deletionTimestamp": "2026-11-23T11:00:00Z"}):
         world = World({"vk-lower-2": NO_ROOM, "vk-lower-3": NO_ROOM})
         solo = pod("solo", owned=False)
-        made = pod_copy(solo, "vk-lower-2")
+        made = pod_copy(solo, "vk-lower-2", NOW, 600)
         made["metadata"]["uid"] = "uid-copy"
         if "status" in ending:
             made["status"] = ending["status"]
@@ -881,7 +919,7 @@ async def test_a_copy_that_failed_or_goes_never_takes_the_original_with_it() -> 
 async def test_a_move_cut_short_is_finished_once_the_original_is_no_longer_stuck() -> None:
     world = World(ROOM_IN_2)
     solo = pod("solo", owned=False, unschedulable_for=None, phase="Running")
-    made = pod_copy(solo, "vk-lower-2")
+    made = pod_copy(solo, "vk-lower-2", NOW, 600)
     made["metadata"]["uid"] = "uid-copy"
     world.add(solo)
     world.add(made)
