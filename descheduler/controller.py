@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -137,9 +138,10 @@ class Descheduler:
         # cache alone could ask a budget for more than it allows and be refused half way,
         # its first evictions made for nothing.
         self._evicted_now: list[Mapping[str, Any]] = []
-        # Virtual node -> the pods sent there this cycle: moved there, or counted on to
-        # find room there by a plan's check. An estimate holds none of them, so the next
-        # check asks for room for them first.
+        # Virtual node -> the pods sent there this cycle that its estimator does not
+        # count yet: a controller's pods moved there (their replacements not made yet; a
+        # bare pod's copy is bound there, which the estimator counts), and those a plan's
+        # check counted on finding room there. The next check asks room for them first.
         self._landing_now: dict[str, list[Mapping[str, Any]]] = {}
         pods.add_handler(FunctionHandler(update=self._pod_changed, delete=self._give_back))
 
@@ -183,10 +185,13 @@ class Descheduler:
             for s in stuck
             if s.uid in copied
         ]
+        losing = await self._jobs_losing([s for s in stuck if s.uid not in copied])
         decisions += await asyncio.gather(
             *(
                 self._destination(
-                    s, admitting(s.pod, virtual_nodes, self._receivers(s, virtual_nodes, now))
+                    s,
+                    admitting(s.pod, virtual_nodes, self._receivers(s, virtual_nodes, now)),
+                    losing.get(s.uid),
                 )
                 for s in stuck
                 if s.uid not in copied
@@ -208,7 +213,8 @@ class Descheduler:
             except API_ERRORS as error:
                 await self._move_failed(move.stuck, error)
             else:
-                self._landing_now.setdefault(move.to, []).append(move.stuck.pod)
+                if move.stuck.owned:
+                    self._landing_now.setdefault(move.to, []).append(move.stuck.pod)
         handled = {s.uid for s in stuck}
         for original, copy in unfinished_moves(pods):
             if str(original["metadata"]["uid"]) not in handled:
@@ -252,11 +258,9 @@ class Descheduler:
         made = self.pods.get(f"{stuck.namespace}/{copy_name(stuck.pod)}")
         return made if made is not None and is_copy_of(made, stuck.pod) else None
 
-    async def _destination(self, stuck: Stuck, names: list[str]) -> Move | Stay:
-        if controller_kind(stuck.pod) == JOB:
-            lost = await self._job_lost(stuck)
-            if lost is not None:
-                return Stay(stuck, lost)
+    async def _destination(self, stuck: Stuck, names: list[str], lost: str | None) -> Move | Stay:
+        if lost is not None:
+            return Stay(stuck, lost)
         if not names:
             return destination(stuck, {})
         query = PodQuery(pod=orjson.dumps(stuck.pod))
@@ -269,18 +273,35 @@ class Descheduler:
             },
         )
 
-    async def _job_lost(self, stuck: Stuck) -> str | None:
-        """Why evicting a Job's stuck pod would lose it (the Job would fail, or its
-        index, rather than make the pod again); None when it would not. Read afresh:
-        the Job's failures change between cycles, and only its stuck pods need it."""
-        reference = controller_reference(stuck.pod) or {}
-        try:
-            job = await self.client.get(JOBS, str(reference.get("name", "")), stuck.namespace)
-        except API_ERRORS as error:
-            return f"its Job could not be read: {error}"
-        if (job.get("metadata") or {}).get("uid") != reference.get("uid"):
-            return "its Job is gone"
-        return job_lost_by_eviction(job, stuck.pod)
+    async def _jobs_losing(self, stuck: list[Stuck]) -> dict[str, str]:
+        """Of the stuck pods of Jobs, those whose eviction would lose them (the Job
+        would fail, or the pod's index, rather than make the pod again), by UID, and
+        why. In key order, each pod let go counts as one failure more for the next pod of
+        its Job. Jobs are read afresh: their failures change between cycles, and only
+        their stuck pods need them."""
+        losing: dict[str, str] = {}
+        jobs: dict[tuple[str, str], JSON | str] = {}
+        let_go: Counter[tuple[str, str]] = Counter()
+        for each in stuck:
+            if controller_kind(each.pod) != JOB:
+                continue
+            reference = controller_reference(each.pod) or {}
+            key = (each.namespace, str(reference.get("name", "")))
+            if key not in jobs:
+                try:
+                    jobs[key] = await self.client.get(JOBS, key[1], key[0])
+                except API_ERRORS as error:
+                    jobs[key] = f"its Job could not be read: {error}"
+            job = jobs[key]
+            if isinstance(job, str):
+                losing[each.uid] = job
+            elif (job.get("metadata") or {}).get("uid") != reference.get("uid"):
+                losing[each.uid] = "its Job is gone"
+            elif (why := job_lost_by_eviction(job, each.pod, let_go[key])) is not None:
+                losing[each.uid] = why
+            else:
+                let_go[key] += 1
+        return losing
 
     async def _room_for_all(
         self, moves: list[Move], copied: set[str]

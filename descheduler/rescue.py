@@ -75,17 +75,25 @@ def replaced_when_stuck(pod: Mapping[str, Any]) -> bool:
     return kind in REPLACING_CONTROLLERS or kind == JOB
 
 
-# The Job controller's default spec.backoffLimit.
+# The apiserver's default spec.backoffLimit of a Job: 6, or, with a limit per index,
+# none (the largest int32).
 DEFAULT_BACKOFF_LIMIT = 6
+DEFAULT_BACKOFF_LIMIT_PER_INDEXED_JOB = 2**31 - 1
 
 
-def job_lost_by_eviction(job: Mapping[str, Any], pod: Mapping[str, Any]) -> str | None:
+def job_lost_by_eviction(
+    job: Mapping[str, Any], pod: Mapping[str, Any], evicted_before: int = 0
+) -> str | None:
     """Why evicting the Job's pod would fail the Job, or the pod's index, rather than
-    have the pod made again; None when it would be made again. An eviction marks the pod
-    with a ``DisruptionTarget`` condition, which the Job's podFailurePolicy judges first
-    (its first rule that names that condition); else the pod counts as one failure
-    against the backoff limit of its index, or of the Job (the Job fails once its
-    failures exceed the limit)."""
+    have the pod made again; None when it would be made again. ``evicted_before``: the
+    Job's pods this descheduler evicts before it (this cycle), each one more failure.
+
+    An eviction marks the pod with a ``DisruptionTarget`` condition, which the Job's
+    podFailurePolicy judges first (its first rule that names that condition); else the
+    pod counts as one failure against the backoff limit of its index, if the Job has one,
+    and against the Job's (the apiserver fills in a default), with the failures the Job
+    controller has seen and not yet counted. A limit is exceeded by one failure more than
+    it allows."""
     spec, status = job.get("spec") or {}, job.get("status") or {}
     for rule in (spec.get("podFailurePolicy") or {}).get("rules") or []:
         conditions = rule.get("onPodConditions") or []
@@ -114,12 +122,30 @@ def job_lost_by_eviction(job: Mapping[str, Any], pod: Mapping[str, Any]) -> str 
                 f"its index has failed {failures} times, its Job's backoffLimitPerIndex: "
                 "evicted, the index would fail"
             )
-        return None
     limit = spec.get("backoffLimit")
-    limit = limit if isinstance(limit, int) else DEFAULT_BACKOFF_LIMIT
-    failed = status.get("failed") or 0
-    if isinstance(failed, int) and failed >= limit:
-        return f"its Job has failed {failed} times, its backoffLimit: evicted, the Job would fail"
+    if not isinstance(limit, int):
+        limit = (
+            DEFAULT_BACKOFF_LIMIT_PER_INDEXED_JOB
+            if isinstance(per_index, int)
+            else DEFAULT_BACKOFF_LIMIT
+        )
+    failed = status.get("failed")
+    uncounted = (status.get("uncountedTerminatedPods") or {}).get("failed")
+    failures = (
+        (failed if isinstance(failed, int) else 0)
+        + (len(uncounted) if isinstance(uncounted, list) else 0)
+        + evicted_before
+    )
+    if failures >= limit:
+        return (
+            f"its Job has failed {failures} times, its backoffLimit"
+            + (
+                f" (counting {evicted_before} of its pods evicted before it)"
+                if evicted_before
+                else ""
+            )
+            + ": evicted, the Job would fail"
+        )
     return None
 
 

@@ -345,8 +345,19 @@ DISRUPTED = {"onPodConditions": [{"type": "DisruptionTarget"}]}
         (job(failed=6), {}, "failed 6 times, its backoffLimit"),
         (job(failed=0, backoffLimit=0), {}, "failed 0 times, its backoffLimit"),
         (job(failed=2, backoffLimit=3), {}, None),
-        # Per index, the pod's own index counts, not the Job's failures.
+        # Per index, the pod's own index counts, and the Job's only against a backoffLimit
+        # set beside it (none by default then).
         (job(failed=9, backoffLimitPerIndex=1), {}, None),
+        (job(failed=6, backoffLimitPerIndex=1, backoffLimit=6), {}, "failed 6 times"),
+        # Failures the Job controller has seen and not counted yet count too.
+        (
+            {
+                **job(failed=1, backoffLimit=2),
+                "status": {"failed": 1, "uncountedTerminatedPods": {"failed": ["x"]}},
+            },
+            {},
+            "failed 2 times",
+        ),
         (
             job(backoffLimitPerIndex=1),
             {keys.JOB_INDEX_FAILURE_COUNT_ANNOTATION: "1"},
@@ -405,6 +416,26 @@ async def test_a_stuck_job_pod_whose_job_would_fail_stays_and_says_why() -> None
     (decision,) = await world.descheduler.cycle()
     assert isinstance(decision, Move), "a failure left to spend: moved"
     assert world.client.evictions() == 1
+
+
+def test_each_pod_of_a_job_evicted_before_counts_as_a_failure() -> None:
+    batch = pod("batch", ownerReferences=[JOB_OWNER])
+    assert job_lost_by_eviction(job(failed=4), batch, evicted_before=1) is None
+    lost = job_lost_by_eviction(job(failed=4), batch, evicted_before=2)
+    assert lost is not None and "counting 2 of its pods evicted before it" in lost
+
+
+async def test_pods_of_one_job_stuck_together_go_only_as_far_as_its_failures_to_spare() -> None:
+    """Each evicted pod is one failure more: all moved at once, the Job failed."""
+    world = World(ROOM_IN_2)
+    world.client.jobs["j"] = job(failed=0, backoffLimit=1)
+    world.add(pod("batch-a", ownerReferences=[JOB_OWNER]))
+    world.add(pod("batch-b", ownerReferences=[JOB_OWNER]))
+    first, second = await world.descheduler.cycle()
+    assert isinstance(first, Move) and first.stuck.key == "apps/batch-a"
+    assert isinstance(second, Stay) and "counting 1 of its pods evicted before it" in second.message
+    assert world.client.evictions() == 1
+    assert world.client.job_reads == 1, "read once for both"
 
 
 async def test_a_stuck_job_pod_of_a_job_gone_or_made_again_stays() -> None:
@@ -546,8 +577,9 @@ class FakeClient:
         self.moves_errors: list[ApiError] = []
         # Pod name -> the error its creation gets.
         self.create_errors: dict[str, ApiError] = {}
-        # Job name -> the Job as stored.
+        # Job name -> the Job as stored; how many times Jobs were read.
         self.jobs: dict[str, dict[str, Any]] = {}
+        self.job_reads = 0
 
     def evictions(self) -> int:
         return sum(path.endswith("/eviction") for _, path in self.calls)
@@ -596,6 +628,7 @@ class FakeClient:
 
     async def get(self, resource: Any, name: str, namespace: str) -> dict[str, Any]:
         if resource is JOBS:
+            self.job_reads += 1
             if name not in self.jobs:
                 raise ApiError(404, {"reason": "NotFound", "message": "not found"})
             return self.jobs[name]
@@ -626,12 +659,15 @@ class FakePool:
         # Virtual node -> the names of the pods asked in turn, each time.
         self.asked_in_turn: list[tuple[str, list[str]]] = []
         self.in_turn_failure: EstimatorFailure | None = None
+        # Pod name -> the answers for it, where they are not ``answers``.
+        self.answers_for: dict[str, Mapping[str, Answer]] = {}
 
     async def estimate(
         self, names: Sequence[str], query: PodQuery, timeout: float
     ) -> dict[str, Answer]:
         self.asked.append((list(names), query))
-        return {name: self.answers[name] for name in names}
+        answers = self.answers_for.get(orjson.loads(query.pod)["metadata"]["name"], self.answers)
+        return {name: answers[name] for name in names}
 
     async def defragment(
         self, name: str, request: DefragmentRequest, timeout: float
@@ -1415,6 +1451,19 @@ async def test_plans_of_one_cycle_do_not_count_on_the_same_room_for_their_homele
     ]
     (refused,) = [e for e in world.client.events if e["reason"] == "NotDefragmented"]
     assert "no other cluster has room for apps/d" in refused["message"]
+
+
+async def test_a_bare_pods_copy_bound_this_cycle_is_left_to_its_estimator_to_count() -> None:
+    """The copy is bound to its cluster, whose estimator counts it: asked again for room
+    in a plan's check, it was counted twice, and the plan refused for nothing."""
+    world = Fragmented()
+    world.pool.answers_for["solo"] = {**world.pool.answers, "vk-lower-3": fits(0.5)}
+    world.pool.room["vk-lower-3"] = 1
+    world.add(pod("solo", owned=False, node="vk-lower-2"))
+    decisions = await world.descheduler.cycle()
+    assert [d.to for d in decisions if isinstance(d, Move)] == ["vk-lower-3"]
+    assert ("vk-lower-3", ["b"]) in world.pool.asked_in_turn
+    assert any(isinstance(d, Plan) for d in decisions)
 
 
 def test_only_evictions_of_running_pods_are_counted_against_the_budgets() -> None:
