@@ -4,7 +4,8 @@ sees, and how the lower cluster gets the originals back (pure functions).
 The webhook calls ``stash_scheduling``: every scheduling field it changes is recorded
 whole, as it was, in one versioned JSON annotation, and the pod keeps only the parts that
 speak about clusters (keys the virtual nodes carry: the cluster-id label, the region,
-keys configured as "keep"), and all its tolerations, with the provider's taint's. The
+keys configured as "keep"), and all its tolerations, with the provider's taint's; its node
+selector also asks for the virtual nodes' own label, which keeps it off ordinary nodes. The
 virtual node calls ``restore_scheduling``, which puts the recorded originals back (the
 tolerations are the upper pod's, which keeps them all): restore(stash(pod)) is the
 original pod, and stashing the stashed pod again changes nothing.
@@ -25,6 +26,7 @@ JSON = dict[str, Any]
 VERSION = 1
 FIELDS = ("nodeSelector", "affinity", "tolerations", "topologySpreadConstraints")
 DEFAULT_KEEP_KEYS = frozenset({keys.CLUSTER_ID_LABEL, "topology.kubernetes.io/region"})
+VIRTUAL_NODE_SELECTOR = {keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL}
 PROVIDER_TOLERATION: JSON = {
     "key": keys.PROVIDER_TAINT_KEY,
     "operator": "Equal",
@@ -63,9 +65,11 @@ def decode(text: str) -> JSON:
     return originals
 
 
-def _project_node_selector(selector: Mapping[str, str], keep: Collection[str]) -> JSON | None:
-    kept = {k: v for k, v in selector.items() if k in keep}
-    return kept or None
+def _project_node_selector(selector: Mapping[str, str], keep: Collection[str]) -> JSON:
+    """The entries on cluster-level keys, and the virtual nodes' own label: an ordinary
+    upper node would run the pod with none of its stashed fields judged (a GPU selector,
+    a spread over zones), as would a virtual node of another provider."""
+    return {**VIRTUAL_NODE_SELECTOR, **{k: v for k, v in selector.items() if k in keep}}
 
 
 def _project_term(term: Mapping[str, Any], keep: Collection[str]) -> JSON:
@@ -278,7 +282,9 @@ def stash_update(
             _set_or_drop(new_spec, field, old)
         elif field == "tolerations":
             new_spec[field] = _project_tolerations(list(value or []))
-        elif gated and field == "nodeSelector" and (old or {}).items() <= (value or {}).items():
+        elif (
+            gated and field == "nodeSelector" and _own_entries(old).items() <= (value or {}).items()
+        ):
             # Entries added (one changed or dropped is the apiserver's to refuse).
             stashed = originals.get(field, old) or {}
             added = {k: v for k, v in (value or {}).items() if k not in (old or {})}
@@ -313,10 +319,20 @@ class StashRefused(ValueError):
 
 def _puts_back(field: str, value: Any, old: Any, restored: Any) -> bool:
     """Whether ``value`` is the stashed original (or, for a node selector, which an apply
-    merges key by key into the upper one, a part of it over the upper entries)."""
-    if field != "nodeSelector" or not isinstance(value, dict) or not isinstance(restored, dict):
+    merges key by key into the upper one, a part of it over the upper entries; the
+    virtual nodes' own entry the webhook added may be there or not)."""
+    if field != "nodeSelector" or not isinstance(value, dict):
         return bool(value == restored)
-    return (old or {}).items() <= value.items() <= restored.items()
+    return (
+        _own_entries(old).items()
+        <= value.items()
+        <= {**(restored or {}), **VIRTUAL_NODE_SELECTOR}.items()
+    )
+
+
+def _own_entries(selector: Mapping[str, str] | None) -> dict[str, str]:
+    """An upper node selector but the virtual nodes' own entry the webhook adds."""
+    return {k: v for k, v in (selector or {}).items() if VIRTUAL_NODE_SELECTOR.get(k) != v}
 
 
 def _only_node_affinity_changed(old: Mapping[str, Any] | None, value: Any) -> bool:

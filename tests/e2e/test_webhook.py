@@ -91,7 +91,10 @@ def test_node_selector_and_affinity_are_stashed_above_and_restored_below(
 
     above = wait_for(scheduled, "the pod scheduled in the upper cluster")
     assert above["spec"]["nodeName"] == "vk-lower-1"
-    assert above["spec"]["nodeSelector"] == {keys.CLUSTER_ID_LABEL: "lower-1"}
+    assert above["spec"]["nodeSelector"] == {
+        keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL,
+        keys.CLUSTER_ID_LABEL: "lower-1",
+    }
     assert "affinity" not in above["spec"]
     assert stash.PROVIDER_TOLERATION in above["spec"]["tolerations"]
     saved = stash.decode(above["metadata"]["annotations"][keys.STASH_ANNOTATION])
@@ -313,7 +316,7 @@ def test_server_side_dry_run_shows_the_stash(federation: Federation) -> None:
         ).stdout
     )
     assert keys.STASH_ANNOTATION in shown["metadata"]["annotations"]
-    assert "nodeSelector" not in shown["spec"]
+    assert shown["spec"]["nodeSelector"] == stash.VIRTUAL_NODE_SELECTOR
     assert upper.kubectl("get", "pod", "-n", "wh-dry", "dry", check=False).returncode != 0
 
 
@@ -586,7 +589,7 @@ def test_a_gated_pod_given_a_node_selector_before_its_gate_is_lifted_runs_where_
         "-p", json.dumps({"spec": {"nodeSelector": SSD}}),
     )  # fmt: skip
     gated = get_json(upper, "pod", "-n", "wh-gated", "queued")
-    assert "nodeSelector" not in gated["spec"]
+    assert gated["spec"]["nodeSelector"] == stash.VIRTUAL_NODE_SELECTOR
     # The apiserver cannot see the stashed entry: the webhook refuses another value.
     other = upper.kubectl(
         "patch", "pod", "queued", "-n", "wh-gated",

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from kubekit import keys, stash
 from kubekit.stash import (
     PROVIDER_TOLERATION,
+    VIRTUAL_NODE_SELECTOR,
     StashError,
     restore_scheduling,
     stash_scheduling,
@@ -134,7 +135,10 @@ def test_stashing_twice_changes_nothing(spec: dict[str, Any]) -> None:
 def test_upper_view_only_speaks_of_cluster_level_keys(spec: dict[str, Any]) -> None:
     stashed, _ = stash_scheduling(spec, {})
     kept = {keys.CLUSTER_ID_LABEL, "topology.kubernetes.io/region"}
-    assert set(stashed.get("nodeSelector") or {}) <= kept
+    # And the virtual nodes' own label, which keeps the pod off ordinary upper nodes.
+    selector = stashed["nodeSelector"]
+    assert selector[keys.NODE_TYPE_LABEL] == keys.NODE_TYPE_VIRTUAL
+    assert set(selector) - {keys.NODE_TYPE_LABEL} <= kept
     for constraint in stashed.get("topologySpreadConstraints") or []:
         assert constraint["topologyKey"] in kept
     assert PROVIDER_TOLERATION in stashed["tolerations"] or any(
@@ -253,7 +257,7 @@ def test_a_toleration_of_every_taint_stays_above_and_tolerates_the_provider_tain
     spec = {"tolerations": [{"operator": "Exists"}]}
     stashed, annotations = stash_scheduling(spec, {})
     assert stashed["tolerations"] == [{"operator": "Exists"}]
-    assert keys.STASH_ANNOTATION not in annotations
+    assert stash.decode(annotations[keys.STASH_ANNOTATION]) == {"nodeSelector": None}
 
 
 def test_tolerations_added_above_reach_the_restored_pod() -> None:
@@ -286,6 +290,8 @@ def test_stashing_the_stashed_pod_again_changes_nothing(spec: dict[str, Any]) ->
 
 GVISOR = {"sandbox": "gvisor"}
 IN_LOWER_1 = {keys.CLUSTER_ID_LABEL: "lower-1"}
+# The view above of a node selector whose only cluster-level entry is IN_LOWER_1.
+ABOVE_IN_LOWER_1 = {**VIRTUAL_NODE_SELECTOR, **IN_LOWER_1}
 
 
 def test_node_selector_entries_put_back_after_the_webhook_are_stashed_again() -> None:
@@ -293,23 +299,26 @@ def test_node_selector_entries_put_back_after_the_webhook_are_stashed_again() ->
     which puts its class's node selector back; reinvoked, the webhook moves it again."""
     spec = {"nodeSelector": {**GVISOR, "disk": "ssd", **IN_LOWER_1}}
     stashed, annotations = stash_scheduling(spec, {})
-    assert stashed["nodeSelector"] == IN_LOWER_1
+    assert stashed["nodeSelector"] == ABOVE_IN_LOWER_1
     put_back = {**stashed, "nodeSelector": {**stashed["nodeSelector"], **GVISOR}}
     again, annotations_again = stash_scheduling(put_back, annotations)
     assert (again, annotations_again) == (stashed, annotations)
 
 
 def test_a_node_selector_not_stashed_at_first_is_stashed_once_entries_come_back() -> None:
-    spec: dict[str, Any] = {"nodeSelector": dict(IN_LOWER_1), "tolerations": [PROVIDER_TOLERATION]}
+    spec: dict[str, Any] = {
+        "nodeSelector": dict(ABOVE_IN_LOWER_1),
+        "tolerations": [PROVIDER_TOLERATION],
+    }
     stashed, annotations = stash_scheduling(spec, {})
     assert (stashed, annotations) == (spec, {})
-    put_back = {**spec, "nodeSelector": {**IN_LOWER_1, **GVISOR}}
+    put_back = {**spec, "nodeSelector": {**ABOVE_IN_LOWER_1, **GVISOR}}
     # A stash written meanwhile (another field's) is kept beside it.
     other = {keys.STASH_ANNOTATION: stash.encode({"topologySpreadConstraints": None})}
     again, annotations_again = stash_scheduling(put_back, other)
-    assert again["nodeSelector"] == IN_LOWER_1
+    assert again["nodeSelector"] == ABOVE_IN_LOWER_1
     restored = restore_scheduling(again, annotations_again[keys.STASH_ANNOTATION])
-    assert restored["nodeSelector"] == {**IN_LOWER_1, **GVISOR}
+    assert restored["nodeSelector"] == {**ABOVE_IN_LOWER_1, **GVISOR}
     assert (
         stash.decode(annotations_again[keys.STASH_ANNOTATION])["topologySpreadConstraints"] is None
     )
@@ -367,7 +376,7 @@ def test_an_applied_manifest_without_the_provider_toleration_keeps_it() -> None:
     added = {"key": "gpu", "operator": "Exists"}
     updated, _ = update(stashed, annotations, {**stashed, "tolerations": [SPOT, added]})
     assert updated["tolerations"] == [SPOT, added, PROVIDER_TOLERATION]
-    assert "nodeSelector" not in updated
+    assert updated["nodeSelector"] == VIRTUAL_NODE_SELECTOR
 
 
 GATED = {"schedulingGates": [{"name": "example.com/quota"}]}
@@ -379,7 +388,7 @@ def test_a_gated_pod_given_a_node_selector_has_it_stashed_beside_the_stashed_one
     stashed, annotations = stash_scheduling({**GATED, "nodeSelector": {"disk": "ssd"}}, {})
     given_more = {**stashed, "nodeSelector": {**IN_LOWER_1, "flavor": "spot"}}
     updated, updated_annotations = update(stashed, annotations, given_more)
-    assert updated["nodeSelector"] == IN_LOWER_1
+    assert updated["nodeSelector"] == ABOVE_IN_LOWER_1
     restored = restore_scheduling(updated, updated_annotations[keys.STASH_ANNOTATION])
     assert restored["nodeSelector"] == {"disk": "ssd", "flavor": "spot", **IN_LOWER_1}
 

@@ -132,7 +132,10 @@ def test_stashed_scheduling_fields_are_restored_below() -> None:
     pod = upper_pod(**original)
     spec, annotations = stash_scheduling(pod["spec"], pod["metadata"]["annotations"])
     pod["spec"], pod["metadata"]["annotations"] = spec, annotations
-    assert pod["spec"]["nodeSelector"] == {keys.CLUSTER_ID_LABEL: "lower-1"}
+    assert pod["spec"]["nodeSelector"] == {
+        keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL,
+        keys.CLUSTER_ID_LABEL: "lower-1",
+    }
     lower = desired_lower_pod(pod, NamespaceMapping(), OWNER)
     assert lower["spec"]["nodeSelector"] == {"disk": "ssd"}, (
         "the cluster-id key means nothing below"

@@ -103,7 +103,10 @@ def test_a_pod_gets_the_provider_toleration_and_keeps_cluster_level_selectors() 
         "nodeSelector": {"disk": "ssd", keys.CLUSTER_ID_LABEL: "lower-1"},
     }
     result = patched(pod(spec), answer(review(pod(spec))))
-    assert result["spec"]["nodeSelector"] == {keys.CLUSTER_ID_LABEL: "lower-1"}
+    assert result["spec"]["nodeSelector"] == {
+        keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL,
+        keys.CLUSTER_ID_LABEL: "lower-1",
+    }
     assert result["spec"]["tolerations"] == [stash.PROVIDER_TOLERATION]
     saved = stash.decode(result["metadata"]["annotations"][keys.STASH_ANNOTATION])
     assert saved == {"nodeSelector": spec["nodeSelector"], "tolerations": None}
@@ -464,15 +467,14 @@ def test_a_gated_pod_asking_for_another_value_of_a_stashed_key_is_refused_with_t
 
 
 def test_a_gated_pod_that_stashed_nothing_has_a_node_selector_given_later_stashed() -> None:
-    """It tolerated the virtual nodes' taint and asked for nothing else when made: no
-    stash then. A queueing controller's node selector must not reach the upper scheduler."""
+    """Made before the webhook (no stash): a queueing controller's node selector must not
+    reach the upper scheduler."""
     provider = dict(stash.PROVIDER_TOLERATION)
     gated = {"schedulingGates": [{"name": "q"}], "tolerations": [provider]}
-    assert stash.stash_scheduling(gated, {}) == (gated, {})
     old = pod(gated)
     new = pod({**gated, "nodeSelector": {"disk": "ssd"}})
     after = patched(new, answer(review(new, operation="UPDATE", oldObject=old)))
-    assert "nodeSelector" not in after["spec"]
+    assert after["spec"]["nodeSelector"] == stash.VIRTUAL_NODE_SELECTOR
     saved = stash.decode(after["metadata"]["annotations"][keys.STASH_ANNOTATION])
     assert saved["nodeSelector"] == {"disk": "ssd"}
 
