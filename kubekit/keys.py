@@ -13,6 +13,11 @@ NODE_LEASE_NAMESPACE = "kube-node-lease"
 # On virtual Nodes: which lower cluster a Node stands for. Also what the webhook keeps on
 # pods and the schedulers select on.
 CLUSTER_ID_LABEL = f"{PREFIX}/cluster-id"
+# On virtual Nodes, and in every federated pod's node selector above (the webhook's): it
+# keeps the pod off the upper cluster's ordinary nodes. A key of our own, which no lower
+# node or admission plugin (PodNodeSelector, RuntimeClass) gives another value.
+VIRTUAL_NODE_LABEL = f"{PREFIX}/virtual-node"
+VIRTUAL_NODE_LABEL_VALUE = "true"
 NODE_TYPE_LABEL = "type"
 NODE_TYPE_VIRTUAL = "virtual-kubelet"
 HOSTNAME_LABEL = "kubernetes.io/hostname"

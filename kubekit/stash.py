@@ -26,7 +26,7 @@ JSON = dict[str, Any]
 VERSION = 1
 FIELDS = ("nodeSelector", "affinity", "tolerations", "topologySpreadConstraints")
 DEFAULT_KEEP_KEYS = frozenset({keys.CLUSTER_ID_LABEL, "topology.kubernetes.io/region"})
-VIRTUAL_NODE_SELECTOR = {keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL}
+VIRTUAL_NODE_SELECTOR = {keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE}
 PROVIDER_TOLERATION: JSON = {
     "key": keys.PROVIDER_TAINT_KEY,
     "operator": "Equal",
@@ -65,11 +65,16 @@ def decode(text: str) -> JSON:
     return originals
 
 
-def _project_node_selector(selector: Mapping[str, str], keep: Collection[str]) -> JSON:
+def _project_node_selector(
+    selector: Mapping[str, str], keep: Collection[str], bound: bool = False
+) -> JSON | None:
     """The entries on cluster-level keys, and the virtual nodes' own label: an ordinary
     upper node would run the pod with none of its stashed fields judged (a GPU selector,
-    a spread over zones), as would a virtual node of another provider."""
-    return {**VIRTUAL_NODE_SELECTOR, **{k: v for k, v in selector.items() if k in keep}}
+    a spread over zones), as would a virtual node of another provider. Not for a pod made
+    bound to a node (``spec.nodeName``): no scheduler reads it, and an ordinary node's
+    kubelet would refuse the pod for it (``kubectl debug node/...``)."""
+    kept = {k: v for k, v in selector.items() if k in keep}
+    return (kept or None) if bound else {**kept, **VIRTUAL_NODE_SELECTOR}
 
 
 def _project_term(term: Mapping[str, Any], keep: Collection[str]) -> JSON:
@@ -192,7 +197,9 @@ def upper_view(
     ``kept_off`` names virtual nodes the pod must not be bound to (kubekit.moves)."""
     affinity = _project_affinity(spec.get("affinity") or {}, keep)
     return {
-        "nodeSelector": _project_node_selector(spec.get("nodeSelector") or {}, keep),
+        "nodeSelector": _project_node_selector(
+            spec.get("nodeSelector") or {}, keep, bound=bool(spec.get("nodeName"))
+        ),
         "affinity": keep_off(affinity, kept_off) if kept_off else affinity,
         "tolerations": _project_tolerations(list(spec.get("tolerations") or [])),
         "topologySpreadConstraints": _project_spread(
@@ -221,8 +228,16 @@ def stash_scheduling(
     existing = annotations.get(keys.STASH_ANNOTATION)
     originals: JSON = decode(existing) if existing is not None else {}
     if "nodeSelector" in originals and spec.get("nodeSelector"):
-        seen_above = _project_node_selector(originals["nodeSelector"] or {}, keep) or {}
-        added = {k: v for k, v in spec["nodeSelector"].items() if seen_above.get(k) != v}
+        seen_above = (
+            _project_node_selector(
+                originals["nodeSelector"] or {}, keep, bound=bool(spec.get("nodeName"))
+            )
+            or {}
+        )
+        # The virtual nodes' entry is ours (a bound copy of a pod keeps it), never added.
+        added = {
+            k: v for k, v in _own_entries(spec["nodeSelector"]).items() if seen_above.get(k) != v
+        }
         if added:
             originals["nodeSelector"] = {**(originals["nodeSelector"] or {}), **added}
     new_spec: JSON = json_copy(dict(spec))

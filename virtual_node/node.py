@@ -110,6 +110,7 @@ def node_labels(identity: NodeIdentity, report: NodeReport) -> dict[str, str]:
     return {
         **report.labels,
         keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL,
+        keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
         keys.HOSTNAME_LABEL: identity.name,
         keys.OS_LABEL: report.labels.get(keys.OS_LABEL, "linux"),
         keys.ARCH_LABEL: report.labels.get(keys.ARCH_LABEL, "amd64"),

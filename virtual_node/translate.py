@@ -135,7 +135,12 @@ def desired_lower_pod(
     spec["automountServiceAccountToken"] = bool(token_volumes)
 
     spec = _without_virtual_node_terms(
-        spec, {keys.CLUSTER_ID_LABEL: owner.cluster_id}, owner.node_name
+        spec,
+        {
+            keys.CLUSTER_ID_LABEL: owner.cluster_id,
+            keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
+        },
+        owner.node_name,
     )
     upper_labels = metadata.get("labels") or {}
     _drop_merged_label_keys(spec, upper_labels)

@@ -506,7 +506,9 @@ def test_a_federated_pod_is_not_bound_to_an_ordinary_node_the_scheduler_prefers(
             "elsewhere Running on vk-lower-1",
         )
         above = upper_pod(fragmented, "elsewhere")
-        assert above["spec"]["nodeSelector"] == {keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL}
+        assert above["spec"]["nodeSelector"] == {
+            keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE
+        }
         (below,) = lower_pods(fragmented, "app=elsewhere").values()
         assert below["spec"]["nodeSelector"] == POOL
     finally:

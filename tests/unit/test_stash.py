@@ -136,9 +136,10 @@ def test_upper_view_only_speaks_of_cluster_level_keys(spec: dict[str, Any]) -> N
     stashed, _ = stash_scheduling(spec, {})
     kept = {keys.CLUSTER_ID_LABEL, "topology.kubernetes.io/region"}
     # And the virtual nodes' own label, which keeps the pod off ordinary upper nodes.
-    selector = stashed["nodeSelector"]
-    assert selector[keys.NODE_TYPE_LABEL] == keys.NODE_TYPE_VIRTUAL
-    assert set(selector) - {keys.NODE_TYPE_LABEL} <= kept
+    selector = stashed.get("nodeSelector") or {}
+    if not spec.get("nodeName"):
+        assert selector[keys.VIRTUAL_NODE_LABEL] == keys.VIRTUAL_NODE_LABEL_VALUE
+    assert set(selector) - {keys.VIRTUAL_NODE_LABEL} <= kept
     for constraint in stashed.get("topologySpreadConstraints") or []:
         assert constraint["topologyKey"] in kept
     assert PROVIDER_TOLERATION in stashed["tolerations"] or any(
@@ -380,6 +381,52 @@ def test_an_applied_manifest_without_the_provider_toleration_keeps_it() -> None:
 
 
 GATED = {"schedulingGates": [{"name": "example.com/quota"}]}
+GPU_TYPE = {"type": "gpu"}
+
+
+def test_a_pod_keeps_to_virtual_nodes_above_whatever_its_own_type_entry() -> None:
+    """The virtual nodes' entry is a key of our own: a pod's `type` entry (lower nodes'
+    label) is stashed as any other, and an apply that writes it again is put back."""
+    stashed, annotations = stash_scheduling({"nodeSelector": dict(GPU_TYPE)}, {})
+    assert stashed["nodeSelector"] == VIRTUAL_NODE_SELECTOR
+    assert restore_scheduling(stashed, annotations[keys.STASH_ANNOTATION])["nodeSelector"] == (
+        GPU_TYPE
+    )
+    for applied in (GPU_TYPE, {**VIRTUAL_NODE_SELECTOR, **GPU_TYPE}):
+        assert update(stashed, annotations, {**stashed, "nodeSelector": applied}) == (
+            stashed,
+            annotations,
+        )
+
+
+def test_a_pod_made_bound_to_a_node_gets_no_virtual_node_entry() -> None:
+    """No scheduler reads it, and an ordinary node's kubelet would refuse the pod for it
+    (`kubectl debug node/...` in a federated namespace)."""
+    stashed, annotations = stash_scheduling({"nodeName": "worker-1"}, {})
+    assert "nodeSelector" not in stashed
+    assert "nodeSelector" not in stash.decode(annotations[keys.STASH_ANNOTATION])
+
+
+def test_a_bound_copy_of_a_stashed_pod_stashes_nothing_more() -> None:
+    """The descheduler's copy of a bare pod keeps the spec as it was above (the virtual
+    nodes' entry included) and is bound to a virtual node: the entry is ours, not one
+    added since, and never reaches the lower pod."""
+    stashed, annotations = stash_scheduling({"nodeSelector": {"disk": "ssd"}}, {})
+    copy = {**stashed, "nodeName": "vk-lower-2"}
+    again, annotations_again = stash_scheduling(copy, annotations)
+    assert annotations_again == annotations
+    assert restore_scheduling(again, annotations_again[keys.STASH_ANNOTATION])["nodeSelector"] == {
+        "disk": "ssd"
+    }
+
+
+def test_a_gated_pod_given_a_type_entry_has_it_stashed() -> None:
+    stashed, annotations = stash_scheduling(dict(GATED), {})
+    given = {**stashed, "nodeSelector": {**stashed["nodeSelector"], **GPU_TYPE}}
+    updated, updated_annotations = update(stashed, annotations, given)
+    assert updated["nodeSelector"] == VIRTUAL_NODE_SELECTOR
+    restored = restore_scheduling(updated, updated_annotations[keys.STASH_ANNOTATION])
+    assert restored["nodeSelector"] == GPU_TYPE
 
 
 def test_a_gated_pod_given_a_node_selector_has_it_stashed_beside_the_stashed_one() -> None:

@@ -132,10 +132,8 @@ def test_stashed_scheduling_fields_are_restored_below() -> None:
     pod = upper_pod(**original)
     spec, annotations = stash_scheduling(pod["spec"], pod["metadata"]["annotations"])
     pod["spec"], pod["metadata"]["annotations"] = spec, annotations
-    assert pod["spec"]["nodeSelector"] == {
-        keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL,
-        keys.CLUSTER_ID_LABEL: "lower-1",
-    }
+    # Bound by its nodeName (upper_pod's): no virtual-node entry, no scheduler reads it.
+    assert pod["spec"]["nodeSelector"] == {keys.CLUSTER_ID_LABEL: "lower-1"}
     lower = desired_lower_pod(pod, NamespaceMapping(), OWNER)
     assert lower["spec"]["nodeSelector"] == {"disk": "ssd"}, (
         "the cluster-id key means nothing below"
@@ -1043,6 +1041,10 @@ def test_virtual_kubelets_usual_targeting_is_met_here_and_goes() -> None:
     """``type: virtual-kubelet`` and a hostname pin name this virtual node, whose lower
     nodes carry neither: met here, they would keep the pod from every lower node."""
     selector = {keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL, "disk": "ssd"}
+    lower = desired_lower_pod(upper_pod(nodeSelector=selector), NamespaceMapping(), OWNER)
+    assert lower["spec"]["nodeSelector"] == {"disk": "ssd"}
+    # The label the webhook selects above, written by a user into the original.
+    selector = {keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE, "disk": "ssd"}
     lower = desired_lower_pod(upper_pod(nodeSelector=selector), NamespaceMapping(), OWNER)
     assert lower["spec"]["nodeSelector"] == {"disk": "ssd"}
     pinned = required_terms(node_term((keys.HOSTNAME_LABEL, "In", ["vk-lower-1", "vk-lower-2"])))

@@ -104,7 +104,7 @@ def test_a_pod_gets_the_provider_toleration_and_keeps_cluster_level_selectors() 
     }
     result = patched(pod(spec), answer(review(pod(spec))))
     assert result["spec"]["nodeSelector"] == {
-        keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL,
+        keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
         keys.CLUSTER_ID_LABEL: "lower-1",
     }
     assert result["spec"]["tolerations"] == [stash.PROVIDER_TOLERATION]
