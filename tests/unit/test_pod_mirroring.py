@@ -46,6 +46,13 @@ class Mirroring:
     def upper_statuses(self) -> list[dict[str, Any]]:
         return [r.body["status"] for r in self.upper.requests if r.path == UPPER_STATUS_PATH]
 
+    def pod_scheduled(self) -> dict[str, Any]:
+        """The PodScheduled condition of the one status written above."""
+        (status,) = self.upper_statuses()
+        scheduled: dict[str, Any]
+        (scheduled,) = [c for c in status["conditions"] if c["type"] == "PodScheduled"]
+        return scheduled
+
     def upper_event_reasons(self) -> list[str]:
         return [r.body["reason"] for r in self.upper.requests if r.path.endswith("/events")]
 
@@ -305,7 +312,7 @@ async def test_an_admission_refusal_is_an_event_and_a_retry(mirroring: Mirroring
     # descheduler look.
     (status,) = mirroring.upper_statuses()
     assert status.get("phase") != "Failed"
-    (scheduled,) = [c for c in status["conditions"] if c["type"] == "PodScheduled"]
+    scheduled = mirroring.pod_scheduled()
     assert (scheduled["status"], scheduled["reason"]) == ("False", "LowerClusterRefused")
     assert scheduled["message"].startswith("lower cluster lower-1 refused the pod: ")
     assert 'exceeded quota: "compute"' in scheduled["message"]
@@ -323,8 +330,7 @@ async def test_a_namespace_or_account_refused_below_makes_the_pod_wait_and_say_w
         await mirroring.controller.reconcile("shop/web")
     assert ("POST", LOWER_POD_PATH) not in mirroring.lower.writes()
     assert mirroring.upper_event_reasons() == ["LowerClusterRefused"]
-    (status,) = mirroring.upper_statuses()
-    (scheduled,) = [c for c in status["conditions"] if c["type"] == "PodScheduled"]
+    scheduled = mirroring.pod_scheduled()
     assert (scheduled["status"], scheduled["reason"]) == ("False", "LowerClusterRefused")
 
 
@@ -346,8 +352,7 @@ async def test_a_pod_whose_objects_names_are_taken_below_waits_and_says_why(
         await mirroring.controller.reconcile("shop/web")
     assert ("POST", LOWER_POD_PATH) not in mirroring.lower.writes()
     assert mirroring.upper_event_reasons() == ["LowerNameTaken"]
-    (status,) = mirroring.upper_statuses()
-    (scheduled,) = [c for c in status["conditions"] if c["type"] == "PodScheduled"]
+    scheduled = mirroring.pod_scheduled()
     assert (scheduled["status"], scheduled["reason"]) == ("False", "LowerNameTaken")
 
 
