@@ -155,7 +155,7 @@ class LowerCluster:
         # the orphan sweep decodes no pod (it decoded 10,000 on the event loop a minute).
         self._mirrored: dict[str, str] = {}
         # upper key -> our lower pod as its removal showed it, until the upper pod's next
-        # reconcile reads it (its deletion's last status) or passes it by.
+        # sync passes it by or the upper pod is gone (its deletion's last status).
         self._removed: dict[str, JSON] = {}
         metrics.MIRRORED_PODS.set_function(lambda: len(self._mirrored))
         pods.add_handler(
@@ -551,7 +551,9 @@ class LowerCluster:
             # Its status stays the node controller's (not ready) until the cluster is
             # back, when every pod is reconciled again.
             return dict(upper.get("status") or {})
-        removed = self._removed.pop(object_key(upper), None)
+        # Read, not taken: kept until the upper pod is gone (remove_orphan), as the
+        # terminal status written from it may lose a race and this runs again.
+        removed = self._removed.get(object_key(upper))
         try:
             namespace = self.mapping.lower(metadata["namespace"])
         except NamingError:

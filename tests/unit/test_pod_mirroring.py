@@ -601,11 +601,9 @@ async def test_a_deleted_pod_shows_its_containers_end_then_a_terminal_phase_befo
     ], "the terminal phase first, then the pod goes"
 
 
-async def test_a_lower_pods_last_status_and_removal_seen_at_once_end_it_as_it_ended(
-    mirroring: Mirroring,
-) -> None:
-    """The lower kubelet's last update (exit 143) and the removal come back to back: the
-    removal's object carries that update, which ends the upper pod, not an unknown end."""
+def deleted_above_then_removed_below_after_exit_143(mirroring: Mirroring) -> dict[str, Any]:
+    """The lower kubelet's last update (exit 143) and the removal come back to back; the
+    container status that update carried."""
     mirroring.above(deleting(30, phase="Running", containerStatuses=[RUNNING_CONTAINER]))
     ended = {
         "name": "app",
@@ -614,10 +612,35 @@ async def test_a_lower_pods_last_status_and_removal_seen_at_once_end_it_as_it_en
     }
     mirroring.below(lower_pod(phase="Running"))
     mirroring.below(lower_pod(phase="Failed", containerStatuses=[ended]), "DELETED")
+    return ended
+
+
+async def test_a_lower_pods_last_status_and_removal_seen_at_once_end_it_as_it_ended(
+    mirroring: Mirroring,
+) -> None:
+    """The lower kubelet's last update (exit 143) and the removal come back to back: the
+    removal's object carries that update, which ends the upper pod, not an unknown end."""
+    ended = deleted_above_then_removed_below_after_exit_143(mirroring)
     mirroring.lower.answer("GET", f"{LOWER_POD_PATH}/web", not_found("pods", "web"))
     await mirroring.controller.reconcile("shop/web")
     (last,) = mirroring.upper_statuses()
     assert (last["phase"], last["containerStatuses"]) == ("Failed", [ended])
+    assert mirroring.upper.writes("DELETE") == [("DELETE", "/api/v1/namespaces/shop/pods/web")]
+
+
+async def test_a_lower_pods_last_status_outlives_a_terminal_status_write_that_lost_a_race(
+    mirroring: Mirroring,
+) -> None:
+    """The terminal status from the removal's last status is refused (409: the upper pod
+    changed meanwhile): the next reconcile still ends the pod as it ended below."""
+    ended = deleted_above_then_removed_below_after_exit_143(mirroring)
+    mirroring.lower.answer("GET", f"{LOWER_POD_PATH}/web", *[not_found("pods", "web")] * 2)
+    mirroring.upper.answer("PUT", UPPER_STATUS_PATH, status_error(409, "Conflict", "changed"))
+    await mirroring.controller.reconcile("shop/web")
+    assert mirroring.upper.writes("DELETE") == []
+    await mirroring.controller.reconcile("shop/web")
+    lost, last = mirroring.upper_statuses()
+    assert lost == last and last["containerStatuses"] == [ended]
     assert mirroring.upper.writes("DELETE") == [("DELETE", "/api/v1/namespaces/shop/pods/web")]
 
 
