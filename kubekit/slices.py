@@ -322,7 +322,9 @@ def place(
     ``current`` is kept (a cluster gone from the pool is for the caller to leave out);
     slices are added by the policy (ties by the most room left, then the name) or taken
     back from the clusters where the most of them are unused (``used``: slices' worth of
-    the namespace's pod requests in each cluster, rounded up), ties by name. A cluster missing from
+    the namespace's pod requests in each cluster, rounded up), ties by name, never below
+    what its pods use: given back, that room would be promised again while they run on
+    it, so the result holds more than ``count`` until they finish. A cluster missing from
     ``rooms`` (its estimator did not answer) keeps its slices and takes no new ones."""
     used = used or {}
     slots = {room.cluster: room.slots(size) for room in rooms}
@@ -330,10 +332,10 @@ def place(
     surplus = sum(result.values()) - count
     while surplus > 0:
         # From clusters that answered: one that did not may be the busiest.
-        answering = [name for name in result if name in slots]
-        if not answering:
+        unused = [name for name in result if name in slots and result[name] > used.get(name, 0)]
+        if not unused:
             break
-        cluster = min(answering, key=lambda name: (used.get(name, 0) - result[name], name))
+        cluster = min(unused, key=lambda name: (used.get(name, 0) - result[name], name))
         result[cluster] -= 1
         if not result[cluster]:
             del result[cluster]

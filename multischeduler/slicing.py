@@ -304,13 +304,21 @@ class SliceController:
         made = await self._promise(name, size, changes, promised, namespace)
         made |= {c: n for c, n in current.items() if c in view.silent}
         await self._annotate(namespace, Applied(size, made))
-        await self._tell(
-            namespace,
-            True,
-            "SlicesPlaced",
-            f"{sum(made.values())} slices of {size.describe()}: "
-            + (", ".join(f"{cluster} {held}" for cluster, held in sorted(made.items())) or "none"),
+        placed = f"{sum(made.values())} slices of {size.describe()}: " + (
+            ", ".join(f"{cluster} {held}" for cluster, held in sorted(made.items())) or "none"
         )
+        if sum(made.values()) > count:
+            # Given back as the pods using them finish, which no upper object tells.
+            await self._tell(
+                namespace,
+                True,
+                "SlicesKeptForPods",
+                f"{placed}; the quota asks {count}, the rest is in use by the namespace's "
+                "pods and given back as they finish",
+            )
+            self.queue.add_after(name, self.retry_after)
+            return
+        await self._tell(namespace, True, "SlicesPlaced", placed)
 
     async def _has_pods(self, namespace: str) -> bool:
         """Whether the namespace has a pod that has not finished."""

@@ -173,6 +173,15 @@ def test_raising_adds_and_lowering_takes_back_where_least_used() -> None:
     assert place(0, SLICE, rooms, {"a": 2}) == {}
 
 
+def test_lowering_never_takes_back_slices_the_pods_use() -> None:
+    """A quota lowered to (or below) what runs: the room its pods use stays promised to
+    the namespace, or it would be promised to another while they run on it."""
+    rooms = [room("a", 8), room("b", 8)]
+    assert place(4, SLICE, rooms, {"a": 3, "b": 2}, used={"a": 3, "b": 2}) == {"a": 3, "b": 2}
+    assert place(4, SLICE, rooms, {"a": 3, "b": 2}, used={"a": 3, "b": 1}) == {"a": 3, "b": 1}
+    assert place(1, SLICE, rooms, {"a": 3, "b": 2}, used={"a": 2}) == {"a": 2}
+
+
 def test_promises_made_are_kept_when_a_cluster_shrinks_or_does_not_answer() -> None:
     assert place(4, SLICE, [room("a", 2)], {"a": 4}) == {"a": 4}
     assert place(3, SLICE, [room("b", 4)], {"gone-quiet": 1}) == {"gone-quiet": 1, "b": 2}
@@ -251,8 +260,12 @@ def test_placement_never_grows_a_promise_past_the_room_and_is_stable(
         assert room_for + current.get("quiet", 0) < count
         return
     answering = {room.cluster for room in rooms}
-    # The quota's count, unless a quiet cluster holds more than may be taken back.
-    assert sum(result.values()) == max(count, current.get("quiet", 0))
+    # The quota's count, unless more may not be taken back: what a quiet cluster holds,
+    # and in the others what the namespace's pods use of what they held.
+    kept = current.get("quiet", 0) + sum(
+        min(held, used.get(cluster, 0)) for cluster, held in current.items() if cluster != "quiet"
+    )
+    assert sum(result.values()) == max(count, kept)
     assert result.get("quiet", 0) == current.get("quiet", 0), "a quiet cluster is not touched"
     for room in rooms:
         held = result.get(room.cluster, 0)

@@ -223,6 +223,31 @@ async def test_a_quota_is_placed_promised_and_recorded() -> None:
     assert len(w.client.requests) == requests
 
 
+async def test_a_quota_lowered_below_what_runs_keeps_the_slices_in_use_and_looks_again() -> None:
+    """Pods use 3 slices' worth in a (5 cpu) and 2 in b; the quota goes from 10 cpu to 2:
+    no slice they use is given back (another namespace would be promised that room while
+    they run on it), and the namespace is looked at again for when they finish."""
+    w = world(
+        a=Cluster((8,), used=5 * CPU, ledger={"team": (3, 2 * CPU)}),
+        b=Cluster((8,), used=3 * CPU, ledger={"team": (2, 2 * CPU)}),
+    )
+    w.put(w.namespaces, namespace())
+    w.put(w.quotas, quota("2"))
+    await w.controller.reconcile("team")
+    assert w.pool.clusters["a"].ledger == {"team": (3, 2 * CPU)}
+    assert w.pool.clusters["b"].ledger == {"team": (2, 2 * CPU)}
+    condition = w.condition()
+    assert (condition["status"], condition["reason"]) == ("True", "SlicesKeptForPods")
+    assert "the quota asks 1" in condition["message"]
+    assert "team" in w.controller.queue._delayed
+    # The pods in b finished: its slices go back, a's stay while its pods run.
+    w.pool.clusters["b"].used = 0
+    w.sync_namespace()
+    await w.controller.reconcile("team")
+    assert w.pool.clusters["a"].ledger == {"team": (3, 2 * CPU)}
+    assert "team" not in w.pool.clusters["b"].ledger
+
+
 async def test_a_refused_promise_keeps_what_was_made_and_is_retried() -> None:
     w = world(a=Cluster((8,)), b=Cluster((8,), refuse="b has room for 0 slices"))
     w.put(w.namespaces, namespace())
