@@ -9,8 +9,10 @@ from typing import Literal
 Strategy = Literal["same", "prefix"]
 
 _MAX_NAMESPACE = 63
-# With a dash and at least one character after it, a DNS label.
-_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]{0,59}[a-z0-9])?$")
+# With a dash and at least one character after it, a DNS label. No dash of its own: the
+# first dash of a lower name then ends the prefix, so two tenants' prefixes never name one
+# lower namespace (`acme` + `dev-x` and `acme-dev` + `x` would both be `acme-dev-x`).
+_PREFIX = re.compile(r"^[a-z0-9]{1,61}$")
 
 
 class NamingError(ValueError):
@@ -31,8 +33,9 @@ class NamespaceMapping:
         if self.strategy == "prefix" and not _PREFIX.match(self.prefix):
             # Every namespace made below would be refused, and its pods wait for good.
             raise NamingError(
-                f"namespace prefix {self.prefix!r} must be a DNS label of at most 61 "
-                "characters (lowercase letters, digits, '-')"
+                f"namespace prefix {self.prefix!r} must be at most 61 lowercase letters "
+                "and digits (no '-': another tenant's prefix could then name the same "
+                "lower namespaces)"
             )
 
     def lower(self, upper_namespace: str) -> str:

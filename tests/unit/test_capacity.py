@@ -353,8 +353,9 @@ def test_a_kubeconfig_that_is_not_there_is_one_line_not_a_traceback(
     [
         ({"node_name": "vk-" + "x" * 61}, "node name 'vk-xxx"),
         ({"node_name": "VK_Lower"}, "must be a DNS name of at most 63 characters"),
-        ({"namespace_strategy": "prefix", "namespace_prefix": "Tenant_1"}, "must be a DNS label"),
-        ({"namespace_strategy": "prefix", "namespace_prefix": "t" * 62}, "at most 61 characters"),
+        ({"namespace_strategy": "prefix", "namespace_prefix": "Tenant_1"}, "lowercase letters"),
+        ({"namespace_strategy": "prefix", "namespace_prefix": "t" * 62}, "at most 61"),
+        ({"namespace_strategy": "prefix", "namespace_prefix": "acme-dev"}, "no '-'"),
     ],
 )
 def test_a_name_every_lower_object_would_be_refused_for_is_refused_at_start(
