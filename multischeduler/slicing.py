@@ -264,8 +264,14 @@ class SliceController:
                 "the namespace has pods: set the size back, or delete its pods to re-slice",
             )
             return
-        current = {c: held for c, (held, held_size) in view.held.items() if held_size == size}
-        if before is not None and before.size == size:
+        # A cap added or removed changes what a slice holds, not where slices are: they
+        # stay where they were (placed afresh, the pods elsewhere would run unpromised).
+        current = {
+            c: held
+            for c, (held, held_size) in view.held.items()
+            if not size_changed(held_size, size)
+        }
+        if before is not None and not size_changed(before.size, size):
             current |= {c: n for c, n in before.slices.items() if c in view.silent}
         used = {c: slices_of(amount, size) for c, amount in view.used.items()}
         decision = decide(
@@ -299,7 +305,7 @@ class SliceController:
             for cluster in sorted({*target, *view.held} - view.silent)
             # Changed, or held in another size: written again or taken back.
             if target.get(cluster, 0) != current.get(cluster, 0)
-            or (cluster in view.held and cluster not in current)
+            or (cluster in view.held and view.held[cluster][1] != size)
         }
         made = await self._promise(name, size, changes, promised, namespace)
         made |= {c: n for c, n in current.items() if c in view.silent}

@@ -248,6 +248,23 @@ async def test_a_quota_lowered_below_what_runs_keeps_the_slices_in_use_and_looks
     assert "team" not in w.pool.clusters["b"].ledger
 
 
+async def test_a_cap_added_to_the_quota_rewrites_the_slices_where_they_are() -> None:
+    """Packed as 3 + 2 when a was full; a has room for all 5 now. A memory cap added to the
+    quota changes what a slice holds, not where: placed afresh, b's slices were taken
+    back from under its pods."""
+    w = world(
+        Policy.PACK,
+        a=Cluster((8, 8), ledger={"team": (3, 2 * CPU)}),
+        b=Cluster((8,), used=3 * CPU, ledger={"team": (2, 2 * CPU)}),
+    )
+    w.put(w.namespaces, namespace())
+    w.put(w.quotas, quota("10", hard={"requests.cpu": "10", "requests.memory": "20Gi"}))
+    await w.controller.reconcile("team")
+    assert (w.pool.promised("a"), w.pool.promised("b")) == ([3], [2])
+    assert {request.slice.memory_bytes for request in w.pool.clusters["b"].promises} == {4 * GI}
+    assert json.loads(str(w.patched()[keys.SLICE_PLACEMENT_ANNOTATION])) == {"a": 3, "b": 2}
+
+
 async def test_a_refused_promise_keeps_what_was_made_and_is_retried() -> None:
     w = world(a=Cluster((8,)), b=Cluster((8,), refuse="b has room for 0 slices"))
     w.put(w.namespaces, namespace())
