@@ -172,6 +172,13 @@ def size_changed(before: Amount, after: Amount) -> bool:
     return any(before.get(r) != after.get(r) for r in RESOURCES if before.get(r) and after.get(r))
 
 
+def grows(held: tuple[int, Amount], count: int, size: Amount) -> bool:
+    """Whether ``count`` slices of ``size`` promise more, in any resource, than ``held``
+    (slices, size) did: re-sliced, fewer slices can hold more."""
+    slices, held_size = held
+    return not size.times(count).within(held_size.times(slices))
+
+
 # -- placements --------------------------------------------------------------------------
 
 

@@ -40,6 +40,7 @@ from kubekit.slices import (
     applied,
     capped_size,
     decide,
+    grows,
     headroom,
     namespace_quota,
     placement_json,
@@ -233,8 +234,9 @@ class SliceController:
             # never sliced.
             if before is not None or name in self._suspects:
                 view = await self._view(name, clusters)
-                counts = {cluster: held for cluster, (held, _) in view.held.items()}
-                await self._promise(name, Amount(), dict.fromkeys(counts, 0), counts, namespace)
+                await self._promise(
+                    name, Amount(), dict.fromkeys(view.held, 0), view.held, namespace
+                )
                 self._suspects.discard(name)
             if namespace is None:
                 self._told.pop(name, None)
@@ -299,7 +301,6 @@ class SliceController:
                 await self._annotate(namespace, before)
             self.queue.add_after(name, self.retry_after)
             return
-        promised = {cluster: held for cluster, (held, _) in view.held.items()}
         changes = {
             cluster: target.get(cluster, 0)
             for cluster in sorted({*target, *view.held} - view.silent)
@@ -307,7 +308,7 @@ class SliceController:
             if target.get(cluster, 0) != current.get(cluster, 0)
             or (cluster in view.held and view.held[cluster][1] != size)
         }
-        made = await self._promise(name, size, changes, promised, namespace)
+        made = await self._promise(name, size, changes, view.held, namespace)
         made |= {c: n for c, n in current.items() if c in view.silent}
         await self._annotate(namespace, Applied(size, made))
         placed = f"{sum(made.values())} slices of {size.describe()}: " + (
@@ -367,21 +368,23 @@ class SliceController:
         name: str,
         size: Amount,
         changes: Mapping[str, int],
-        promised: Mapping[str, int],
+        promised: Mapping[str, tuple[int, Amount]],
         namespace: Mapping[str, Any] | None = None,
     ) -> dict[str, int]:
-        """Makes the changed promises, shrinking ones first (a failure part-way leaves the
-        namespace promised less, never more); returns what is promised after them. One not
-        made is retried from the ledgers: what was made is recorded first."""
-        made = {cluster: held for cluster, held in promised.items() if held}
+        """Makes the changed promises (``promised``: each cluster's slices and their size
+        now), shrinking ones first (a failure part-way leaves the namespace promised less,
+        never more); returns what is promised after them. One not made is retried from the
+        ledgers: what was made is recorded first."""
+        made = {cluster: held for cluster, (held, _) in promised.items() if held}
         clusters = self._nodes_by_cluster()
         failures: list[str] = []
-        order = sorted(
-            changes, key=lambda cluster: (changes[cluster] > promised.get(cluster, 0), cluster)
-        )
+        growing = {
+            cluster: grows(promised.get(cluster, (0, size)), count, size)
+            for cluster, count in changes.items()
+        }
+        order = sorted(changes, key=lambda cluster: (growing[cluster], cluster))
         for cluster in order:
-            growing = changes[cluster] > promised.get(cluster, 0)
-            if growing and failures:
+            if growing[cluster] and failures:
                 # A shrink not made: growing now would promise the namespace more than
                 # its quota makes (both clusters holding what moves between them).
                 failures.append(f"{cluster}: not grown while a shrink is not made")

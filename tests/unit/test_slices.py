@@ -20,6 +20,7 @@ from kubekit.slices import (
     capped_size,
     check_edit,
     decide,
+    grows,
     headroom,
     ledger_entry,
     namespace_quota,
@@ -171,6 +172,14 @@ def test_raising_adds_and_lowering_takes_back_where_least_used() -> None:
     assert place(2, SLICE, rooms, {"a": 2, "b": 2}, used={"a": 2, "b": 0}) == {"a": 2}
     assert place(3, SLICE, rooms, {"a": 2, "b": 2}, used={"a": 1, "b": 1}) == {"a": 1, "b": 2}
     assert place(0, SLICE, rooms, {"a": 2}) == {}
+
+
+def test_a_promise_grows_when_it_holds_more_of_any_resource() -> None:
+    assert grows((5, Amount(cpu=1000)), 3, Amount(cpu=2000)), "fewer slices, more cpu"
+    assert not grows((5, Amount(cpu=1000)), 2, Amount(cpu=2000))
+    assert grows((2, Amount(cpu=2000)), 2, Amount(cpu=2000, memory=4 * 2**30)), "a cap added"
+    assert not grows((2, Amount(cpu=2000, memory=1)), 2, Amount(cpu=2000)), "a cap removed"
+    assert grows((0, Amount()), 1, Amount(cpu=1)) and not grows((3, Amount(cpu=1)), 0, Amount())
 
 
 def test_lowering_never_takes_back_slices_the_pods_use() -> None:

@@ -428,6 +428,27 @@ async def test_a_slice_size_change_is_refused_while_pods_run_and_reslices_otherw
     assert {r.slice.cpu_millis for c in "ab" for r in w.pool.clusters[c].promises} == {CPU}
 
 
+async def test_a_reslice_into_fewer_larger_slices_is_not_grown_once_a_shrink_failed() -> None:
+    """5 + 5 slices of 1 CPU become 3 + 2 of 2 CPU: a's 3 are fewer slices but more CPU
+    (6 against 5). b's shrink not made, a's growth would promise 11 CPU for a quota of
+    10: it waits for the retry."""
+    w = world(
+        a=Cluster((8,), ledger={"team": (5, CPU)}),
+        b=Cluster((8,), ledger={"team": (5, CPU)}, refuse="b is busy"),
+    )
+    before = Applied(Amount(cpu=CPU), {"a": 5, "b": 5})
+    w.put(w.namespaces, recorded(before, **{keys.SLICE_SIZE_ANNOTATION: '{"cpu": "2"}'}))
+    w.put(w.quotas, quota("10"))
+    w.client.answer("GET", PODS.path("team"), {"items": []}, {"items": []})
+    with pytest.raises(PromiseNotMade, match="a: not grown while a shrink is not made"):
+        await w.controller.reconcile("team")
+    assert w.pool.clusters["a"].ledger == {"team": (5, CPU)}
+    w.pool.clusters["b"].refuse = ""
+    await w.controller.reconcile("team")
+    assert w.pool.clusters["a"].ledger == {"team": (3, 2 * CPU)}
+    assert w.pool.clusters["b"].ledger == {"team": (2, 2 * CPU)}
+
+
 async def test_a_silent_estimator_keeps_its_slices_and_takes_no_new_ones() -> None:
     w = world(a=Cluster((8,), ledger={"team": (1, 2 * CPU)}), b=Cluster((8,), down=True))
     before = Applied(Amount(cpu=2 * CPU), {"a": 1, "b": 1})
