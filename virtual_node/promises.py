@@ -131,8 +131,12 @@ class SlicePromises:
         if entry is not None:
             # The quota is written after the ledger: a write that failed (a 409, a crash
             # between the two) leaves it behind the ledger, and the multischeduler, which
-            # reads the ledger, promises nothing more. Each look brings it in step.
+            # reads the ledger, promises nothing more. Each look brings it in step, the
+            # namespace first: deleted with its upper namespace while the multischeduler
+            # was away, and that one made again, the ledger entry outlived it.
             try:
+                if entry.slices:
+                    await self.ensure_namespace(lower_namespace)
                 await self._hold_to(lower_namespace, entry)
             except API_ERRORS as error:
                 log.warning("%s: quota not brought to its promise: %s", lower_namespace, error)

@@ -152,6 +152,20 @@ async def test_a_promise_is_recorded_and_the_lower_namespace_held_to_it() -> Non
     assert [w for w in api.writes()[writes:] if "configmaps" in w[1]] == [], "no write"
 
 
+async def test_a_look_makes_a_promised_namespace_gone_below_again_with_its_quota() -> None:
+    """The lower namespace went with its upper one while the multischeduler was away and
+    the upper one was made again: the ledger entry outlived it, and the next look at the
+    namespace makes it and its quota again."""
+    api = LowerApi()
+    promises, made = tenant(api, "t1", informer(NODES, node("n1", "8")))
+    await promises.promise("team", 2, SLICE, "0")
+    made.clear()
+    api.quotas.clear()
+    room = await promises.room("team")
+    assert room.held == 2 and made == ["t1-team"]
+    assert api.quotas["t1-team"]["spec"]["hard"] == {"requests.cpu": "4", "requests.memory": "8Gi"}
+
+
 async def test_growth_past_the_room_is_refused_and_shrinking_always_allowed() -> None:
     api = LowerApi()
     nodes = informer(
