@@ -94,7 +94,7 @@ class LedgerView:
     # Cluster -> (slices, slice size) its ledger promises the namespace.
     held: dict[str, tuple[int, Amount]] = field(default_factory=dict)
     used: dict[str, Amount] = field(default_factory=dict)
-    silent: set[str] = field(default_factory=set)
+    silent: dict[str, str] = field(default_factory=dict)  # cluster -> why
 
     def sizes(self) -> set[Amount]:
         return {size for _, size in self.held.values()}
@@ -296,14 +296,18 @@ class SliceController:
             )
         target = decision.target
         if isinstance(target, Shortfall):
-            await self._tell(namespace, False, "SlicesNotPlaced", target.message)
+            # A silent cluster's reason (an estimator refusing the namespace's lower name
+            # as too long, say) is why, not only "no lower clusters".
+            unheard = "; ".join(f"{c} did not answer: {why}" for c, why in view.silent.items())
+            message = f"{target.message}; {unheard}" if unheard else target.message
+            await self._tell(namespace, False, "SlicesNotPlaced", message)
             if before is not None:
                 await self._annotate(namespace, before)
             self.queue.add_after(name, self.retry_after)
             return
         changes = {
             cluster: target.get(cluster, 0)
-            for cluster in sorted({*target, *view.held} - view.silent)
+            for cluster in sorted({*target, *view.held} - view.silent.keys())
             # Changed, or held in another size: written again or taken back.
             if target.get(cluster, 0) != current.get(cluster, 0)
             or (cluster in view.held and view.held[cluster][1] != size)
@@ -348,7 +352,7 @@ class SliceController:
         for cluster, answer in zip(clusters, answers, strict=True):
             if isinstance(answer, EstimatorFailure):
                 log.warning("%s: slice room of %s unknown: %s", namespace, cluster, answer.message)
-                view.silent.add(cluster)
+                view.silent[cluster] = answer.message
                 continue
             view.rooms.append(
                 ClusterRoom(

@@ -459,6 +459,18 @@ async def test_a_silent_estimator_keeps_its_slices_and_takes_no_new_ones() -> No
     assert json.loads(str(w.patched()[keys.SLICE_PLACEMENT_ANNOTATION])) == {"a": 3, "b": 1}
 
 
+async def test_a_shortfall_says_why_the_clusters_that_did_not_answer_were_silent() -> None:
+    """Every estimator refused the namespace (its lower name too long, say): the reason
+    is theirs, not only "no lower clusters"."""
+    w = world(a=Cluster((8,), down=True))
+    w.put(w.namespaces, namespace())
+    w.put(w.quotas, quota("4"))
+    await w.controller.reconcile("team")
+    [(reason, message)] = w.events()
+    assert reason == "SlicesNotPlaced"
+    assert message.endswith("no lower clusters; a did not answer: UNAVAILABLE")
+
+
 async def test_a_shortfall_is_told_once_and_retried_later() -> None:
     w = world(a=Cluster((4,)))
     w.put(w.namespaces, namespace())
