@@ -362,6 +362,36 @@ def test_pods_go_only_where_their_slices_are_and_stay_within_them(pool: Federati
         )
 
 
+def test_a_quota_lowered_below_what_runs_keeps_the_slices_in_use_until_it_ends(
+    pool: Federation,
+) -> None:
+    """A pod uses 2 slices' worth where it runs; the quota goes down to 1 slice: the
+    2 slices under it stay promised (given back, another namespace would be promised
+    that room while the pod runs on it), and go once it ends."""
+    apply(pool.upper, quota("8"))
+    wait_placed(pool, {"lower-1": 2, "lower-2": 2})
+    try:
+        apply(pool.upper, sliced_pod("big", "3500m"))
+        cluster = str(wait_for(lambda: node_of(pool, "big"), "pod big running"))[3:]
+        apply(pool.upper, quota("2"))
+        wait_placed(pool, {cluster: 2})
+        wait_for(
+            lambda: slices_condition(pool)["reason"] == "SlicesKeptForPods",
+            "the slices kept for the pod told",
+        )
+        assert "the quota asks 1" in slices_condition(pool)["message"]
+        assert lower_quota(lower(pool, cluster)) == {"requests.cpu": "4"}
+        pool.upper.kubectl("delete", "pod", f"--namespace={NAMESPACE}", "big", "--wait=true")
+        wait_placed(pool, {cluster: 1})  # looked at again within 30 s
+        wait_for(
+            lambda: slices_condition(pool)["reason"] == "SlicesPlaced", "placed as the quota asks"
+        )
+    finally:
+        pool.upper.kubectl(
+            "delete", "pods", f"--namespace={NAMESPACE}", "-l", "app=sliced", "--wait=true"
+        )
+
+
 def test_a_namespace_deleted_while_the_multischeduler_is_away_is_taken_back(
     pool: Federation,
 ) -> None:
