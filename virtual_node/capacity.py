@@ -54,24 +54,30 @@ def free_capacity(
 ) -> Resources:
     """What the virtual Node offers, never below zero: the allocatable of the lower nodes
     that count, minus what other pods on them take (ours the upper scheduler subtracts
-    itself), plus what ours take on nodes that do not count. The upper scheduler
-    subtracts those too, from room they never were in: a lower node cordoned under our
-    pods would otherwise be offered less than nothing."""
-    usable = {
-        node["metadata"]["name"]: node for node in nodes if node_counts(node, counted_taint_keys)
+    itself), each node never below zero (a node whose own pods take more than it has,
+    its device plugin restarting say, takes no room from the others), plus what ours
+    take on nodes that do not count. The upper scheduler subtracts those too, from room
+    they never were in: a lower node cordoned under our pods would otherwise be offered
+    less than nothing."""
+    by_node: dict[str, Resources] = {
+        node["metadata"]["name"]: {
+            name: parse_quantity(value)
+            for name, value in ((node.get("status") or {}).get("allocatable") or {}).items()
+        }
+        for node in nodes
+        if node_counts(node, counted_taint_keys)
     }
     free: Resources = {}
-    for node in usable.values():
-        allocatable = (node.get("status") or {}).get("allocatable") or {}
-        add(free, {name: parse_quantity(value) for name, value in allocatable.items()})
     for usage in usages:
-        counted = usage.node_name in usable
-        if usage.mirrored and not counted:
+        left = by_node.get(usage.node_name)
+        if usage.mirrored and left is None:
             add(free, usage.requests)
-        elif counted and not usage.mirrored:
+        elif left is not None and not usage.mirrored:
             for name, value in usage.requests.items():
-                if name in free:
-                    free[name] -= value
+                if name in left:
+                    left[name] -= value
+    for left in by_node.values():
+        add(free, {name: max(Fraction(0), value) for name, value in left.items()})
     return {name: max(Fraction(0), value) for name, value in free.items()}
 
 

@@ -168,6 +168,15 @@ def test_free_capacity_never_goes_negative() -> None:
     assert free == {"cpu": 0, "pods": 0}
 
 
+def test_a_node_whose_pods_take_more_than_it_has_takes_no_room_from_the_others() -> None:
+    """a's device plugin restarts: it reports no GPU while its pods hold all 8; b's 8 free
+    GPUs are still offered."""
+    usage = PodUsage("a", {"nvidia.com/gpu": Fraction(8)})
+    gpus = {"nvidia.com/gpu": "8"}
+    nodes = [node("a", extended={"nvidia.com/gpu": "0"}), node("b", extended=gpus)]
+    assert free_capacity(nodes, [usage])["nvidia.com/gpu"] == 8
+
+
 OWNER = Ownership(origin="upper-uid", node_name="vk-lower-1", cluster_id="lower-1")
 
 
