@@ -33,6 +33,7 @@ from kubekit.estimatorapi import MAX_HOLD_SECONDS, estimator_pb2, estimator_pb2_
 from kubekit.fit import PodFacts, counted_node
 from kubekit.informer import FunctionHandler, Informer, object_key
 from kubekit.loops import on_loop
+from kubekit.serving import host_port
 from kubekit.slices import Amount, SliceError
 from virtual_node.kubeletapi.auth import AuthError, Authorizer
 from virtual_node.naming import NamespaceMapping, NamingError
@@ -879,9 +880,13 @@ async def _start(
 ) -> grpc.aio.Server:
     server = grpc.aio.server(interceptors=(ParsedByTheService(),))
     estimator_pb2_grpc.add_EstimatorServicer_to_server(service, server)
-    bound = server.add_secure_port(f"{address}:{port}", reloading_credentials(pair))
+    target = host_port(address, port)
+    try:
+        bound = server.add_secure_port(target, reloading_credentials(pair))
+    except RuntimeError:  # grpcio's way of saying it, where older versions returned 0
+        bound = 0
     if bound == 0:
-        raise OSError(f"the estimator cannot listen on {address}:{port}")
+        raise OSError(f"the estimator cannot listen on {target}")
     await server.start()
     return server
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kubekit import keys
+from kubekit.serving import host_port
 from kubekit.timestamps import now_micro, now_rfc3339
 from virtual_node.capacity import node_counts, node_is_usable
 
@@ -31,7 +32,7 @@ class NodeIdentity:
         if not self.estimator_port:
             return {}
         return {
-            keys.ESTIMATOR_ADDRESS_ANNOTATION: f"{self.address}:{self.estimator_port}",
+            keys.ESTIMATOR_ADDRESS_ANNOTATION: host_port(self.address, self.estimator_port),
             keys.ESTIMATOR_STARTED_ANNOTATION: self.estimator_started,
         }
 
@@ -153,8 +154,15 @@ def registration_patch(
     if label_change:
         patch["metadata"] = {"labels": label_change}
     have_annotations = existing["metadata"].get("annotations") or {}
+    # With the estimator off, a former run's address goes: the multischeduler would
+    # dial it (a pod IP maybe reused) and wait out each call instead of failing at once.
+    wanted_annotations: dict[str, str | None] = {
+        keys.ESTIMATOR_ADDRESS_ANNOTATION: None,
+        keys.ESTIMATOR_STARTED_ANNOTATION: None,
+        **identity.annotations(),
+    }
     annotation_change = {
-        k: v for k, v in identity.annotations().items() if have_annotations.get(k) != v
+        k: v for k, v in wanted_annotations.items() if have_annotations.get(k) != v
     }
     if annotation_change:
         patch.setdefault("metadata", {})["annotations"] = annotation_change

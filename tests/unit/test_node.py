@@ -8,6 +8,7 @@ import pytest
 
 from kubekit import keys
 from kubekit.client import ApiError
+from kubekit.serving import host_port
 from tests.unit.fakeapi import FakeClient, status_error
 from virtual_node import nodecontroller
 from virtual_node.node import (
@@ -54,6 +55,30 @@ def test_a_restarted_estimator_is_news_and_other_annotations_are_left_alone() ->
             "resourceVersion": "7",
         }
     }
+
+
+def test_an_estimator_turned_off_takes_its_address_off_the_node() -> None:
+    """Left there, the multischeduler dials a former run's address (a pod IP maybe given
+    to another pod since) and waits each call out instead of failing at once."""
+    existing = registration(identity(estimator_port=10352, estimator_started="t1"), REPORT)
+    existing["metadata"]["resourceVersion"] = "7"
+    patch = registration_patch(existing, identity(), REPORT)
+    assert patch is not None
+    assert patch["metadata"]["annotations"] == {
+        keys.ESTIMATOR_ADDRESS_ANNOTATION: None,
+        keys.ESTIMATOR_STARTED_ANNOTATION: None,
+    }
+    assert registration_patch(registration(identity(), REPORT), identity(), REPORT) is None
+
+
+def test_an_ipv6_estimator_address_is_bracketed() -> None:
+    """Bare, ``fd00::5:10352`` is read as a host without a port: the estimator could not
+    listen on it, nor the multischeduler dial it."""
+    v6 = NodeIdentity("vk-lower-1", "lower-1", "fd00::5", 10250, estimator_port=10352)
+    annotations = registration(v6, REPORT)["metadata"]["annotations"]
+    assert annotations[keys.ESTIMATOR_ADDRESS_ANNOTATION] == "[fd00::5]:10352"
+    assert host_port("10.1.2.3", 10352) == "10.1.2.3:10352"
+    assert host_port("[fd00::5]", 1) == "[fd00::5]:1"
 
 
 def lower_node(name: str, **labels: str) -> dict[str, object]:
