@@ -212,6 +212,16 @@ class NodeController:
         except ApiError as error:
             if not is_not_found(error):
                 raise
+            # The Lease goes with its Node: a `kubectl delete node` is seen here, within
+            # a renewal, rather than at the next heartbeat up to a minute on, by when the
+            # upper pod GC may have deleted the pods bound to a Node that is not there.
+            try:
+                await self.upper.get(NODES, self.identity.name)
+            except ApiError as node_error:
+                if not is_not_found(node_error):
+                    raise
+                log.warning("node %s was deleted; registering it again", self.identity.name)
+                await self.register()
             await self.upper.create(
                 LEASES,
                 lease(self.identity, self._node_uid),

@@ -301,6 +301,24 @@ async def test_a_node_deleted_while_its_labels_change_is_registered_again() -> N
     assert created[0]["metadata"]["labels"][keys.ARCH_LABEL] == "arm64"
 
 
+async def test_a_node_deleted_is_registered_again_at_the_next_lease_renewal() -> None:
+    """Its Lease went with it: the renewal that finds the Lease gone registers the Node
+    again and makes the Lease for the new one, rather than a Lease of the old Node's UID
+    (the GC takes that away too) while the status waits for its next heartbeat."""
+    upper = FakeClient()
+    controller = nodecontroller.NodeController(upper, identity(), FlakyLowerCluster(True))
+    controller.reachable = True
+    await controller.register()
+    upper.requests.clear()
+    lease_path = f"/apis/coordination.k8s.io/v1/namespaces/{keys.NODE_LEASE_NAMESPACE}/leases"
+    upper.answer("PATCH", f"{lease_path}/vk-lower-1", status_error(404, "NotFound", "gone"))
+    await controller.renew_lease()
+    posted = [r for r in upper.requests if r.method == "POST"]
+    assert [r.path for r in posted] == ["/api/v1/nodes", lease_path]
+    (owner,) = posted[1].body["metadata"]["ownerReferences"]
+    assert owner["uid"] == "uid-2", "the new Node's"
+
+
 async def test_after_an_outage_a_condition_moves_from_what_the_node_holds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
