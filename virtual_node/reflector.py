@@ -30,6 +30,7 @@ from kubekit.client import (
     ApiError,
     KubeClient,
     Resource,
+    is_not_found,
 )
 from kubekit.informer import FunctionHandler, Informer, object_key
 from kubekit.workqueue import WorkQueue
@@ -418,7 +419,7 @@ class Reflector:
                 raise NameTaken(
                     f"{RESOURCES[kind].plural} {self.mapping.lower(namespace)}/{name} exists "
                     f"in the lower cluster and was not made by this upper cluster: the pod "
-                    "would get it instead of its own"
+                    "would get it instead of its own (or of none, if it has none above)"
                 )
 
     async def run(self, workers: int) -> None:
@@ -462,6 +463,25 @@ class Reflector:
                 await self._replace(resource, lower, desired, lower_namespace)
         elif lower is not None:
             await self.lower.delete_exact(resource, lower)
+        elif (
+            upper is None
+            and namespace
+            and self._wanted(key)
+            and await self._someone_elses(resource, name, lower_namespace)
+        ):
+            # Named by a pod and missing above (an optional reference, one not made yet):
+            # a namesake below, the lower cluster's own or another tenant's copy, would be
+            # what the pod gets instead of nothing.
+            self._taken.add(key)
+
+    async def _someone_elses(self, resource: Resource, name: str, namespace: str) -> bool:
+        try:
+            existing = await self.lower.get(resource, name, namespace)
+        except ApiError as error:
+            if is_not_found(error):
+                return False
+            raise
+        return not self.owner.owns(existing)
 
     async def _create(self, resource: Resource, desired: dict[str, Any], namespace: str) -> bool:
         """False when the name is someone else's below (never overwritten)."""

@@ -509,6 +509,23 @@ async def test_a_namesake_below_that_is_not_ours_keeps_the_pod_from_being_made()
     assert copy["metadata"]["labels"] == OWNER.labels()
 
 
+async def test_a_namesake_below_of_an_object_missing_above_keeps_the_pod_from_being_made() -> None:
+    """The pod names a Secret it does not have above (optional, say): below, the lower
+    cluster's own or another tenant's copy of that name is what it would get."""
+    r = reflecting()
+    theirs = {"metadata": {"name": "db-password", "namespace": "shop", "labels": {}}}
+    r.lower.answer("GET", f"{SECRETS}/db-password", theirs)
+    optional = {"secretRef": {"name": "db-password", "optional": True}}
+    web = pod(containers=[{"name": "app", "image": "app", "envFrom": [optional]}])
+    r.above(None, web)
+    with pytest.raises(NameTaken, match="secrets shop/db-password exists in the lower"):
+        await r.reflector.ensure_for_pod(web)
+    assert r.lower.writes() == []
+    # Not there below either: the pod goes as it would above, without it.
+    await r.reflector.ensure_for_pod(web)
+    assert r.lower.writes() == []
+
+
 async def test_a_cluster_wide_namesake_below_is_used_as_it_is() -> None:
     """A PriorityClass the lower cluster has of that name is the lower admin's to set."""
     r = reflecting()
