@@ -12,6 +12,7 @@ import orjson
 from kubekit import keys
 from kubekit.client import API_ERRORS, EVENTS, ApiError, KubeClient, is_not_found
 from kubekit.informer import FunctionHandler, Informer, object_key
+from kubekit.ratelimit import ItemBackoff
 from kubekit.workqueue import WorkQueue
 from virtual_node.translate import Ownership
 
@@ -105,6 +106,17 @@ def lower_event_uid(copy_name: str) -> str:
     return copy_name.rpartition(".")[2]
 
 
+# As client-go's event broadcaster, which a kubelet uses: an event is tried for minutes
+# (12 times, 1 s apart doubling to a minute), so an upper apiserver's restart or a
+# second of 503s drops none. A one-off event (Scheduled, Started) never comes back to
+# be tried again.
+EVENT_ATTEMPTS = 12
+
+
+def event_queue(first_retry_seconds: float = 1.0) -> WorkQueue[str]:
+    return WorkQueue("events", backoff=ItemBackoff(base=first_retry_seconds, cap=60.0))
+
+
 class EventReflector:
     def __init__(
         self,
@@ -139,7 +151,7 @@ class EventReflector:
 
     async def run(self, workers: int) -> None:
         await self._load_copies()
-        await self.queue.run_workers(workers, self.reconcile, max_retries=5)
+        await self.queue.run_workers(workers, self.reconcile, max_retries=EVENT_ATTEMPTS)
 
     async def _load_copies(self) -> None:
         """Learns the copies made before a restart, so they are not sent again: with

@@ -44,7 +44,7 @@ from kubekit.timestamps import now_micro
 from kubekit.workqueue import WorkQueue
 from virtual_node.estimator import EstimatorServer, EstimatorService, FitEstimator
 from virtual_node.estimator import serve as serve_estimator
-from virtual_node.events import EventReflector
+from virtual_node.events import EventReflector, event_queue
 from virtual_node.kubeletapi.auth import Authorizer
 from virtual_node.kubeletapi.certificates import keep_renewed, serving_certificate
 from virtual_node.kubeletapi.server import STREAMING_IDLE_TIMEOUT, KubeletServer
@@ -390,7 +390,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             backend.pods,
             owner,
             config.cluster_id,
-            WorkQueue("events"),
+            event_queue(),
         )
         pods = PodController(upper, upper_pods, backend, config.name, queue)
         lower_namespaces = LowerNamespaces(

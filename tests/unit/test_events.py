@@ -1,5 +1,18 @@
+import asyncio
+import contextlib
+
 from kubekit import keys
-from virtual_node.events import fingerprint, lower_event_uid, recurrence, upper_event
+from kubekit.client import EVENTS, PODS
+from kubekit.informer import Informer
+from tests.unit.fakeapi import FakeClient, status_error
+from virtual_node.events import (
+    EventReflector,
+    event_queue,
+    fingerprint,
+    lower_event_uid,
+    recurrence,
+    upper_event,
+)
 from virtual_node.translate import Ownership
 
 OWNER = Ownership(origin="upper-cluster-uid", node_name="vk-lower-1", cluster_id="lower-1")
@@ -107,3 +120,37 @@ def test_a_new_style_events_series_comes_up_and_its_repeats_patch_the_copy() -> 
     again = {**first, "series": {"count": 7, "lastObservedTime": "2026-01-01T00:35:00.000000Z"}}
     assert fingerprint(again) != fingerprint(first)
     assert recurrence(again)["series"] == again["series"]
+
+
+async def test_an_event_is_copied_up_after_seconds_of_failed_creates() -> None:
+    """The upper apiserver answers 503 six times in a row (a restart): the event is still
+    copied, where five tries 5 ms apart gave up and dropped it for good."""
+    upper = FakeClient()
+    path = "/api/v1/namespaces/shop/events"
+    upper.answer("POST", path, *[status_error(503, "ServiceUnavailable", "restarting")] * 6)
+    pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
+    events = Informer(client=None, resource=EVENTS)  # type: ignore[arg-type]
+    owned = {**LOWER_POD, "metadata": {**LOWER_POD["metadata"], "labels": OWNER.labels()}}
+    pods.apply({"type": "ADDED", "object": owned})
+    lower = {
+        "metadata": {"name": "web-1.abc", "namespace": "east-shop", "uid": "e-1"},
+        "involvedObject": {"kind": "Pod", "name": "web-1", "namespace": "east-shop"},
+        "type": "Normal",
+        "reason": "Scheduled",
+        "message": "Successfully assigned east-shop/web-1 to node-7",
+    }
+    reflector = EventReflector(
+        upper, events, pods, OWNER, "lower-1", event_queue(first_retry_seconds=0.001)
+    )
+    events.apply({"type": "ADDED", "object": lower})
+    workers = asyncio.ensure_future(reflector.run(1))
+    try:
+        for _ in range(2000):
+            if len(upper.writes("POST")) == 7:
+                break
+            await asyncio.sleep(0.005)
+    finally:
+        workers.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await workers
+    assert len(upper.writes("POST")) == 7
