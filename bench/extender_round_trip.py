@@ -101,7 +101,7 @@ def virtual_node_object(name: str, cluster_id: str, port: int) -> dict[str, Any]
         "metadata": {
             "name": name,
             "labels": {
-                keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL,
+                keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
                 keys.CLUSTER_ID_LABEL: cluster_id,
             },
             "annotations": {keys.ESTIMATOR_ADDRESS_ANNOTATION: f"127.0.0.1:{port}"},

@@ -86,7 +86,7 @@ def main() -> None:
                     "get",
                     "nodes",
                     "-l",
-                    f"{keys.NODE_TYPE_LABEL}={keys.NODE_TYPE_VIRTUAL}",
+                    f"{keys.VIRTUAL_NODE_LABEL}={keys.VIRTUAL_NODE_LABEL_VALUE}",
                 ]
             ),
             args.rounds,

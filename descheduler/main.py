@@ -127,7 +127,9 @@ async def deschedule(config: Config, health: Health) -> None:
     async with await KubeClient.connect(ClientSettings(config.kubeconfig)) as client:
         pool = config.estimators.pool()
         nodes = Informer(
-            client, NODES, label_selector=f"{keys.NODE_TYPE_LABEL}={keys.NODE_TYPE_VIRTUAL}"
+            client,
+            NODES,
+            label_selector=f"{keys.VIRTUAL_NODE_LABEL}={keys.VIRTUAL_NODE_LABEL_VALUE}",
         )
         nodes.add_handler(pool.handler())
         pods = Informer(client, PODS)

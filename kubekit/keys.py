@@ -54,7 +54,6 @@ PROVIDER_TAINT_VALUE = "kubestrata"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGED_BY_VALUE = "kubestrata"
 ORIGIN_LABEL = f"{PREFIX}/origin"
-VIRTUAL_NODE_LABEL = f"{PREFIX}/virtual-node"
 UPPER_UID_ANNOTATION = f"{PREFIX}/upper-uid"
 UPPER_NAMESPACE_ANNOTATION = f"{PREFIX}/upper-namespace"
 # Which labels and annotations of a lower pod came from the upper pod: only those are

@@ -163,7 +163,7 @@ async def collect(kubeconfig: str | None) -> list[VirtualNodeStatus]:
     """Reads the virtual Nodes, then their Leases and pod counts all at once, from the
     upper cluster."""
     async with await KubeClient.connect(ClientSettings(kubeconfig)) as client:
-        selector = f"{keys.NODE_TYPE_LABEL}={keys.NODE_TYPE_VIRTUAL}"
+        selector = f"{keys.VIRTUAL_NODE_LABEL}={keys.VIRTUAL_NODE_LABEL_VALUE}"
         nodes = (await client.list(NODES, labelSelector=selector))["items"]
         names = [node["metadata"]["name"] for node in nodes]
         found = await asyncio.gather(

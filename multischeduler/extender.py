@@ -87,7 +87,9 @@ def virtual_node(node: Mapping[str, Any]) -> VirtualNode | None:
     """The virtual node a Node object stands for, or None for an ordinary Node."""
     metadata = node.get("metadata") or {}
     labels = metadata.get("labels") or {}
-    if labels.get(keys.NODE_TYPE_LABEL) != keys.NODE_TYPE_VIRTUAL:
+    # Our own label, not virtual-kubelet's `type`: another provider's virtual Node (ACI)
+    # has no estimator, and every pod meant for it would be refused.
+    if labels.get(keys.VIRTUAL_NODE_LABEL) != keys.VIRTUAL_NODE_LABEL_VALUE:
         return None
     annotations = metadata.get("annotations") or {}
     address = annotations.get(keys.ESTIMATOR_ADDRESS_ANNOTATION)

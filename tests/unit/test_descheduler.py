@@ -83,7 +83,10 @@ def virtual(name: str, down_for: float | None = None, cordoned: bool = False) ->
         else {"type": "Ready", "status": "Unknown", "lastTransitionTime": stamp(down_for)}
     )
     return {
-        "metadata": {"name": name, "labels": {keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL}},
+        "metadata": {
+            "name": name,
+            "labels": {keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE},
+        },
         "spec": {"unschedulable": True} if cordoned else {},
         "status": {"conditions": [ready]},
     }

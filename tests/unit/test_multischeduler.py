@@ -124,16 +124,22 @@ def node(name: str, labels: dict[str, str], annotations: dict[str, str] | None =
     [
         (node("worker", {"type": "worker"}), None),
         (node("worker", {}), None),
+        # Another virtual-kubelet provider's Node (ACI): not ours, no estimator to ask.
+        (node("virtual-node-aci-linux", {keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL}), None),
         (
             node(
                 "vk-lower-1",
-                {keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL, keys.CLUSTER_ID_LABEL: "lower-1"},
+                {
+                    keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL,
+                    keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
+                    keys.CLUSTER_ID_LABEL: "lower-1",
+                },
                 {keys.ESTIMATOR_ADDRESS_ANNOTATION: "10.0.0.5:10351"},
             ),
             VirtualNode("vk-lower-1", "lower-1", "10.0.0.5:10351"),
         ),
         (
-            node("vk-x", {keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL}),
+            node("vk-x", {keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE}),
             VirtualNode("vk-x", "", None),
         ),
     ],

@@ -249,7 +249,10 @@ def virtual_node_object(name: str, address: str | None, started: str = "") -> di
     annotations = {keys.ESTIMATOR_ADDRESS_ANNOTATION: address} if address else {}
     if started:
         annotations[keys.ESTIMATOR_STARTED_ANNOTATION] = started
-    labels = {keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL, keys.CLUSTER_ID_LABEL: cluster_of(name)}
+    labels = {
+        keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
+        keys.CLUSTER_ID_LABEL: cluster_of(name),
+    }
     return {"metadata": {"name": name, "labels": labels, "annotations": annotations}}
 
 
@@ -810,7 +813,7 @@ async def test_a_restarted_estimator_gets_a_fresh_channel(tmp_path: Path) -> Non
             keys.ESTIMATOR_ADDRESS_ANNOTATION: "127.0.0.1:1",
             keys.ESTIMATOR_STARTED_ANNOTATION: started,
         }
-        labels = {keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL}
+        labels = {keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE}
         pool.put({"metadata": {"name": "vk-a", "labels": labels, "annotations": annotations}})
         return pool._estimators["vk-a"].channel
 
