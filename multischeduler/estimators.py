@@ -197,14 +197,18 @@ def _failure(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
-async def _unless_closed(call: Awaitable[Response]) -> Response:
-    """Awaits a gRPC call. Closing its channel (its estimator moved or restarted: see
-    ``EstimatorPool.put``) cancels it, and grpc.aio raises that as asyncio.CancelledError
-    in whoever awaits it: unless that task is being cancelled itself, it is this call's
-    failure. Raised as such, it had ended the slicing leader's work, and with it the
-    whole multischeduler, silently (a CI run)."""
+async def _unless_closed(make_call: Callable[[], Awaitable[Response]]) -> Response:
+    """Makes and awaits a gRPC call. Closing its channel (its estimator moved or
+    restarted: see ``EstimatorPool.put``) cancels it, and grpc.aio raises that as
+    asyncio.CancelledError in whoever awaits it: unless that task is being cancelled
+    itself, it is this call's failure. Raised as such, it had ended the slicing leader's
+    work, and with it the whole multischeduler, silently (a CI run). A channel closed
+    while its caller waited for something else refuses the call with UsageError, as
+    much this call's failure: raised, it failed the whole decision (HTTP 500)."""
     try:
-        return await call
+        return await make_call()
+    except grpc.aio.UsageError:
+        raise _failure(grpc.StatusCode.CANCELLED, "its channel closed before the call") from None
     except asyncio.CancelledError:
         if being_cancelled():
             raise
@@ -382,7 +386,9 @@ class EstimatorPool:
         if not estimator.unary_only:
             deadline = asyncio.get_running_loop().time() + timeout
             try:
-                return await _unless_closed(self._stream(estimator, metadata).ask(request, timeout))
+                return await _unless_closed(
+                    lambda: self._stream(estimator, metadata).ask(request, timeout)
+                )
             except grpc.aio.AioRpcError as error:
                 if error.code() is not grpc.StatusCode.UNIMPLEMENTED:
                     raise
@@ -390,7 +396,7 @@ class EstimatorPool:
             log.info("%s: the estimator has no EstimateStream: one call per request", name)
             timeout = max(0.0, deadline - asyncio.get_running_loop().time())
         return await _unless_closed(
-            estimator.stub.Estimate(request, timeout=timeout, metadata=metadata)
+            lambda: estimator.stub.Estimate(request, timeout=timeout, metadata=metadata)
         )
 
     def _stream(self, estimator: _Estimator, metadata: Metadata) -> AnswerStream:
@@ -429,7 +435,7 @@ class EstimatorPool:
         except OSError as error:
             return EstimatorFailure(f"cannot read the token: {error}")
         try:
-            return await _unless_closed(call(estimator.stub, metadata))
+            return await _unless_closed(lambda: call(estimator.stub, metadata))
         except grpc.aio.AioRpcError as error:
             code = error.code()
             return EstimatorFailure(
@@ -537,7 +543,7 @@ class EstimatorPool:
     async def _release(self, name: str, estimator: _Estimator, uids: list[str]) -> None:
         try:
             await _unless_closed(
-                estimator.stub.Release(
+                lambda: estimator.stub.Release(
                     ReleaseRequest(pod_uids=uids),
                     timeout=RELEASE_TIMEOUT,
                     metadata=self._metadata(),

@@ -888,6 +888,23 @@ async def test_a_call_cut_by_its_estimator_moving_is_a_failure_and_its_caller_go
     assert answer.maybe_reserved
 
 
+async def test_a_channel_closed_before_its_call_is_made_is_that_estimators_failure(
+    federation: Federation,
+) -> None:
+    """A decision that waited (for a Release in flight) while the estimator moved holds
+    the old estimator, whose channel is closed: grpc refuses the call with UsageError,
+    which is that one node's failure, not the whole decision's (an HTTP 500)."""
+    await federation.estimator("vk-a", NO_ROOM)
+    pool = federation.extender.pool
+    await pool._estimators["vk-a"].channel.close()
+    query = estimator_pb2.PodQuery(pod=orjson.dumps(named("p", "p")))
+    answer = (await pool.estimate(["vk-a"], query, 2.0))["vk-a"]
+    assert isinstance(answer, EstimatorFailure)
+    assert "CANCELLED: its channel closed before the call" in answer.message
+    room = await pool.slice_room("vk-a", "team", 2.0)
+    assert isinstance(room, EstimatorFailure) and "before the call" in room.message
+
+
 async def test_decisions_ask_each_estimator_over_one_long_lived_call(
     federation: Federation,
 ) -> None:
