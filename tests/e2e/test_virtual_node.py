@@ -191,6 +191,19 @@ def test_deployment_spreads_over_both_virtual_nodes_and_deletes_cleanly(
     wait_for(lambda: not pods_by_name(upper, "spread", "app=web"), "upper pods to go")
 
 
+def running_pod(upper: LocalCluster, namespace_name: str, name: str) -> dict[str, Any]:
+    """The upper pod once it runs."""
+    pod: dict[str, Any] = wait_for(
+        lambda: (
+            (p := get_json(upper, "pod", "-n", namespace_name, name))["status"].get("phase")
+            == "Running"
+            and p
+        ),
+        f"pod {namespace_name}/{name} to run",
+    )
+    return pod
+
+
 def test_pod_bound_by_node_name_runs_with_the_conditions_a_kubelet_reports(
     federation: Federation,
 ) -> None:
@@ -200,14 +213,7 @@ def test_pod_bound_by_node_name_runs_with_the_conditions_a_kubelet_reports(
         namespace("bound"),
         bound_pod("direct", "bound", "vk-lower-2"),
     )
-    pod = wait_for(
-        lambda: (
-            (p := get_json(upper, "pod", "-n", "bound", "direct"))["status"].get("phase")
-            == "Running"
-            and p
-        ),
-        "the pod bound by nodeName to run",
-    )
+    pod = running_pod(upper, "bound", "direct")
     conditions = {c["type"]: c["status"] for c in pod["status"]["conditions"]}
     assert conditions["PodScheduled"] == conditions["Ready"] == "True"
     assert pod["status"]["hostIP"] == "127.0.0.1"
@@ -671,6 +677,29 @@ def test_a_hostname_address_an_older_version_left_goes_at_restart(federation: Fe
         ),
         "the Hostname address to go",
     )
+
+
+def test_a_virtual_node_deleted_by_a_user_is_back_before_the_pod_gc_looks(
+    federation: Federation,
+) -> None:
+    """The upper pod GC deletes the pods bound to a Node missing for 40 s: the Node is
+    registered again well within that (the next Lease renewal finds its Lease gone with
+    it), and its pod runs on, the same pod."""
+    upper = federation.upper
+    apply(upper, namespace("node-deleted"), bound_pod("stays", "node-deleted", "vk-lower-2"))
+    pod = running_pod(upper, "node-deleted", "stays")
+    old_uid = get_json(upper, "node", "vk-lower-2")["metadata"]["uid"]
+    upper.kubectl("delete", "node", "vk-lower-2", "--wait=true")
+
+    def registered_again() -> bool:
+        found = upper.kubectl("get", "node", "vk-lower-2", "-o", "json", check=False)
+        return found.returncode == 0 and json.loads(found.stdout)["metadata"]["uid"] != old_uid
+
+    wait_for(registered_again, "the Node registered again", timeout=30)
+    after = get_json(upper, "pod", "-n", "node-deleted", "stays")
+    assert after["metadata"]["uid"] == pod["metadata"]["uid"]
+    assert after["status"]["phase"] == "Running"
+    upper.kubectl("delete", "namespace", "node-deleted", "--wait=false")
 
 
 def test_a_pod_deleted_above_while_the_virtual_node_was_down_goes_below_on_restart(
