@@ -25,11 +25,9 @@ class Serving:
 def host_port(address: str, port: int) -> str:
     """``address:port``, an IPv6 address in brackets (``[fd00::5]:10352``): bare, its
     colons run into the port's, and gRPC reads the whole as a host without a port."""
-    return (
-        f"[{address}]:{port}"
-        if ":" in address and not address.startswith("[")
-        else (f"{address}:{port}")
-    )
+    if ":" in address and not address.startswith("["):
+        return f"[{address}]:{port}"
+    return f"{address}:{port}"
 
 
 def add_serving_arguments(parser: argparse.ArgumentParser, generated_ca_help: str) -> None:

@@ -325,7 +325,7 @@ class SliceController:
                 True,
                 "SlicesKeptForPods",
                 f"{placed}; the quota asks {count}, the rest is in use by the namespace's "
-                "pods and given back as they finish",
+                "pods (or held by a cluster that does not answer) and given back once free",
             )
             self.queue.add_after(name, self.retry_after)
             return
