@@ -9,8 +9,9 @@ kube-scheduler extender for the upper cluster.
   that fails or is late fails its own node only (`--on-estimator-error fail`) or lets it
   pass (`ignore`). Ordinary nodes pass untouched.
 - `POST /prioritize`: 0..10 per candidate from filter's answers (`--score best-fit` or
-  `least-allocated`, averaged with the pod's preferred node affinity); 0 for ordinary
-  nodes. Called only while the scheduler has several candidates left.
+  `least-allocated`, averaged with the pod's preferred node affinity); ordinary nodes
+  get the best virtual node's score, so the extender never ranks them below the cluster
+  filter chose. Called only while the scheduler has several candidates left.
 - `POST /bind`, for a configuration that names it (`bindVerb: bind`, with
   `--on-estimator-error ignore`): holds room on a cluster filter let through unchecked or
   refuses, creates the Binding, then gives back the room the other clusters held. The
@@ -24,7 +25,7 @@ The same process is the namespace scheduler: it places the quota slices of names
 with a ResourceQuota over the lower clusters (multischeduler.slicing, docs/slices.md),
 and filter lets their pods only onto the clusters holding their slices.
 
-Virtual nodes are the upper Nodes labelled `type=virtual-kubelet`; their estimator is at
+Virtual nodes are the upper Nodes labelled `kubestrata.io/virtual-node=true`; their estimator is at
 the `kubestrata.io/estimator-address` annotation (gRPC over TLS, a bearer token). The
 upper kube-scheduler's KubeSchedulerConfiguration calls it with (manifests/
 multischeduler/scheduler-config.yaml)::

@@ -99,7 +99,8 @@ def parse_args(argv: Sequence[str]) -> Config:
         "--estimator-timeout",
         type=_seconds,
         default=0.5,
-        help="deadline of all estimator calls of one decision, in seconds (default %(default)s)",
+        help="deadline of one round of estimator calls, in seconds; a filter makes a second "
+        "round for estimators that restarted meanwhile (default %(default)s)",
     )
     parser.add_argument(
         "--on-estimator-error",
