@@ -116,6 +116,25 @@ def test_the_virtual_node_deployment_starts_with_flags_it_knows() -> None:
     assert "/tmp" in mounts
 
 
+def test_every_container_with_a_read_only_root_has_a_writable_tmp() -> None:
+    """A renewed serving certificate is loaded through scratch files (and the API client
+    writes a kubeconfig's embedded CA to one): on a read-only root with no /tmp, the
+    webhook and the multischeduler served their old certificate until they restarted."""
+    checked = []
+    for path, document in all_documents():
+        template = (document.get("spec") or {}).get("template") or (
+            ((document.get("spec") or {}).get("jobTemplate") or {}).get("spec", {}).get("template")
+        )
+        if not template:
+            continue
+        for container in template["spec"]["containers"]:
+            if (container.get("securityContext") or {}).get("readOnlyRootFilesystem"):
+                mounts = {m["mountPath"] for m in container.get("volumeMounts") or []}
+                assert "/tmp" in mounts, f"{path}: {container['name']}"
+                checked.append(document["metadata"]["name"])
+    assert {"kubestrata-webhook", "kubestrata-multischeduler"} <= set(checked)
+
+
 def flow_schemas() -> list[tuple[Path, dict[str, Any]]]:
     return [(p, d) for p, d in all_documents() if d["kind"] == "FlowSchema"]
 
