@@ -116,23 +116,44 @@ def test_the_virtual_node_deployment_starts_with_flags_it_knows() -> None:
     assert "/tmp" in mounts
 
 
+def containers() -> list[tuple[str, dict[str, Any]]]:
+    """Every container of a pod template (Deployments, Jobs, CronJobs), by its object."""
+    found = []
+    for path, document in all_documents():
+        spec = document.get("spec") or {}
+        template = spec.get("template") or (spec.get("jobTemplate") or {}).get("spec", {}).get(
+            "template"
+        )
+        for container in (template or {}).get("spec", {}).get("containers") or []:
+            found.append((f"{path}: {document['metadata']['name']}", container))
+    return found
+
+
 def test_every_container_with_a_read_only_root_has_a_writable_tmp() -> None:
     """A renewed serving certificate is loaded through scratch files (and the API client
     writes a kubeconfig's embedded CA to one): on a read-only root with no /tmp, the
     webhook and the multischeduler served their old certificate until they restarted."""
     checked = []
-    for path, document in all_documents():
-        template = (document.get("spec") or {}).get("template") or (
-            ((document.get("spec") or {}).get("jobTemplate") or {}).get("spec", {}).get("template")
-        )
-        if not template:
-            continue
-        for container in template["spec"]["containers"]:
-            if (container.get("securityContext") or {}).get("readOnlyRootFilesystem"):
-                mounts = {m["mountPath"] for m in container.get("volumeMounts") or []}
-                assert "/tmp" in mounts, f"{path}: {container['name']}"
-                checked.append(document["metadata"]["name"])
-    assert {"kubestrata-webhook", "kubestrata-multischeduler"} <= set(checked)
+    for where, container in containers():
+        if (container.get("securityContext") or {}).get("readOnlyRootFilesystem"):
+            mounts = {m["mountPath"] for m in container.get("volumeMounts") or []}
+            assert "/tmp" in mounts, where
+            checked.append(where)
+    assert any("kubestrata-webhook" in w for w in checked)
+    assert any("kubestrata-multischeduler" in w for w in checked)
+
+
+def test_every_container_passes_the_restricted_pod_security_standard() -> None:
+    """Where the namespace enforces `restricted`, a container without a seccomp profile
+    is refused: the ReplicaSets and Jobs would make no pod, said only in their events."""
+    found = containers()
+    assert len(found) >= 6
+    for where, container in found:
+        context = container.get("securityContext") or {}
+        assert context.get("seccompProfile") == {"type": "RuntimeDefault"}, where
+        assert context.get("runAsNonRoot") is True, where
+        assert context.get("allowPrivilegeEscalation") is False, where
+        assert context.get("capabilities") == {"drop": ["ALL"]}, where
 
 
 def flow_schemas() -> list[tuple[Path, dict[str, Any]]]:
