@@ -44,6 +44,9 @@ from webhook.configuration import url_configuration
 
 MULTISCHEDULER = "multischeduler"
 MULTISCHEDULER_ACCOUNT = "kubestrata-multischeduler"
+# The common name of the upper kube-scheduler's client certificate, the one the
+# multischeduler lets call it.
+SCHEDULER_CLIENT_NAME = "system:kube-scheduler"
 DESCHEDULER = "descheduler"
 DESCHEDULER_ACCOUNT = "kubestrata-descheduler"
 WEBHOOK = "webhook"
@@ -128,10 +131,11 @@ class FederationSpec:
         return specs
 
 
-def scheduler_extender(url: str, ca_file: Path) -> dict[str, object]:
+def scheduler_extender(url: str, ca_file: Path, client: pki.KeyPair) -> dict[str, object]:
     """The upper kube-scheduler's `extenders` entry for the multischeduler (the same as
-    manifests/multischeduler/scheduler-config.yaml). Not ignorable: a pod is never sent
-    to a cluster nobody checked."""
+    manifests/multischeduler/scheduler-config.yaml): ``client`` the scheduler's client
+    certificate, the extender's only caller. Not ignorable: a pod is never sent to a
+    cluster nobody checked."""
     return {
         "urlPrefix": url,
         "filterVerb": "filter",
@@ -141,8 +145,25 @@ def scheduler_extender(url: str, ca_file: Path) -> dict[str, object]:
         "nodeCacheCapable": True,
         "ignorable": False,
         "httpTimeout": "5s",
-        "tlsConfig": {"caFile": str(ca_file)},
+        "tlsConfig": {
+            "caFile": str(ca_file),
+            "certFile": str(client.cert_path),
+            "keyFile": str(client.key_path),
+        },
     }
+
+
+def scheduler_client_pair(directory: Path) -> pki.KeyPair:
+    """The upper kube-scheduler's client certificate for the multischeduler, signed by a
+    CA of its own kept in ``directory`` (``pki.ca_path`` of the pair: the extender's
+    --client-ca-file); made once, reused after."""
+    prefix = directory / "scheduler-client"
+    pair = pki.KeyPair(prefix.with_suffix(".crt"), prefix.with_suffix(".key"))
+    ca_file = pki.ca_path(pair)
+    if not (pair.cert_path.exists() and pair.key_path.exists() and ca_file.exists()):
+        ca = pki.create_ca(directory, prefix.name)
+        pair = pki.issue(ca, prefix, SCHEDULER_CLIENT_NAME, client=True)
+    return pair
 
 
 def _serves(url: str, context: ssl.SSLContext) -> bool:
@@ -409,6 +430,7 @@ class Federation:
         directory = self.state_dir / name
         serving = pki.serving_pair(directory, MULTISCHEDULER, (LOOPBACK,))
         ca_file = pki.ca_path(serving)
+        scheduler = scheduler_client_pair(directory)
         identity = self.identity(
             tenant, name, MULTISCHEDULER_ACCOUNT, MANIFESTS / MULTISCHEDULER / "rbac.yaml"
         )
@@ -423,6 +445,8 @@ class Federation:
                 f"--listen={LOOPBACK}:{port}",
                 f"--tls-cert-file={serving.cert_path}",
                 f"--tls-key-file={serving.key_path}",
+                f"--client-ca-file={pki.ca_path(scheduler)}",
+                f"--client-name={SCHEDULER_CLIENT_NAME}",
                 f"--estimator-ca-file={tenant.ca.cert_path}",
                 f"--estimator-token-file={identity.token_file}",
                 # As the descheduler's: a restarted one holds the slices' Lease at once.
@@ -436,7 +460,7 @@ class Federation:
             if time.monotonic() > deadline:
                 raise ClusterError(f"{name} not serving after {timeout:.0f} s")
             time.sleep(0.3)
-        tenant.set_scheduler_extenders([scheduler_extender(url, ca_file)])
+        tenant.set_scheduler_extenders([scheduler_extender(url, ca_file, scheduler)])
         if tenant is self.upper:
             self.multischeduler_url = url
         return url

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import ssl
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kubekit import pki
 
@@ -64,6 +67,29 @@ def check_serving_arguments(parser: argparse.ArgumentParser, args: argparse.Name
             parser.error(f"{flag}: no such file: {path}")
     if args.tls_cert_file is None and args.cert_dir is None:
         parser.error("give --tls-cert-file/--tls-key-file or --cert-dir")
+
+
+def certificate_subject(peercert: Mapping[str, Any] | None) -> tuple[str, tuple[str, ...]]:
+    """The common name ("" when none) and organizations of a verified client certificate,
+    as ``SSLSocket.getpeercert()`` gives it (None or empty: no certificate)."""
+    name = ""
+    organizations = []
+    for rdn in (peercert or {}).get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName":
+                name = value
+            elif key == "organizationName":
+                organizations.append(value)
+    return name, tuple(organizations)
+
+
+def check_client_ca(parser: argparse.ArgumentParser, path: Path, flag: str) -> None:
+    """A CA bundle for client certificates: PEM certificates that load, or the start is
+    refused (at the first handshake it would be too late to say)."""
+    try:
+        ssl.create_default_context(cafile=str(path))
+    except (OSError, ssl.SSLError) as error:
+        parser.error(f"{flag}: {path}: {error}")
 
 
 def serving(args: argparse.Namespace, name: str) -> Serving:

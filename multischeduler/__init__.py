@@ -17,6 +17,9 @@ kube-scheduler extender for the upper cluster.
   refuses, creates the Binding, then gives back the room the other clusters held. The
   configuration below leaves binding to the scheduler: the chosen cluster's estimator
   turns the room filter held into the pod on its way down when it sees the binding.
+- The three verbs above answer only a caller with a client certificate signed by
+  `--client-ca-file` (and named in `--client-name`, when given): the scheduler's, from its
+  extender tlsConfig `certFile` and `keyFile`. Anyone else gets 403.
 - `GET /healthz` (probes; served once the Node, Namespace and ResourceQuota caches are
   filled), `GET /metrics` (Prometheus text: `kubestrata_extender_filter_seconds` and
   counters).
@@ -39,7 +42,7 @@ multischeduler/scheduler-config.yaml)::
       nodeCacheCapable: true
       ignorable: false
       httpTimeout: 5s
-      tlsConfig: {caFile: ...}
+      tlsConfig: {caFile: ..., certFile: ..., keyFile: ...}
 """
 
 from __future__ import annotations

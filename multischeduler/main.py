@@ -32,6 +32,7 @@ from kubekit.informer import FunctionHandler, Informer
 from kubekit.leader import ElectionSettings
 from kubekit.serving import (
     add_serving_arguments,
+    check_client_ca,
     check_kubeconfig,
     check_serving_arguments,
     serving,
@@ -43,7 +44,7 @@ from multischeduler.estimators import (
     estimator_client,
 )
 from multischeduler.extender import BindingArgs, OnEstimatorError, Score, binding_body
-from multischeduler.server import Extender, make_app
+from multischeduler.server import Callers, Extender, make_app
 from multischeduler.slicing import Headrooms, SliceController, headrooms
 
 log = logging.getLogger("multischeduler")
@@ -62,6 +63,8 @@ class Config:
     port: int
     cert_file: Path
     key_file: Path
+    client_ca_file: Path
+    callers: Callers
     kubeconfig: str | None
     estimators: EstimatorClient
     estimator_timeout: float
@@ -94,6 +97,21 @@ def parse_args(argv: Sequence[str]) -> Config:
         "--kubeconfig", help="of the upper cluster, for Nodes and Bindings (default: in-cluster)"
     )
     add_serving_arguments(parser, "multischeduler-ca.crt, the scheduler's tlsConfig.caFile")
+    parser.add_argument(
+        "--client-ca-file",
+        type=Path,
+        required=True,
+        help="CA that signed the upper kube-scheduler's client certificate (its extender "
+        "tlsConfig certFile and keyFile): filter, prioritize and bind from anyone else are "
+        "refused",
+    )
+    parser.add_argument(
+        "--client-name",
+        action="append",
+        default=[],
+        help="common name the scheduler's client certificate must have (repeatable; "
+        "default: any certificate the CA signed); for a CA that signs for others too",
+    )
     add_estimator_client_arguments(parser)
     parser.add_argument(
         "--estimator-timeout",
@@ -150,6 +168,7 @@ def parse_args(argv: Sequence[str]) -> Config:
         parser.error(str(error))
     logs.configure(args.log_level, args.log_format)
     check_serving_arguments(parser, args)
+    check_client_ca(parser, args.client_ca_file, "--client-ca-file")
     estimators = estimator_client(parser, args)
     check_kubeconfig(parser, args.kubeconfig)
     listening = serving(args, "multischeduler")
@@ -158,6 +177,8 @@ def parse_args(argv: Sequence[str]) -> Config:
         port=listening.port,
         cert_file=listening.cert_file,
         key_file=listening.key_file,
+        client_ca_file=args.client_ca_file,
+        callers=Callers(frozenset(args.client_name)),
         kubeconfig=args.kubeconfig,
         estimators=estimators,
         estimator_timeout=args.estimator_timeout,
@@ -225,7 +246,7 @@ async def run(config: Config) -> None:
         watching = [
             asyncio.create_task(informer.run(), name=repr(informer)) for informer in informers
         ]
-        runner = web.AppRunner(make_app(extender), access_log=None)
+        runner = web.AppRunner(make_app(extender, config.callers), access_log=None)
         reloading: asyncio.Task[None] | None = None
         try:
             # Before the caches are filled every virtual node would look ordinary and pass,
@@ -233,7 +254,12 @@ async def run(config: Config) -> None:
             await asyncio.gather(*(i.wait_synced() for i in informers))
             await runner.setup()
             reloading = await start_https_site(
-                runner, config.host, config.port, config.cert_file, config.key_file
+                runner,
+                config.host,
+                config.port,
+                config.cert_file,
+                config.key_file,
+                config.client_ca_file,
             )
             log.info(
                 "serving the scheduler extender on https://%s:%d with %d virtual nodes",

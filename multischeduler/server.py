@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -15,6 +16,7 @@ from aiohttp import web
 from kubekit.client import API_ERRORS, JSON, NODES, PODS, Resource
 from kubekit.estimatorapi.estimator_pb2 import PodEstimate, PodQuery
 from kubekit.loops import Background
+from kubekit.serving import certificate_subject
 from multischeduler.estimators import EstimatorPool
 from multischeduler.extender import (
     Answer,
@@ -253,7 +255,48 @@ class Extender:
         return f"no room left for pod {key} on {args.node}: {why}"
 
 
-def make_app(extender: Extender) -> web.Application:
+@dataclass(frozen=True)
+class Callers:
+    """Who may call the scheduler's verbs: /bind binds any pod to any node with this
+    process's rights, and /filter holds room in the lower clusters. A caller shows a
+    client certificate the --client-ca-file CA signed (the TLS handshake checks that
+    much) naming, when ``names`` are given, one of them: a CA that signs for others too
+    (the cluster's own) must not let all of them in."""
+
+    names: frozenset[str] = frozenset()
+
+    def refusal(self, peercert: Mapping[str, Any] | None) -> str | None:
+        """Why a caller with this certificate (None: none shown) is refused; None when
+        it is let in."""
+        if not peercert:
+            return (
+                "no client certificate: the scheduler's verbs are for the upper "
+                "kube-scheduler (its extender tlsConfig certFile and keyFile)"
+            )
+        name, _organizations = certificate_subject(peercert)
+        if self.names and name not in self.names:
+            return f"client certificate of {name or 'no common name'!r}: not a --client-name"
+        return None
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def make_app(extender: Extender, callers: Callers) -> web.Application:
+    def scheduler_verb(handler: Handler) -> Handler:
+        async def checked(request: web.Request) -> web.StreamResponse:
+            transport = request.transport
+            refusal = callers.refusal(
+                transport.get_extra_info("peercert") if transport is not None else None
+            )
+            if refusal is not None:
+                # The scheduler logs the status alone: the reason is told here.
+                log.warning("refused %s from %s: %s", request.path, request.remote, refusal)
+                return web.json_response({"Error": refusal}, status=403)
+            return await handler(request)
+
+        return checked
+
     async def filter_(request: web.Request) -> web.Response:
         try:
             args = parse_extender_args(await request.read())
@@ -286,9 +329,9 @@ def make_app(extender: Extender) -> web.Application:
         )
 
     app = web.Application(client_max_size=MAX_BODY)
-    app.router.add_post("/filter", filter_)
-    app.router.add_post("/prioritize", prioritize)
-    app.router.add_post("/bind", bind)
+    app.router.add_post("/filter", scheduler_verb(filter_))
+    app.router.add_post("/prioritize", scheduler_verb(prioritize))
+    app.router.add_post("/bind", scheduler_verb(bind))
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     return app

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -623,3 +626,34 @@ def test_the_estimator_answers_only_callers_allowed_to_get_nodes_estimator(
     assert asyncio.run(ask(stranger.strip())) == grpc.StatusCode.PERMISSION_DENIED
     # The multischeduler's own token (its ServiceAccount may get nodes/estimator).
     assert asyncio.run(ask(multischeduler_token(fragmented))) == grpc.StatusCode.OK
+
+
+def test_the_extender_binds_for_the_upper_scheduler_alone(fragmented: Federation) -> None:
+    """The scheduler shows its client certificate and binds (every test above); a caller
+    without one is refused, and the pod it tried to bind, which fits nowhere, stays
+    unbound (until 2026-11-28 anyone who reached the extender could bind any pod to any
+    node with the multischeduler's rights)."""
+    assert fragmented.multischeduler_url is not None
+    apply(fragmented.upper, frag_pod("nowhere", "20"))
+    try:
+        wait_for(lambda: failed_scheduling(fragmented, "nowhere"), "nowhere turned away")
+        binding = {
+            "PodName": "nowhere",
+            "PodNamespace": NAMESPACE,
+            "PodUID": upper_pod(fragmented, "nowhere")["metadata"]["uid"],
+            "Node": "vk-lower-1",
+        }
+        server_ca = fragmented.state_dir / "multischeduler" / "multischeduler-ca.crt"
+        request = urllib.request.Request(
+            fragmented.multischeduler_url + "/bind",
+            data=json.dumps(binding).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        context = ssl.create_default_context(cafile=str(server_ca))
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, context=context, timeout=10)
+        assert refused.value.code == 403
+        assert "no client certificate" in json.loads(refused.value.read())["Error"]
+        assert "nodeName" not in upper_pod(fragmented, "nowhere")["spec"]
+    finally:
+        delete_pods(fragmented, "app=nowhere")

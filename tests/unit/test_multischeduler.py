@@ -36,6 +36,7 @@ from multischeduler.extender import (
     virtual_node,
 )
 from multischeduler.main import parse_args
+from multischeduler.server import Callers
 
 MANIFESTS = Path(__file__).parents[2] / "manifests" / "multischeduler"
 POD = {"metadata": {"name": "p", "namespace": "ns", "uid": "u1"}, "spec": {}}
@@ -385,8 +386,13 @@ def test_defaults_and_a_generated_serving_certificate(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
-    config = parse_args(["--cert-dir", str(tmp_path), "--listen", "127.0.0.1:9443"])
+    client_ca = pki.create_ca(tmp_path, "scheduler-clients").cert_path
+    config = parse_args(
+        ["--cert-dir", str(tmp_path), "--listen", "127.0.0.1:9443", f"--client-ca-file={client_ca}"]
+    )
     assert (config.host, config.port) == ("127.0.0.1", 9443)
+    assert config.client_ca_file == client_ca
+    assert config.callers == Callers(names=frozenset())
     assert config.cert_file == tmp_path / "multischeduler.crt"
     assert (tmp_path / "multischeduler-ca.crt").is_file()
     assert config.estimator_timeout == 0.5
@@ -404,6 +410,9 @@ def test_every_flag(tmp_path: Path) -> None:
             f"--kubeconfig={token}",
             f"--tls-cert-file={pair.cert_path}",
             f"--tls-key-file={pair.key_path}",
+            f"--client-ca-file={pki.ca_path(pair)}",
+            "--client-name=system:kube-scheduler",
+            "--client-name=kubestrata-scheduler",
             f"--estimator-ca-file={pki.ca_path(pair)}",
             f"--estimator-token-file={token}",
             "--estimator-timeout=0.25",
@@ -414,6 +423,7 @@ def test_every_flag(tmp_path: Path) -> None:
     )
     assert (config.host, config.port) == ("0.0.0.0", 8443)
     assert config.cert_file == pair.cert_path
+    assert config.callers == Callers(frozenset({"system:kube-scheduler", "kubestrata-scheduler"}))
     assert config.estimators.ca_file == pki.ca_path(pair)
     assert config.estimators.token_file == token
     assert config.kubeconfig == str(token)
@@ -437,6 +447,8 @@ def test_every_flag(tmp_path: Path) -> None:
         (["--kubeconfig=K", "--cert-dir=D", "--estimator-timeout=soon"], "not a number"),
         (["--kubeconfig=K", "--cert-dir=D", "--on-estimator-error=retry"], "invalid choice"),
         (["--kubeconfig=K", "--cert-dir=D", "--score=random"], "invalid choice"),
+        (["--kubeconfig=K", "--cert-dir=D", "--client-ca-file=/nonexistent"], "No such file"),
+        (["--kubeconfig=K", "--cert-dir=D", "--client-ca-file=K"], "no certificate"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(
@@ -450,10 +462,22 @@ def test_bad_flags_exit_2_with_a_message(
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text("{}")
     argv = [a.replace("=D", f"={tmp_path}").replace("=K", f"={kubeconfig}") for a in argv]
+    client_ca = pki.create_ca(tmp_path, "scheduler-clients").cert_path
     with pytest.raises(SystemExit) as exit_:
-        parse_args(argv)
+        parse_args([f"--client-ca-file={client_ca}", *argv])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_extender_does_not_start_without_the_scheduler_s_client_ca(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text("{}")
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([f"--kubeconfig={kubeconfig}", f"--cert-dir={tmp_path}"])
+    assert exit_.value.code == 2
+    assert "the following arguments are required: --client-ca-file" in capsys.readouterr().err
 
 
 # -- manifests ---------------------------------------------------------------------------
@@ -467,7 +491,9 @@ def test_the_scheduler_configuration_is_the_one_kubestrata_up_writes() -> None:
     [configuration] = documents("scheduler-config.yaml")
     assert configuration["kind"] == "KubeSchedulerConfiguration"
     [extender] = configuration["extenders"]
-    local = scheduler_extender(extender["urlPrefix"], Path(extender["tlsConfig"]["caFile"]))
+    tls = extender["tlsConfig"]
+    client = pki.KeyPair(Path(tls["certFile"]), Path(tls["keyFile"]))
+    local = scheduler_extender(extender["urlPrefix"], Path(tls["caFile"]), client)
     assert extender == local
     assert extender["urlPrefix"].endswith(":8443")
 
@@ -537,13 +563,20 @@ def test_the_deployment_starts_the_extender_with_flags_it_knows(
     assert command == "multischeduler"
     pair = pki.serving_pair(tmp_path, "x", ("127.0.0.1",))
     certs = "/var/run/kubestrata/certs/"
+    client_ca = "/var/run/kubestrata/client-ca/ca.crt"
     local = [
-        a.replace(certs + "tls.crt", str(pair.cert_path)).replace(
-            certs + "tls.key", str(pair.key_path)
-        )
+        a.replace(certs + "tls.crt", str(pair.cert_path))
+        .replace(certs + "tls.key", str(pair.key_path))
+        .replace(client_ca, str(pki.ca_path(pair)))
         for a in args
     ]
     config = parse_args(local)
+    assert config.client_ca_file == pki.ca_path(pair)
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes[mounts["/var/run/kubestrata/client-ca"]]["configMap"] == {
+        "name": "kubestrata-multischeduler-client-ca"
+    }
     assert config.port == 8443 == service["spec"]["ports"][0]["port"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,7 @@ import grpc
 import grpc.aio
 import orjson
 import pytest
+from aiohttp import ClientConnectionError, TCPConnector, web
 from aiohttp.test_utils import TestClient, TestServer
 
 from kubekit import keys, pki
@@ -29,7 +31,7 @@ from kubekit.estimatorapi.estimator_pb2 import (
 from kubekit.informer import FunctionHandler, Informer
 from multischeduler.estimators import EstimatorPool, TokenFile, channel_credentials
 from multischeduler.extender import BindingArgs, EstimatorFailure, OnEstimatorError
-from multischeduler.server import Extender, make_app
+from multischeduler.server import Callers, Extender, make_app
 
 POD = {
     "apiVersion": "v1",
@@ -260,6 +262,38 @@ def serving_pair(tmp_path: Path) -> pki.KeyPair:
     return pki.serving_pair(tmp_path / "estimators", "estimator", ("127.0.0.1",))
 
 
+def callers_ca(tmp_path: Path) -> pki.KeyPair:
+    """The CA the extender trusts for its callers (made once per test)."""
+    ca = pki.KeyPair(tmp_path / "callers-ca.crt", tmp_path / "callers-ca.key")
+    return ca if ca.cert_path.exists() else pki.create_ca(tmp_path, "callers")
+
+
+def scheduler_pair(tmp_path: Path, name: str = "system:kube-scheduler") -> pki.KeyPair:
+    """A client certificate of ``name`` signed by ``callers_ca``."""
+    return pki.issue(callers_ca(tmp_path), tmp_path / name.replace(":", "-"), name, client=True)
+
+
+async def https_client(
+    app: web.Application, tmp_path: Path, caller: pki.KeyPair | None
+) -> TestClient[Any, Any]:
+    """A client of ``app`` served over HTTPS as the multischeduler serves it: a serving
+    certificate, and ``callers_ca`` for callers; the client shows the
+    certificate ``caller`` (None: none)."""
+    serving = pki.serving_pair(tmp_path / "extender", "extender", ("127.0.0.1",))
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server(
+        ssl=pki.server_ssl_context(
+            serving.cert_path, serving.key_path, callers_ca(tmp_path).cert_path
+        )
+    )
+    context = ssl.create_default_context(cafile=str(pki.ca_path(serving)))
+    if caller is not None:
+        context.load_cert_chain(caller.cert_path, caller.key_path)
+    client = TestClient(server, connector=TCPConnector(ssl=context))
+    await client.start_server()
+    return client
+
+
 @pytest.fixture
 async def federation(tmp_path: Path) -> AsyncIterator[Federation]:
     token = tmp_path / "token"
@@ -291,8 +325,7 @@ async def federation(tmp_path: Path) -> AsyncIterator[Federation]:
     waiting = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
     waiting.add_handler(FunctionHandler(delete=extender.stopped_waiting))
     waiting.synced.set()
-    client = TestClient(TestServer(make_app(extender)))
-    await client.start_server()
+    client = await https_client(make_app(extender, Callers()), tmp_path, scheduler_pair(tmp_path))
     world = Federation(tmp_path, extender, nodes, client, waiting)
     try:
         yield world
@@ -993,3 +1026,105 @@ async def test_a_call_the_estimator_ends_is_opened_again(federation: Federation)
         await server.stop(None)
     failed = (await federation.filter("vk-a"))["FailedAndUnresolvableNodes"]
     assert "UNAVAILABLE" in failed["vk-a"]
+
+
+# -- who may call -------------------------------------------------------------------------
+
+
+def test_a_caller_is_let_in_by_its_certificate() -> None:
+    scheduler = {"subject": ((("commonName", "system:kube-scheduler"),),)}
+    anyone = Callers()
+    assert anyone.refusal(scheduler) is None
+    named = Callers(frozenset({"system:kube-scheduler"}))
+    assert named.refusal(scheduler) is None
+    other = {"subject": ((("organizationName", "system:masters"),), (("commonName", "me"),))}
+    assert named.refusal(other) == "client certificate of 'me': not a --client-name"
+    assert "no common name" in str(named.refusal({"subject": ()}))
+    # getpeercert(): None without a certificate, {} for one not verified.
+    assert "no client certificate" in str(anyone.refusal(None))
+    assert "no client certificate" in str(anyone.refusal({}))
+
+
+async def extender_over_https(
+    tmp_path: Path, caller: pki.KeyPair | None, callers: Callers
+) -> tuple[TestClient[Any, Any], list[BindingArgs]]:
+    """The extender's app over HTTPS for ``caller``, with a binder that records."""
+    bindings: list[BindingArgs] = []
+
+    async def bind(args: BindingArgs) -> None:
+        bindings.append(args)
+
+    async def lookup(_resource: Resource, _namespace: str | None, _name: str) -> None:
+        return None
+
+    pool = EstimatorPool(grpc.ssl_channel_credentials(), TokenFile(tmp_path / "token"))
+    extender = Extender(pool, bind, lookup)
+    return await https_client(make_app(extender, callers), tmp_path, caller), bindings
+
+
+BINDING = {"PodName": "p", "PodNamespace": "ns", "PodUID": "u1", "Node": "worker-1"}
+FILTER = {"Pod": POD, "NodeNames": ["worker-1"]}
+
+
+async def test_a_caller_without_a_client_certificate_binds_nothing(tmp_path: Path) -> None:
+    client, bindings = await extender_over_https(tmp_path, None, Callers())
+    try:
+        for verb, body in (("bind", BINDING), ("filter", FILTER), ("prioritize", FILTER)):
+            response = await client.post(f"/{verb}", data=orjson.dumps(body))
+            assert response.status == 403
+            assert "no client certificate" in (await response.json())["Error"]
+        assert bindings == []
+        # Probes and scrapes show no certificate.
+        assert (await client.get("/healthz")).status == 200
+        assert (await client.get("/metrics")).status == 200
+    finally:
+        await client.close()
+
+
+async def test_the_scheduler_s_certificate_binds(tmp_path: Path) -> None:
+    callers = Callers(frozenset({"system:kube-scheduler"}))
+    client, bindings = await extender_over_https(tmp_path, scheduler_pair(tmp_path), callers)
+    try:
+        response = await client.post("/bind", data=orjson.dumps(BINDING))
+        assert response.status == 200
+        assert await response.json() == {"Error": ""}
+        assert [(b.pod_name, b.node) for b in bindings] == [("p", "worker-1")]
+    finally:
+        await client.close()
+
+
+async def test_another_name_of_the_same_ca_is_refused_when_names_are_given(
+    tmp_path: Path,
+) -> None:
+    callers = Callers(frozenset({"system:kube-scheduler"}))
+    jane = scheduler_pair(tmp_path, "jane")
+    client, bindings = await extender_over_https(tmp_path, jane, callers)
+    try:
+        response = await client.post("/bind", data=orjson.dumps(BINDING))
+        assert response.status == 403
+        assert "'jane'" in (await response.json())["Error"]
+        assert bindings == []
+    finally:
+        await client.close()
+
+
+async def test_a_certificate_of_another_ca_or_for_serving_only_gets_no_connection(
+    tmp_path: Path,
+) -> None:
+    stranger = pki.issue(
+        pki.create_ca(tmp_path, "stranger"),
+        tmp_path / "stranger",
+        "system:kube-scheduler",
+        client=True,
+    )
+    serving_only = pki.issue(
+        callers_ca(tmp_path), tmp_path / "server", "system:kube-scheduler", server_names=("x",)
+    )
+    for caller in (stranger, serving_only):
+        client, bindings = await extender_over_https(tmp_path, caller, Callers())
+        try:
+            with pytest.raises(ClientConnectionError):
+                await client.post("/bind", data=orjson.dumps(BINDING))
+            assert bindings == []
+        finally:
+            await client.close()

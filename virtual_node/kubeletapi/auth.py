@@ -12,6 +12,7 @@ from typing import Any
 
 from kubekit.client import API_ERRORS, KubeClient
 from kubekit.loops import on_loop
+from kubekit.serving import certificate_subject
 
 TOKEN_TTL = 120.0
 ALLOW_TTL = 300.0
@@ -85,17 +86,8 @@ def _forbidden(user: User, verb: str, subresources: tuple[str, ...]) -> AuthErro
 
 def user_from_certificate(peercert: dict[str, Any] | None) -> User | None:
     """The user a verified client certificate names: CN the name, O the groups."""
-    if not peercert:
-        return None
-    name = ""
-    groups = []
-    for rdn in peercert.get("subject", ()):
-        for key, value in rdn:
-            if key == "commonName":
-                name = value
-            elif key == "organizationName":
-                groups.append(value)
-    return User(name, groups=tuple(groups)) if name else None
+    name, groups = certificate_subject(peercert)
+    return User(name, groups=groups) if name else None
 
 
 class _TtlCache:
