@@ -22,8 +22,10 @@ from typing import Any
 
 import aiohttp
 import orjson
+import yaml
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
+from kubernetes_asyncio.config import ConfigException
 
 from kubekit import metrics
 from kubekit.ratelimit import TokenBucket
@@ -75,6 +77,11 @@ log = logging.getLogger(__name__)
 RETRIES_WHEN_TOLD = 10
 # A Retry-After beyond this is waited this long (the apiserver names 1 to 10 seconds).
 LONGEST_WAIT_WHEN_TOLD = 10.0
+
+
+class KubeconfigError(Exception):
+    """A kubeconfig (or the in-cluster configuration) that cannot be used as it is: no
+    later try would do better."""
 
 
 class WatchSilent(TimeoutError):
@@ -191,22 +198,32 @@ class KubeClient:
 
     @classmethod
     async def connect(cls, settings: ClientSettings) -> KubeClient:
+        """A client of the apiserver ``settings`` name; KubeconfigError when what they
+        name cannot be used (nothing is asked of the apiserver yet)."""
         configuration = k8s_client.Configuration()
-        if settings.kubeconfig is None:
-            k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-        else:
-            await k8s_config.load_kube_config(
-                config_file=settings.kubeconfig,
-                context=settings.context,
-                client_configuration=configuration,
-            )
+        try:
+            if settings.kubeconfig is None:
+                k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+            else:
+                await k8s_config.load_kube_config(
+                    config_file=settings.kubeconfig,
+                    context=settings.context,
+                    client_configuration=configuration,
+                )
+            context = _ssl_context(configuration)
+        # The library checks little of a file's shape: a list or an empty file fails as a
+        # TypeError, bytes not UTF-8 as a ValueError. A missing certificate file fails as
+        # an OSError, which would otherwise be taken for a connection failing, and tried
+        # again forever.
+        except (ConfigException, yaml.YAMLError, OSError, ValueError, TypeError) as error:
+            where = settings.kubeconfig or "in-cluster configuration"
+            raise KubeconfigError(f"{where}: {error or type(error).__name__}") from error
         configuration.connection_pool_maxsize = settings.connections
         api = k8s_client.ApiClient(configuration)
         # The library's session trusts the environment, so aiohttp looks up proxies and
         # ~/.netrc in a worker thread on every request: most of a busy controller's CPU.
         # A kubeconfig's proxy-url is still honoured (the library passes it per request).
         await api.rest_client.pool_manager.close()
-        context = _ssl_context(configuration)
         api.rest_client.pool_manager = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=settings.connections, ssl=context),
             trust_env=False,

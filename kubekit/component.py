@@ -11,11 +11,11 @@ import signal
 from collections.abc import Coroutine
 from typing import Any
 
-from kubekit.client import API_ERRORS
+from kubekit.client import API_ERRORS, KubeconfigError
 from kubekit.leader import LeadershipLost
 
 # What ends a component with one log line and exit code 1 instead of a traceback.
-_FAILURES: tuple[type[Exception], ...] = (*API_ERRORS, LeadershipLost)
+_FAILURES: tuple[type[Exception], ...] = (*API_ERRORS, LeadershipLost, KubeconfigError)
 
 # Net allocations between two young collections (Python's default: 700). A component's
 # caches are decoded JSON, millions of containers without a cycle; at the default, every
@@ -26,8 +26,8 @@ GC_YOUNG_THRESHOLD = 10_000
 
 def run_component(main: Coroutine[Any, Any, None], log: logging.Logger) -> int:
     """Runs ``main`` until it returns or SIGINT/SIGTERM cancels it (its ``finally``
-    blocks clean up); 1 when it failed on the network or the API or lost its leader Lease,
-    said in one log line rather than a traceback."""
+    blocks clean up); 1 when it failed on the network or the API, lost its leader Lease
+    or found its kubeconfig unusable, said in one log line rather than a traceback."""
 
     async def until_signalled() -> None:
         task = asyncio.create_task(main)

@@ -11,9 +11,6 @@ from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import Any
 
-import yaml
-from kubernetes_asyncio.config import ConfigException
-
 from kubekit import keys
 from kubekit.client import (
     API_ERRORS,
@@ -23,6 +20,7 @@ from kubekit.client import (
     ApiError,
     ClientSettings,
     KubeClient,
+    KubeconfigError,
     is_not_found,
 )
 from kubekit.quantity import format_quantity, parse_quantity
@@ -31,7 +29,7 @@ from kubekit.timestamps import parse_time
 JSON = dict[str, Any]
 # What reading an upper cluster fails with: no or a broken kubeconfig, no apiserver, a
 # refusal.
-READ_ERRORS: tuple[type[Exception], ...] = (ConfigException, yaml.YAMLError, *API_ERRORS)
+READ_ERRORS: tuple[type[Exception], ...] = (KubeconfigError, *API_ERRORS)
 # Pods bound to a virtual node that still count there (the phases a kubelet still runs).
 _ACTIVE_PODS = "status.phase!=Succeeded,status.phase!=Failed"
 

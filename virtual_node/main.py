@@ -38,7 +38,7 @@ from kubekit.health import Health
 from kubekit.informer import FunctionHandler, InformerFactory
 from kubekit.leader import ElectionSettings
 from kubekit.loops import run_together
-from kubekit.serving import check_kubeconfig
+from kubekit.serving import check_client_ca, check_kubeconfig
 from kubekit.slices import held_namespaces
 from kubekit.timestamps import now_micro
 from kubekit.workqueue import WorkQueue
@@ -130,6 +130,9 @@ class VirtualNodeConfig:
             raise ValueError("the streaming connection idle timeout cannot be negative")
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, not {self.workers}")
+        for name in ("upper_burst", "lower_burst", "event_burst"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
         if not 0 < self.kubelet_port < 65536:
             raise ValueError(f"kubelet port {self.kubelet_port} is not a TCP port")
         if not 0 <= self.estimator_port < 65536:
@@ -249,7 +252,8 @@ def parse_args(argv: Sequence[str]) -> VirtualNodeConfig:
     if args.config:
         try:
             loaded = yaml.safe_load(args.config.read_text()) or {}
-        except (OSError, yaml.YAMLError) as error:
+        # ValueError: bytes that are not UTF-8.
+        except (OSError, ValueError, yaml.YAMLError) as error:
             parser.error(f"--config: {error}")
         if not isinstance(loaded, dict):
             parser.error(f"{args.config}: a mapping of settings, not {type(loaded).__name__}")
@@ -552,10 +556,19 @@ async def _sweep_orphans(
 
 def check_files(config: VirtualNodeConfig) -> None:
     """The kubeconfigs given are files, and without an upper one the process runs in a
-    cluster: said in one line, before anything starts, rather than a traceback later."""
+    cluster; the client CA and the serving certificate given are files too, the CA one
+    that loads: said in one line, before anything starts, rather than a traceback later
+    (or, for a file missing while mirroring starts, a failure tried again forever)."""
     parser = argparse.ArgumentParser(prog="kubestrata virtual-node")
     check_kubeconfig(parser, config.lower_kubeconfig, "--lower-kubeconfig")
     check_kubeconfig(parser, config.upper_kubeconfig or None, "--upper-kubeconfig")
+    check_client_ca(parser, Path(config.client_ca_file), "--client-ca-file")
+    for flag, path in (
+        ("--tls-cert-file", config.tls_cert_file),
+        ("--tls-key-file", config.tls_key_file),
+    ):
+        if path and not Path(path).is_file():
+            parser.error(f"{flag}: no such file: {path}")
 
 
 def main(argv: Sequence[str]) -> int:

@@ -19,7 +19,12 @@ from kubekit.component import run_component
 from kubekit.health import serve_metrics
 from kubekit.informer import Informer
 from kubekit.moves import Moves, parse_moves
-from kubekit.serving import add_serving_arguments, check_serving_arguments, serving
+from kubekit.serving import (
+    add_serving_arguments,
+    check_kubeconfig,
+    check_serving_arguments,
+    serving,
+)
 from webhook.admission import BadReview, parse_review, review_response
 from webhook.certificate import ca_bundle_patch
 from webhook.configuration import CONFIGURATION_NAME, PATH, url_configuration
@@ -194,6 +199,8 @@ def parse_args(argv: Sequence[str]) -> WebhookConfig:
         parser.error("--register-url/--inject-ca-bundle need --ca-file with --tls-cert-file")
     if args.register_url is not None and not args.register_url.startswith("https://"):
         parser.error(f"--register-url must be an https URL, not {args.register_url!r}")
+    if args.register_url or args.inject_ca_bundle or args.follow_moves:
+        check_kubeconfig(parser, args.kubeconfig)
     return WebhookConfig(
         host=listening.host,
         port=listening.port,

@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from kubekit import keys
+from kubekit import keys, pki
 from kubekit.client import PODS, RESOURCEQUOTAS, Resource
 from kubekit.clusterstate import ClusterState
 from kubekit.informer import FunctionHandler, Informer
@@ -323,13 +323,16 @@ def test_the_virtual_node_takes_lists_from_repeated_flags_or_its_file(tmp_path: 
         (None, "--config: [Errno 2] No such file"),
         ("a: [", "--config: while parsing"),
         ("42", "a mapping of settings, not int"),
+        (b"cluster_id: \xff", "--config: 'utf-8' codec can't decode"),
     ],
 )
 def test_a_bad_config_file_is_one_line_not_a_traceback(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str | None, words: str
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str | bytes | None, words: str
 ) -> None:
     config = tmp_path / "vn.yaml"
-    if content is not None:
+    if isinstance(content, bytes):
+        config.write_bytes(content)
+    elif content is not None:
         config.write_text(content)
     with pytest.raises(SystemExit):
         parse_args(
@@ -355,6 +358,58 @@ def test_a_kubeconfig_that_is_not_there_is_one_line_not_a_traceback(
     with pytest.raises(SystemExit):
         check_files(config)
     assert f"--lower-kubeconfig: no such file: {missing}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        (None, "--client-ca-file: {ca}: [Errno 2] No such file"),
+        ("not a certificate", "--client-ca-file: {ca}: [X509: NO_CERTIFICATE_OR_CRL_FOUND]"),
+    ],
+)
+def test_a_client_ca_that_cannot_be_loaded_is_one_line_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str | None, words: str
+) -> None:
+    """Before, it failed as an OSError when mirroring began, taken for a connection
+    failure, and mirroring was started again for ever."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text("")
+    ca = tmp_path / "ca.crt"
+    if content is not None:
+        ca.write_text(content)
+    config = VirtualNodeConfig(
+        str(kubeconfig), "c", upper_kubeconfig=str(kubeconfig), client_ca_file=str(ca)
+    )
+    with pytest.raises(SystemExit):
+        check_files(config)
+    assert words.format(ca=ca) in capsys.readouterr().err
+
+
+def test_a_serving_certificate_that_is_not_there_is_one_line_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text("")
+    ca = pki.create_ca(tmp_path, "clients").cert_path
+    config = VirtualNodeConfig(
+        str(kubeconfig),
+        "c",
+        upper_kubeconfig=str(kubeconfig),
+        client_ca_file=str(ca),
+        tls_cert_file=str(tmp_path / "tls.crt"),
+        tls_key_file=str(ca),
+    )
+    with pytest.raises(SystemExit):
+        check_files(config)
+    assert f"--tls-cert-file: no such file: {tmp_path / 'tls.crt'}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["upper_burst", "lower_burst", "event_burst"])
+def test_a_client_with_no_burst_is_refused_at_start(name: str) -> None:
+    """A token bucket of none would let no request through: it failed as a traceback
+    once mirroring began."""
+    with pytest.raises(ValueError, match=f"{name} must be at least 1, not 0"):
+        VirtualNodeConfig("l", "c", client_ca_file="ca", **{name: 0})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

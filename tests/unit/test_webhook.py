@@ -17,7 +17,7 @@ from tests.unit.test_stash import specs
 from webhook.admission import BadReview, parse_review, review_response
 from webhook.configuration import daemonsets_webhook, stash_webhook, url_configuration
 from webhook.daemonsets import off_virtual_nodes
-from webhook.server import MovesFollower, make_app
+from webhook.server import MovesFollower, make_app, parse_args
 
 MANIFESTS = Path(__file__).parents[2] / "manifests"
 
@@ -513,3 +513,34 @@ def test_a_gated_daemonset_pod_is_left_as_it_is_on_update() -> None:
         "uid": "d2c1",
         "allowed": True,
     }
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--follow-moves"], "--kubeconfig is needed outside a cluster"),
+        (["--follow-moves", "--kubeconfig=/nonexistent"], "--kubeconfig: no such file"),
+        (["--inject-ca-bundle=kubestrata-webhook"], "--kubeconfig is needed outside a cluster"),
+        (["--register-url=https://127.0.0.1:1/stash"], "--kubeconfig is needed outside a cluster"),
+    ],
+)
+def test_a_webhook_that_talks_to_the_apiserver_needs_a_kubeconfig_at_start(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    flags: list[str],
+    words: str,
+) -> None:
+    """Said in one line before it serves, not as a traceback once it does."""
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with pytest.raises(SystemExit):
+        parse_args([f"--cert-dir={tmp_path}", "--listen=127.0.0.1:9443", *flags])
+    assert words in capsys.readouterr().err
+
+
+def test_a_webhook_that_only_answers_needs_no_kubeconfig(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    config = parse_args([f"--cert-dir={tmp_path}", "--listen=127.0.0.1:9443"])
+    assert config.kubeconfig is None and not config.follow_moves
