@@ -265,6 +265,20 @@ class FitEstimator:
     def _runtime_class_deleted(self, runtime_class: JSON) -> None:
         self._runtime_classes.pop(runtime_class["metadata"]["name"], None)
 
+    def _refusal(self, lower: Mapping[str, Any]) -> str | None:
+        """Why this cluster would not run the pod, whatever room it has: a namespace not
+        allowed the host access it asks for, a volume, a runtime class."""
+        return (
+            host_access_refusal(
+                lower["spec"],
+                lower["metadata"]["annotations"][keys.UPPER_NAMESPACE_ANNOTATION],
+                self.host_access_namespaces,
+                self.owner.cluster_id,
+            )
+            or self._volume_refusal(lower)
+            or runtime_refusal(lower, self._runtime_classes, self.owner.cluster_id)
+        )
+
     def _volume_refusal(self, lower: Mapping[str, Any]) -> str | None:
         namespace = (lower["metadata"].get("annotations") or {}).get(
             keys.UPPER_NAMESPACE_ANNOTATION, ""
@@ -437,17 +451,7 @@ class FitEstimator:
             copies, over_budget = self.quotas.room_for(
                 namespace, uid, usage, copies, self.owner.cluster_id
             )
-        refusal = (
-            over_budget
-            or host_access_refusal(
-                lower["spec"],
-                lower["metadata"]["annotations"][keys.UPPER_NAMESPACE_ANNOTATION],
-                self.host_access_namespaces,
-                self.owner.cluster_id,
-            )
-            or self._volume_refusal(lower)
-            or runtime_refusal(lower, self._runtime_classes, self.owner.cluster_id)
-        )
+        refusal = over_budget or self._refusal(lower)
         if refusal:
             # Room held for it here is of no use now (nothing tells the extender to give
             # it back: this answer names no node).
@@ -490,6 +494,9 @@ class FitEstimator:
             raise QueryError(f"no lower node {node!r}")
         if not 0 < seconds <= MAX_HOLD_SECONDS:
             raise QueryError(f"{seconds} s is not above 0 and at most {MAX_HOLD_SECONDS:.0f} s")
+        refusal = self._refusal(lower)
+        if refusal:
+            raise QueryError(refusal)
         namespace, amount = self._budgeted(lower)
         if amount is not None:
             _, over_budget = self.budgets.room_for(namespace, uid, amount)
@@ -516,9 +523,12 @@ class FitEstimator:
     def defragment(self, pod_json: bytes, movable_uids: list[str], most: int) -> list[Plan]:
         """Plans that make room for the pod by evicting some of the ``movable_uids``
         (upper pods bound here; those not on a lower node yet, or unknown, are left
-        out), each judged as its controller's replacement would be."""
+        out), each judged as its controller's replacement would be; none for a pod this
+        cluster would not run whatever room it had (evictions would be for nothing)."""
         self.expire()
-        _, _, facts = self._read(pod_json)
+        _, lower, facts = self._read(pod_json)
+        if self._refusal(lower):
+            return []
         uids_by_key: dict[str, str] = {}
         movable: dict[str, JSON] = {}
         for uid in movable_uids:

@@ -697,3 +697,22 @@ def test_a_runtime_class_s_scheduling_limits_the_nodes_its_pods_fit() -> None:
         "lower cluster lower-1's runtime class gvisor runs on sandbox=gvisor, "
         "the pod asks for sandbox=kata"
     )
+
+
+def test_no_room_is_made_or_held_for_a_pod_the_cluster_would_not_run() -> None:
+    """Its runtime class is not here: evicting pods for it would be for nothing, and the
+    freed room taken back by them meanwhile (until 2026-11-28 the descheduler evicted
+    up to 5 pods every hold timeout while it waited)."""
+    cluster = Cluster()
+    for name in ("a", "b", "c"):
+        landed(cluster, name, "1", "big")
+    wanted = upper_pod("wanted", "4")
+    wanted["spec"]["runtimeClassName"] = "gvisor"
+    query = orjson.dumps(wanted)
+    assert "no runtime class gvisor" in cluster.estimator.answer(query).refusal
+    assert cluster.estimator.defragment(query, ["uid-a", "uid-b", "uid-c"], 5) == []
+    with pytest.raises(QueryError, match="no runtime class gvisor"):
+        cluster.estimator.hold(query, "big", 60)
+    wanted["spec"].pop("runtimeClassName")
+    (plan,) = cluster.estimator.defragment(orjson.dumps(wanted), ["uid-a", "uid-b", "uid-c"], 5)
+    assert plan.node == "big"
