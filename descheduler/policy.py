@@ -118,7 +118,11 @@ class Limits:
             )
         ):
             return False
-        self.total += len(evictions)
-        self.per_namespace.update(namespaces)
-        self.per_node.update(nodes)
+        self.count(evictions)
         return True
+
+    def count(self, evictions: Sequence[tuple[str, str]]) -> None:
+        """Counts the evictions, within the limits or not."""
+        self.total += len(evictions)
+        self.per_namespace.update(namespace for namespace, _ in evictions)
+        self.per_node.update(node for _, node in evictions)

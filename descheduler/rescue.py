@@ -35,8 +35,14 @@ _FINISHED = frozenset({"Succeeded", "Failed"})
 _BASE_NAME_LIMIT = 240
 # How long before the upper node controller's taint eviction would delete a pod of a
 # NotReady virtual node the pod is moved, whatever clusterDownTimeout says: deleted, a
-# bare pod is lost (its copy is never made). Three cycles at the default interval.
+# bare pod is lost (its copy is never made). Three cycles at the default interval, and
+# three cycles at a longer one (``rescue_ahead``): one look may find an estimator slow.
 RESCUE_AHEAD = timedelta(seconds=30)
+LOOKS_AHEAD = 3
+
+
+def rescue_ahead(policy: Policy) -> timedelta:
+    return max(RESCUE_AHEAD, timedelta(seconds=LOOKS_AHEAD * policy.interval))
 
 
 class Why(enum.StrEnum):
@@ -195,6 +201,12 @@ class Stuck(PodCase):
     def owned(self) -> bool:
         return owned(self.pod)
 
+    @property
+    def lost_if_left(self) -> bool:
+        """A bare pod of a cluster that is down: the taint manager deletes it there, and
+        nobody makes it again."""
+        return self.why is Why.CLUSTER_DOWN and not self.owned
+
     def describe(self) -> str:
         if self.why is Why.CLUSTER_DOWN:
             return f"{self.node} NotReady for {self.seconds:.0f} s"
@@ -266,6 +278,7 @@ def stuck_pods(
         for name, node in virtual_nodes.items()
         if (seconds := down_for(node, now)) is not None
     }
+    ahead = rescue_ahead(policy)
     found = []
     for pod in pods:
         metadata, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
@@ -279,7 +292,7 @@ def stuck_pods(
         if node in down:
             deleted_at = taint_deletion_at(pod, virtual_nodes[node])
             if down[node] >= policy.cluster_down_timeout or (
-                deleted_at is not None and now >= deleted_at - RESCUE_AHEAD
+                deleted_at is not None and now >= deleted_at - ahead
             ):
                 found.append(Stuck(pod, node, Why.CLUSTER_DOWN, down[node], ""))
             continue
@@ -330,14 +343,19 @@ def destination(stuck: Stuck, answers: Mapping[str, PodEstimate | str]) -> Move 
 
 
 def within_limits(moves: Sequence[Move], limits: Limits) -> tuple[list[Move], list[Move]]:
-    """The moves this cycle may make, bare pods first, and those left for later: a bare
-    pod left on a cluster that is down is lost once the taint manager deletes it, while a
-    controller makes its pod again anyway."""
+    """The moves this cycle may make, bare pods first, and those left for later. A bare
+    pod of a cluster that is down is moved whatever the limits (counted against them
+    all the same): left, it is lost once the taint manager deletes it, and at 5 a look
+    most of a cluster's bare pods were. A controller makes its pods again anyway."""
     allowed: list[Move] = []
     deferred: list[Move] = []
     for move in sorted(moves, key=lambda move: move.stuck.owned):
-        fits = limits.take([(move.stuck.namespace, move.stuck.node)])
-        (allowed if fits else deferred).append(move)
+        case = [(move.stuck.namespace, move.stuck.node)]
+        if move.stuck.lost_if_left:
+            limits.count(case)
+            allowed.append(move)
+        else:
+            (allowed if limits.take(case) else deferred).append(move)
     return allowed, deferred
 
 

@@ -282,6 +282,16 @@ def test_a_pod_of_a_cluster_down_moves_before_the_taint_eviction_would_delete_it
     assert [s.why for s in stuck] == ([Why.CLUSTER_DOWN] if moved else [])
 
 
+@pytest.mark.parametrize(("down", "moved"), [(119, False), (121, True)])
+def test_with_a_long_interval_a_pod_of_a_cluster_down_moves_three_looks_ahead(
+    down: float, moved: bool
+) -> None:
+    """At one look a minute, 30 s ahead of the taint eviction often had no look in it."""
+    nodes = {**NODES_UP, "vk-lower-2": unreachable("vk-lower-2", down_for=down)}
+    stuck = stuck_pods([tolerating(300)], nodes, NOW, Policy(interval=60))
+    assert [s.why for s in stuck] == ([Why.CLUSTER_DOWN] if moved else [])
+
+
 def test_taint_deletion_follows_the_taint_managers_rule() -> None:
     node = unreachable("vk-lower-2", down_for=100)
     added = NOW - timedelta(seconds=100)
@@ -524,6 +534,20 @@ def test_bare_pods_move_first_within_the_limits() -> None:
     allowed, deferred = within_limits(moves, Limits(Policy(max_evictions_per_cycle=1)))
     assert [m.stuck.key for m in allowed] == ["apps/b-bare"]
     assert [m.stuck.key for m in deferred] == ["apps/a-owned"]
+
+
+def test_every_bare_pod_of_a_cluster_down_moves_whatever_the_limits() -> None:
+    """Left, each is lost when the taint manager deletes it (at 5 a look, 15 of 20 were);
+    they count against the limits all the same, so pods with a controller wait."""
+    bare = [
+        Move(Stuck(pod(f"bare-{i}", owned=False), "vk-lower-1", Why.CLUSTER_DOWN, 280, ""), "vk-x")
+        for i in range(20)
+    ]
+    owned_down = Move(Stuck(pod("owned"), "vk-lower-1", Why.CLUSTER_DOWN, 280, ""), "vk-x")
+    bare_waiting = Move(stuck("bare-pending", owned=False, namespace="other"), "vk-x")
+    allowed, deferred = within_limits([*bare, owned_down, bare_waiting], Limits(Policy()))
+    assert allowed == bare
+    assert deferred == [bare_waiting, owned_down]
 
 
 # -- the bare pod's copy --------------------------------------------------------------------
