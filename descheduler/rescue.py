@@ -66,6 +66,13 @@ def owned(pod: Mapping[str, Any]) -> bool:
     return controller_uid(pod) is not None
 
 
+def bare(pod: Mapping[str, Any]) -> bool:
+    """Whether the pod has no owner at all. One with owners none of which is its
+    controller (an operator's ``SetOwnerReference``) is neither: its owner may track it
+    by name, and deletes it with itself, which a copy under another name escapes."""
+    return not (pod.get("metadata") or {}).get("ownerReferences")
+
+
 def controller_kind(pod: Mapping[str, Any]) -> tuple[str, str] | None:
     """The API group and kind of the pod's controller."""
     reference = controller_reference(pod)
@@ -287,7 +294,7 @@ def stuck_pods(
             continue
         if status.get("phase") in _FINISHED:
             continue
-        if hands_off(pod) or (owned(pod) and not replaced_when_stuck(pod)):
+        if hands_off(pod) or not (bare(pod) or replaced_when_stuck(pod)):
             continue
         if node in down:
             deleted_at = taint_deletion_at(pod, virtual_nodes[node])
@@ -380,7 +387,7 @@ def left_until(pod: Mapping[str, Any]) -> dict[str, datetime]:
             moment = parse_time(until) if isinstance(until, str) else None
         except ValueError:
             continue
-        if moment is not None and moment.tzinfo is not None:
+        if moment is not None:
             found[str(name)] = moment
     return found
 

@@ -19,5 +19,10 @@ def now_micro() -> str:
 
 
 def parse_time(text: str) -> datetime.datetime:
-    """Either format, as an aware datetime."""
-    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    """Either format, as an aware datetime; ValueError for text that is neither, or has
+    no zone (the API always writes one; a hand-edited record may not, and compared with
+    an aware moment it would fail as a TypeError)."""
+    moment = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    if moment.tzinfo is None:
+        raise ValueError(f"{text!r} has no time zone")
+    return moment

@@ -40,10 +40,14 @@ def test_an_entry_edited_into_nonsense_is_left_out_the_others_hold() -> None:
             "bad-json": "{",
             "not-an-object": "[]",
             "bad-time": json.dumps({"vk-lower-1": "yesterday"}),
+            # Compared with an aware moment it raised TypeError: the descheduler ended
+            # at its next move of that controller's pod, again and again.
+            "no-zone": json.dumps({"vk-lower-1": "2026-12-01T00:00:00"}),
             "rs-1": json.dumps({"vk-lower-1": "2026-11-25T10:10:00Z"}),
         }
     )
     assert moves == {"rs-1": {"vk-lower-1": LATER}}
+    assert set(record_move(moves, "no-zone", "vk-lower-2", LATER, NOW)) == {"rs-1", "no-zone"}
 
 
 def test_a_new_pod_stays_off_the_nodes_its_controller_left_until_the_record_lapses() -> None:
