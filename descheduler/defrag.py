@@ -55,6 +55,9 @@ def waiting_pods(pods: Iterable[Mapping[str, Any]], now: datetime, policy: Polic
         metadata, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
         if spec.get("nodeName") or metadata.get("deletionTimestamp") or hands_off(pod):
             continue
+        # Its PriorityClass says it never displaces running pods.
+        if spec.get("preemptionPolicy") == "Never":
+            continue
         if status.get("phase", "Pending") != "Pending":
             continue
         # Only a pod that may go to a virtual node waits for a lower node's room.

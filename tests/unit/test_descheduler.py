@@ -328,6 +328,9 @@ def test_pods_left_alone() -> None:
         pod("waiting-without-a-verdict", unschedulable_for=None),
         pod("daemon", ownerReferences=[DAEMON_SET_OWNER]),
         pod("workflow-step", ownerReferences=[WORKFLOW_OWNER]),
+        # Owned, by no controller (an operator's SetOwnerReference): its owner may track
+        # it by name and deletes it with itself; a copy would escape both.
+        pod("helper", owned=False, ownerReferences=[{**WORKFLOW_OWNER, "controller": False}]),
     ]
     # Its data is in the cluster it was placed in.
     stateful = pod("stateful")
@@ -1071,6 +1074,8 @@ def test_a_federated_pod_the_scheduler_cannot_place_waits_past_defrag_after() ->
         {**federated("plain", 61), "spec": {"containers": []}},
         federated("bound", 61, nodeName="vk-lower-1"),
         pod("never", node="", annotations={keys.DESCHEDULER_ANNOTATION: keys.DESCHEDULER_NEVER}),
+        # Its PriorityClass says it never displaces running pods.
+        federated("patient", 61, preemptionPolicy="Never"),
     ]
     found = waiting_pods(pods, NOW, Policy())
     assert [w.key for w in found] == ["apps/important", "apps/late"]
