@@ -80,6 +80,21 @@ def kept_off(moves: Moves, pod: Mapping[str, Any], now: datetime) -> list[str]:
     return sorted(name for name, until in nodes.items() if until > now)
 
 
+def kept_off_names(affinity: Mapping[str, Any] | None) -> set[str]:
+    """The node names an affinity's required terms exclude one per requirement, as
+    ``keep_off`` writes them (or a user, alike)."""
+    node_affinity = (affinity or {}).get("nodeAffinity") or {}
+    required = node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {}
+    return {
+        str(requirement["values"][0])
+        for term in required.get("nodeSelectorTerms") or []
+        for requirement in (term or {}).get("matchFields") or []
+        if requirement.get("key") == "metadata.name"
+        and requirement.get("operator") == "NotIn"
+        and len(requirement.get("values") or []) == 1
+    }
+
+
 def keep_off(affinity: Mapping[str, Any] | None, nodes: Collection[str]) -> JSON:
     """``affinity`` with every required node-selector term also excluding ``nodes`` by
     name (the terms are ORed, so each gets the requirements; none: one term of them).

@@ -19,7 +19,7 @@ from typing import Any
 
 from kubekit import keys, shapes
 from kubekit.jsonvalue import json_copy
-from kubekit.moves import keep_off
+from kubekit.moves import keep_off, kept_off_names
 
 JSON = dict[str, Any]
 
@@ -248,7 +248,15 @@ def stash_scheduling(
     for field, value in of_the_stash.items():
         if field in ("nodeSelector", "tolerations") and field in originals:
             _set_or_drop(new_spec, field, value)
-        elif not (spec.get(field) == value or (value is None and field not in spec)):
+        elif not (
+            spec.get(field) == value
+            or (value is None and field not in spec)
+            or (
+                field == "affinity"
+                and field in stashed
+                and _viewed_with_other_moves(spec.get(field), {**spec, **stashed}, keep)
+            )
+        ):
             # Not stashed, or not the view of what is stashed (changed by a webhook since,
             # or a stash written by hand beside what the upper admission saw): the spec's.
             originals[field] = spec.get(field)  # only encoded, never changed
@@ -257,6 +265,19 @@ def stash_scheduling(
     if originals:
         new_annotations[keys.STASH_ANNOTATION] = encode(originals)
     return new_spec, new_annotations
+
+
+def _viewed_with_other_moves(
+    affinity: Any, original: Mapping[str, Any], keep: Collection[str]
+) -> bool:
+    """Whether ``affinity`` is the view of the ``original`` spec's with other virtual
+    nodes kept off: this webhook's answer, called again in the same admission (after a
+    later webhook's change) while a move record came or lapsed. Taken for an affinity
+    changed since, it was stashed in place of the original, and the lower pod lost its
+    own."""
+    view = upper_view(original, keep)["affinity"]
+    moved_off = kept_off_names(affinity) - kept_off_names(view)
+    return bool(affinity == (keep_off(view, moved_off) if moved_off else view))
 
 
 def stash_update(

@@ -7,7 +7,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kubekit import keys
+from kubekit import keys, stash
 from kubekit.moves import controller_uid, keep_off, kept_off, parse_moves, record_move
 from kubekit.stash import restore_scheduling, stash_scheduling
 from tests.unit.test_stash import specs
@@ -114,3 +114,23 @@ def test_a_kept_off_pod_is_kept_off_above_and_never_below(
         for node in nodes
     )
     assert restore_scheduling(upper, annotations.get(keys.STASH_ANNOTATION)) == spec
+
+
+MOVES = st.lists(st.sampled_from(["vk-lower-1", "vk-lower-2"]), unique=True)
+
+
+@given(specs, MOVES, MOVES)
+def test_a_move_record_that_comes_or_lapses_between_two_calls_loses_nothing_below(
+    spec: dict[str, Any], first: list[str], second: list[str]
+) -> None:
+    """The apiserver calls the webhook again on its own answer when a later webhook
+    changed the pod, and the moves read then may differ (a record written by the
+    descheduler just before its eviction, or lapsing): until 2026-11-28 the spec's
+    affinity, the view with the other moves, was taken for a changed one and stashed
+    in place of the original, and the lower pod lost its own node affinity."""
+    upper, annotations = stash_scheduling(spec, {}, kept_off=first)
+    again, annotations_again = stash_scheduling(upper, annotations, kept_off=second)
+    assert restore_scheduling(again, annotations_again.get(keys.STASH_ANNOTATION)) == spec
+    if "affinity" in stash.decode(annotations.get(keys.STASH_ANNOTATION, "{}")):
+        # Its first answer stands (without a stash of it, the pod is kept off as new).
+        assert (again, annotations_again) == (upper, annotations)
