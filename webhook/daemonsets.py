@@ -5,8 +5,8 @@ A DaemonSet makes a pod for every node its pods tolerate. Node agents tolerate e
 own: its pod would run once somewhere in each lower cluster or, asking for the host as
 most agents do, wait above for good, and the DaemonSet never be complete. Such a
 DaemonSet gets a required node affinity on the key only virtual nodes carry. One that
-tolerates the virtual nodes' taint by its key, or selects on that key, means virtual
-nodes and is left as it is.
+tolerates the virtual nodes' taint by its key, or selects on that key or on the labels
+only virtual nodes carry, means virtual nodes and is left as it is.
 """
 
 from __future__ import annotations
@@ -21,6 +21,24 @@ from kubekit.stash import tolerates_every_taint, tolerates_provider_taint
 JSON = dict[str, Any]
 
 OFF_VIRTUAL_NODES: JSON = {"key": keys.CLUSTER_ID_LABEL, "operator": "DoesNotExist"}
+# Labels every virtual Node carries with these values, and no ordinary node.
+VIRTUAL_NODE_LABELS = {
+    keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
+    keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL,
+}
+
+
+def _means_virtual_nodes(expression: Mapping[str, Any]) -> bool:
+    """Whether a required expression asks for virtual nodes: one on the cluster-id key
+    (but ours keeping off them), or for a virtual nodes' label value."""
+    key, operator = expression.get("key"), expression.get("operator")
+    if key == keys.CLUSTER_ID_LABEL:
+        return dict(expression) != OFF_VIRTUAL_NODES
+    wanted = VIRTUAL_NODE_LABELS.get(str(key))
+    return wanted is not None and (
+        (operator == "In" and wanted in (expression.get("values") or []))
+        or (operator == "Exists" and key == keys.VIRTUAL_NODE_LABEL)
+    )
 
 
 def off_virtual_nodes(template_spec: Mapping[str, Any]) -> JSON | None:
@@ -32,19 +50,20 @@ def off_virtual_nodes(template_spec: Mapping[str, Any]) -> JSON | None:
         tolerates_provider_taint(t) for t in tolerations
     ):
         return None
-    if keys.CLUSTER_ID_LABEL in (template_spec.get("nodeSelector") or {}):
+    selector = template_spec.get("nodeSelector") or {}
+    if keys.CLUSTER_ID_LABEL in selector or any(
+        selector.get(key) == value for key, value in VIRTUAL_NODE_LABELS.items()
+    ):
         return None
     affinity: JSON = json_copy(dict(template_spec.get("affinity") or {}))
     node_affinity = affinity.setdefault("nodeAffinity", {})
     required = node_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
     terms = required.get("nodeSelectorTerms") or [{}]
-    on_the_key = [
-        expression
+    if any(
+        _means_virtual_nodes(expression)
         for term in terms
         for expression in term.get("matchExpressions") or []
-        if expression.get("key") == keys.CLUSTER_ID_LABEL
-    ]
-    if any(expression != OFF_VIRTUAL_NODES for expression in on_the_key):
+    ):
         return None
     # Terms are ORed: each one must keep off virtual nodes.
     kept_off = [

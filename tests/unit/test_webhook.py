@@ -313,6 +313,24 @@ def test_a_daemonset_tolerating_every_taint_is_kept_off_virtual_nodes_in_every_t
                 {"matchExpressions": [{"key": keys.CLUSTER_ID_LABEL, "operator": "Exists"}]}
             ),
         },
+        {"tolerations": EVERY_TAINT, "nodeSelector": {keys.VIRTUAL_NODE_LABEL: "true"}},
+        {"tolerations": EVERY_TAINT, "nodeSelector": {"type": "virtual-kubelet"}},
+        {
+            "tolerations": EVERY_TAINT,
+            "affinity": required(
+                {
+                    "matchExpressions": [
+                        {"key": "type", "operator": "In", "values": ["virtual-kubelet"]}
+                    ]
+                }
+            ),
+        },
+        {
+            "tolerations": EVERY_TAINT,
+            "affinity": required(
+                {"matchExpressions": [{"key": keys.VIRTUAL_NODE_LABEL, "operator": "Exists"}]}
+            ),
+        },
     ],
     ids=[
         "no-toleration",
@@ -321,6 +339,11 @@ def test_a_daemonset_tolerating_every_taint_is_kept_off_virtual_nodes_in_every_t
         "tolerates-the-provider-by-key",
         "selects-a-cluster",
         "requires-virtual-nodes",
+        # Until 2026-11-28 these got the cluster-id DoesNotExist term: no node matched both.
+        "selects-the-virtual-node-label",
+        "selects-the-virtual-kubelet-type",
+        "requires-the-virtual-kubelet-type",
+        "requires-the-virtual-node-label",
     ],
 )
 def test_a_daemonset_that_stays_off_or_means_virtual_nodes_is_left_alone(
