@@ -312,7 +312,11 @@ class LowerCluster:
     async def sync(self, upper: Mapping[str, Any]) -> SyncResult:
         if not self.reachable:
             return Waiting()  # what a removal left is kept for the reconcile once back
-        removed = self._removed.pop(object_key(upper), None)
+        # Read, not taken: the status written from it may fail, or lose a race, and the
+        # next try needs it again (taken, that try found the pod gone and had it deleted
+        # as lost). Dropped once the upper pod has ended, or runs below again.
+        upper_key = object_key(upper)
+        removed = self._removed.get(upper_key)
         try:
             desired = desired_lower_pod(upper, self.mapping, self.owner)
         except (TranslationError, NamingError) as error:
@@ -335,6 +339,7 @@ class LowerCluster:
         finished = (upper.get("status") or {}).get("phase") in FINISHED
         if lower is None:
             if finished:
+                self._removed.pop(upper_key, None)
                 return Waiting()  # never run again
             if (upper.get("status") or {}).get("hostIP"):
                 # It ran below before; the cache may only lag behind our own create.
@@ -352,6 +357,7 @@ class LowerCluster:
                         f"pod {namespace}/{name} is gone from lower cluster {self.owner.cluster_id}"
                     )
             else:
+                self._removed.pop(upper_key, None)
                 refused = self._refused_host_access(upper, desired)
                 return refused or await self._create(upper, desired)
         if not self.owner.owns(lower):
@@ -364,6 +370,7 @@ class LowerCluster:
             # Left by an earlier upper pod of the same name: it goes before ours is made.
             await self.client.delete_exact(PODS, lower, grace_period_seconds=0)
             return Waiting()
+        self._removed.pop(upper_key, None)
         if lower["metadata"].get("deletionTimestamp"):
             return EndingBelow(
                 upper_status(lower, upper, self.host_ip),

@@ -5,6 +5,7 @@ an unreachable lower cluster, conflicts and a namespace deleted below."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -487,6 +488,43 @@ async def test_a_lower_pod_finished_then_removed_below_ends_as_it_ended(
     mirroring.lower.answer("GET", f"{LOWER_POD_PATH}/web", not_found("pods", "web"))
     await mirroring.controller.reconcile("shop/web")
     assert [status["phase"] for status in mirroring.upper_statuses()] == ["Succeeded"]
+    assert mirroring.upper.writes("DELETE") == [] and mirroring.upper_event_reasons() == []
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        status_error(409, "Conflict", "the upper pod changed meanwhile"),
+        status_error(503, "ServiceUnavailable", "the upper apiserver is restarting"),
+        "lower",
+    ],
+    ids=["status-conflict-above", "status-refused-above", "lower-read-failed"],
+)
+async def test_a_pod_finished_then_removed_below_ends_so_after_a_failed_try(
+    mirroring: Mirroring, failure: ApiError | str
+) -> None:
+    """The removal's last status is read, not taken: the first try's status write may
+    fail (or its read of the lower pod), and the next must still find it. Taken, the
+    next try found the pod gone and deleted it above as lost: a Job counted a failure
+    and ran again what had succeeded."""
+    pod = upper_pod(controlled=True)
+    pod["status"] = {"phase": "Running", "hostIP": HOST_IP}
+    mirroring.above(pod)
+    mirroring.below(lower_pod(phase="Running"))
+    mirroring.below(lower_pod(phase="Succeeded"), "DELETED")
+    if failure == "lower":
+        down = status_error(503, "ServiceUnavailable", "the lower apiserver is restarting")
+        mirroring.lower.answer("GET", f"{LOWER_POD_PATH}/web", down)
+    else:
+        assert isinstance(failure, ApiError)
+        mirroring.lower.answer("GET", f"{LOWER_POD_PATH}/web", not_found("pods", "web"))
+        mirroring.upper.answer("PUT", UPPER_STATUS_PATH, failure)
+    with contextlib.suppress(ApiError):
+        await mirroring.controller.reconcile("shop/web")
+    # The next try: the watch's event of the change that won, or the queue's retry.
+    mirroring.lower.answer("GET", f"{LOWER_POD_PATH}/web", not_found("pods", "web"))
+    await mirroring.controller.reconcile("shop/web")
+    assert mirroring.upper_statuses()[-1]["phase"] == "Succeeded"
     assert mirroring.upper.writes("DELETE") == [] and mirroring.upper_event_reasons() == []
 
 
