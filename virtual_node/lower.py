@@ -579,12 +579,18 @@ class LowerCluster:
         return upper_status(lower, upper, self.host_ip)
 
     async def remove_orphan(self, upper_key: str, grace_period_seconds: int | None) -> None:
-        self._removed.pop(upper_key, None)
+        gone_below = self._removed.pop(upper_key, None) is not None
         try:
             lower_key = self.lower_key(upper_key)
         except NamingError:
             return
         lower = self.pods.get(lower_key)
+        if lower is None and grace_period_seconds is not None and not gone_below:
+            # Deleted above with a grace of its own (a force delete's 0) while our create
+            # may not have reached the cache yet: found later by a sweep, the lower pod
+            # would be given its own grace instead.
+            namespace, _, name = lower_key.partition("/")
+            lower = await self._get_live(namespace, name)
         if (
             lower is not None
             and self.owner.owns(lower)

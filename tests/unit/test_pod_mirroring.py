@@ -612,6 +612,31 @@ async def test_a_shorter_grace_or_a_force_delete_above_shortens_the_one_below(
     assert forced.body["gracePeriodSeconds"] == 0
 
 
+async def test_a_force_delete_before_the_lower_cache_shows_our_create_still_has_grace_0(
+    mirroring: Mirroring,
+) -> None:
+    """Found only by a later sweep, the lower pod was given its own grace (30 s) where a
+    force delete promises none."""
+    mirroring.above(upper_pod())
+    mirroring.above(deleting(0, phase="Pending"), "DELETED")
+    mirroring.lower.answer("GET", f"{LOWER_POD_PATH}/web", lower_pod(phase="Running"))
+    await mirroring.controller.reconcile("shop/web")
+    (forced,) = [r for r in mirroring.lower.requests if r.method == "DELETE"]
+    assert forced.body["gracePeriodSeconds"] == 0
+
+
+async def test_an_upper_pod_gone_after_its_lower_pod_asks_nothing_below(
+    mirroring: Mirroring,
+) -> None:
+    """The usual end: the lower pod's removal was seen, so it is not looked for."""
+    mirroring.above(deleting(30, phase="Running"))
+    mirroring.below(lower_pod(phase="Running"))
+    mirroring.below(lower_pod(phase="Running"), "DELETED")
+    mirroring.above(deleting(0, phase="Succeeded"), "DELETED")
+    await mirroring.controller.reconcile("shop/web")
+    assert mirroring.lower.requests == []
+
+
 async def test_a_deleted_pod_shows_its_containers_end_then_a_terminal_phase_before_it_goes(
     mirroring: Mirroring,
 ) -> None:
