@@ -857,12 +857,20 @@ def _started(container: Mapping[str, Any]) -> bool:
 
 def _initialized(pod: Mapping[str, Any], inits: list[JSON], regulars: list[JSON]) -> bool:
     """The kubelet's hasPodInitialized: no init containers, a regular container started
-    once, or the last init container done."""
-    if not (pod.get("spec") or {}).get("initContainers"):
+    once, or the last init container with a status done, or, a sidecar
+    (``restartPolicy: Always``), running and started."""
+    specs = (pod.get("spec") or {}).get("initContainers") or []
+    if not specs:
         return True
     if any(_started(c) or "terminated" in (c.get("lastState") or {}) for c in regulars):
         return True
-    last = ((inits[-1].get("state") or {}).get("terminated") or {}) if inits else {}
+    if not inits:
+        return False
+    state = inits[-1].get("state") or {}
+    sidecar = len(inits) <= len(specs) and specs[len(inits) - 1].get("restartPolicy") == "Always"
+    if sidecar and "running" in state and inits[-1].get("started") is True:
+        return True
+    last = state.get("terminated") or {}
     return bool(last) and last.get("exitCode") == 0
 
 

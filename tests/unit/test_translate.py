@@ -1027,6 +1027,28 @@ def test_a_deleted_pod_that_never_initialized_leaves_its_containers_waiting() ->
     assert status["containerStatuses"][0]["state"] == waiting
 
 
+@pytest.mark.parametrize(("started", "initialized"), [(True, True), (False, False)])
+def test_a_deleted_pod_whose_last_init_container_is_a_running_sidecar_has_initialized(
+    started: bool, initialized: bool
+) -> None:
+    """As the kubelet's hasPodInitialized: its app container, still being created, ends
+    with the unknown status (exit 137, which a Job's podFailurePolicy may name), not
+    waiting as in a pod that never initialized."""
+    pod = upper_pod(initContainers=[{"name": "proxy", "image": "i", "restartPolicy": "Always"}])
+    waiting = {"waiting": {"reason": "ContainerCreating"}}
+    proxy = {"name": "proxy", "started": started, "state": {"running": {}}}
+    pod["status"] = {
+        "phase": "Pending",
+        "initContainerStatuses": [proxy],
+        "containerStatuses": [{"name": "app", "ready": False, "state": waiting}],
+    }
+    (app,) = terminated_status(pod, "2026-11-28T10:00:00Z")["containerStatuses"]
+    if initialized:
+        assert app["state"]["terminated"]["exitCode"] == 137
+    else:
+        assert app["state"] == waiting
+
+
 def test_a_lower_pod_is_deleted_again_only_for_a_shorter_grace() -> None:
     lower: dict[str, Any] = {"metadata": {"name": "web-1"}}
     assert deletion_due(lower, None) and deletion_due(lower, 30)
