@@ -433,9 +433,45 @@ def ephemeral_containers_patch(upper: Mapping[str, Any], lower: Mapping[str, Any
     be added, never changed or removed, so those already below are left as they are."""
     below = {c["name"] for c in lower["spec"].get("ephemeralContainers") or []}
     missing = [
-        dict(c) for c in upper["spec"].get("ephemeralContainers") or [] if c["name"] not in below
+        _with_lower_token(c, upper, lower)
+        for c in upper["spec"].get("ephemeralContainers") or []
+        if c["name"] not in below
     ]
     return {"spec": {"ephemeralContainers": missing}} if missing else None
+
+
+def _with_lower_token(
+    container: Mapping[str, Any], upper: Mapping[str, Any], lower: Mapping[str, Any]
+) -> JSON:
+    """An ephemeral container whose mounts of the upper pod's token volume (`kubectl
+    debug --custom` keeping the API access of the pod) name the lower pod's own, made by
+    the lower admission under another name (none: the mounts go). As it is, the lower
+    apiserver refused it, naming a volume the lower pod lacks."""
+    upper_tokens = {
+        v["name"] for v in upper["spec"].get("volumes") or [] if is_service_account_token_volume(v)
+    }
+    lower_token = next(
+        (
+            v["name"]
+            for v in lower["spec"].get("volumes") or []
+            if is_service_account_token_volume(v)
+        ),
+        None,
+    )
+    copied = json_copy(dict(container))
+    mounts = copied.get("volumeMounts") or []
+    if not any(m.get("name") in upper_tokens for m in mounts):
+        return copied
+    kept = [
+        m if m.get("name") not in upper_tokens else {**m, "name": lower_token}
+        for m in mounts
+        if m.get("name") not in upper_tokens or lower_token is not None
+    ]
+    if kept:
+        copied["volumeMounts"] = kept
+    else:
+        copied.pop("volumeMounts", None)
+    return copied
 
 
 def lower_pod_patch(

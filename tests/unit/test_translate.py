@@ -663,6 +663,34 @@ def test_an_ephemeral_container_already_below_is_never_changed() -> None:
     assert ephemeral_containers_patch({"spec": {}}, lower) is None
 
 
+def token_volume(name: str) -> dict[str, Any]:
+    return {"name": name, "projected": {"sources": [{"serviceAccountToken": {"path": "token"}}]}}
+
+
+def test_an_ephemeral_container_mounting_the_token_mounts_the_lower_pod_s() -> None:
+    """`kubectl debug --custom` keeping the pod's API access mounts the upper token
+    volume, which the lower pod has under another name: the lower apiserver refused
+    the container, and the debug session never started."""
+    token_mount = {"name": "kube-api-access-upper", "mountPath": "/var/run/secrets/t"}
+    data = {"name": "data", "mountPath": "/data"}
+    upper = {
+        "spec": {
+            "volumes": [token_volume("kube-api-access-upper"), {"name": "data", "emptyDir": {}}],
+            "ephemeralContainers": [{**debugger("d1"), "volumeMounts": [token_mount, data]}],
+        }
+    }
+    lower: dict[str, Any] = {
+        "spec": {"volumes": [{"name": "data", "emptyDir": {}}, token_volume("kube-api-access-low")]}
+    }
+    (added,) = ephemeral_containers_patch(upper, lower)["spec"]["ephemeralContainers"]  # type: ignore[index]
+    assert added["volumeMounts"] == [{**token_mount, "name": "kube-api-access-low"}, data]
+    # The lower pod has no token (its service account mounts none below): the mount goes.
+    lower["spec"]["volumes"].pop()
+    (added,) = ephemeral_containers_patch(upper, lower)["spec"]["ephemeralContainers"]  # type: ignore[index]
+    assert added["volumeMounts"] == [data]
+    assert upper["spec"]["ephemeralContainers"][0]["volumeMounts"] == [token_mount, data]
+
+
 def sized(cpu: str, memory: str = "64Mi", **container: Any) -> dict[str, Any]:
     return {
         "name": "app",
