@@ -47,7 +47,7 @@ from virtual_node.estimator import serve as serve_estimator
 from virtual_node.events import EventReflector, event_queue
 from virtual_node.kubeletapi.auth import Authorizer
 from virtual_node.kubeletapi.certificates import keep_renewed, serving_certificate
-from virtual_node.kubeletapi.server import STREAMING_IDLE_TIMEOUT, KubeletServer
+from virtual_node.kubeletapi.server import RUNNER_OPTIONS, STREAMING_IDLE_TIMEOUT, KubeletServer
 from virtual_node.kubeletstreams import LowerKubelet
 from virtual_node.lower import LowerCluster
 from virtual_node.namespaces import LowerNamespaces
@@ -284,7 +284,10 @@ async def serve_kubelet_api(
     """The kubelet API's server, and the task that reloads its certificate files."""
     server = KubeletServer(provider, authorizer, config.streaming_connection_idle_timeout)
     runner = web.AppRunner(
-        server.app(), access_log=None, shutdown_timeout=KUBELET_API_SHUTDOWN_SECONDS
+        server.app(),
+        access_log=None,
+        shutdown_timeout=KUBELET_API_SHUTDOWN_SECONDS,
+        **RUNNER_OPTIONS,
     )
     await runner.setup()
     reloading = await start_https_site(

@@ -22,7 +22,7 @@ from virtual_node.kubeletapi.provider import (
     ProviderError,
     RemoteProcess,
 )
-from virtual_node.kubeletapi.server import STREAMING_IDLE_TIMEOUT, KubeletServer
+from virtual_node.kubeletapi.server import RUNNER_OPTIONS, STREAMING_IDLE_TIMEOUT, KubeletServer
 from virtual_node.kubeletapi.spdy import DataReceived, Event, SpdyConnection
 
 POD: JSON = {
@@ -188,7 +188,7 @@ class KubeletTestServer(TestServer):
 
     async def _make_runner(self, **kwargs: Any) -> BaseRunner:
         kwargs.pop("handler_cancellation", None)
-        return await super()._make_runner(**kwargs)
+        return await super()._make_runner(**kwargs, **RUNNER_OPTIONS)
 
 
 @contextlib.asynccontextmanager

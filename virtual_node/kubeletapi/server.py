@@ -149,15 +149,16 @@ def parse_exec_options(query: Any, *, attach: bool) -> ExecOptions:
     if not attach and not command:
         raise BadParameter("command: required")
     tty = flag("tty")
-    stderr = flag("error", "stderr")
+    # A terminal merges stderr into stdout; the kubelet drops the flag the same way, and
+    # only then asks for a stream.
+    stderr = flag("error", "stderr") and not tty
     if not (flag("input", "stdin") or flag("output", "stdout") or stderr):
         raise BadParameter("input, output, error: at least one stream is required")
     return ExecOptions(
         command=command,
         stdin=flag("input", "stdin"),
         stdout=flag("output", "stdout"),
-        # A terminal merges stderr into stdout; the kubelet drops the flag the same way.
-        stderr=stderr and not tty,
+        stderr=stderr,
         tty=tty,
     )
 
@@ -180,6 +181,15 @@ def parse_ports(query: Any) -> tuple[int, ...]:
 STREAMING_IDLE_TIMEOUT = 4 * 3600.0
 # How long closing an idle session may wait for the client to read the goodbye.
 IDLE_CLOSE_SECONDS = 5.0
+
+
+# As the kubelet's: its WebSocket streams take messages of up to 32 MiB (aiohttp's 4 MiB
+# reset a v4 exec whose client wrote a file to stdin in one message), and its HTTP server
+# a request head of up to 1 MiB in all; here half of that per line (an exec's command
+# travels in the query, URL-encoded: aiohttp's 8190 bytes refused a script of a few KB
+# given as `sh -c` with a 400).
+MAX_WEBSOCKET_MESSAGE = 32 << 20
+RUNNER_OPTIONS: dict[str, Any] = {"max_line_size": 1 << 19, "max_field_size": 1 << 19}
 
 
 class KubeletServer:
@@ -318,7 +328,9 @@ class KubeletServer:
                 await _serve_exec_spdy(session, process, options)
             return web.Response()  # never sent: the connection is already closed
         if request.headers.get("Upgrade", "").lower() == "websocket":
-            socket = web.WebSocketResponse(protocols=channels.EXEC_PROTOCOLS)
+            socket = web.WebSocketResponse(
+                protocols=channels.EXEC_PROTOCOLS, max_msg_size=MAX_WEBSOCKET_MESSAGE
+            )
             if _negotiated(socket, request) is None:
                 raise BadParameter("Sec-WebSocket-Protocol: no supported channel protocol")
             process = await self.provider.exec(pod, container, options, attach=attach)
@@ -346,7 +358,9 @@ class KubeletServer:
             ports = parse_ports(request.query)
             if not ports:
                 raise BadParameter("port: required for a WebSocket port-forward")
-            socket = web.WebSocketResponse(protocols=channels.PORT_FORWARD_PROTOCOLS)
+            socket = web.WebSocketResponse(
+                protocols=channels.PORT_FORWARD_PROTOCOLS, max_msg_size=MAX_WEBSOCKET_MESSAGE
+            )
             protocol = _negotiated(socket, request)
             if protocol is None:
                 raise BadParameter("Sec-WebSocket-Protocol: no supported port-forward protocol")
@@ -679,9 +693,17 @@ async def _serve_exec_websocket(
                 await process.resize(decoded.payload)
 
     async def write_output() -> None:
-        # Upstream announces each writable channel with an empty message.
-        for channel in (channels.STDOUT, channels.STDERR, channels.ERROR):
-            await client.send(channel, b"")
+        # As the kubelet: one empty message, on the first channel of stdout, stderr and
+        # error the session has, says it is established. (One on a channel the client did
+        # not ask for, stderr under a terminal, had client-go print "Unknown stream id".)
+        await client.send(
+            channels.STDOUT
+            if options.stdout
+            else channels.STDERR
+            if options.stderr
+            else channels.ERROR,
+            b"",
+        )
         async for channel, data in process.output():
             await client.send(channel, data)
         status = process.status()
