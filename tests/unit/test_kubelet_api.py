@@ -487,6 +487,19 @@ def test_cpu_counters_forget_pods_that_are_gone() -> None:
     assert later[NODE] == pytest.approx(13.75 + 10.0)
 
 
+def test_a_pod_left_out_of_one_lower_listing_keeps_its_counters() -> None:
+    """A lower metrics-server leaves a pod out for a cycle (a container or one of its
+    own replicas restarting): started again at 0, its counters ran backwards and the
+    upper metrics-server skipped the pod."""
+    counters = CpuCounters()
+    prometheus_text(LOWER_METRICS, MIRRORED, counters, now=1000.0)
+    before = _samples(prometheus_text(LOWER_METRICS, MIRRORED, counters, now=1010.0))
+    without_q = [item for item in LOWER_METRICS if item["metadata"]["name"] != "q"]
+    prometheus_text(without_q, MIRRORED, counters, now=1020.0)
+    after = _samples(prometheus_text(LOWER_METRICS, MIRRORED, counters, now=1030.0))
+    assert after[MAIN] >= before[MAIN] and after[POD_Q] >= before[POD_Q]
+
+
 def test_cadvisor_text_names_containers_with_cadvisor_s_labels() -> None:
     p = P._replace(container_images=(("app", "registry.example/app:1.2"),))
     text = cadvisor_text(LOWER_METRICS, {**MIRRORED, "lower-default/p": p}, CpuCounters(), 1.0)

@@ -64,10 +64,15 @@ class CpuCounters:
         self._seen[key] = (now, total)
         return total
 
-    def forget_except(self, keys: Iterable[str]) -> None:
-        keep = set(keys)
+    def forget_pods_except(self, pods: Iterable[str]) -> None:
+        """Drops the counters of pods (``namespace/name``) other than ``pods``, and of
+        their containers; the node's stays. A pod a listing of the lower metrics left out
+        for once (a container restarting, a metrics-server replica restarting) keeps its
+        own: started again at 0, it ran backwards, and the upper metrics-server skipped
+        it ("unexpected decrease in cumulative CPU usage")."""
+        keep = set(pods)
         for key in list(self._seen):
-            if key not in keep:
+            if key and "/".join(key.split("/")[:2]) not in keep:
                 del self._seen[key]
 
 
@@ -115,12 +120,10 @@ def node_usage(
 ) -> NodeUsage:
     """Our mirrored pods' CPU and memory, their containers' and the node's (what our pods
     use). With ``counters``, each CPU counter is advanced to ``now`` (one set for every
-    endpoint, as a kubelet reads one cgroup for each) and those of pods gone dropped."""
-
-    kept: list[str] = []
+    endpoint, as a kubelet reads one cgroup for each) and those of pods no longer
+    mirrored dropped."""
 
     def advanced(key: str, cores: Fraction) -> float:
-        kept.append(key)
         return counters.advance(key, float(cores), now) if counters is not None else 0.0
 
     pods = []
@@ -143,7 +146,7 @@ def node_usage(
         node_memory += pod_memory
     node = NodeUsage(pods, node_cores, node_memory, advanced("", node_cores))
     if counters is not None:
-        counters.forget_except(kept)
+        counters.forget_pods_except(f"{u.namespace}/{u.name}" for u in mirrored.values())
     return node
 
 
