@@ -79,6 +79,13 @@ RETRIES_WHEN_TOLD = 10
 LONGEST_WAIT_WHEN_TOLD = 10.0
 
 
+# A WebSocket to an apiserver is pinged this often, and closed when a pong is not back
+# within half of it: an idle exec shell or port-forwarded connection crosses load
+# balancers that drop silent flows (Azure's after 4 minutes, AWS NLB's after 350 s), and
+# a dropped one would hang rather than end. client-go pings every 5 s.
+WEBSOCKET_HEARTBEAT_SECONDS = 30.0
+
+
 class KubeconfigError(Exception):
     """A kubeconfig (or the in-cluster configuration) that cannot be used as it is: no
     later try would do better."""
@@ -376,6 +383,7 @@ class KubeClient:
                 headers=headers,
                 max_msg_size=0,
                 autoping=True,
+                heartbeat=WEBSOCKET_HEARTBEAT_SECONDS,
                 **self._connection_options(),
             )
         except aiohttp.WSServerHandshakeError as error:

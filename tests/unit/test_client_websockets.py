@@ -1,12 +1,14 @@
 """Opening a WebSocket to an apiserver (exec, attach, port-forward below): a refusal keeps
 the apiserver's reason, and the kubeconfig's connection settings hold as for requests."""
 
+import asyncio
 from pathlib import Path
 
 import pytest
 import yaml
-from aiohttp import web
+from aiohttp import WSMsgType, web
 
+from kubekit import client as client_module
 from kubekit.client import ApiError, ClientSettings, KubeClient
 from tests.unit.tlsserver import hello_websocket, serving_over_tls
 
@@ -53,3 +55,37 @@ async def test_websockets_honour_the_kubeconfigs_tls_server_name(tmp_path: Path)
             socket = await client.websocket("/stream", [], ())
             assert (await socket.receive_bytes()) == b"hello"
             await socket.close()
+
+
+async def test_an_idle_websocket_is_pinged_and_ends_when_its_peer_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An idle session crosses load balancers that drop silent flows: pinged, it stays
+    alive; once its pongs stop coming (the flow dropped), it ends rather than hang."""
+    monkeypatch.setattr(client_module, "WEBSOCKET_HEARTBEAT_SECONDS", 0.2)
+    pings = 0
+    answering = True
+
+    async def silent_peer(request: web.Request) -> web.WebSocketResponse:
+        nonlocal pings
+        socket = web.WebSocketResponse(autoping=False)
+        await socket.prepare(request)
+        async for message in socket:
+            if message.type == WSMsgType.PING:
+                pings += 1
+                if answering:
+                    await socket.pong(message.data)
+        return socket
+
+    app = web.Application()
+    app.router.add_get("/exec", silent_peer)
+    async with serving_over_tls(tmp_path, app) as server:
+        kubeconfig = server.kubeconfig(tmp_path)
+        async with await KubeClient.connect(ClientSettings(str(kubeconfig))) as client:
+            socket = await client.websocket("/exec", [], ())
+            await asyncio.sleep(1.0)
+            assert pings >= 2 and not socket.closed, "idle, answered: alive"
+            answering = False
+            async with asyncio.timeout(5):
+                message = await socket.receive()
+            assert message.type in (WSMsgType.CLOSE, WSMsgType.CLOSED, WSMsgType.ERROR)
