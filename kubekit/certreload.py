@@ -70,13 +70,38 @@ class ReloadingContext:
     """A server SSLContext that loads its files again once they are renewed: connections
     made after that get the new pair, open ones carry on with theirs. (The pair is tried
     on a scratch context first: a key that does not match would leave the live one with
-    the new certificate and the old key.)"""
+    the new certificate and the old key.) A client CA file that changes has its
+    certificates trusted too, beside those loaded before (a context cannot forget one):
+    a CA rotated in the cluster signs the apiserver's new client certificate, which was
+    refused until a restart; the old CA stays trusted until then."""
 
     def __init__(self, cert_file: Path, key_file: Path, client_ca: Path | None = None) -> None:
         self.files = CertificateFiles(cert_file, key_file)
         self.context = pki.server_ssl_context(cert_file, key_file, client_ca)
+        self.client_ca = client_ca
+        self._trusted = client_ca.read_bytes() if client_ca is not None else b""
 
     def reload_if_changed(self) -> bool:
+        return self._trust_new_client_cas() | self._reload_pair()
+
+    def _trust_new_client_cas(self) -> bool:
+        if self.client_ca is None:
+            return False
+        try:
+            bundle = self.client_ca.read_bytes()
+            if bundle == self._trusted:
+                return False
+            # Tried on a scratch context first: a half-written file fails there.
+            ssl.create_default_context(cadata=bundle.decode())
+            self.context.load_verify_locations(cadata=bundle.decode())
+        except (OSError, ValueError, ssl.SSLError) as error:
+            log.warning("client CA %s not reloaded yet: %s", self.client_ca, error)
+            return False
+        self._trusted = bundle
+        log.info("trusting the client CAs of %s as they are now", self.client_ca)
+        return True
+
+    def _reload_pair(self) -> bool:
         pair = self.files.renewed()
         if pair is None:
             return False

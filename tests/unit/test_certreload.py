@@ -113,3 +113,40 @@ async def test_the_pair_loaded_is_the_pair_checked_however_the_files_change_mean
     assert reloading.reload_if_changed()
     async with serving(reloading.context) as port:
         assert (await connect(port, ca.cert_path))[2] == serial(second)
+
+
+async def accepted_as(port: int, ca: Path, client: pki.KeyPair) -> bool:
+    """Whether a connection showing ``client``'s certificate is served."""
+    context = ssl.create_default_context(cafile=str(ca))
+    context.load_cert_chain(client.cert_path, client.key_path)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
+        writer.write(b"hello\n")
+        answer = await asyncio.wait_for(reader.readline(), 5)
+        writer.close()
+    except (OSError, ssl.SSLError):
+        return False
+    return answer == b"hello\n"
+
+
+async def test_a_rotated_client_ca_is_trusted_beside_the_old_one(tmp_path: Path) -> None:
+    """A CA rotated in the cluster signs the apiserver's new client certificate: until
+    a restart every call of it was refused at the handshake."""
+    serving_ca = pki.create_ca(tmp_path, "serving")
+    pair = pki.issue(serving_ca, tmp_path / "tls", "127.0.0.1", server_names=("127.0.0.1",))
+    old_ca, new_ca = pki.create_ca(tmp_path, "old"), pki.create_ca(tmp_path, "new")
+    old_client = pki.issue(old_ca, tmp_path / "old-client", "apiserver", client=True)
+    new_client = pki.issue(new_ca, tmp_path / "new-client", "apiserver", client=True)
+    client_ca = tmp_path / "client-ca.crt"
+    client_ca.write_bytes(old_ca.cert_path.read_bytes())
+    reloading = ReloadingContext(pair.cert_path, pair.key_path, client_ca)
+    async with serving(reloading.context) as port:
+        assert await accepted_as(port, serving_ca.cert_path, old_client)
+        assert not await accepted_as(port, serving_ca.cert_path, new_client)
+        client_ca.write_bytes(b"-----BEGIN CERTIFICATE-----\nhalf")  # being written
+        assert not reloading.reload_if_changed()
+        client_ca.write_bytes(new_ca.cert_path.read_bytes())
+        assert reloading.reload_if_changed()
+        assert not reloading.reload_if_changed(), "nothing changed since"
+        assert await accepted_as(port, serving_ca.cert_path, new_client)
+        assert await accepted_as(port, serving_ca.cert_path, old_client)
