@@ -160,20 +160,51 @@ class ClaimVolumes:
         self.volumes = volumes  # ours only: selected by our labels
         self.owner = owner
         self.queue = queue
+        # Our volumes by the claim each is for: looked up on every claim event of the
+        # cluster, where a scan of them all made claims x volumes decodes.
+        self._claim_of: dict[str, str] = {}
+        self._volumes_of: dict[str, set[str]] = {}
         claims.add_handler(FunctionHandler.on_any(lambda claim: queue.add(object_key(claim))))
-        volumes.add_handler(FunctionHandler.on_any(self._volume_changed))
+        volumes.add_handler(
+            FunctionHandler(
+                add=self._volume_changed, update=self._volume_changed, delete=self._volume_gone
+            )
+        )
 
     def _volume_changed(self, volume: JSON) -> None:
+        self._unindex(volume)
+        key = claim_key(volume)
+        if key is not None:
+            name = str(volume["metadata"]["name"])
+            self._claim_of[name] = key
+            self._volumes_of.setdefault(key, set()).add(name)
+            self.queue.add(key)
+
+    def _volume_gone(self, volume: JSON) -> None:
+        self._unindex(volume)
         key = claim_key(volume)
         if key is not None:
             self.queue.add(key)
+
+    def _unindex(self, volume: JSON) -> None:
+        name = str(volume["metadata"]["name"])
+        before = self._claim_of.pop(name, None)
+        if before is not None:
+            names = self._volumes_of[before]
+            names.discard(name)
+            if not names:
+                del self._volumes_of[before]
 
     async def run(self, workers: int) -> None:
         await self.queue.run_workers(workers, self.reconcile)
 
     async def reconcile(self, key: str) -> None:
         claim = self.claims.get(key)
-        ours = [v for v in self.volumes.items() if claim_key(v) == key]
+        ours = [
+            volume
+            for name in sorted(self._volumes_of.get(key, ()))
+            if (volume := self.volumes.get(name)) is not None and claim_key(volume) == key
+        ]
         for volume in ours:
             if outlived(volume, claim):
                 await self.upper.delete_exact(PERSISTENTVOLUMES, volume)
