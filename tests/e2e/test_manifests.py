@@ -79,6 +79,7 @@ def test_the_two_cluster_example_makes_two_virtual_nodes(federation: Federation)
     objects = rendered(federation.upper, "examples/two-clusters")
     assert dry_run(federation.upper, objects) == names(objects)
     deployments = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Deployment"}
+    budgets = {o["metadata"]["name"]: o for o in objects if o["kind"] == "PodDisruptionBudget"}
     assert set(deployments) == {
         "kubestrata-virtual-node-lower-a",
         "kubestrata-virtual-node-lower-b",
@@ -93,9 +94,12 @@ def test_the_two_cluster_example_makes_two_virtual_nodes(federation: Federation)
             spec["volumes"][0]["secret"]["secretName"] == f"kubestrata-lower-kubeconfig-{cluster}"
         )
         assert spec["serviceAccountName"] == VIRTUAL_NODE_ACCOUNT
-        # Each Deployment owns only its own pods.
+        # Each Deployment owns only its own pods, and its budget covers only them (the
+        # Eviction API refuses a pod under two).
         selector = deployment["spec"]["selector"]["matchLabels"]
         assert selector[keys.CLUSTER_ID_LABEL] == cluster
+        budget = budgets[f"kubestrata-virtual-node-{cluster}"]
+        assert budget["spec"]["selector"]["matchLabels"] == selector
     shared = {
         (o["kind"], o["metadata"]["name"])
         for o in rendered(federation.upper, "virtual-node/rbac")

@@ -1321,7 +1321,7 @@ def test_the_deployment_runs_the_policy_of_its_config_map(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
-    config_map, deployment = documents("deployment.yaml")
+    config_map, deployment, _budget = documents("deployment.yaml")
     policy_file = tmp_path / "policy.yaml"
     policy_file.write_text(config_map["data"]["policy.yaml"])
     [container] = deployment["spec"]["template"]["spec"]["containers"]

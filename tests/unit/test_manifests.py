@@ -77,7 +77,7 @@ def test_every_binding_names_one_of_our_roles_for_one_of_our_accounts() -> None:
 
 
 def virtual_node_container() -> dict[str, Any]:
-    [deployment] = yaml.safe_load_all(
+    deployment, _budget = yaml.safe_load_all(
         (MANIFESTS / "virtual-node" / "deployment" / "deployment.yaml").read_text()
     )
     [container] = deployment["spec"]["template"]["spec"]["containers"]
@@ -197,3 +197,36 @@ def test_a_virtual_node_s_heartbeat_is_matched_before_the_rest_of_its_requests()
     assert matched == {("", "nodes"), ("", "nodes/status"), ("coordination.k8s.io", "leases")}
     [lower] = [d["spec"] for p, d in flow_schemas() if p.parent.name == "virtual-node-lower"]
     assert lower["priorityLevelConfiguration"]["name"] == "workload-high"
+
+
+def deployments() -> list[tuple[Path, dict[str, Any]]]:
+    return [(p, d) for p, d in all_documents() if d["kind"] == "Deployment"]
+
+
+def test_every_deployment_runs_above_workloads_with_one_disruption_at_a_time() -> None:
+    """The webhook and the extender fail closed, and a virtual node's replicas keep its
+    heartbeat: preempted for a workload, or both evicted by one drain, they stopped
+    every federated pod's creation or scheduling, or had a cluster's pods taken for
+    lost."""
+    classes = {d["metadata"]["name"]: d for _, d in all_documents() if d["kind"] == "PriorityClass"}
+    budgets = [d for _, d in all_documents() if d["kind"] == "PodDisruptionBudget"]
+    found = deployments()
+    assert len(found) == 4
+    for path, deployment in found:
+        where = f"{path}: {deployment['metadata']['name']}"
+        template = deployment["spec"]["template"]
+        priority = classes[template["spec"]["priorityClassName"]]
+        assert 0 < priority["value"] <= 1_000_000_000 and not priority["globalDefault"]
+        labels = template["metadata"]["labels"]
+        covering = [
+            b for b in budgets if b["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        ]
+        assert len(covering) == 1, where  # the Eviction API refuses a pod under several
+        assert covering[0]["spec"] == {
+            "maxUnavailable": 1,
+            "selector": deployment["spec"]["selector"],
+        }, where
+        [spread] = template["spec"]["topologySpreadConstraints"]
+        assert spread["topologyKey"] == "kubernetes.io/hostname", where
+        assert spread["labelSelector"] == deployment["spec"]["selector"], where
+        assert spread["whenUnsatisfiable"] == "ScheduleAnyway", where

@@ -557,7 +557,7 @@ def test_the_deployment_starts_the_extender_with_flags_it_knows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
-    deployment, service = documents("deployment.yaml")
+    deployment, service, _budget = documents("deployment.yaml")
     [container] = deployment["spec"]["template"]["spec"]["containers"]
     command, *args = container["args"]
     assert command == "multischeduler"
