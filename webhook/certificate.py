@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import base64
 import datetime
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
 from cryptography.x509.verification import PolicyBuilder, Store, VerificationError
 
 JSON = dict[str, Any]
@@ -92,6 +94,46 @@ def leaf_due(
     if _expiring(cert, now, renew_before):
         return f"the serving certificate expires on {cert.not_valid_after_utc:%Y-%m-%d}"
     return ""
+
+
+def ca_bundle(
+    ca_pem: bytes, served_before: bytes | None, known: Iterable[bytes], now: datetime.datetime
+) -> bytes:
+    """The CA bundle to publish: ``ca_pem``, and the CA of the certificate served before
+    (``served_before``) when another one signed it, found among the ``known`` PEM bundles
+    and still valid. The replicas serve that certificate until they load the renewed
+    Secret (a minute or more): with the new CA alone in the bundle, the apiserver refused
+    them meanwhile, and with failurePolicy Fail every federated pod's creation. Published
+    again once the new certificate is the one served before, the old CA goes."""
+    try:
+        served = x509.load_pem_x509_certificate(served_before) if served_before else None
+        new_ca = x509.load_pem_x509_certificate(ca_pem)
+    except ValueError:
+        return ca_pem
+    if served is None or (served.issuer == new_ca.subject and _signed_by(served, new_ca)):
+        return ca_pem
+    for bundle in known:
+        try:
+            candidates = x509.load_pem_x509_certificates(bundle)
+        except ValueError:
+            continue
+        for candidate in candidates:
+            if (
+                candidate.issuer == candidate.subject
+                and candidate.not_valid_after_utc > now
+                and _signed_by(served, candidate)
+            ):
+                previous = candidate.public_bytes(serialization.Encoding.PEM)
+                return ca_pem.rstrip(b"\n") + b"\n" + previous
+    return ca_pem
+
+
+def _signed_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True
 
 
 def secret(name: str, namespace: str, data: Mapping[str, bytes], kind: str = "Opaque") -> JSON:

@@ -5,6 +5,9 @@ in the kubernetes.io/tls Secret every webhook replica mounts, and puts the CA in
 MutatingWebhookConfiguration. Each is written only when due: run again, it changes
 nothing until the certificate is within --renew-before of its end; a renewed leaf keeps
 the CA, so the caBundle stays and replicas that have not reloaded yet are still trusted.
+A new CA (the old one near its end, or its Secret lost) is published beside the one that
+signed the certificate served so far, which goes at the next run once the new one is
+served (``webhook.certificate.ca_bundle``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from webhook.certificate import (
     RENEW_BEFORE,
     SERVICE,
     TLS_SECRET,
+    ca_bundle,
     ca_due,
     leaf_due,
     secret,
@@ -103,6 +107,8 @@ async def run(args: argparse.Namespace) -> None:
         with tempfile.TemporaryDirectory(prefix="kubestrata-webhook-cert-") as scratch:
             directory = Path(scratch)
             ca_data = secret_data(ca_secret)
+            ca_before = ca_data.get("ca.crt", b"")
+            served_before = secret_data(tls_secret).get("tls.crt")
             why = ca_due(ca_data, now, renew_before)
             if why:
                 ca = pki.create_ca(directory, "kubestrata-webhook")
@@ -129,7 +135,12 @@ async def run(args: argparse.Namespace) -> None:
                 log.info("new webhook certificate in %s/%s: %s", args.namespace, args.secret, why)
             else:
                 log.info("webhook certificate in %s/%s serves on", args.namespace, args.secret)
-        await inject_ca_bundle(client, args.configuration, ca_data["ca.crt"])
+        ca_pem = ca_data["ca.crt"]
+        await inject_ca_bundle(
+            client,
+            args.configuration,
+            lambda published: ca_bundle(ca_pem, served_before, [ca_before, *published], now),
+        )
 
 
 def main(argv: Sequence[str]) -> int:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,13 +138,20 @@ async def publish_ca_bundle(config: WebhookConfig) -> None:
                 await client.replace(MUTATING_WEBHOOK_CONFIGURATIONS, desired)
             log.info("registered %s for %s", CONFIGURATION_NAME, config.register_url)
         if config.inject_ca_bundle is not None:
-            await inject_ca_bundle(client, config.inject_ca_bundle, ca_bundle)
+            await inject_ca_bundle(client, config.inject_ca_bundle, lambda _published: ca_bundle)
 
 
-async def inject_ca_bundle(client: KubeClient, name: str, ca_bundle: bytes) -> None:
-    """Puts ``ca_bundle`` into every webhook of the existing configuration ``name``,
-    unless they all have it already."""
-    patch = ca_bundle_patch(await client.get(MUTATING_WEBHOOK_CONFIGURATIONS, name), ca_bundle)
+async def inject_ca_bundle(
+    client: KubeClient, name: str, bundle_of: Callable[[list[bytes]], bytes]
+) -> None:
+    """Puts a CA bundle into every webhook of the existing configuration ``name``, unless
+    they all have it already: ``bundle_of`` the bundles its webhooks have now."""
+    configuration = await client.get(MUTATING_WEBHOOK_CONFIGURATIONS, name)
+    published = [
+        base64.b64decode(webhook["clientConfig"].get("caBundle") or "")
+        for webhook in configuration.get("webhooks") or []
+    ]
+    patch = ca_bundle_patch(configuration, bundle_of(published))
     if not patch:
         return
     await client.patch(

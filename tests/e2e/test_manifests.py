@@ -160,7 +160,8 @@ def cert_manager_kinds(federation: Federation) -> Iterator[None]:
 def test_the_cert_manager_overlay_is_accepted(
     federation: Federation, cert_manager_kinds: None
 ) -> None:
-    objects = rendered(federation.upper, "webhook-cert-manager")
+    objects = rendered(federation.upper, "with-cert-manager")
+    here = {(o["kind"], o["metadata"]["name"]) for o in objects}
     for obj in objects:
         if obj["kind"] == "MutatingWebhookConfiguration":
             obj["metadata"]["name"] = "kubestrata-webhook-from-manifests"
@@ -170,6 +171,10 @@ def test_the_cert_manager_overlay_is_accepted(
             )
     assert dry_run(federation.upper, objects) == names(objects)
     assert {o["kind"] for o in objects} >= set(CERT_MANAGER_KINDS)
+    # Everything of manifests/ but the webhook-cert job, which would fight cert-manager.
+    everything = {(o["kind"], o["metadata"]["name"]) for o in rendered(federation.upper, ".")}
+    assert {(k, n) for k, n in everything - here if "webhook-cert" not in n} == set()
+    assert not any("webhook-cert" in n for k, n in here if k in ("Job", "CronJob"))
 
 
 def whoami(federation: Federation, kubeconfig: str) -> str:

@@ -133,15 +133,17 @@ def test_one_certificate_made_by_the_job_serves_every_replica_and_renews_in_plac
     upper.kubectl("create", "namespace", "wh-cert")
     upper.kubectl("label", "namespace", "wh-cert", f"{NAMESPACE_LABEL}=yes")
     replicas: list[ManagedProcess] = []
+
+    def published_bundle() -> bytes:
+        webhooks = get_json(upper, "mutatingwebhookconfiguration", CONFIGURATION)["webhooks"]
+        return base64.b64decode(webhooks[0]["clientConfig"]["caBundle"])
+
     try:
         made = webhook_cert(identity.kubeconfig)
         assert made.returncode == 0, made.stderr
         assert "new webhook CA" in made.stderr and "new webhook certificate" in made.stderr
         files = secret_files(federation, tmp_path / "certs")
-        ca_bundle = get_json(upper, "mutatingwebhookconfiguration", CONFIGURATION)["webhooks"][0][
-            "clientConfig"
-        ]["caBundle"]
-        assert base64.b64decode(ca_bundle) == files["ca.crt"]
+        assert published_bundle() == files["ca.crt"]
 
         for index, port in enumerate(ports):
             replica = ManagedProcess(
@@ -212,6 +214,28 @@ def test_one_certificate_made_by_the_job_serves_every_replica_and_renews_in_plac
             )
             assert all(r.running() for r in replicas), "served without a restart"
         assert admitted_with_stash(federation, "after-renewal")
+
+        # A new CA (due whenever it expires within 5,000 days): until the replicas load
+        # the new certificate, they serve the one the old CA signed, which the bundle
+        # still trusts (until 2026-11-28 the new CA alone: every admission failed).
+        rotated = webhook_cert(identity.kubeconfig, "--renew-before-days=5000")
+        assert rotated.returncode == 0, rotated.stderr
+        assert "new webhook CA" in rotated.stderr
+        assert served_serial(ports[1], files["ca.crt"]) == second, "not reloaded yet"
+        assert admitted_with_stash(federation, "during-ca-rotation")
+        files = secret_files(federation, tmp_path / "certs")
+        third = x509.load_pem_x509_certificate(files["tls.crt"]).serial_number
+        for port in ports:
+            wait_for(
+                partial(_serves, port, files["ca.crt"], third),
+                f"the replica on {port} to serve the certificate of the new CA",
+                timeout=30,
+            )
+        assert admitted_with_stash(federation, "after-ca-rotation")
+        # Run again once it is served: the old CA leaves the bundle.
+        settled = webhook_cert(identity.kubeconfig)
+        assert settled.returncode == 0, settled.stderr
+        assert published_bundle() == files["ca.crt"]
     finally:
         for replica in replicas:
             replica.stop()

@@ -2,8 +2,11 @@ import base64
 import datetime
 from pathlib import Path
 
+from cryptography import x509
+
 from kubekit import pki
 from webhook.certificate import (
+    ca_bundle,
     ca_bundle_patch,
     ca_due,
     leaf_due,
@@ -82,3 +85,31 @@ def test_the_ca_bundle_is_written_only_where_it_differs() -> None:
         {"op": "replace", "path": "/webhooks/2/clientConfig/caBundle", "value": encoded},
     ]
     assert ca_bundle_patch({"webhooks": [{"clientConfig": {"caBundle": encoded}}]}, b"CA") == []
+
+
+def test_a_new_ca_is_published_beside_the_one_of_the_certificate_served_until_reloaded(
+    tmp_path: Path,
+) -> None:
+    """With the new CA alone in the bundle, the apiserver refused the replicas' old
+    certificate until they loaded the renewed Secret, and with failurePolicy Fail every
+    federated pod's creation meanwhile."""
+    old_ca, new_ca = pki.create_ca(tmp_path, "old"), pki.create_ca(tmp_path, "new")
+    old_leaf = pki.issue(old_ca, tmp_path / "old-tls", NAMES[0], server_names=NAMES)
+    new_leaf = pki.issue(new_ca, tmp_path / "new-tls", NAMES[0], server_names=NAMES)
+    old_pem, new_pem = old_ca.cert_path.read_bytes(), new_ca.cert_path.read_bytes()
+    served = old_leaf.cert_path.read_bytes()
+    # The CA expiring: the old one is still in its Secret.
+    both = ca_bundle(new_pem, served, [old_pem], now())
+    assert x509.load_pem_x509_certificates(both) == [
+        x509.load_pem_x509_certificate(new_pem),
+        x509.load_pem_x509_certificate(old_pem),
+    ]
+    # Its Secret lost: the old CA is found in the bundle published now.
+    assert ca_bundle(new_pem, served, [b"", b"not pem"], now()) == new_pem
+    assert ca_bundle(new_pem, served, [b"not pem", old_pem], now()) == both
+    # The next run, the new certificate served: the old CA goes.
+    assert ca_bundle(new_pem, new_leaf.cert_path.read_bytes(), [both], now()) == new_pem
+    # Nothing served yet, or an old CA that has ended: the new one alone.
+    assert ca_bundle(new_pem, None, [old_pem], now()) == new_pem
+    later = now() + datetime.timedelta(days=3651 * 2)
+    assert ca_bundle(new_pem, served, [old_pem], later) == new_pem
