@@ -155,6 +155,30 @@ def daemonset_patch(request: Mapping[str, Any]) -> list[JSON]:
     return [{"op": operation, "path": "/spec/template/spec/affinity", "value": affinity}]
 
 
+def keep_off_response(request: Mapping[str, Any]) -> JSON:
+    """The AdmissionReview answering a pod made outside federation that tolerates every
+    taint (the configuration's third entry): kept off virtual nodes as a DaemonSet's
+    pods are (webhook.daemonsets). Such pods (an operator of kube-system, say) tolerate
+    the virtual nodes' taint without meaning them, and the upper scheduler, seeing a
+    virtual node's room, bound them there: they ran in a lower cluster. A pod bound at
+    its creation (a static pod's mirror) or a DaemonSet's, pinned to its node by its
+    controller, is left as it is."""
+    response: JSON = {"uid": request["uid"], "allowed": True}
+    if not _is_pod(request) or request.get("operation") != "CREATE":
+        return _review(response)
+    pod = request["object"]
+    spec = pod.get("spec") or {}
+    if spec.get("nodeName") or is_daemon_pod(pod):
+        return _review(response)
+    affinity = off_virtual_nodes(spec)
+    if affinity is None:
+        return _review(response)
+    operation = "replace" if "affinity" in spec else "add"
+    return _review(
+        _with_patch(response, [{"op": operation, "path": "/spec/affinity", "value": affinity}])
+    )
+
+
 def _pointer(*segments: str) -> str:
     return "".join("/" + s.replace("~", "~0").replace("/", "~1") for s in segments)
 

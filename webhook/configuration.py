@@ -1,5 +1,5 @@
-"""The MutatingWebhookConfiguration that routes federated pods and DaemonSets to the
-webhook (pure).
+"""The MutatingWebhookConfiguration that routes federated pods, DaemonSets and pods that
+tolerate every taint to the webhook (pure).
 
 One definition serves both deployments: ``kubestrata webhook --register-url`` applies it
 for a local federation, and ``manifests/webhook/`` carries the same rules (a unit test
@@ -19,6 +19,18 @@ CONFIGURATION_NAME = "kubestrata-webhook"
 WEBHOOK_NAME = "stash.kubestrata.io"
 DAEMONSETS_WEBHOOK_NAME = "daemonsets.kubestrata.io"
 PATH = "/mutate"
+TOLERATING_PODS_WEBHOOK_NAME = "tolerating-pods.kubestrata.io"
+# Where pods of the third entry are sent, below the main path: a URL configuration
+# reaches it by the URL it was given with this added.
+KEEP_OFF_SUFFIX = "/keep-off-virtual-nodes"
+KEEP_OFF_PATH = PATH + KEEP_OFF_SUFFIX
+# A toleration with no key and operator Exists, for every effect or NoSchedule's: the
+# virtual nodes' taint among all others. The handler judges the rest.
+TOLERATES_EVERY_TAINT = (
+    "has(object.spec.tolerations) && object.spec.tolerations.exists(t,"
+    " (!has(t.key) || t.key == '') && has(t.operator) && t.operator == 'Exists'"
+    " && (!has(t.effect) || t.effect == '' || t.effect == 'NoSchedule'))"
+)
 # Never federated, whatever their labels say: the cluster's own and ours.
 PROTECTED_NAMESPACES = (
     "kube-system",
@@ -144,6 +156,40 @@ def daemonsets_webhook(client_config: JSON) -> JSON:
     }
 
 
+def tolerating_pods_webhook(client_config: JSON) -> JSON:
+    """The entry for pods outside federation that tolerate every taint (an operator of
+    kube-system, say): they tolerate the virtual nodes' taint without meaning them, and
+    were bound there, to run in a lower cluster. Kept off virtual nodes as DaemonSets
+    are (``webhook.admission.keep_off_response``), with the same policies:
+
+    - failurePolicy Ignore, every namespace: the cluster's own pods must never wait on
+      the webhook; one admitted as it is may land on a virtual node, as without it.
+    - CREATE only, and only pods with such a toleration (``matchConditions``): others
+      never reach the webhook. A federated pod reaches it after the stash entry has
+      pointed it at the virtual nodes, and is left as it is.
+    """
+    return {
+        "name": TOLERATING_PODS_WEBHOOK_NAME,
+        "admissionReviewVersions": ["v1"],
+        "clientConfig": client_config,
+        "rules": [
+            {
+                "apiGroups": [""],
+                "apiVersions": ["v1"],
+                "operations": ["CREATE"],
+                "resources": ["pods"],
+                "scope": "Namespaced",
+            }
+        ],
+        "matchConditions": [{"name": "tolerates-every-taint", "expression": TOLERATES_EVERY_TAINT}],
+        "failurePolicy": "Ignore",
+        "matchPolicy": "Equivalent",
+        "sideEffects": "None",
+        "timeoutSeconds": TIMEOUT_SECONDS,
+        "reinvocationPolicy": "Never",
+    }
+
+
 def url_configuration(url: str, ca_bundle: bytes = b"") -> JSON:
     """The configuration for a webhook reached by URL (a local federation); without
     ``ca_bundle``, for a webhook that puts its CA in itself."""
@@ -157,5 +203,9 @@ def url_configuration(url: str, ca_bundle: bytes = b"") -> JSON:
             "name": CONFIGURATION_NAME,
             "labels": {keys.MANAGED_BY_LABEL: keys.MANAGED_BY_VALUE},
         },
-        "webhooks": [stash_webhook(client_config), daemonsets_webhook(client_config)],
+        "webhooks": [
+            stash_webhook(client_config),
+            daemonsets_webhook(client_config),
+            tolerating_pods_webhook({**client_config, "url": url.rstrip("/") + KEEP_OFF_SUFFIX}),
+        ],
     }

@@ -26,9 +26,9 @@ from kubekit.serving import (
     check_serving_arguments,
     serving,
 )
-from webhook.admission import BadReview, parse_review, review_response
+from webhook.admission import BadReview, keep_off_response, parse_review, review_response
 from webhook.certificate import ca_bundle_patch
-from webhook.configuration import CONFIGURATION_NAME, PATH, url_configuration
+from webhook.configuration import CONFIGURATION_NAME, KEEP_OFF_PATH, PATH, url_configuration
 
 log = logging.getLogger("webhook")
 
@@ -82,23 +82,36 @@ class MovesFollower:
 
 
 def make_app(keep: Collection[str], follower: MovesFollower | None = None) -> web.Application:
-    async def mutate(request: web.Request) -> web.Response:
+    async def read_review(request: web.Request) -> JSON | web.Response:
+        """The review the request carries, or the 400 answering it."""
         if request.content_type != "application/json":
             return _bad_request(
                 f"Content-Type must be application/json, not {request.content_type}"
             )
         try:
-            review = parse_review(await request.read())
+            return parse_review(await request.read())
         except BadReview as error:
             return _bad_request(str(error))
+
+    async def mutate(request: web.Request) -> web.Response:
+        review = await read_review(request)
+        if isinstance(review, web.Response):
+            return review
         moves = follower.moves if follower is not None else None
         return web.json_response(review_response(review, keep, moves))
+
+    async def keep_off(request: web.Request) -> web.Response:
+        review = await read_review(request)
+        if isinstance(review, web.Response):
+            return review
+        return web.json_response(keep_off_response(review))
 
     async def healthz(_request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
     app = web.Application(client_max_size=MAX_BODY)
     app.router.add_post(PATH, mutate)
+    app.router.add_post(KEEP_OFF_PATH, keep_off)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", serve_metrics)
     return app

@@ -644,3 +644,54 @@ def test_a_spread_with_match_label_keys_on_a_cluster_level_key_runs_below(
     below = lower_pod(federation, cluster, "wh-spread-keys", above["metadata"]["name"])
     (spread,) = below["spec"]["topologySpreadConstraints"]
     assert "matchLabelKeys" not in spread
+
+
+def test_a_pod_outside_federation_tolerating_every_taint_stays_off_virtual_nodes(
+    federation: Federation,
+) -> None:
+    """An operator of kube-system (or of any namespace not federated) tolerating every
+    taint tolerates the virtual nodes' too: the upper scheduler bound it to one, and it
+    ran in a lower cluster (until 2026-11-28). A federated pod tolerating every taint
+    still goes to a virtual node."""
+    upper = federation.upper
+    operator = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "e2e-operator", "namespace": "kube-system"},
+        "spec": {"tolerations": EVERY_TAINT, "containers": [container()]},
+    }
+    ns = "wh-tolerant"
+    federated = {**operator, "metadata": {"name": "tolerant", "namespace": ns}}
+    apply(upper, federated_namespace(ns))
+    try:
+        made = json.loads(
+            upper.kubectl("create", "-f", "-", "-o", "json", input=json.dumps(operator)).stdout
+        )
+        terms = made["spec"]["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ]["nodeSelectorTerms"]
+        assert terms == [
+            {"matchExpressions": [{"key": keys.CLUSTER_ID_LABEL, "operator": "DoesNotExist"}]}
+        ]
+        apply(upper, federated)
+        bound = wait_for(
+            lambda: get_json(upper, "pod", "-n", ns, "tolerant")["spec"].get("nodeName"),
+            "the federated pod bound",
+        )
+        assert keys.CLUSTER_ID_LABEL in get_json(upper, "node", bound)["metadata"]["labels"]
+        node = get_json(upper, "pod", "-n", "kube-system", "e2e-operator")["spec"].get("nodeName")
+        if node:  # an ordinary node of the upper cluster, if it has one
+            labels = get_json(upper, "node", node)["metadata"]["labels"]
+            assert keys.CLUSTER_ID_LABEL not in labels
+    finally:
+        upper.kubectl(
+            "delete",
+            "pod",
+            "-n",
+            "kube-system",
+            "e2e-operator",
+            "--ignore-not-found",
+            "--grace-period=0",
+            "--force",
+        )
+        upper.kubectl("delete", "namespace", ns, "--wait=false")

@@ -14,8 +14,15 @@ from hypothesis import given
 
 from kubekit import keys, pki, stash
 from tests.unit.test_stash import specs
-from webhook.admission import BadReview, parse_review, review_response
-from webhook.configuration import daemonsets_webhook, stash_webhook, url_configuration
+from webhook.admission import BadReview, keep_off_response, parse_review, review_response
+from webhook.configuration import (
+    KEEP_OFF_PATH,
+    PATH,
+    daemonsets_webhook,
+    stash_webhook,
+    tolerating_pods_webhook,
+    url_configuration,
+)
 from webhook.daemonsets import off_virtual_nodes
 from webhook.server import MovesFollower, make_app, parse_args
 
@@ -419,12 +426,19 @@ def test_the_manifest_configuration_has_the_same_rules_as_the_code() -> None:
     )
     local = url_configuration("https://127.0.0.1:1/mutate", b"ca")
     assert manifest["metadata"]["name"] == local["metadata"]["name"]
-    pods, daemonsets = manifest["webhooks"]
+    pods, daemonsets, tolerating = manifest["webhooks"]
     assert pods == stash_webhook(pods["clientConfig"])
     assert daemonsets == daemonsets_webhook(daemonsets["clientConfig"])
-    assert [w["name"] for w in local["webhooks"]] == [pods["name"], daemonsets["name"]]
+    assert tolerating == tolerating_pods_webhook(tolerating["clientConfig"])
+    assert [w["name"] for w in local["webhooks"]] == [
+        pods["name"],
+        daemonsets["name"],
+        tolerating["name"],
+    ]
     for webhook in (pods, daemonsets):
-        assert webhook["clientConfig"]["service"]["path"] == "/mutate"
+        assert webhook["clientConfig"]["service"]["path"] == PATH
+    assert tolerating["clientConfig"]["service"]["path"] == KEEP_OFF_PATH
+    assert local["webhooks"][2]["clientConfig"]["url"] == "https://127.0.0.1:1" + KEEP_OFF_PATH
 
 
 def test_a_serving_pair_is_reused_while_it_covers_the_names(tmp_path: Path) -> None:
@@ -567,3 +581,31 @@ def test_a_webhook_that_only_answers_needs_no_kubeconfig(
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     config = parse_args([f"--cert-dir={tmp_path}", "--listen=127.0.0.1:9443"])
     assert config.kubeconfig is None and not config.follow_moves
+
+
+def pod_review(spec: dict[str, Any], **metadata: Any) -> dict[str, Any]:
+    pod = {"metadata": {"name": "operator", "namespace": "kube-system", **metadata}, "spec": spec}
+    return {
+        "uid": "u",
+        "kind": {"group": "", "version": "v1", "kind": "Pod"},
+        "operation": "CREATE",
+        "object": pod,
+    }
+
+
+def test_a_pod_outside_federation_tolerating_every_taint_is_kept_off_virtual_nodes() -> None:
+    """An operator of kube-system tolerating every taint tolerates the virtual nodes'
+    too: the upper scheduler, seeing a virtual node's room, bound it there, and it ran
+    in a lower cluster."""
+    spec = {"tolerations": EVERY_TAINT, "containers": [{"name": "c", "image": "i"}]}
+    review = pod_review(spec)
+    kept = patched(review["object"], keep_off_response(review)["response"])
+    assert kept["spec"]["affinity"] == required({"matchExpressions": [OFF]})
+    left_alone = [
+        pod_review({**spec, "nodeName": "worker-1"}),  # a static pod's mirror
+        pod_review(spec, ownerReferences=[{"kind": "DaemonSet", "uid": "d", "controller": True}]),
+        pod_review({**spec, "nodeSelector": {keys.VIRTUAL_NODE_LABEL: "true"}}),  # federated
+        pod_review({"tolerations": [{"key": "gpu", "operator": "Exists"}]}),
+    ]
+    for review in left_alone:
+        assert "patch" not in keep_off_response(review)["response"]
