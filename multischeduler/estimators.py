@@ -24,6 +24,7 @@ import grpc.aio
 
 from kubekit import keys
 from kubekit.client import JSON
+from kubekit.estimatorapi import client_keepalive_options
 from kubekit.estimatorapi.estimator_pb2 import (
     DefragmentRequest,
     DefragmentResponse,
@@ -282,7 +283,9 @@ class EstimatorPool:
             del self._estimators[node.name]
             self._close(current)
         if node.address is not None:
-            channel = grpc.aio.secure_channel(node.address, self.credentials, CHANNEL_OPTIONS)
+            channel = grpc.aio.secure_channel(
+                node.address, self.credentials, (*CHANNEL_OPTIONS, *client_keepalive_options())
+            )
             self._estimators[node.name] = _Estimator(
                 node.address, node.started, channel, EstimatorStub(channel)
             )

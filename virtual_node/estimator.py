@@ -29,7 +29,12 @@ from kubekit import keys, metrics, pki
 from kubekit.certreload import CertificateFiles
 from kubekit.client import API_ERRORS
 from kubekit.clusterstate import ClusterState, Estimate
-from kubekit.estimatorapi import MAX_HOLD_SECONDS, estimator_pb2, estimator_pb2_grpc
+from kubekit.estimatorapi import (
+    MAX_HOLD_SECONDS,
+    estimator_pb2,
+    estimator_pb2_grpc,
+    server_keepalive_options,
+)
 from kubekit.fit import PodFacts, counted_node
 from kubekit.informer import FunctionHandler, Informer, object_key
 from kubekit.loops import on_loop
@@ -888,7 +893,9 @@ class ParsedByTheService(grpc.aio.ServerInterceptor):
 async def _start(
     service: EstimatorService, address: str, port: int, pair: pki.KeyPair
 ) -> grpc.aio.Server:
-    server = grpc.aio.server(interceptors=(ParsedByTheService(),))
+    server = grpc.aio.server(
+        interceptors=(ParsedByTheService(),), options=server_keepalive_options()
+    )
     estimator_pb2_grpc.add_EstimatorServicer_to_server(service, server)
     target = host_port(address, port)
     try:

@@ -3,6 +3,7 @@ order asked, the caller checked at every request."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -13,6 +14,7 @@ import grpc
 import orjson
 import pytest
 
+from kubekit import estimatorapi
 from kubekit.estimatorapi import estimator_pb2
 from kubekit.estimatorapi.estimator_pb2_grpc import EstimatorStub
 from tests.unit.test_estimator import Admitting, Cluster, landed, served, upper_pod
@@ -106,3 +108,90 @@ async def test_a_stopping_server_ends_the_calls_kept_open_within_its_grace(
         with pytest.raises(grpc.aio.AioRpcError) as ended:
             await call.read()
         assert ended.value.code() in {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
+
+
+@pytest.fixture
+def quick_keepalive(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(estimatorapi, "KEEPALIVE_TIME_MS", 200)
+    monkeypatch.setattr(estimatorapi, "KEEPALIVE_TIMEOUT_MS", 300)
+
+
+async def test_a_connection_idle_between_calls_is_pinged_and_kept(
+    tmp_path: Path, quick_keepalive: None
+) -> None:
+    """The multischeduler pings its estimator connections, with a call open or not; the
+    estimator lets it (by default a gRPC server takes pings with no call open for abuse,
+    and hangs up: GOAWAY too_many_pings, a new connection for the next call)."""
+    cluster = Cluster()
+    async with (
+        served(tmp_path, cluster, Admitting()) as (address, ca),
+        grpc.aio.secure_channel(
+            address, grpc.ssl_channel_credentials(ca), estimatorapi.client_keepalive_options()
+        ) as channel,
+    ):
+        call = EstimatorStub(channel).EstimateStream(metadata=METADATA, timeout=20)
+        assert (await answer(call, query("web", "1"))).estimates[0].reserved_node
+        await call.done_writing()
+        assert await call.code() == grpc.StatusCode.OK
+        changed = asyncio.ensure_future(
+            channel.wait_for_state_change(grpc.ChannelConnectivity.READY)
+        )
+        await asyncio.sleep(4.0)  # pings with no call open, a second apart at least
+        assert not changed.done(), "the connection was dropped"
+        changed.cancel()
+
+
+class FreezingProxy:
+    """Relays TCP both ways until frozen: then relays nothing, and closes nothing (a
+    network that drops a connection silently)."""
+
+    def __init__(self, target: str) -> None:
+        self.host, _, port = target.rpartition(":")
+        self.port = int(port)
+        self.frozen = asyncio.Event()
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(self.host, self.port)
+
+        async def copy(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            while data := await source.read(65536):
+                if self.frozen.is_set():
+                    await asyncio.Event().wait()
+                sink.write(data)
+                await sink.drain()
+
+        await asyncio.gather(copy(reader, up_writer), copy(up_reader, writer))
+
+
+async def test_a_connection_dropped_silently_is_found_out_by_its_pings(
+    tmp_path: Path, quick_keepalive: None
+) -> None:
+    """Without pings a call on it failed by its deadline, every one, until the kernel
+    gave up on the connection (a quarter of an hour); the cluster was refused meanwhile."""
+    cluster = Cluster()
+    async with served(tmp_path, cluster, Admitting()) as (address, ca):
+        proxy = FreezingProxy(address)
+        through = await proxy.start()
+        options = (
+            *estimatorapi.client_keepalive_options(),
+            ("grpc.ssl_target_name_override", "127.0.0.1"),
+        )
+        async with grpc.aio.secure_channel(
+            through, grpc.ssl_channel_credentials(ca), options
+        ) as channel:
+            call = EstimatorStub(channel).EstimateStream(metadata=METADATA, timeout=20)
+            assert (await answer(call, query("web", "1"))).estimates[0].reserved_node
+            assert channel.get_state() == grpc.ChannelConnectivity.READY
+            proxy.frozen.set()
+            async with asyncio.timeout(5):
+                await channel.wait_for_state_change(grpc.ChannelConnectivity.READY)
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await call.read()
+            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert proxy.server is not None
+        proxy.server.close()
