@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _up(args: argparse.Namespace) -> int:
     # The control planes' machinery is loaded by the commands that run them only, so the
     # ones that read (kubeconfig, status) start fast.
-    from harness.federation import Federation, FederationSpec
+    from harness.federation import Federation, FederationSpec, supervising_process
 
     spec = FederationSpec(
         tenants=args.tenants,
@@ -166,6 +166,8 @@ def _up(args: argparse.Namespace) -> int:
     federation = Federation(
         args.state_dir, spec.clusters(), Toolchain.locate(), die_with_parent=not args.detach
     )
+    if not args.detach:
+        federation.supervisor = supervising_process("kubestrata up")
     stop_requested = threading.Event()
 
     def request_stop(signum: int, _frame: object) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import shutil
 import ssl
 import sys
@@ -28,7 +29,7 @@ from harness.localcluster import (
     free_port,
     pod_cidr,
 )
-from harness.process import ManagedProcess, ProcessError, ProcessRecord
+from harness.process import ManagedProcess, ProcessError, ProcessRecord, start_time_ticks
 from harness.state import (
     COMPONENTS,
     STATE_FILE,
@@ -183,6 +184,14 @@ class FederationRunning(ClusterError):
     """The state directory belongs to a federation whose processes still run."""
 
 
+def supervising_process(name: str) -> ProcessRecord:
+    """This process, as the supervisor of a federation."""
+    pid = os.getpid()
+    ticks = start_time_ticks(pid)
+    assert ticks is not None, "a running process has a start time"
+    return ProcessRecord(name, pid, ticks)
+
+
 def _records(cluster_state: dict[str, object]) -> list[ProcessRecord]:
     raw = cluster_state.get("processes", [])
     assert isinstance(raw, list)
@@ -195,8 +204,30 @@ def running_processes(state_dir: Path) -> list[ProcessRecord]:
     return [r for c in read_state(state_dir).values() for r in _records(c) if r.alive()]
 
 
+# How long `kubestrata down` lets a foreground `kubestrata up` stop its federation itself.
+SUPERVISOR_STOP_SECONDS = 120.0
+
+
+def supervisor_of(state_dir: Path) -> ProcessRecord | None:
+    """The foreground `kubestrata up` supervising the federation of ``state_dir``, while
+    it runs."""
+    try:
+        raw = json.loads((state_dir / STATE_FILE).read_text()).get("supervisor")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    record = ProcessRecord(str(raw["name"]), int(raw["pid"]), int(raw["start_ticks"]))
+    return record if record.alive() else None
+
+
 def stop_state_dir(state_dir: Path) -> int:
-    """Stops every process recorded in the state directory; returns how many ran."""
+    """Stops every process recorded in the state directory; returns how many ran. A
+    foreground `kubestrata up` supervising them is stopped first, and stops them itself:
+    left running, it started again each process stopped here."""
+    supervisor = supervisor_of(state_dir)
+    if supervisor is not None:
+        supervisor.stop(grace_seconds=SUPERVISOR_STOP_SECONDS)
     records = running_processes(state_dir)
     # Dependants before what they depend on: kubestrata's components, kwok and
     # controllers, apiservers, etcd.
@@ -227,6 +258,9 @@ class Federation:
         self.toolchain = toolchain
         self.die_with_parent = die_with_parent
         self.components: dict[str, ManagedProcess] = {}
+        # The process that supervises the federation (a foreground `kubestrata up`), for
+        # `kubestrata down` to stop first.
+        self.supervisor: ProcessRecord | None = None
         self._state_lock = threading.Lock()
         # The state file is rewritten as each process starts, so `kubestrata down` finds
         # everything even if this process is killed half-way through `up`.
@@ -540,6 +574,7 @@ class Federation:
                 for name, cluster in self.clusters.items()
             },
             COMPONENTS: [vars(p.record()) for p in self.components.values() if p.running()],
+            "supervisor": vars(self.supervisor) if self.supervisor is not None else None,
         }
         # Whole or not at all: a file cut short by a kill would leave a directory that
         # neither `up` nor `down` reads.

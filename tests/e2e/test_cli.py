@@ -142,6 +142,47 @@ def test_foreground_up_restarts_what_exits_and_stops_everything_on_ctrl_c(
             up.kill()
 
 
+def test_down_stops_a_foreground_up_before_what_it_supervises(state_dir: Path) -> None:
+    """Left running, the foreground `up` started again each process `down` stopped (and
+    they ran on in a removed directory)."""
+    up = subprocess.Popen(
+        [
+            *KUBESTRATA,
+            "up",
+            "--lower",
+            "1",
+            "--nodes",
+            "1",
+            "--no-multischeduler",
+            "--no-descheduler",
+            "--no-metrics-server",
+            "--state-dir",
+            str(state_dir),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert up.stdout is not None
+        for line in up.stdout:
+            if "press Ctrl-C" in line:
+                break
+        else:
+            pytest.fail(f"up ended before it was ready: {up.stderr.read() if up.stderr else ''}")
+        processes = running_processes(state_dir)
+        down = kubestrata("down", "--state-dir", str(state_dir))
+        assert down.returncode == 0, down.stderr
+        assert up.wait(60) == 0
+        said = up.stdout.read()
+        assert "started again" not in said, said
+        assert not any(p.alive() for p in processes)
+        assert not state_dir.exists()
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
 def test_port_in_use_is_a_clear_error(tmp_path: Path, toolchain: Toolchain) -> None:
     with socket.socket() as blocker:
         blocker.bind(("127.0.0.1", 0))

@@ -1,6 +1,8 @@
 import ipaddress
 import itertools
 import json
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,8 @@ from harness.federation import (
     Federation,
     FederationRunning,
     FederationSpec,
+    stop_state_dir,
+    supervisor_of,
 )
 from harness.localcluster import (
     RESOURCE_METRICS_PATH_ANNOTATION,
@@ -274,3 +278,42 @@ def test_the_state_file_is_written_whole_or_not_at_all(
     with pytest.raises(KeyboardInterrupt):
         federation._write_state()
     assert (tmp_path / STATE_FILE).read_text() == before
+
+
+def test_down_stops_the_supervisor_before_what_it_supervises(tmp_path: Path) -> None:
+    """A foreground `up` started again each process `down` stopped: it goes first, and
+    what it left running after it."""
+    # Stands for `kubestrata up`: on SIGTERM it notes that the process it supervises was
+    # still running, as the real one then stops it itself.
+    supervisor = ManagedProcess(
+        "kubestrata up",
+        [
+            sys.executable,
+            "-c",
+            "import os, signal, sys, time\n"
+            "def stop(*_):\n"
+            f"    open({str(tmp_path / 'order')!r}, 'a').write('supervisor\\n'); sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, stop)\n"
+            "time.sleep(60)\n",
+        ],
+        tmp_path / "supervisor.log",
+    )
+    supervised = ManagedProcess("etcd", ["sleep", "60"], tmp_path / "etcd.log")
+    supervisor.start()
+    supervised.start()
+    try:
+        time.sleep(0.5)  # the handler set
+        state = {
+            "clusters": {"upper": {"kubeconfig": "k", "processes": [vars(supervised.record())]}},
+            "supervisor": vars(supervisor.record()),
+        }
+        (tmp_path / STATE_FILE).write_text(json.dumps(state))
+        assert supervisor_of(tmp_path) == supervisor.record()
+        assert stop_state_dir(tmp_path) == 1
+        stopped = (tmp_path / "order").read_text().split()
+        assert stopped == ["supervisor"]
+        assert not supervisor.running() and not supervised.running()
+        assert supervisor_of(tmp_path) is None, "an ended supervisor is not one"
+    finally:
+        supervisor.stop()
+        supervised.stop()
