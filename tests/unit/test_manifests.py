@@ -230,3 +230,12 @@ def test_every_deployment_runs_above_workloads_with_one_disruption_at_a_time() -
         assert spread["topologyKey"] == "kubernetes.io/hostname", where
         assert spread["labelSelector"] == deployment["spec"]["selector"], where
         assert spread["whenUnsatisfiable"] == "ScheduleAnyway", where
+
+
+def test_the_install_job_goes_once_it_has_ended() -> None:
+    """A Job's pod template cannot change: while the ended Job stayed, applying the
+    manifests again with a new image was refused."""
+    jobs = [d for _, d in all_documents() if d["kind"] == "Job"]
+    assert jobs
+    for job in jobs:
+        assert 0 < job["spec"]["ttlSecondsAfterFinished"] <= 3600, job["metadata"]["name"]
