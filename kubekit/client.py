@@ -14,6 +14,7 @@ import contextlib
 import contextvars
 import json
 import logging
+import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -239,7 +240,7 @@ class KubeClient:
         refusals = aiohttp.TraceConfig()
         refusals.on_request_end.append(_keep_refusal)
         streams = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ssl=context),
+            connector=aiohttp.TCPConnector(limit=0, ssl=context, socket_factory=_kept_alive),
             trust_env=False,
             trace_configs=[refusals],
         )
@@ -685,6 +686,30 @@ def _read_in_bulk(transport: asyncio.BaseTransport | None) -> None:
     protocol = getattr(transport, "_ssl_protocol", None)
     if isinstance(protocol, asyncio.sslproto.SSLProtocol):
         protocol.max_size = STREAM_TLS_READ_BUFFER_BYTES  # type: ignore[misc]
+
+
+# TCP keepalive of the streams' connections (a followed log that says nothing for
+# minutes; the WebSockets are pinged besides): a load balancer that drops silent flows
+# (Azure's after 4 minutes) left `kubectl logs -f` through the virtual node hanging for
+# good; probed after 30 s of silence, a dropped connection ends within a minute more.
+STREAM_KEEPALIVE_IDLE_SECONDS = 30
+STREAM_KEEPALIVE_INTERVAL_SECONDS = 10
+STREAM_KEEPALIVE_PROBES = 3
+
+
+def _kept_alive(address: Any) -> socket.socket:
+    """A socket for aiohttp's connector (``socket_factory``) with TCP keepalive on."""
+    family, kind, protocol, _name, _address = address
+    made = socket.socket(family=family, type=kind, proto=protocol)
+    made.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (
+        ("TCP_KEEPIDLE", STREAM_KEEPALIVE_IDLE_SECONDS),
+        ("TCP_KEEPINTVL", STREAM_KEEPALIVE_INTERVAL_SECONDS),
+        ("TCP_KEEPCNT", STREAM_KEEPALIVE_PROBES),
+    ):
+        if hasattr(socket, option):  # Linux's; others keep their system's timings
+            made.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+    return made
 
 
 def _ssl_context(configuration: k8s_client.Configuration) -> ssl.SSLContext:

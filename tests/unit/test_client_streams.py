@@ -4,6 +4,7 @@ client's requests need (a virtual node mirroring pods while users tail logs) nor
 for them, nor for the requests' QPS budget."""
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -105,3 +106,24 @@ async def test_streams_are_not_paced_by_the_requests_budget(tmp_path: Path) -> N
             pass
         else:
             raise AssertionError("a request went through with the budget spent")
+
+
+async def test_streams_connections_are_kept_alive_by_tcp(tmp_path: Path) -> None:
+    """A followed log that says nothing for minutes crosses load balancers that drop
+    silent flows: with no keepalive, `kubectl logs -f` through the virtual node hung for
+    good once one did."""
+    async with (
+        client_of(tmp_path, ClientSettings()) as (client, ended),
+        AsyncExitStack() as stack,
+    ):
+        response = await client.stream("/logs", {})
+        stack.callback(response.close)
+        stack.callback(ended.set)
+        assert response.connection is not None and response.connection.transport is not None
+        raw = response.connection.transport.get_extra_info("socket")
+        assert raw.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert raw.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 30
+        assert raw.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 3
+        socket_ = await client.websocket("/exec", [], ())
+        stack.push_async_callback(socket_.close)
+        assert (await socket_.receive_bytes()) == b"hello"
