@@ -385,14 +385,20 @@ class Descheduler:
         )
 
     async def _evict(self, pod: Mapping[str, Any], reason: str) -> bool:
-        """Evicts a pod through the Eviction API; False when it was gone or replaced
-        meanwhile. Raises EvictionBlocked on a 429. ``reason`` labels the metric."""
+        """Evicts a pod through the Eviction API; False when it was gone, replaced or
+        changed meanwhile. Raises EvictionBlocked on a 429. ``reason`` labels the metric."""
         metadata = pod["metadata"]
+        # The pod as it was judged, or none: the cache may be seconds behind by the last
+        # move of a look, and a pod placed below meanwhile (a node added there) was
+        # evicted all the same. Changed, it is a 409, judged again at the next look.
+        preconditions = {"uid": metadata["uid"]}
+        if metadata.get("resourceVersion"):
+            preconditions["resourceVersion"] = metadata["resourceVersion"]
         body = {
             "apiVersion": "policy/v1",
             "kind": "Eviction",
             "metadata": {"name": metadata["name"], "namespace": metadata["namespace"]},
-            "deleteOptions": {"preconditions": {"uid": metadata["uid"]}},
+            "deleteOptions": {"preconditions": preconditions},
         }
         path = PODS.path(metadata["namespace"], metadata["name"], "eviction")
         try:

@@ -599,6 +599,7 @@ class FakeClient:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
+        self.bodies: list[Any] = []
         self.events: list[dict[str, Any]] = []
         self.created: dict[str, dict[str, Any]] = {}
         self.eviction_error: ApiError | None = None
@@ -616,6 +617,7 @@ class FakeClient:
 
     async def request(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
         self.calls.append((method, path))
+        self.bodies.append(kw.get("body"))
         # A budget's 429 is the descheduler's to try again, not waited out by the client.
         assert kw.get("retry_when_told") is False
         if self.eviction_error is not None:
@@ -774,6 +776,24 @@ async def test_a_controllers_pod_is_evicted_through_the_eviction_api() -> None:
     assert event["reason"] == "Rescheduled"
     assert event["involvedObject"]["uid"] == "uid-web"
     assert "evicted from vk-lower-1" in event["message"] and "vk-lower-2" in event["message"]
+
+
+async def test_an_eviction_holds_only_for_the_pod_as_it_was_judged() -> None:
+    """The cache may be seconds behind by a look's last move: a pod placed below
+    meanwhile was evicted all the same. Changed since (a 409), it is judged again at the
+    next look."""
+    world = World(ROOM_IN_2)
+    world.add(pod("web", resourceVersion="41"))
+    world.client.eviction_error = ApiError(409, {"reason": "Conflict", "message": "changed"})
+    await world.descheduler.cycle()
+    (body,) = world.client.bodies
+    assert body["deleteOptions"]["preconditions"] == {"uid": "uid-web", "resourceVersion": "41"}
+    assert world.reasons() == [], "nobody was evicted"
+    world.client.eviction_error = None
+    world.add(pod("web", resourceVersion="42"))
+    await world.descheduler.cycle()
+    assert world.client.bodies[-1]["deleteOptions"]["preconditions"]["resourceVersion"] == "42"
+    assert world.reasons() == ["Rescheduled"]
 
 
 async def test_an_eviction_a_budget_refuses_is_tried_again_later() -> None:
