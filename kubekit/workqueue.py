@@ -136,18 +136,25 @@ class WorkQueue(Generic[Key]):
     async def process_now(self, key: Key, reconcile: Callable[[Key], Awaitable[None]]) -> None:
         """Reconciles ``key`` at once on the caller's task, under the queue's contract: never
         beside a worker busy with the same key (it waits for that one), and a pending add
-        of the key is served by this run. An error is the caller's; no retry is queued."""
+        of the key is served by this run. An error is the caller's; the pending add it
+        took is queued again with backoff (served by nobody, the change it stood for was
+        lost: a Secret's copy below stayed stale when the pod that asked for it went)."""
         while key in self._processing:
             waiter = asyncio.get_running_loop().create_future()
             self._idle.setdefault(key, []).append(waiter)
             await waiter
-        if key in self._dirty:
+        took_pending = key in self._dirty
+        if took_pending:
             self._dirty.discard(key)
             self._queue.remove(key)
             self._depth.set(len(self._queue))
         self._processing.add(key)
         try:
             await reconcile(key)
+        except BaseException:
+            if took_pending:
+                self.add_rate_limited(key)
+            raise
         finally:
             self.done(key)
 
@@ -182,6 +189,9 @@ class WorkQueue(Generic[Key]):
                     await reconcile(key)
                 except asyncio.CancelledError as cancelled:
                     if being_cancelled():
+                        # Stopped half-way (a leader that lost its Lease): the key goes
+                        # back, for the workers run again on this queue.
+                        self._dirty.add(key)
                         raise
                     # Something the reconcile awaited was cancelled, not this worker (a
                     # gRPC call whose channel closed raises so): a failure of this key.

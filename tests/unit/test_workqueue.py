@@ -221,7 +221,6 @@ async def test_process_now_waits_for_the_worker_that_has_the_key() -> None:
 
 async def test_process_now_serves_a_pending_add_and_leaves_errors_to_the_caller() -> None:
     queue: WorkQueue[str] = WorkQueue()
-    queue.add("a")
     queue.add("b")
 
     async def fail(key: str) -> None:
@@ -230,7 +229,43 @@ async def test_process_now_serves_a_pending_add_and_leaves_errors_to_the_caller(
     with pytest.raises(RuntimeError, match="a"):
         await queue.process_now("a", fail)
     assert len(queue) == 1 and await queue.get() == "b"
-    assert queue.retries("a") == 0
+    assert queue.retries("a") == 0, "nothing was pending: nothing to retry"
+
+
+async def test_a_pending_add_that_process_now_took_and_failed_is_queued_again() -> None:
+    """Served by nobody, the change it stood for was lost (a Secret changed above, its
+    copy below stale until it changed again)."""
+    queue: WorkQueue[str] = WorkQueue(backoff=ItemBackoff(base=0.001))
+    queue.add("a")
+
+    async def fail(key: str) -> None:
+        raise RuntimeError(key)
+
+    with pytest.raises(RuntimeError, match="a"):
+        await queue.process_now("a", fail)
+    assert queue.retries("a") == 1
+    assert await asyncio.wait_for(queue.get(), 1) == "a"
+
+
+async def test_a_key_whose_workers_are_stopped_half_way_is_there_when_they_run_again() -> None:
+    """The multischeduler keeps one queue for its slices and runs its workers again on it
+    once it leads again: a namespace being placed when it lost its Lease stayed half
+    placed until someone changed it."""
+    queue: WorkQueue[str] = WorkQueue()
+    started, finished = asyncio.Event(), []
+
+    async def slow(key: str) -> None:
+        started.set()
+        await asyncio.sleep(60)
+        finished.append(key)
+
+    queue.add("ns-a")
+    workers = asyncio.create_task(queue.run_workers(1, slow))
+    await asyncio.wait_for(started.wait(), 1)
+    workers.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await workers
+    assert len(queue) == 1 and await asyncio.wait_for(queue.get(), 1) == "ns-a"
 
 
 async def test_a_worker_that_fails_ends_the_others_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
