@@ -346,8 +346,11 @@ class Informer:
             delay = max(delay, why.retry_after)
         log.log(level, "%r: %s; retrying in %.1f s", self, why or type(why).__name__, delay)
         self._resumed.clear()
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for may swallow a
+        # cancellation that comes as the event is set.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._resumed.wait(), delay)
+            async with asyncio.timeout(delay):
+                await self._resumed.wait()
 
     def resume(self) -> None:
         """Ends a pause between retries now. After an outage of a minute the backoff has

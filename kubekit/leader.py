@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import socket
 import time
 import uuid
@@ -98,7 +99,9 @@ def claim(lease: JSON | None, settings: ElectionSettings, now: str) -> JSON:
             spec["leaseTransitions"] = int(spec.get("leaseTransitions") or 0) + 1
     spec.update(
         holderIdentity=settings.identity,
-        leaseDurationSeconds=max(1, round(settings.lease_duration)),
+        # Rounded up: rounded down (1.4 to 1, 2.5 to 2), followers took over before the
+        # leader had stopped.
+        leaseDurationSeconds=max(1, math.ceil(settings.lease_duration)),
         renewTime=now,
     )
     spec.setdefault("leaseTransitions", 0)
@@ -200,7 +203,10 @@ class LeaderElector:
         try:
             renewed_at = self._clock()
             while True:
-                await asyncio.wait({task}, timeout=settings.retry_period)
+                # Never past the renew deadline: after a renewal that failed fast, a full
+                # retry period would keep a leader working beyond it.
+                left = renewed_at + settings.renew_deadline - self._clock()
+                await asyncio.wait({task}, timeout=max(0.0, min(settings.retry_period, left)))
                 if task.done():
                     if task.cancelled():
                         # Not by us: a cancellation of something it awaited escaped it.
@@ -209,8 +215,12 @@ class LeaderElector:
                         raise WorkCancelled("the leader's work ended cancelled")
                     return task.result()
                 left = renewed_at + settings.renew_deadline - self._clock()
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a
+                # cancellation (SIGTERM) that comes as the renewal ends, and the leader
+                # went on renewing, never released.
                 try:
-                    renewed = await asyncio.wait_for(self.try_acquire_or_renew(), max(left, 0.1))
+                    async with asyncio.timeout(max(left, 0.1)):
+                        renewed = await self.try_acquire_or_renew()
                 except TimeoutError:
                     renewed = False
                 if renewed:
@@ -236,12 +246,10 @@ class LeaderElector:
         if self._lease is None or holder(self._lease) != self.settings.identity:
             return
         try:
-            await asyncio.wait_for(
-                self.client.replace(
+            async with asyncio.timeout(self.settings.retry_period):
+                await self.client.replace(
                     LEASES, released(self._lease, now_micro()), self.settings.namespace
-                ),
-                self.settings.retry_period,
-            )
+                )
             log.info("lease %s: released by %s", self._key(), self.settings.identity)
         except API_ERRORS as error:
             # The followers take over when the Lease expires instead.

@@ -306,3 +306,72 @@ async def test_work_failing_on_a_transient_api_error_starts_again_and_other_erro
 
     with pytest.raises(ApiError, match="Forbidden"):
         await keep_working(forbidden, Backoff(initial=0.01))
+
+
+def test_the_lease_names_its_duration_rounded_up() -> None:
+    """Rounded down (1.4 s to 1, 2.5 s to 2), the followers took over before the leader
+    had stopped: two leaders at once."""
+    for duration, written in ((1.4, 2), (2.5, 3), (10.0, 10)):
+        timing = {"lease_duration": duration, "renew_deadline": 1.3, "retry_period": 0.5}
+        assert claim(None, settings("a", **timing), NOW)["spec"]["leaseDurationSeconds"] == written
+
+
+async def test_a_leader_whose_renewals_fail_fast_stops_at_its_renew_deadline() -> None:
+    """After a renewal that failed at once it waited a whole retry period before looking
+    at the deadline again, working up to that long past it."""
+    store = LeaseStore()
+    timing = {"lease_duration": 3.0, "renew_deadline": 1.0, "retry_period": 0.9}
+    leader = LeaderElector(store, settings("a", **timing))  # type: ignore[arg-type]
+    renewed: list[float] = []
+    real = store.replace
+    loop = asyncio.get_running_loop()
+
+    async def replace(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        if store.down:
+            raise ConnectionRefusedError("connection refused")
+        answer = await real(*args, **kwargs)
+        renewed.append(loop.time())
+        return answer
+
+    store.replace = replace  # type: ignore[method-assign]
+    working = asyncio.Event()
+
+    async def work() -> None:
+        working.set()
+        await asyncio.Event().wait()
+
+    run = asyncio.create_task(leader.run(work))
+    await asyncio.wait_for(working.wait(), 1)
+    await asyncio.sleep(1.0)  # a renewal or more
+    store.down = True
+    with pytest.raises(LeadershipLost):
+        await asyncio.wait_for(run, 5)
+    # Past it by less than the retry period it used to wait (0.9 s), slack for a busy CPU.
+    assert loop.time() - renewed[-1] < timing["renew_deadline"] + 0.5
+
+
+async def test_a_stop_that_comes_as_a_renewal_ends_is_not_lost() -> None:
+    """On Python 3.11 asyncio.wait_for returned the renewal's answer and swallowed a
+    cancellation (SIGTERM) that came with it: the leader went on renewing."""
+    store = LeaseStore()
+    leader = LeaderElector(store, settings("a", **FAST))  # type: ignore[arg-type]
+    working = asyncio.Event()
+
+    async def work() -> None:
+        working.set()
+        await asyncio.Event().wait()
+
+    run = asyncio.create_task(leader.run(work))
+    await asyncio.wait_for(working.wait(), 1)
+    real = store.replace
+
+    async def replace(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        answer = await real(*args, **kwargs)
+        asyncio.get_running_loop().call_soon(run.cancel)  # the signal lands now
+        store.replace = real  # type: ignore[method-assign]
+        return answer
+
+    store.replace = replace  # type: ignore[method-assign]
+    done, _ = await asyncio.wait({run}, timeout=2)
+    assert done, "still leading after the stop"
+    assert store.holder() is None, "released"
