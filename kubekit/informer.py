@@ -111,6 +111,10 @@ class SnapshotDiff:
     deleted: list[str]
 
 
+def _uid(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("uid") or "")
+
+
 def diff_snapshot(cached: Mapping[str, str], listed: Mapping[str, JSON]) -> SnapshotDiff:
     """What changed between the cache (key -> resourceVersion) and a fresh list, by key:
     handlers must hear of every object that appeared, changed or vanished while not
@@ -386,7 +390,15 @@ class Informer:
         for key in diff.added:
             self._notify("on_add", listed[key])
         for key in diff.updated:
-            self._notify("on_update", listed[key])
+            old = before[key].decode()
+            if _uid(old) == _uid(listed[key]):
+                self._notify("on_update", listed[key])
+            else:
+                # Deleted and made again under its name while not watching (a
+                # StatefulSet's pod): an update would hide the old one's end from
+                # handlers keyed by UID, whose room or copy then lingered.
+                self._notify("on_delete", old)
+                self._notify("on_add", listed[key])
         for key in diff.deleted:
             self._notify("on_delete", before[key].decode())
         self.synced.set()

@@ -226,6 +226,34 @@ async def test_objects_cached_before_a_relist_are_told_deleted_as_they_were() ->
     ]
 
 
+async def test_an_object_made_again_under_its_name_while_not_watching_is_a_delete_and_add() -> None:
+    """A StatefulSet's pod deleted and made again while the watch was down: told as an
+    update, a handler keyed by UID never heard the old one end (its held room, its copy
+    lingered)."""
+    web = {**pod("web-0"), "metadata": {**pod("web-0")["metadata"], "resourceVersion": "1"}}
+    again = {**web, "metadata": {**web["metadata"], "uid": "uid-2", "resourceVersion": "5"}}
+    changed = {**again, "metadata": {**again["metadata"], "resourceVersion": "8"}}
+    server = Lists([web], [again], [changed])
+    cache = Informer(server, Resource("", "v1", "pods"))  # type: ignore[arg-type]
+    seen: list[tuple[str, str]] = []
+    cache.add_handler(
+        FunctionHandler(
+            add=lambda o: seen.append(("add", o["metadata"]["uid"])),
+            update=lambda o: seen.append(("update", o["metadata"]["uid"])),
+            delete=lambda o: seen.append(("delete", o["metadata"]["uid"])),
+        )
+    )
+    await cache._relist()
+    await cache._relist()
+    await cache._relist()
+    assert seen == [
+        ("add", "uid-of-web-0"),
+        ("delete", "uid-of-web-0"),
+        ("add", "uid-2"),
+        ("update", "uid-2"),  # the same pod changed: an update
+    ]
+
+
 def test_cached_objects_carry_no_managed_fields() -> None:
     cache = informer()
     managed = obj("a", "1")
