@@ -44,7 +44,7 @@ from multischeduler.estimators import (
     estimator_client,
 )
 from multischeduler.extender import BindingArgs, OnEstimatorError, Score, binding_body
-from multischeduler.server import Callers, Extender, make_app
+from multischeduler.server import Binder, Callers, Extender, Lookup, make_app
 from multischeduler.slicing import Headrooms, SliceController, headrooms
 
 log = logging.getLogger("multischeduler")
@@ -191,29 +191,38 @@ def parse_args(argv: Sequence[str]) -> Config:
     )
 
 
-async def run(config: Config) -> None:
-    async with await KubeClient.connect(ClientSettings(config.kubeconfig)) as client:
+def api_calls(client: KubeClient) -> tuple[Binder, Lookup]:
+    """The extender's calls to the upper apiserver, each within its deadline from its
+    start: the wait for the client's request budget counts (in a burst it alone outlasted
+    the scheduler's 5 s for the call), and so does no wait the apiserver names."""
 
-        async def bind(args: BindingArgs) -> None:
-            path = PODS.path(args.pod_namespace, args.pod_name, "binding")
-            # Within the scheduler's own timeout for the call: no wait the apiserver names.
+    async def bind(args: BindingArgs) -> None:
+        path = PODS.path(args.pod_namespace, args.pod_name, "binding")
+        async with asyncio.timeout(BIND_TIMEOUT):
             await client.request(
                 "POST", path, body=binding_body(args), timeout=BIND_TIMEOUT, retry_when_told=False
             )
 
-        async def lookup(resource: Resource, namespace: str | None, name: str) -> JSON | None:
-            try:
+    async def lookup(resource: Resource, namespace: str | None, name: str) -> JSON | None:
+        try:
+            async with asyncio.timeout(LOOKUP_TIMEOUT):
                 return await client.request(
                     "GET",
                     resource.path(namespace, name),
                     timeout=LOOKUP_TIMEOUT,
                     retry_when_told=False,
                 )
-            except ApiError as error:
-                if is_not_found(error):
-                    return None
-                raise
+        except ApiError as error:
+            if is_not_found(error):
+                return None
+            raise
 
+    return bind, lookup
+
+
+async def run(config: Config) -> None:
+    async with await KubeClient.connect(ClientSettings(config.kubeconfig)) as client:
+        bind, lookup = api_calls(client)
         pool = config.estimators.pool()
         # Every Node, not only virtual ones: a name the scheduler sends that the cache
         # has not seen is then news, not taken for an ordinary node and let through.

@@ -3,6 +3,8 @@ remembered between calls, metrics, and the command line."""
 
 from __future__ import annotations
 
+import asyncio
+import importlib
 import os
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,9 @@ import yaml
 
 from harness.federation import scheduler_extender
 from kubekit import keys, pki
+from kubekit.client import NODES
 from kubekit.estimatorapi.estimator_pb2 import PodEstimate
+from kubekit.ratelimit import TokenBucket
 from multischeduler.estimators import TokenFile
 from multischeduler.extender import (
     Answer,
@@ -35,8 +39,9 @@ from multischeduler.extender import (
     scores,
     virtual_node,
 )
-from multischeduler.main import parse_args
+from multischeduler.main import api_calls, parse_args
 from multischeduler.server import Callers
+from tests.unit.fakeapi import FakeClient
 
 MANIFESTS = Path(__file__).parents[2] / "manifests" / "multischeduler"
 POD = {"metadata": {"name": "p", "namespace": "ns", "uid": "u1"}, "spec": {}}
@@ -608,3 +613,38 @@ def test_the_multischeduler_s_requests_go_in_the_scheduler_s_priority_level() ->
     assert rule["subjects"] == [
         {"kind": "ServiceAccount", "serviceAccount": account["metadata"]},
     ]
+
+
+class PacedClient(FakeClient):
+    """Waits for its request budget first, as KubeClient does."""
+
+    async def request(self, *args: Any, **kwargs: Any) -> Any:
+        await self.limiter.acquire()
+        return await super().request(*args, **kwargs)
+
+
+async def test_the_apiserver_calls_keep_their_deadline_while_the_budget_is_spent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The wait for the client's request budget came before each call's own timeout: in
+    a burst it alone outlasted the scheduler's 5 s for the whole filter or bind."""
+    # The module, not the package's `main` function of the same name.
+    main_module = importlib.import_module("multischeduler.main")
+    monkeypatch.setattr(main_module, "LOOKUP_TIMEOUT", 0.1)
+    monkeypatch.setattr(main_module, "BIND_TIMEOUT", 0.1)
+    client = PacedClient()
+    client.limiter = TokenBucket(qps=0.01, burst=1)
+    client.limiter.reserve()  # spent for the next 100 s
+    bind, lookup = api_calls(client)
+    binding = BindingArgs(pod_name="p", pod_namespace="ns", pod_uid="u", node="vk-lower-1")
+    calls: list[asyncio.Future[Any]] = [
+        asyncio.ensure_future(lookup(NODES, None, "vk-lower-1")),
+        asyncio.ensure_future(bind(binding)),
+    ]
+    # Twenty times their deadline: ended on their own, not still waiting for a token.
+    done, waiting = await asyncio.wait(calls, timeout=2)
+    for task in waiting:
+        task.cancel()
+    assert not waiting
+    assert all(isinstance(task.exception(), TimeoutError) for task in done)
+    assert client.requests == []
