@@ -148,11 +148,17 @@ def daemonset_patch(request: Mapping[str, Any]) -> list[JSON]:
         "template"
     ):
         return []
-    affinity = off_virtual_nodes(template["spec"])
+    return _off_virtual_nodes_patch(template["spec"], "/spec/template/spec/affinity")
+
+
+def _off_virtual_nodes_patch(spec: Mapping[str, Any], path: str) -> list[JSON]:
+    """The JSONPatch giving the pod spec at ``path``'s parent the affinity that keeps it
+    off virtual nodes (webhook.daemonsets); none when it is left as it is."""
+    affinity = off_virtual_nodes(spec)
     if affinity is None:
         return []
-    operation = "replace" if "affinity" in template["spec"] else "add"
-    return [{"op": operation, "path": "/spec/template/spec/affinity", "value": affinity}]
+    operation = "replace" if "affinity" in spec else "add"
+    return [{"op": operation, "path": path, "value": affinity}]
 
 
 def keep_off_response(request: Mapping[str, Any]) -> JSON:
@@ -170,13 +176,7 @@ def keep_off_response(request: Mapping[str, Any]) -> JSON:
     spec = pod.get("spec") or {}
     if spec.get("nodeName") or is_daemon_pod(pod):
         return _review(response)
-    affinity = off_virtual_nodes(spec)
-    if affinity is None:
-        return _review(response)
-    operation = "replace" if "affinity" in spec else "add"
-    return _review(
-        _with_patch(response, [{"op": operation, "path": "/spec/affinity", "value": affinity}])
-    )
+    return _review(_with_patch(response, _off_virtual_nodes_patch(spec, "/spec/affinity")))
 
 
 def _pointer(*segments: str) -> str:

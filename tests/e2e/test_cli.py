@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -86,10 +87,11 @@ def test_up_detach_kubeconfig_down(state_dir: Path, toolchain: Toolchain) -> Non
     assert not any(p.alive() for p in processes)
 
 
-def test_foreground_up_restarts_what_exits_and_stops_everything_on_ctrl_c(
-    state_dir: Path,
-) -> None:
-    up = subprocess.Popen(
+def foreground_up(
+    state_dir: Path, preexec_fn: Callable[[], object] | None = None
+) -> subprocess.Popen[str]:
+    """A small `kubestrata up` in the foreground (no --detach), its output piped."""
+    return subprocess.Popen(
         [
             *KUBESTRATA,
             "up",
@@ -106,16 +108,27 @@ def test_foreground_up_restarts_what_exits_and_stops_everything_on_ctrl_c(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        # As a shell starts a background job: Ctrl-C must stop it all the same.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        preexec_fn=preexec_fn,
     )
+
+
+def ready(up: subprocess.Popen[str]) -> None:
+    """Reads the foreground `up`'s output until it says it is ready."""
+    assert up.stdout is not None
+    for line in up.stdout:
+        if "press Ctrl-C" in line:
+            return
+    pytest.fail(f"up ended before it was ready: {up.stderr.read() if up.stderr else ''}")
+
+
+def test_foreground_up_restarts_what_exits_and_stops_everything_on_ctrl_c(
+    state_dir: Path,
+) -> None:
+    # As a shell starts a background job: Ctrl-C must stop it all the same.
+    up = foreground_up(state_dir, lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         assert up.stdout is not None
-        for line in up.stdout:
-            if "press Ctrl-C" in line:
-                break
-        else:
-            pytest.fail(f"up ended before it was ready: {up.stderr.read() if up.stderr else ''}")
+        ready(up)
         processes = running_processes(state_dir)
         # --no-multischeduler: no extender, and the scheduler's configuration names none.
         assert len(processes) == 11
@@ -145,31 +158,10 @@ def test_foreground_up_restarts_what_exits_and_stops_everything_on_ctrl_c(
 def test_down_stops_a_foreground_up_before_what_it_supervises(state_dir: Path) -> None:
     """Left running, the foreground `up` started again each process `down` stopped (and
     they ran on in a removed directory)."""
-    up = subprocess.Popen(
-        [
-            *KUBESTRATA,
-            "up",
-            "--lower",
-            "1",
-            "--nodes",
-            "1",
-            "--no-multischeduler",
-            "--no-descheduler",
-            "--no-metrics-server",
-            "--state-dir",
-            str(state_dir),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    up = foreground_up(state_dir)
     try:
         assert up.stdout is not None
-        for line in up.stdout:
-            if "press Ctrl-C" in line:
-                break
-        else:
-            pytest.fail(f"up ended before it was ready: {up.stderr.read() if up.stderr else ''}")
+        ready(up)
         processes = running_processes(state_dir)
         down = kubestrata("down", "--state-dir", str(state_dir))
         assert down.returncode == 0, down.stderr

@@ -316,6 +316,19 @@ def test_the_lease_names_its_duration_rounded_up() -> None:
         assert claim(None, settings("a", **timing), NOW)["spec"]["leaseDurationSeconds"] == written
 
 
+async def leading(leader: LeaderElector) -> asyncio.Task[None]:
+    """The leader's run, once it works (until cancelled)."""
+    working = asyncio.Event()
+
+    async def work() -> None:
+        working.set()
+        await asyncio.Event().wait()
+
+    run = asyncio.create_task(leader.run(work))
+    await asyncio.wait_for(working.wait(), 1)
+    return run
+
+
 async def test_a_leader_whose_renewals_fail_fast_stops_at_its_renew_deadline() -> None:
     """After a renewal that failed at once it waited a whole retry period before looking
     at the deadline again, working up to that long past it."""
@@ -334,14 +347,7 @@ async def test_a_leader_whose_renewals_fail_fast_stops_at_its_renew_deadline() -
         return answer
 
     store.replace = replace  # type: ignore[method-assign]
-    working = asyncio.Event()
-
-    async def work() -> None:
-        working.set()
-        await asyncio.Event().wait()
-
-    run = asyncio.create_task(leader.run(work))
-    await asyncio.wait_for(working.wait(), 1)
+    run = await leading(leader)
     await asyncio.sleep(1.0)  # a renewal or more
     store.down = True
     with pytest.raises(LeadershipLost):
@@ -355,14 +361,7 @@ async def test_a_stop_that_comes_as_a_renewal_ends_is_not_lost() -> None:
     cancellation (SIGTERM) that came with it: the leader went on renewing."""
     store = LeaseStore()
     leader = LeaderElector(store, settings("a", **FAST))  # type: ignore[arg-type]
-    working = asyncio.Event()
-
-    async def work() -> None:
-        working.set()
-        await asyncio.Event().wait()
-
-    run = asyncio.create_task(leader.run(work))
-    await asyncio.wait_for(working.wait(), 1)
+    run = await leading(leader)
     real = store.replace
 
     async def replace(*args: Any, **kwargs: Any) -> dict[str, Any]:
