@@ -50,7 +50,12 @@ from virtual_node.runtimes import (
     runtime_refusal,
     with_runtime_class,
 )
-from virtual_node.translate import Ownership, desired_lower_pod, host_access_refusal
+from virtual_node.translate import (
+    Ownership,
+    desired_lower_pod,
+    host_access_refusal,
+    pinned_node,
+)
 from virtual_node.volumes import unbound_class, volume_refusal
 
 log = logging.getLogger(__name__)
@@ -142,6 +147,8 @@ class FitEstimator:
         # Upper UID -> the key of its lower pod, and of itself in the upper cache.
         self._lower_keys: dict[str, str] = {}
         self._upper_keys: dict[str, str] = {}
+        # Upper UID -> the lower node its waiting lower copy is pinned to.
+        self._pins: dict[str, str] = {}
         self._upper_pods: Informer | None = None
         # {namespace/claim: class} of the upper claims still waiting for a volume, and the
         # lower cluster's StorageClasses (both empty until their caches are watched).
@@ -319,6 +326,25 @@ class FitEstimator:
         if counted_node(pod) is not None:
             self._landed.add(uid)
             self._drop_assumption(uid)
+            return
+        pin = pinned_node(pod)
+        if pin is None:
+            self._pins.pop(uid, None)
+        else:
+            self._pins[uid] = pin
+        if (pod.get("status") or {}).get("phase") in _FINISHED or pod["metadata"].get(
+            "deletionTimestamp"
+        ):
+            return
+        # Waiting below (a nomination withdrawn, or seen first after a restart, when its
+        # upper pod was assumed on the node it would take now): counted where it is
+        # pinned, as a pod bound here is until it lands.
+        self._landed.discard(uid)
+        assumed = self.state.assumed_node(uid)
+        if uid in self._upper_keys and (assumed is None or (pin is not None and assumed != pin)):
+            self._reserved.pop(uid, None)
+            self._in_flight.add(uid)
+            self.state.assume(uid, PodFacts.of(pod), pin)
 
     @_exclusive
     def _lower_pod_deleted(self, pod: JSON) -> None:
@@ -327,6 +353,7 @@ class FitEstimator:
         if uid is not None:
             self._landed.discard(uid)
             self._lower_keys.pop(uid, None)
+            self._pins.pop(uid, None)
 
     @_exclusive
     def _upper_pod_changed(self, pod: JSON) -> None:
@@ -353,7 +380,7 @@ class FitEstimator:
             except QueryError as error:
                 log.debug("pod %s not assumed: %s", object_key(pod), error)
                 return
-            self.state.assume(uid, facts)
+            self.state.assume(uid, facts, self._pins.get(uid))
             if uid not in self._lower_keys and self.quotas.holds(lower["metadata"]["namespace"]):
                 self.quotas.count(uid, lower["metadata"]["namespace"], quota_usage(lower))
 

@@ -230,6 +230,23 @@ def pinned_to(lower: JSON, node_name: str) -> JSON:
     return lower
 
 
+def pinned_node(lower: Mapping[str, Any]) -> str | None:
+    """The node ``pinned_to`` required the lower pod on, or None when it is not pinned."""
+    affinity = ((lower.get("spec") or {}).get("affinity") or {}).get("nodeAffinity") or {}
+    terms = (affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {}).get(
+        "nodeSelectorTerms"
+    ) or []
+    pins = {
+        field["values"][0]
+        for term in terms
+        for field in term.get("matchFields") or []
+        if field.get("key") == "metadata.name"
+        and field.get("operator") == "In"
+        and len(field.get("values") or []) == 1
+    }
+    return next(iter(pins)) if len(pins) == 1 else None
+
+
 def _own_labels(node_name: str) -> dict[str, str]:
     """Labels of the virtual Node that its lower nodes have other values of, if at all:
     a requirement this virtual node meets on them (virtual-kubelet's usual targeting,

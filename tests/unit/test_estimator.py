@@ -42,7 +42,7 @@ from virtual_node.estimator import (
 )
 from virtual_node.kubeletapi.auth import Authorizer, User
 from virtual_node.naming import NamespaceMapping
-from virtual_node.translate import Ownership, desired_lower_pod
+from virtual_node.translate import Ownership, desired_lower_pod, pinned_to
 
 OWNER = Ownership(origin="upper-uid", node_name="vk-lower-1", cluster_id="lower-1")
 
@@ -149,6 +149,41 @@ def test_a_lower_copy_nominated_to_a_node_is_counted_there_once() -> None:
     nominated["status"]["nominatedNodeName"] = "big"
     cluster.lower_pods.apply({"type": "ADDED", "object": nominated})
     assert cluster.fits("1", replicas=10) == 3
+
+
+def test_a_withdrawn_nomination_puts_the_room_back_on_hold() -> None:
+    """The lower scheduler clears a nomination (a pod of higher priority took it): the
+    pod bound here waits below again and holds room, as before it was nominated."""
+    cluster = Cluster()
+    pod = upper_pod("web", "3")
+    cluster.upper_pods.apply({"type": "ADDED", "object": pod})
+    nominated = lower_copy(pod, None)
+    nominated["status"]["nominatedNodeName"] = "big"
+    cluster.lower_pods.apply({"type": "ADDED", "object": nominated})
+    cluster.lower_pods.apply({"type": "MODIFIED", "object": lower_copy(pod, None)})
+    assert cluster.fits("3") == 0
+    cluster.upper_pods.apply({"type": "MODIFIED", "object": pod})
+    assert cluster.fits("3") == 0, "counted once, still"
+    assert cluster.fits("1", replicas=10) == 3
+
+
+@pytest.mark.parametrize("upper_first", [True, False])
+def test_a_waiting_lower_copy_is_counted_on_the_node_it_is_pinned_to(upper_first: bool) -> None:
+    """After a restart the caches are listed afresh: a pod whose lower copy waits pinned
+    to a node is counted there, not on the node it would take now."""
+    cluster = Cluster()
+    pod = upper_pod("web", "1")
+    waiting = pinned_to(lower_copy(pod, None), "small")
+    if upper_first:
+        cluster.upper_pods.apply({"type": "ADDED", "object": pod})
+        cluster.lower_pods.apply({"type": "ADDED", "object": waiting})
+    else:
+        cluster.lower_pods.apply({"type": "ADDED", "object": waiting})
+        cluster.upper_pods.apply({"type": "ADDED", "object": pod})
+    assert cluster.estimator.held_node("uid-web") == "small"
+    assert cluster.fits("4") == 1, "the 4-cpu node is free"
+    assert cluster.fits("2") == 1, "one cpu left on the pinned node: only the big one"
+    assert cluster.fits("1", replicas=10) == 5
 
 
 def test_a_finished_upper_pod_holds_nothing() -> None:

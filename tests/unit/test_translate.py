@@ -17,6 +17,7 @@ from virtual_node.translate import (
     ephemeral_containers_patch,
     host_access,
     lower_pod_patch,
+    pinned_node,
     pinned_to,
     refused_status,
     resize_patch,
@@ -605,6 +606,14 @@ def test_a_pin_is_added_to_every_required_term_of_the_pod() -> None:
         "requiredDuringSchedulingIgnoredDuringExecution"
     ]["nodeSelectorTerms"]
     assert terms == [{**ssd, "matchFields": [pin]}, {"matchFields": [*named["matchFields"], pin]}]
+    assert pinned_node(lower) == "node-7"
+    unpinned = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [ssd, named]}
+        }
+    }
+    assert pinned_node({"spec": {"affinity": unpinned}}) is None
+    assert pinned_node({"spec": {}}) is None
     bare = pinned_to({"spec": {}}, "node-1")["spec"]["affinity"]
     assert bare == {
         "nodeAffinity": {
