@@ -157,6 +157,32 @@ def pod_limits(pod: JSON) -> Resources:
     return total
 
 
+_DECLARED = ("requests", "limits")
+
+
+def negative_quantity(pod: JSON) -> str | None:
+    """The first resource quantity of the pod below zero, named; None when there is none.
+    The apiserver refuses them; a pod sent to the estimator may have them, and each would
+    count as room given back."""
+    spec = pod.get("spec") or {}
+    declared: list[tuple[str, Any]] = [
+        ("overhead", spec.get("overhead")),
+        *((f"pod {kind}", (spec.get("resources") or {}).get(kind)) for kind in _DECLARED),
+    ]
+    for group in ("initContainers", "containers"):
+        for container in spec.get(group) or []:
+            resources = container.get("resources") or {}
+            declared += [
+                (f"container {container.get('name')} {kind}", resources.get(kind))
+                for kind in _DECLARED
+            ]
+    for where, values in declared:
+        for name, value in _parsed(values or {}).items():
+            if value < 0:
+                return f"{where}: {name} {values[name]} is below zero"
+    return None
+
+
 def pod_holds_resources(pod: JSON) -> bool:
     """Bound and not finished: the scheduler counts it against its node."""
     phase = (pod.get("status") or {}).get("phase")

@@ -35,7 +35,7 @@ from kubekit.estimatorapi import (
     estimator_pb2_grpc,
     server_keepalive_options,
 )
-from kubekit.fit import PodFacts, counted_node
+from kubekit.fit import PodFacts, counted_node, negative_quantity
 from kubekit.informer import FunctionHandler, Informer, object_key
 from kubekit.loops import on_loop
 from kubekit.serving import host_port
@@ -421,6 +421,8 @@ class FitEstimator:
 
     @_exclusive
     def largest_free_slot(self) -> tuple[str, dict[str, int]] | None:
+        # The Node's status asks this when no query comes: a lapsed hold is not room.
+        self.expire()
         return self.state.largest_free_slot()
 
     def _lower_form(self, upper: Mapping[str, Any]) -> tuple[JSON, PodFacts]:
@@ -464,7 +466,14 @@ class FitEstimator:
             raise QueryError("the pod is not a JSON object with metadata")
         if not isinstance(upper.get("spec"), dict):
             raise QueryError("the pod has no spec")
-        return str(upper["metadata"].get("uid") or ""), *self._lower_form(upper)
+        lower, facts = self._lower_form(upper)
+        try:
+            negative = negative_quantity(upper) or negative_quantity(lower)
+        except (TypeError, AttributeError) as error:
+            raise QueryError(f"the pod's resources are not what they should be: {error}") from error
+        if negative is not None:
+            raise QueryError(negative)
+        return str(upper["metadata"].get("uid") or ""), lower, facts
 
     @_exclusive
     def answer(self, pod_json: bytes, replicas: int = 1, reserve: bool = False) -> Answer:

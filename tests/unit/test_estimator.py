@@ -209,6 +209,16 @@ def test_reservations_never_oversubscribe_a_burst() -> None:
     assert all(a.estimate.max_replicas == 0 for a in placed[6:])
 
 
+def test_the_largest_free_slot_has_no_lapsed_reservation_in_it() -> None:
+    cluster = Cluster()
+    cluster.estimator.answer(orjson.dumps(upper_pod("web", "4")), reserve=True)
+    slot = cluster.estimator.largest_free_slot()
+    assert slot is not None and slot[0] == "small"
+    cluster.clock.now += RESERVATION_SECONDS + 1
+    slot = cluster.estimator.largest_free_slot()
+    assert slot is not None and slot[0] == "big" and slot[1]["cpu"] == 4000
+
+
 def test_asking_again_for_a_reserved_pod_does_not_count_it_twice() -> None:
     cluster = Cluster()
     pod = orjson.dumps(upper_pod("web", "4"))
@@ -270,11 +280,38 @@ def test_the_stash_is_restored_before_the_pod_is_judged() -> None:
             ),
             "scheduling-stash",
         ),
+        (orjson.dumps(upper_pod("x", "-100")), "container app requests: cpu -100 is below zero"),
+        (
+            orjson.dumps(
+                {
+                    **upper_pod("x", "1"),
+                    "spec": {
+                        **upper_pod("x", "1")["spec"],
+                        "overhead": {"example.com/gpu": "-1"},
+                    },
+                }
+            ),
+            "overhead: example.com/gpu -1 is below zero",
+        ),
+        (
+            orjson.dumps(
+                {
+                    **upper_pod("x", "1"),
+                    "spec": {**upper_pod("x", "1")["spec"], "overhead": "8"},
+                }
+            ),
+            "resources are not what they should be",
+        ),
     ],
 )
 def test_a_pod_that_cannot_be_read_is_a_clear_error(body: bytes, complaint: str) -> None:
+    cluster = Cluster()
     with pytest.raises(QueryError, match=complaint):
-        Cluster().estimator.answer(body)
+        cluster.estimator.answer(body, reserve=True)
+    with pytest.raises(QueryError, match=complaint):
+        cluster.estimator.hold(body, "big", 60)
+    assert cluster.fits("4") == 1
+    assert cluster.fits("5") == 0, "no room was made"
 
 
 def test_a_pod_bound_here_is_pinned_to_the_node_its_room_is_held_on() -> None:
