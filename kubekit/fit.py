@@ -138,19 +138,40 @@ def _overhead(pod: JSON) -> Resources:
     return _parsed((pod.get("spec") or {}).get("overhead") or {})
 
 
+def _is_pod_level(name: str) -> bool:
+    return name in ("cpu", "memory") or name.startswith("hugepages-")
+
+
+def _pod_level(pod: JSON, kind: str, containers: Resources) -> Resources:
+    """The pod-level ``spec.resources`` of ``kind`` that stand for the containers' total.
+    A pod-level request left out is defaulted as the apiserver does: to the containers'
+    requests when one of them asks for that resource, else to the pod-level limit."""
+    declared = (pod.get("spec") or {}).get("resources") or {}
+    values = _parsed(declared.get(kind) or {})
+    if kind == "requests":
+        for name, limit in _parsed(declared.get("limits") or {}).items():
+            if name not in values and name not in containers:
+                values[name] = limit
+    return {name: value for name, value in values.items() if _is_pod_level(name)}
+
+
 def pod_requests(pod: JSON) -> Resources:
-    """What the scheduler reserves for a pod: ``_pod_total`` of the requests plus the pod
-    overhead; ``pods`` counts one."""
+    """What the scheduler reserves for a pod: ``_pod_total`` of the requests, or its
+    pod-level requests (cpu, memory, hugepages) where it has them, plus the pod overhead;
+    ``pods`` counts one."""
     total = _pod_total(pod, _requests)
+    total.update(_pod_level(pod, "requests", total))
     add(total, _overhead(pod))
     total["pods"] = Fraction(1)
     return total
 
 
 def pod_limits(pod: JSON) -> Resources:
-    """A pod's limits as a ResourceQuota counts them: ``_pod_total`` of the limits, the
-    overhead added to those it has (a resource without a limit stays without)."""
+    """A pod's limits as a ResourceQuota counts them: ``_pod_total`` of the limits, or its
+    pod-level limits where it has them, the overhead added to those it has (a resource
+    without a limit stays without)."""
     total = _pod_total(pod, _limits)
+    total.update(_pod_level(pod, "limits", total))
     for name, value in _overhead(pod).items():
         if name in total:
             total[name] += value

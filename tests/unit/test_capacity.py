@@ -8,6 +8,7 @@ import pytest
 from kubekit import keys, pki
 from kubekit.client import PODS, RESOURCEQUOTAS, Resource
 from kubekit.clusterstate import ClusterState
+from kubekit.fit import pod_limits
 from kubekit.informer import FunctionHandler, Informer
 from virtual_node.capacity import (
     PodUsage,
@@ -90,6 +91,37 @@ def test_sidecars_run_beside_later_init_containers_and_the_app() -> None:
     )
     # max(app 200m + sidecar 100m, init 500m + sidecar 100m)
     assert requests["cpu"] == Fraction(600, 1000)
+
+
+def test_pod_level_resources_stand_for_the_containers_cpu_memory_and_hugepages() -> None:
+    """As the scheduler's PodRequests: pod-level requests replace the containers' total
+    of those resources; one left out defaults to the containers' requests when one asks
+    for it, else to the pod-level limit. Other resources come from the containers."""
+    level = {
+        "requests": {"cpu": "8"},
+        "limits": {"cpu": "10", "memory": "16Gi", "hugepages-2Mi": "1Gi"},
+    }
+    requests = pod_requests(
+        pod(
+            "n",
+            container("a", cpu="100m", **{"example.com/gpu": "1"}),
+            {"name": "b", "resources": {"limits": {"hugepages-2Mi": "2Mi"}}},
+            resources=level,
+            overhead={"cpu": "250m"},
+        )
+    )
+    assert requests == {
+        "cpu": Fraction(8) + Fraction(1, 4),
+        "memory": 16 * 2**30,
+        "hugepages-2Mi": 2 * 2**20,
+        "example.com/gpu": 1,
+        "pods": 1,
+    }
+    assert pod_limits(pod("n", container("a", cpu="1"), resources=level)) == {
+        "cpu": 10,
+        "memory": 16 * 2**30,
+        "hugepages-2Mi": 2**30,
+    }
 
 
 def test_limits_stand_in_for_missing_requests() -> None:
