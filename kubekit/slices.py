@@ -158,12 +158,25 @@ def capped_size(size: Amount, quota: Mapping[str, int]) -> Amount:
     return Amount(**{r: size.get(r) if quota.get(r, 0) > 0 else 0 for r in RESOURCES})
 
 
+# Slices are placed one at a time on the multischeduler's loop, which also answers the
+# scheduler: a slice size of 4 bytes of memory ("4" for "4Gi") over a 10Gi quota would
+# be 2.7 billion slices, and that loop frozen for most of an hour.
+MAX_SLICES = 10_000
+
+
 def slice_count(quota: Mapping[str, int], size: Amount) -> int:
-    """Slices of ``size`` that cover the quota in every resource a slice holds."""
-    return max(
+    """Slices of ``size`` that cover the quota in every resource a slice holds; more than
+    ``MAX_SLICES`` is a SliceError."""
+    count = max(
         (-(-quota[r] // size.get(r)) for r in quota if size.get(r) > 0),
         default=0,
     )
+    if count > MAX_SLICES:
+        raise SliceError(
+            f"slices of {size.describe()} make {count} of the namespace's quota, more than "
+            f"{MAX_SLICES:,}: set a larger slice size"
+        )
+    return count
 
 
 def size_changed(before: Amount, after: Amount) -> bool:

@@ -247,10 +247,10 @@ class SliceController:
         assert namespace is not None
         try:
             size = capped_size(slice_size(annotations.get(keys.SLICE_SIZE_ANNOTATION)), quota)
+            count = slice_count(quota, size)
         except SliceError as error:
             await self._tell(namespace, False, "InvalidSliceSize", str(error))
             return
-        count = slice_count(quota, size)
         view = await self._view(name, clusters)
         # What is promised: the ledgers of the clusters that answer; the namespace's own
         # record for those that do not. A cluster gone from the pool is placed around:

@@ -489,12 +489,26 @@ async def test_a_shortfall_is_told_once_and_retried_later() -> None:
     )
 
 
-async def test_a_bad_slice_size_is_told() -> None:
+@pytest.mark.parametrize(
+    ("size", "hard", "complaint"),
+    [
+        ('{"cpu": "0"}', "8", "the slice size's cpu must be above 0"),
+        # A typo of "1" for "1m" on a quota of 20 cpu: placed one at a time on the
+        # scheduler's loop, 20,000 slices would block it.
+        (
+            '{"cpu": "1m"}',
+            "20",
+            "slices of cpu 1m make 20000 of the namespace's quota, more than 10,000: "
+            "set a larger slice size",
+        ),
+    ],
+)
+async def test_a_bad_slice_size_is_told(size: str, hard: str, complaint: str) -> None:
     w = world(a=Cluster((4,)))
-    w.put(w.namespaces, namespace(**{keys.SLICE_SIZE_ANNOTATION: '{"cpu": "0"}'}))
-    w.put(w.quotas, quota("8"))
+    w.put(w.namespaces, namespace(**{keys.SLICE_SIZE_ANNOTATION: size}))
+    w.put(w.quotas, quota(hard))
     await w.controller.reconcile("team")
-    assert w.events() == [("InvalidSliceSize", "the slice size's cpu must be above 0")]
+    assert w.events() == [("InvalidSliceSize", complaint)]
 
 
 def test_headroom_flags() -> None:
