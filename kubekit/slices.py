@@ -383,6 +383,7 @@ def check_edit(
     size: Amount,
     rooms: Sequence[ClusterRoom],
     current: Mapping[str, int],
+    used: Mapping[str, int] | None = None,
 ) -> str | None:
     """Why a placement a user wrote cannot be honoured, or None."""
     known = {room.cluster: room for room in rooms}
@@ -410,6 +411,13 @@ def check_edit(
         allowed = max(current.get(cluster, 0), room.slots(size) if room else 0)
         if held > allowed:
             return f"{cluster} has room for {allowed} slices of {size.describe()}, not {held}"
+    for cluster, held in sorted(current.items()):
+        in_use = min(held, (used or {}).get(cluster, 0))
+        if edited.get(cluster, 0) < in_use:
+            return (
+                f"the namespace's pods in {cluster} use {in_use} slices of "
+                f"{size.describe()}, more than {edited.get(cluster, 0)}"
+            )
     return None
 
 
@@ -540,8 +548,11 @@ def decide(
     except SliceError as error:
         return Decision(place(count, size, rooms, current, used, policy), str(error))
     if not edited:
-        return Decision(place(count, size, rooms, {}, used, policy))
-    refusal = check_edit(edited, count, size, rooms, current)
+        # Afresh, but from the slices its pods use: given back, that room would be
+        # promised again while they run on it.
+        in_use = {c: min(n, used.get(c, 0)) for c, n in current.items() if used.get(c, 0)}
+        return Decision(place(count, size, rooms, in_use, used, policy))
+    refusal = check_edit(edited, count, size, rooms, current, used)
     if refusal is not None:
         return Decision(place(count, size, rooms, current, used, policy), refusal)
     return Decision(dict(edited))

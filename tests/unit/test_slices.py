@@ -319,6 +319,23 @@ def test_decide_places_a_cleared_annotation_afresh() -> None:
     assert decide("", before, 2, SLICE, rooms, before.slices, {}) == Decision({"a": 1, "b": 1})
 
 
+def test_neither_a_cleared_annotation_nor_an_edit_takes_back_slices_in_use() -> None:
+    rooms = [room("a", 8), room("b", 8)]
+    before = Applied(SLICE, {"a": 4})
+    used = {"a": 3}
+    for cleared in ("", None, "{}"):
+        target = decide(cleared, before, 4, SLICE, rooms, before.slices, used).target
+        assert target == {"a": 3, "b": 1}, cleared
+    refused = decide('{"a": 1, "b": 3}', before, 4, SLICE, rooms, before.slices, used)
+    assert refused.target == {"a": 4}
+    assert refused.refused_edit == (
+        "the namespace's pods in a use 3 slices of cpu 2, memory 4Gi, more than 1"
+    )
+    assert decide('{"a": 3, "b": 1}', before, 4, SLICE, rooms, before.slices, used) == Decision(
+        {"a": 3, "b": 1}
+    )
+
+
 def test_applied_round_trip_and_what_is_not_ours_is_none() -> None:
     record = Applied(SLICE, {"a": 2})
     assert applied(record.encode()) == record
