@@ -121,8 +121,12 @@ class LowerCluster:
         largest_free_slot: Callable[[], tuple[str, Mapping[str, int]] | None] | None = None,
         counted_taint_keys: frozenset[str] = frozenset(),
         host_access_namespaces: frozenset[str] = frozenset(),
+        heartbeat: KubeClient | None = None,
     ) -> None:
         self.client = client
+        # The ping's client, when it is not ``client``: one whose requests wait for no
+        # token (the kubelet's heartbeat client).
+        self.heartbeat = heartbeat or client
         self.pods = pods
         self.nodes = nodes
         self.owner = owner
@@ -279,8 +283,10 @@ class LowerCluster:
 
     async def _ready_version(self) -> JSON:
         # No wait the apiserver names: the deadline is the Lease's.
-        await self.client.get_text("/readyz", timeout=PING_REQUEST_SECONDS, retry_when_told=False)
-        version: JSON = await self.client.request(
+        await self.heartbeat.get_text(
+            "/readyz", timeout=PING_REQUEST_SECONDS, retry_when_told=False
+        )
+        version: JSON = await self.heartbeat.request(
             "GET", "/version", timeout=PING_REQUEST_SECONDS, retry_when_told=False
         )
         return version

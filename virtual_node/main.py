@@ -336,6 +336,21 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             config.upper_kubeconfig or None, qps=config.event_qps, burst=config.event_burst
         )
     )
+    # The kubelet's heartbeat client: the Lease, the Node's status and the lower
+    # cluster's ping take no token of the pods' budget (behind a burst of pod writes, or
+    # a flood of TokenReviews from whoever reaches the kubelet port, a renewal waited past
+    # the 40 s Lease and the Node was taken for lost).
+    upper_heartbeat = await KubeClient.connect(
+        ClientSettings(config.upper_kubeconfig or None, qps=0, connections=4)
+    )
+    lower_heartbeat = await KubeClient.connect(
+        ClientSettings(config.lower_kubeconfig, qps=0, connections=2)
+    )
+    # Who may call the kubelet API is asked on a budget of its own (the kubelet's 50 a
+    # second): callers the pods' work does not wait for.
+    upper_reviews = await KubeClient.connect(
+        ClientSettings(config.upper_kubeconfig or None, qps=50, burst=100, connections=16)
+    )
     upper_informers = InformerFactory(upper)
     lower_informers = InformerFactory(lower)
     # Events are listed once the rest is: copying them up needs no complete picture, and
@@ -389,6 +404,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             estimator.largest_free_slot if config.estimator_port else None,
             frozenset(config.counted_taint_keys),
             estimator.host_access_namespaces,
+            heartbeat=lower_heartbeat,
         )
         backend.watch_mirrored_pods(queue)
         events = EventReflector(
@@ -424,7 +440,9 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             lower_event_informers.resume()
             pods.resync()
 
-        nodes = NodeController(upper, identity, backend, on_reachable=lower_reachable_again)
+        nodes = NodeController(
+            upper_heartbeat, identity, backend, on_reachable=lower_reachable_again
+        )
         kubelet = LowerKubelet(config.name, upper_pods, backend.pods, lower, mapping)
         directory = Path(
             config.cert_dir or Path(tempfile.gettempdir()) / f"kubestrata-{config.name}"
@@ -440,7 +458,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             serving_certificate(upper, config.name, [config.address], directory, files)
         )
         # One authorizer, so the kubelet API and the estimator share its caches.
-        authorizer = Authorizer(upper, config.name, home=asyncio.get_running_loop())
+        authorizer = Authorizer(upper_reviews, config.name, home=asyncio.get_running_loop())
         runner, reloading = await serve_kubelet_api(config, kubelet, authorizer, pair)
         ledger = lower_informers.informer(
             CONFIGMAPS,
@@ -536,9 +554,8 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
         await upper_informers.stop()
         await lower_informers.stop()
         await lower_event_informers.stop()
-        await upper.close()
-        await upper_events.close()
-        await lower.close()
+        for client in (upper, upper_events, upper_heartbeat, upper_reviews, lower, lower_heartbeat):
+            await client.close()
 
 
 async def _sweep_orphans(

@@ -3,6 +3,7 @@ serving-certificate approval and the exec status translation."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import re
@@ -25,6 +26,7 @@ from tests.unit.fakeapi import FakeClient
 from tests.unit.tlsserver import serving_over_tls
 from virtual_node.kubeletapi import channels
 from virtual_node.kubeletapi.auth import (
+    MAX_PENDING_REVIEWS,
     AuthError,
     Authorizer,
     User,
@@ -840,6 +842,33 @@ async def test_a_refusal_names_every_subresource_checked() -> None:
     with pytest.raises(AuthError):
         await authorizer.authorize(User("nobody"), "POST", "/exec/default/p/app")
     assert reviewed_subresources(client) == ["healthz", "proxy", "proxy"]
+
+
+async def test_reviews_waiting_past_the_limit_are_told_to_come_back() -> None:
+    """Tokens sent by the thousand (a denied one is not cached) each wait for a review:
+    past the limit a caller gets 429 at once, and once they end, reviews go on."""
+    release = asyncio.Event()
+
+    class SlowApiserver(FakeClient):
+        async def request(self, method: str, path: str, **kwargs: Any) -> Any:
+            await release.wait()
+            return {"status": {"authenticated": False, "error": "invalid"}}
+
+    authorizer = Authorizer(SlowApiserver(), "vk-1")
+    waiting = [
+        asyncio.create_task(authorizer.authenticate(None, f"Bearer t{n}"))
+        for n in range(MAX_PENDING_REVIEWS)
+    ]
+    await asyncio.sleep(0)
+    with pytest.raises(AuthError) as refused:
+        await authorizer.authenticate(None, "Bearer one-more")
+    assert refused.value.status == 429
+    release.set()
+    for outcome in await asyncio.gather(*waiting, return_exceptions=True):
+        assert isinstance(outcome, AuthError) and outcome.status == 401
+    with pytest.raises(AuthError) as denied:
+        await authorizer.authenticate(None, "Bearer again")
+    assert denied.value.status == 401
 
 
 async def test_a_lower_log_stream_cut_short_is_a_provider_error(tmp_path: Path) -> None:

@@ -1011,3 +1011,21 @@ async def test_a_resize_is_recorded_once_made_or_refused_for_good(
     writes = [path for _, path in mirroring.lower.writes()]
     assert writes[0] == resize_path
     assert (f"{LOWER_POD_PATH}/web" in writes[1:]) is recorded
+
+
+async def test_the_lower_cluster_is_pinged_on_the_heartbeat_client() -> None:
+    """The ping decides the Lease: it waits for none of the pods' request budget."""
+    lower, heartbeat = FakeClient(), FakeClient()
+    backend = LowerCluster(
+        lower,
+        Informer(client=lower, resource=PODS),
+        Informer(client=lower, resource=NODES),
+        OWNER,
+        NamespaceMapping(),
+        HOST_IP,
+        heartbeat=heartbeat,
+    )
+    heartbeat.answer("GET", "/version", {"gitVersion": "v1.35.4"})
+    assert await backend.ping() is True
+    assert [r.path for r in heartbeat.requests] == ["/readyz", "/version"]
+    assert lower.requests == []

@@ -18,6 +18,10 @@ TOKEN_TTL = 120.0
 ALLOW_TTL = 300.0
 DENY_TTL = 30.0
 _CACHE_LIMIT = 4096
+# Reviews waiting for the upper apiserver at once; past these a caller is told to come
+# back. A denied token is not cached, so whoever reaches the kubelet port could send
+# tokens by the thousand, each a TokenReview held in the queue for the review budget.
+MAX_PENDING_REVIEWS = 64
 
 _VERBS = {
     "GET": "get",
@@ -126,6 +130,7 @@ class Authorizer:
         self.home = home
         self._tokens = _TtlCache()
         self._decisions = _TtlCache()
+        self._pending_reviews = 0  # on the ``home`` loop only
 
     async def authenticate(self, peercert: dict[str, Any] | None, authorization: str) -> User:
         user = user_from_certificate(peercert)
@@ -202,9 +207,18 @@ class Authorizer:
         return allowed
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await on_loop(self.home, self._review(path, body))
+
+    async def _review(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        if self._pending_reviews >= MAX_PENDING_REVIEWS:
+            raise AuthError(429, "Too many requests: access checks waiting; try again later")
+        self._pending_reviews += 1
         try:
-            return await on_loop(self.home, self.upper.request("POST", path, body=body))
+            review: dict[str, Any] = await self.upper.request("POST", path, body=body)
+            return review
         except API_ERRORS as error:
             raise AuthError(
                 503, f"cannot check access with the upper apiserver: {error}"
             ) from error
+        finally:
+            self._pending_reviews -= 1
