@@ -173,6 +173,7 @@ class NodeController:
         self._labels = node_labels(self.identity, report)
 
     async def _lease_loop(self) -> None:
+        lease_failed = False
         while True:
             try:
                 reachable = await self.provider.ping()
@@ -191,8 +192,14 @@ class NodeController:
                     await self.renew_lease()
             except API_ERRORS as error:
                 log.warning("lease of %s not renewed: %s", self.identity.name, error)
+                lease_failed = True
                 await asyncio.sleep(LEASE_RETRY_SECONDS)
                 continue
+            if lease_failed and reachable:
+                # The upper node controller may have marked the Node Unknown meanwhile,
+                # and a renewed Lease does not make it Ready: the status does.
+                lease_failed = False
+                self._reachability_changed.set()
             await asyncio.sleep(LEASE_INTERVAL_SECONDS)
 
     async def renew_lease(self) -> None:
@@ -242,14 +249,16 @@ class NodeController:
             if done:
                 await asyncio.sleep(STATUS_COALESCE_SECONDS)
             self.provider.changed.clear()
+            # Read as it is cleared: set during the pause above, it would be lost.
+            reachability_changed = self._reachability_changed.is_set()
+            self._reachability_changed.clear()
             # The upper node controller rewrote the conditions while we were silent, so
             # what we last sent says nothing of what is there now: send it all again.
-            force = reachability in done or (
+            force = reachability_changed or (
                 time.monotonic() - self._last_sent >= STATUS_INTERVAL_SECONDS
             )
-            if reachability in done:
+            if reachability_changed:
                 self._status_unknown = True
-            self._reachability_changed.clear()
             try:
                 await self.update_status(force=force)
                 due = self._last_sent + STATUS_INTERVAL_SECONDS
@@ -308,8 +317,14 @@ class NodeController:
                 node = await self.upper.get(NODES, self.identity.name)
                 self._last_status = node.get("status") or {}
                 self._status_unknown = False
-            # Inside: a patch of a deleted Node's labels fails as its status would.
-            await self._send_metadata(report)
+            try:
+                await self._send_metadata(report)
+            except ApiError as error:
+                # A deleted Node's labels fail as its status would; a policy refusing a
+                # label copied from the lower nodes holds no status back.
+                if is_not_found(error):
+                    raise
+                log.warning("labels of node %s not updated: %s", self.identity.name, error)
             status = node_status(self.identity, report, self._last_status)
             if not force and not status_changed(self._last_status, status):
                 return

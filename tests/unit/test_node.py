@@ -366,6 +366,88 @@ async def test_after_an_outage_a_condition_moves_from_what_the_node_holds(
     )
 
 
+async def test_the_lower_cluster_back_during_a_pause_for_other_changes_is_not_missed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lower pod's change wakes the status loop, which waits a moment for more; the
+    lower cluster found reachable again in that moment forces a status read from the
+    Node (the node controller set it Unknown)."""
+    monkeypatch.setattr(nodecontroller, "STATUS_COALESCE_SECONDS", 0.2)
+    upper = FakeClient()
+    controller = nodecontroller.NodeController(upper, identity(), FlakyLowerCluster(True))
+    controller.reachable = True
+    await controller.register()
+    controller._next_status_at = asyncio.get_running_loop().time() + 3600
+    node = {"metadata": {"name": "vk-lower-1", "uid": "uid-1"}, "status": {}}
+    upper.answer("GET", "/api/v1/nodes/vk-lower-1", node)
+    upper.requests.clear()
+    sent = asyncio.Event()
+    update_status = controller.update_status
+    forced: list[bool] = []
+
+    async def noted(force: bool) -> None:
+        forced.append(force)
+        await update_status(force)
+        sent.set()
+
+    monkeypatch.setattr(controller, "update_status", noted)
+    looping = asyncio.create_task(controller._status_loop())
+    try:
+        controller.provider.changed.set()
+        await asyncio.sleep(0.05)
+        controller._reachability_changed.set()
+        await asyncio.wait_for(sent.wait(), 2)
+    finally:
+        looping.cancel()
+    assert forced == [True]
+    assert (upper.requests[0].method, upper.requests[0].path) == (
+        "GET",
+        "/api/v1/nodes/vk-lower-1",
+    )
+
+
+async def test_a_refused_label_holds_no_status_back() -> None:
+    """An admission policy refuses a label copied from the lower nodes: the status (the
+    capacity) goes all the same."""
+    upper = FakeClient()
+    lower = LabelledLowerCluster(**{keys.ARCH_LABEL: "amd64"})
+    controller = nodecontroller.NodeController(upper, identity(), lower)
+    controller.reachable = True
+    await controller.register()
+    upper.requests.clear()
+    lower.labels = {keys.ARCH_LABEL: "arm64"}
+    upper.answer("PATCH", "/api/v1/nodes/vk-lower-1", status_error(403, "Forbidden", "policy"))
+    await controller.update_status(force=True)
+    assert [r.path for r in upper.requests if r.method == "PATCH"] == [
+        "/api/v1/nodes/vk-lower-1",
+        "/api/v1/nodes/vk-lower-1/status",
+    ]
+    upper.requests.clear()
+    await controller.update_status(force=False)
+    (patch,) = [r.body for r in upper.requests if r.path == "/api/v1/nodes/vk-lower-1"]
+    assert patch["metadata"]["labels"] == {keys.ARCH_LABEL: "arm64"}, "tried again"
+
+
+async def test_a_lease_renewed_again_after_failing_has_the_status_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Renewals failed (the upper apiserver away): the node controller may have set the
+    Node Unknown, which a renewed Lease does not undo; the status is sent at once."""
+    monkeypatch.setattr(nodecontroller, "LEASE_INTERVAL_SECONDS", 0.01)
+    monkeypatch.setattr(nodecontroller, "LEASE_RETRY_SECONDS", 0.01)
+    upper = FakeClient()
+    controller = nodecontroller.NodeController(upper, identity(), FlakyLowerCluster(True))
+    controller.reachable = True
+    await controller.register()
+    lease = f"/apis/coordination.k8s.io/v1/namespaces/{keys.NODE_LEASE_NAMESPACE}/leases"
+    upper.answer("PATCH", f"{lease}/vk-lower-1", ApiError(503, "unavailable"), {})
+    looping = asyncio.create_task(controller._lease_loop())
+    try:
+        await asyncio.wait_for(controller._reachability_changed.wait(), 2)
+    finally:
+        looping.cancel()
+
+
 def test_the_node_gives_no_hostname_address_the_apiserver_cannot_resolve() -> None:
     assert node_status(identity(), REPORT)["addresses"] == [
         {"type": "InternalIP", "address": "10.1.2.3"}
