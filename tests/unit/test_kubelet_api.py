@@ -215,7 +215,6 @@ def test_an_error_is_its_message_in_plain_text_as_the_kubelet_writes_it() -> Non
     [
         ("GET", "/containerLogs/default/p/app", ("get", ("proxy",))),
         ("POST", "/exec/default/p/app", ("create", ("proxy",))),
-        ("GET", "/exec/default/p/app", ("get", ("proxy",))),
         ("HEAD", "/pods", ("get", ("pods", "proxy"))),
         ("PUT", "/pods", ("update", ("pods", "proxy"))),
         ("PATCH", "/pods", ("patch", ("pods", "proxy"))),
@@ -238,6 +237,12 @@ def test_an_error_is_its_message_in_plain_text_as_the_kubelet_writes_it() -> Non
         ("GET", "/statsfoo", ("get", ("proxy",))),
         ("GET", "/metricsx/resource", ("get", ("proxy",))),
         ("GET", "/logsy", ("get", ("proxy",))),
+        # A stream into a pod takes create, also asked for with GET (a WebSocket).
+        ("GET", "/exec/default/p/app", ("create", ("proxy",))),
+        ("GET", "/attach/default/p/app", ("create", ("proxy",))),
+        ("GET", "/portForward/default/p", ("create", ("proxy",))),
+        ("GET", "/run/default/p/app", ("create", ("proxy",))),
+        ("GET", "/executor", ("get", ("proxy",))),
     ],
 )
 def test_node_attributes(method: str, path: str, expected: tuple[str, tuple[str, ...]]) -> None:

@@ -66,6 +66,13 @@ _COARSE = (
 )
 
 
+# Paths that open a stream into a pod are "create" whatever the method. A kubelet takes
+# a GET (a WebSocket) as "get", so a read-only-looking `get nodes/proxy`, which
+# monitoring agents are often granted, opens a shell in every pod of the node: here, in
+# every pod the virtual node mirrors. The apiserver calls them with POST.
+_STREAMS = ("/exec", "/attach", "/run", "/portForward")
+
+
 def _under(path: str, prefix: str) -> bool:
     return path == prefix or path.startswith(prefix + "/")
 
@@ -73,7 +80,8 @@ def _under(path: str, prefix: str) -> bool:
 def node_attributes(method: str, path: str) -> tuple[str, tuple[str, ...]]:
     """(verb, subresources) of a kubelet request, as the kubelet's authorizer sees it:
     the request is let through if the user may ``verb`` any of them on this node."""
-    verb = _VERBS.get(method.upper(), method.lower())
+    streams = any(_under(path, prefix) for prefix in _STREAMS)
+    verb = "create" if streams else _VERBS.get(method.upper(), method.lower())
     fine = [subresource for prefix, subresource in _FINE_GRAINED if _under(path, prefix)][:1]
     coarse = next((subresource for prefix, subresource in _COARSE if _under(path, prefix)), "proxy")
     return verb, (*fine, coarse)
