@@ -59,8 +59,13 @@ def _unavailable(error: Exception) -> ProviderError:
     return ProviderError(503, f"the lower cluster is unreachable: {error}")
 
 
-def _lower_failure(error: ApiError) -> ProviderError:
+def lower_failure(error: ApiError) -> ProviderError:
+    """A lower apiserver's refusal as the kubelet API answers it. A 401 or 403 is the
+    virtual node's own credentials below, not the caller's: passed on, kubectl told a
+    user whose credentials are fine "You must be logged in to the server"."""
     message = error.message or error.reason or f"HTTP {error.status}"
+    if error.status in (401, 403):
+        return ProviderError(502, f"lower cluster refused the virtual node: {message}")
     status = error.status if 400 <= error.status < 500 else 502
     return ProviderError(status, f"lower cluster: {message}")
 
@@ -232,7 +237,7 @@ class LowerKubelet:
         try:
             response = await self.lower.stream(path, {"container": container, **options.query()})
         except ApiError as error:
-            raise _lower_failure(error) from error
+            raise lower_failure(error) from error
         except CONNECTION_ERRORS as error:
             raise _unavailable(error) from error
         try:
@@ -271,7 +276,7 @@ class LowerKubelet:
         try:
             return await self.lower.websocket(path, query, protocols)
         except ApiError as error:
-            raise _lower_failure(error) from error
+            raise lower_failure(error) from error
         except CONNECTION_ERRORS as error:
             raise _unavailable(error) from error
 
@@ -285,7 +290,7 @@ class LowerKubelet:
                     "resource metrics are not available: the lower cluster serves no "
                     "metrics.k8s.io API (install metrics-server there)",
                 ) from error
-            raise _lower_failure(error) from error
+            raise lower_failure(error) from error
         except CONNECTION_ERRORS as error:
             raise _unavailable(error) from error
         items: list[JSON] = listed.get("items") or []

@@ -19,7 +19,7 @@ from cryptography.x509.oid import NameOID
 from multidict import MultiDict
 
 from kubekit import pki
-from kubekit.client import PODS, ClientSettings, KubeClient
+from kubekit.client import PODS, ApiError, ClientSettings, KubeClient
 from kubekit.informer import Informer
 from kubekit.keys import UPPER_UID_ANNOTATION
 from tests.unit.fakeapi import FakeClient
@@ -52,7 +52,12 @@ from virtual_node.kubeletapi.server import (
     parse_ports,
     running_pods,
 )
-from virtual_node.kubeletstreams import LowerKubelet, container_starts, exec_status
+from virtual_node.kubeletstreams import (
+    LowerKubelet,
+    container_starts,
+    exec_status,
+    lower_failure,
+)
 from virtual_node.naming import NamespaceMapping
 
 # --- containerLogs query ---------------------------------------------------------------------
@@ -911,3 +916,19 @@ async def test_a_lower_log_stream_cut_short_is_a_provider_error(tmp_path: Path) 
             await anext(chunks)
         assert broken.value.status == 502
         assert broken.value.message.startswith("the lower log stream broke")
+
+
+@pytest.mark.parametrize(
+    ("status", "expected"),
+    [
+        (401, (502, "lower cluster refused the virtual node: Unauthorized")),
+        (403, (502, "lower cluster refused the virtual node: Unauthorized")),
+        (404, (404, "lower cluster: Unauthorized")),
+        (500, (502, "lower cluster: Unauthorized")),
+    ],
+)
+def test_the_lower_clusters_refusal_of_the_virtual_node_is_no_refusal_of_the_caller(
+    status: int, expected: tuple[int, str]
+) -> None:
+    error = lower_failure(ApiError(status, {"message": "Unauthorized"}))
+    assert (error.status, str(error)) == expected
