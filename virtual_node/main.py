@@ -46,7 +46,7 @@ from virtual_node.estimator import EstimatorServer, EstimatorService, FitEstimat
 from virtual_node.estimator import serve as serve_estimator
 from virtual_node.events import EventReflector, event_queue
 from virtual_node.kubeletapi.auth import Authorizer
-from virtual_node.kubeletapi.certificates import keep_renewed, serving_certificate
+from virtual_node.kubeletapi.certificates import Renewal, keep_renewed, serving_certificate
 from virtual_node.kubeletapi.server import RUNNER_OPTIONS, STREAMING_IDLE_TIMEOUT, KubeletServer
 from virtual_node.kubeletstreams import LowerKubelet
 from virtual_node.lower import LowerCluster
@@ -454,7 +454,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
         )
         # A standby taking over files a CSR (its certificate directory has none): the
         # Lease is kept meanwhile, however long the signer takes.
-        pair, renewable = await nodes.renewing_lease_while(
+        pair, renewal = await nodes.renewing_lease_while(
             serving_certificate(upper, config.name, [config.address], directory, files)
         )
         # One authorizer, so the kubelet API and the estimator share its caches.
@@ -542,7 +542,19 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             lower_namespaces.run(1),
             events.run(max(1, config.workers // 4)),
             _sweep_orphans(backend, upper_pods.keys, queue, reflector),
-            *([keep_renewed(upper, config.name, [config.address], pair)] if renewable else []),
+            *(
+                [
+                    keep_renewed(
+                        upper,
+                        config.name,
+                        [config.address],
+                        pair,
+                        provisional=renewal is Renewal.PROVISIONAL,
+                    )
+                ]
+                if renewal is not Renewal.GIVEN
+                else []
+            ),
         )
     finally:
         if estimator_server is not None:

@@ -85,3 +85,79 @@ def test_a_kept_certificate_is_served_again_until_it_is_due(tmp_path: Path) -> N
     assert certificates.kept_certificate(tmp_path, "vk-1", names, begins + life * 0.9) is None
     assert certificates.kept_certificate(tmp_path, "vk-2", names, begins) is None
     assert certificates.kept_certificate(tmp_path, "vk-1", ("10.0.0.1",), begins) is None
+
+
+def test_a_kept_certificate_whose_key_is_another_is_not_served(tmp_path: Path) -> None:
+    """A write cut short between the key and the certificate left a pair TLS refuses: a
+    new CSR is filed rather than a crash at every start until the old one is due."""
+    ca = pki.create_ca(tmp_path, "test")
+    names = ("127.0.0.1",)
+    kept = pki.issue(ca, tmp_path / "kubelet-serving", "system:node:vk-1", server_names=names)
+    begins, life = lifetime(kept)
+    other = pki.issue(ca, tmp_path / "other", "system:node:vk-1", server_names=names)
+    shutil.copy(other.key_path, kept.key_path)
+    assert certificates.kept_certificate(tmp_path, "vk-1", names, begins + life / 2) is None
+    kept.key_path.unlink()
+    assert certificates.kept_certificate(tmp_path, "vk-1", names, begins + life / 2) is None
+
+
+def test_a_pair_is_written_whole_over_the_old_one(tmp_path: Path) -> None:
+    ca = pki.create_ca(tmp_path, "test")
+    names = ("127.0.0.1",)
+    old = pki.issue(ca, tmp_path / "kubelet-serving", "system:node:vk-1", server_names=names)
+    new = pki.issue(ca, tmp_path / "new", "system:node:vk-1", server_names=names)
+    written = certificates._write_pair(
+        tmp_path, new.key_path.read_bytes(), new.cert_path.read_bytes()
+    )
+    assert written == old
+    assert old.load()[0].serial_number == new.load()[0].serial_number
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    assert oct(old.key_path.stat().st_mode & 0o777) == "0o600"
+
+
+async def test_a_self_signed_pair_served_while_the_signer_is_away_is_replaced_once_signed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first CSR failed (the signer away a moment at start): a self-signed pair is
+    served from where a signed one will be written, and a CSR is asked for again until
+    one is signed, not at 80 % of the self-signed pair's year."""
+    ca = pki.create_ca(tmp_path, "test")
+    signed = pki.issue(ca, tmp_path / "signed", "system:node:vk-1", server_names=("127.0.0.1",))
+    attempts: list[Path] = []
+    renewed = asyncio.Event()
+
+    async def request(
+        _upper: KubeClient, node_name: str, names: Collection[str], directory: Path
+    ) -> pki.KeyPair:
+        attempts.append(directory)
+        if len(attempts) < 3:
+            raise ApiError(503, {"reason": "ServiceUnavailable"})
+        pair = certificates._write_pair(
+            directory, signed.key_path.read_bytes(), signed.cert_path.read_bytes()
+        )
+        renewed.set()
+        return pair
+
+    monkeypatch.setattr(certificates, "request_certificate", request)
+    monkeypatch.setattr(certificates, "RENEW_RETRY_SECONDS", 0.01)
+    directory = tmp_path / "serving"
+    pair, renewal = await certificates.serving_certificate(
+        None,  # type: ignore[arg-type]
+        "vk-1",
+        ["127.0.0.1"],
+        directory,
+        None,
+    )
+    assert renewal is certificates.Renewal.PROVISIONAL
+    assert pair == certificates._issued_pair(directory)
+    assert pair.load()[0].issuer != signed.load()[0].issuer, "self-signed meanwhile"
+    renewing = asyncio.create_task(
+        keep_renewed(None, "vk-1", ["127.0.0.1"], pair, provisional=True)  # type: ignore[arg-type]
+    )
+    try:
+        await asyncio.wait_for(renewed.wait(), 5)
+        await asyncio.sleep(0.05)
+    finally:
+        renewing.cancel()
+    assert len(attempts) == 3, "asked again until signed, then not before it is due"
+    assert pair.load()[0].serial_number == signed.load()[0].serial_number

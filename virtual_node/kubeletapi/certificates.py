@@ -7,9 +7,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import datetime
+import enum
 import ipaddress
 import logging
+import os
 import secrets
+import ssl
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
@@ -146,7 +149,7 @@ def kept_certificate(
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except (OSError, ValueError, x509.ExtensionNotFound):
         return None
-    if not pair.key_path.exists():
+    if not _matches(pair):
         return None
     common = [a.value for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
     if common != [f"system:node:{node_name}"] or {str(n.value) for n in san} != set(names):
@@ -154,13 +157,36 @@ def kept_certificate(
     return pair if renewal_delay(cert_pem, now) > 0 else None
 
 
+def _matches(pair: pki.KeyPair) -> bool:
+    """Whether the key file is the certificate's key (a write cut short between the
+    two, and the next start served a pair TLS refuses, until the old one was due)."""
+    try:
+        ssl.create_default_context().load_cert_chain(pair.cert_path, pair.key_path)
+    except (OSError, ssl.SSLError):
+        return False
+    return True
+
+
 def _write_pair(directory: Path, key_pem: bytes, cert_pem: bytes) -> pki.KeyPair:
     directory.mkdir(parents=True, exist_ok=True)
     pair = _issued_pair(directory)
-    pair.key_path.write_bytes(key_pem)
-    pair.key_path.chmod(0o600)
-    pair.cert_path.write_bytes(cert_pem)
+    for path, pem in ((pair.key_path, key_pem), (pair.cert_path, cert_pem)):
+        # Each file whole or not at all: written beside, then moved over the old one.
+        written = path.with_name(f".{path.name}.new")
+        written.write_bytes(pem)
+        written.chmod(0o600)
+        os.replace(written, path)
     return pair
+
+
+class Renewal(enum.Enum):
+    """Who renews the pair served: whoever gave its files (they are reloaded all the
+    same), us at 80 % of its life (a CSR's), or us as soon as a CSR is signed (a
+    self-signed pair served meanwhile)."""
+
+    GIVEN = "given"
+    DUE = "due"
+    PROVISIONAL = "provisional"
 
 
 async def serving_certificate(
@@ -169,23 +195,27 @@ async def serving_certificate(
     names: Collection[str],
     directory: Path,
     files: tuple[Path, Path] | None,
-) -> tuple[pki.KeyPair, bool]:
-    """The pair to serve with, and whether it came from a CSR (and so is ours to renew:
-    given files are renewed by whoever gives them, and reloaded all the same)."""
+) -> tuple[pki.KeyPair, Renewal]:
+    """The pair to serve with, and who renews it."""
     if files is not None:
-        return pki.KeyPair(*files), False
+        return pki.KeyPair(*files), Renewal.GIVEN
     kept = kept_certificate(directory, node_name, names, datetime.datetime.now(datetime.UTC))
     if kept is not None:
-        return kept, True
+        return kept, Renewal.DUE
     try:
-        return await request_certificate(upper, node_name, names, directory), True
+        return await request_certificate(upper, node_name, names, directory), Renewal.DUE
     except _REQUEST_ERRORS as error:
         log.warning(
             "no kubelet-serving certificate from the upper cluster (%s); serving a "
-            "self-signed one, which apiservers that verify kubelets will refuse",
+            "self-signed one, which apiservers that verify kubelets refuse, until a CSR "
+            "is signed (asked again every %.0f s)",
             error,
+            RENEW_RETRY_SECONDS,
         )
-        return pki.serving_pair(directory, node_name, tuple(names)), False
+        # Where a signed one will be written: the TLS context reloads it from there.
+        own = pki.serving_pair(directory, node_name, tuple(names))
+        pair = _write_pair(directory, own.key_path.read_bytes(), own.cert_path.read_bytes())
+        return pair, Renewal.PROVISIONAL
 
 
 # The API's failures, and a CSR we refuse to approve.
@@ -205,12 +235,21 @@ async def keep_renewed(
     names: Collection[str],
     pair: pki.KeyPair,
     clock: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.UTC),
+    provisional: bool = False,
 ) -> None:
     """Asks for a new kubelet-serving certificate whenever the one in ``pair``'s files has
     lived 80 % of its life, writing it over them (the kubelet API's TLS context reloads
-    them); a failed request is tried again a minute later, while the old one still holds."""
+    them); a failed request is tried again a minute later, while the old one still holds.
+    A ``provisional`` pair (self-signed: the first CSR failed) is replaced as soon as a
+    CSR is signed, asked for every minute until then (a signer away a moment at start
+    left the apiservers that verify kubelets refusing every `kubectl logs` until a
+    restart)."""
     while True:
-        delay = renewal_delay(pair.cert_path.read_bytes(), clock())
+        delay = (
+            RENEW_RETRY_SECONDS
+            if provisional
+            else renewal_delay(pair.cert_path.read_bytes(), clock())
+        )
         await asyncio.sleep(delay)
         try:
             await request_certificate(upper, node_name, names, pair.cert_path.parent)
@@ -220,6 +259,8 @@ async def keep_renewed(
                 error,
                 RENEW_RETRY_SECONDS,
             )
-            await asyncio.sleep(RENEW_RETRY_SECONDS)
+            if not provisional:
+                await asyncio.sleep(RENEW_RETRY_SECONDS)
             continue
+        provisional = False
         log.info("kubelet-serving certificate of %s renewed", node_name)
