@@ -494,9 +494,36 @@ def test_cpu_counters_forget_pods_that_are_gone() -> None:
     # p's counter was dropped: were it kept, 20 s at 0.25 cores would show up as 5.0.
     assert counters.advance("default/p/app", 0.25, 1030.0) == COUNTER_START_SECONDS
     assert counters.advance("default/p", 0.375, 1030.0) == COUNTER_START_SECONDS
-    assert counters.advance("team/q/main", 1.0, 1030.0) == pytest.approx(30.0)
+    assert counters.advance("team/q/main", 1.0, 1030.0, ("uid-q", None)) == pytest.approx(30.0)
     # The node's counter survives the pod going away.
     assert later[NODE] == pytest.approx(13.75 + 10.0)
+
+
+def test_a_restarted_container_and_a_pod_made_again_count_anew() -> None:
+    """A container started again (its start time moves), or its pod made again under
+    the same name (a StatefulSet's), counts from its own start, as a cgroup's counter
+    does, as if it had run at the rate seen since it started: metrics-server takes a
+    recently started container's counter for its usage since the start (carried on,
+    one at 1 core restarted 20 s before read as 181 cores)."""
+    counters = CpuCounters()
+    at = 5000.0
+    p = P._replace(container_starts=(("app", 1000.0),))
+    prometheus_text(LOWER_METRICS, {"lower-default/p": p}, counters, now=at)
+    before = _samples(prometheus_text(LOWER_METRICS, {"lower-default/p": p}, counters, now=at + 10))
+    assert before[APP] == pytest.approx(0.25 * 4010)
+    restarted = p._replace(container_starts=(("app", at + 600.0),))
+    after = _samples(
+        prometheus_text(LOWER_METRICS, {"lower-default/p": restarted}, counters, now=at + 620)
+    )
+    assert after[APP] == pytest.approx(0.25 * 20)
+    pod_p = 'pod_cpu_usage_seconds_total{namespace="default",pod="p"}'
+    assert after[pod_p] > before[pod_p], "the pod's own counter goes on"
+    made_again = restarted._replace(uid="uid-p2")
+    again = _samples(
+        prometheus_text(LOWER_METRICS, {"lower-default/p": made_again}, counters, now=at + 630)
+    )
+    assert again[pod_p] == pytest.approx(COUNTER_START_SECONDS)
+    assert again[APP] == pytest.approx(0.25 * 30)
 
 
 def test_a_pod_left_out_of_one_lower_listing_keeps_its_counters() -> None:

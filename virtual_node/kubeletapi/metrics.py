@@ -56,12 +56,31 @@ class CpuCounters:
     """Cumulative CPU seconds per key, advanced by each observed rate."""
 
     def __init__(self) -> None:
-        self._seen: dict[str, tuple[float, float]] = {}
+        # key -> (what it counts, when last advanced, total)
+        self._seen: dict[str, tuple[object, float, float]] = {}
 
-    def advance(self, key: str, cores: float, now: float) -> float:
-        last_time, total = self._seen.get(key, (now, COUNTER_START_SECONDS))
+    def advance(
+        self,
+        key: str,
+        cores: float,
+        now: float,
+        counted: object = None,
+        since: float | None = None,
+    ) -> float:
+        """The counter of ``key`` advanced to ``now`` at ``cores``. ``counted`` names what
+        it counts (a container's pod UID and start): another under the same key (the
+        container restarted, its pod made again under its name) starts a counter of its
+        own, as a cgroup's, as if it had run at ``cores`` ``since`` it started. Carried
+        on, it read as a CPU spike: metrics-server takes a container started lately
+        to have counted from 0 at its start (a restart at 1 core scraped 20 s after read
+        as 181 cores)."""
+        seen = self._seen.get(key)
+        if seen is None or seen[0] != counted:
+            ran = cores * max(0.0, now - since) if since is not None else 0.0
+            seen = (counted, now, COUNTER_START_SECONDS + ran)
+        _, last_time, total = seen
         total += cores * max(0.0, now - last_time)
-        self._seen[key] = (now, total)
+        self._seen[key] = (counted, now, total)
         return total
 
     def forget_pods_except(self, pods: Iterable[str]) -> None:
@@ -123,24 +142,33 @@ def node_usage(
     endpoint, as a kubelet reads one cgroup for each) and those of pods no longer
     mirrored dropped."""
 
-    def advanced(key: str, cores: Fraction) -> float:
-        return counters.advance(key, float(cores), now) if counters is not None else 0.0
+    def advanced(
+        key: str, cores: Fraction, counted: object = None, since: float | None = None
+    ) -> float:
+        if counters is None:
+            return 0.0
+        return counters.advance(key, float(cores), now, counted, since)
 
     pods = []
     node_cores, node_memory = Fraction(0), 0
     for upper, item in mirrored_pod_metrics(pod_metrics, mirrored):
+        starts = dict(upper.container_starts)
         containers = []
         for container in item.get("containers") or []:
             usage = container.get("usage") or {}
             name = str(container.get("name", ""))
             cores = _cores(usage)
             key = f"{upper.namespace}/{upper.name}/{name}"
-            containers.append(ContainerUsage(name, cores, _bytes(usage), advanced(key, cores)))
+            started = starts.get(name)
+            cpu_seconds = advanced(key, cores, (upper.uid, started), started)
+            containers.append(ContainerUsage(name, cores, _bytes(usage), cpu_seconds))
         pod_cores = sum((c.cores for c in containers), Fraction(0))
         pod_memory = sum(c.memory for c in containers)
         pod_key = f"{upper.namespace}/{upper.name}"
         pods.append(
-            PodUsage(upper, containers, pod_cores, pod_memory, advanced(pod_key, pod_cores))
+            PodUsage(
+                upper, containers, pod_cores, pod_memory, advanced(pod_key, pod_cores, upper.uid)
+            )
         )
         node_cores += pod_cores
         node_memory += pod_memory
