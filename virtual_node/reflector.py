@@ -319,11 +319,26 @@ class Reflector:
         return self._wanted(service) and self._has_copy(service)
 
     def _needed(self, key: Key) -> bool:
-        """Referred to by a pod here, or of a namespace holding quota slices here."""
+        """Referred to by a pod here, or of a namespace holding quota slices here (but a
+        claim of another cluster's)."""
         kind, namespace, name = key
         return key in self._users or (
-            namespace in self._synced and synced_namespace_wide(kind, name)
+            namespace in self._synced
+            and synced_namespace_wide(kind, name)
+            and (kind != "persistentvolumeclaims" or self._claim_may_bind_here(namespace, name))
         )
+
+    def _claim_may_bind_here(self, namespace: str, name: str) -> bool:
+        """A claim bound above to a volume, or waiting for a node that is not this one, is
+        another cluster's: a copy here that no pod uses would have a disk of its own
+        provisioned (Immediate binding), or bind a volume someone else needs."""
+        upper = self.upper_objects["persistentvolumeclaims"].get(f"{namespace}/{name}")
+        if upper is None:
+            return False
+        selected = (upper["metadata"].get("annotations") or {}).get(keys.SELECTED_NODE_ANNOTATION)
+        if selected:
+            return bool(selected == self.owner.node_name)
+        return not (upper.get("spec") or {}).get("volumeName")
 
     def _named_by_needed_token(self, namespace: str, account: str) -> bool:
         """Whether a token Secret needed below names this account (but `default`, which

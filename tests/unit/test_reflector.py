@@ -362,6 +362,25 @@ async def test_a_namespace_holding_slices_has_everything_copied_before_any_pod()
     ]
 
 
+async def test_a_namespace_holding_slices_gets_no_copy_of_another_clusters_claims() -> None:
+    """Bound above to a volume, or waiting for another node: unused here, its copy would
+    have a disk of its own provisioned. One unbound, or waiting for this node, is copied."""
+    r = reflecting()
+    spec = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}
+    bound = named("PersistentVolumeClaim", "bound", spec={**spec, "volumeName": "pvc-1"})
+    elsewhere = named("PersistentVolumeClaim", "elsewhere", spec=spec)
+    elsewhere["metadata"]["annotations"] = {keys.SELECTED_NODE_ANNOTATION: "vk-other"}
+    here = named("PersistentVolumeClaim", "here", spec=spec)
+    here["metadata"]["annotations"] = {keys.SELECTED_NODE_ANNOTATION: OWNER.node_name}
+    unbound = named("PersistentVolumeClaim", "unbound", spec=spec)
+    for claim in (bound, elsewhere, here, unbound):
+        r.above("persistentvolumeclaims", claim)
+    r.reflector.sync_namespaces({"shop"})
+    await r.drain()
+    claims = r.created("/api/v1/namespaces/shop/persistentvolumeclaims")
+    assert sorted(body["metadata"]["name"] for body in claims) == ["here", "unbound"]
+
+
 async def test_a_claim_the_lower_cluster_bound_is_updated_in_place_and_never_made_again() -> None:
     claims = "/api/v1/namespaces/shop/persistentvolumeclaims"
     claim: dict[str, Any] = {
