@@ -186,6 +186,21 @@ _SERVICE_FIELDS = (
 )
 
 
+# What desired_service may set, as the apiserver defaults it when it does not.
+_SERVICE_DEFAULTS: Mapping[str, Any] = {
+    "ports": None,
+    "sessionAffinity": "None",
+    "sessionAffinityConfig": None,
+    "publishNotReadyAddresses": False,
+}
+
+
+def _set(value: Any) -> Any:
+    """None for an empty list or object: the apiserver stores an EndpointSlice's empty
+    ``endpoints`` as null, and compared as they are, every look at it wrote it again."""
+    return None if value == [] or value == {} else value
+
+
 def desired_service(upper: Mapping[str, Any], mapping: NamespaceMapping, owner: Ownership) -> JSON:
     """The lower Service: no cluster IP (the lower cluster allocates one; headless stays
     headless), type ClusterIP, no node ports, and no selector: its endpoints are the
@@ -257,7 +272,8 @@ def desired_copy(upper: Mapping[str, Any], mapping: NamespaceMapping, owner: Own
         if field in upper:
             copy[field] = upper[field]
     if token_account(upper) is not None:
-        for field in (*_LOWER_TOKEN_FIELDS, "stringData"):
+        # Nor immutable: the lower tokens controller could not put its token in.
+        for field in (*_LOWER_TOKEN_FIELDS, "stringData", "immutable"):
             copy.pop(field, None)
         metadata = copy["metadata"]
         metadata["annotations"].pop(keys.SERVICE_ACCOUNT_UID_ANNOTATION, None)
@@ -367,12 +383,19 @@ def copy_differs(lower: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
     )
     if token_account(desired) is not None:
         fields = tuple(f for f in fields if f not in _LOWER_TOKEN_FIELDS)
-    if any(lower.get(f) != desired.get(f) for f in fields):
+    if any(_set(lower.get(f)) != _set(desired.get(f)) for f in fields):
         return True
     if desired.get("kind") == "Service":
-        # The lower apiserver fills in defaults (cluster IP, families): only what we set counts.
+        # The lower apiserver fills in defaults (cluster IP, families): only what we set
+        # counts, and what we may set left at its default when we do not.
         lower_spec = lower.get("spec") or {}
         if any(lower_spec.get(k) != v for k, v in desired["spec"].items()):
+            return True
+        if any(
+            _set(lower_spec.get(k)) not in (None, default)
+            for k, default in _SERVICE_DEFAULTS.items()
+            if k not in desired["spec"]
+        ):
             return True
     labels: Mapping[str, str] = lower["metadata"].get("labels") or {}
     annotations: Mapping[str, str] = lower["metadata"].get("annotations") or {}

@@ -129,6 +129,8 @@ def test_a_token_secret_goes_below_without_its_token_and_keeps_the_lower_one() -
     assert reflectable(upper)
     copy = desired_copy(upper, MAPPING, OWNER)
     assert "data" not in copy and copy["type"] == keys.SERVICE_ACCOUNT_TOKEN_TYPE
+    # An immutable one's copy is not: the lower tokens controller could not fill it.
+    assert "immutable" not in desired_copy({**upper, "immutable": True}, MAPPING, OWNER)
     assert copy["metadata"]["annotations"][keys.SERVICE_ACCOUNT_NAME_ANNOTATION] == "robot"
     assert keys.SERVICE_ACCOUNT_UID_ANNOTATION not in copy["metadata"]["annotations"]
     assert copy["metadata"]["labels"] == OWNER.labels()
@@ -414,6 +416,47 @@ def test_lower_service_gets_its_own_addresses_and_no_selector() -> None:
     defaulted = {**lower, "spec": {**lower["spec"], "clusterIP": "10.96.0.9"}}
     assert not copy_differs(defaulted, lower)
     assert copy_differs({**defaulted, "spec": {**defaulted["spec"], "ports": []}}, lower)
+
+
+def test_what_a_service_no_longer_sets_above_is_undone_below() -> None:
+    """Not ready addresses no longer published, every port of a headless Service gone,
+    the session affinity back to none: the copy changes too. What the lower apiserver
+    defaults them to is no difference."""
+    before = desired_service(
+        service(
+            "db",
+            {"app": "db"},
+            clusterIP="None",
+            ports=[{"port": 5432}],
+            publishNotReadyAddresses=True,
+            sessionAffinity="ClientIP",
+            sessionAffinityConfig={"clientIP": {"timeoutSeconds": 60}},
+        ),
+        MAPPING,
+        OWNER,
+    )
+    now = desired_service(service("db", {"app": "db"}, clusterIP="None"), MAPPING, OWNER)
+    assert copy_differs(before, now)
+    for field in ("ports", "publishNotReadyAddresses", "sessionAffinity", "sessionAffinityConfig"):
+        spec = {k: v for k, v in before["spec"].items() if k != field}
+        assert copy_differs({**before, "spec": spec}, now), field
+    defaulted = {
+        **now,
+        "spec": {**now["spec"], "sessionAffinity": "None", "publishNotReadyAddresses": False},
+    }
+    assert not copy_differs(defaulted, now)
+
+
+def test_an_empty_endpoint_slice_stored_as_null_is_no_difference() -> None:
+    upper = {
+        "kind": "EndpointSlice",
+        "metadata": {"name": "db-1", "namespace": "shop", "uid": "u"},
+        "addressType": "IPv4",
+        "endpoints": [],
+    }
+    copy = desired_endpoint_slice(upper, MAPPING, OWNER)
+    assert not copy_differs({**copy, "endpoints": None}, copy)
+    assert copy_differs({**copy, "endpoints": [{"addresses": ["10.0.0.1"]}]}, copy)
 
 
 def test_a_service_that_becomes_headless_or_stops_being_so_is_made_again_below() -> None:
