@@ -263,6 +263,11 @@ class EstimatorPool:
     def is_known(self, name: str) -> bool:
         return name in self.known
 
+    def estimator_of(self, name: str) -> tuple[str, str] | None:
+        """The address and start of the estimator ``name`` is asked at now."""
+        estimator = self._estimators.get(name)
+        return None if estimator is None else (estimator.address, estimator.started)
+
     def put(self, obj: JSON) -> bool:
         """Takes a Node (from the watch, or read afresh ahead of it); True when it is a
         virtual one that names another estimator than the one known (the virtual node

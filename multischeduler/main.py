@@ -44,17 +44,24 @@ from multischeduler.estimators import (
     estimator_client,
 )
 from multischeduler.extender import BindingArgs, OnEstimatorError, Score, binding_body
-from multischeduler.server import Binder, Callers, Extender, Lookup, make_app
+from multischeduler.server import (
+    FILTER_BUDGET,
+    LOOKUP_TIMEOUT,
+    Binder,
+    Callers,
+    Extender,
+    Lookup,
+    make_app,
+)
 from multischeduler.slicing import Headrooms, SliceController, headrooms
 
 log = logging.getLogger("multischeduler")
 
 # Within the scheduler's httpTimeout (5 s) for the whole bind call.
 BIND_TIMEOUT = 4.0
-# A read of a pod that left the scheduler's queue (past this the room kept for it is left
-# to lapse), or of a virtual Node whose estimator failed (within the scheduler's
-# httpTimeout of 5 s for the whole filter call).
-LOOKUP_TIMEOUT = 2.0
+# A round of estimator calls: with the read of Nodes the cache has not shown yet, within
+# a filter's budget (longer, one estimator that hangs failed every pod's whole attempt).
+MAX_ESTIMATOR_TIMEOUT = FILTER_BUDGET - LOOKUP_TIMEOUT - 0.5
 
 
 @dataclass(frozen=True)
@@ -76,14 +83,20 @@ class Config:
     election: ElectionSettings | None
 
 
-def _seconds(text: str) -> float:
+def _seconds(text: str, most: float = 60.0) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0 < value <= 60:
-        raise argparse.ArgumentTypeError(f"must be above 0 and at most 60 seconds, not {text}")
+    if not 0 < value <= most:
+        raise argparse.ArgumentTypeError(
+            f"must be above 0 and at most {most:g} seconds, not {text}"
+        )
     return value
+
+
+def _estimator_seconds(text: str) -> float:
+    return _seconds(text, MAX_ESTIMATOR_TIMEOUT)
 
 
 def parse_args(argv: Sequence[str]) -> Config:
@@ -115,7 +128,7 @@ def parse_args(argv: Sequence[str]) -> Config:
     add_estimator_client_arguments(parser)
     parser.add_argument(
         "--estimator-timeout",
-        type=_seconds,
+        type=_estimator_seconds,
         default=0.5,
         help="deadline of one round of estimator calls, in seconds; a filter makes a second "
         "round for estimators that restarted meanwhile (default %(default)s)",

@@ -48,6 +48,13 @@ Lookup = Callable[[Resource, str | None, str], Awaitable[JSON | None]]
 
 # A pod is a few KiB; 3 MiB covers the largest object etcd stores.
 MAX_BODY = 3 * 1024 * 1024
+# A read of a pod that left the scheduler's queue (past this the room kept for it is left
+# to lapse), or of a virtual Node whose estimator failed.
+LOOKUP_TIMEOUT = 2.0
+# What a filter may take, within the scheduler's httpTimeout of 5 s for the whole call
+# (past it the scheduler fails the pod's whole attempt, every node with it): the second
+# round, for estimators restarted meanwhile, is asked only if it fits.
+FILTER_BUDGET = 4.5
 
 
 @dataclass
@@ -91,8 +98,9 @@ class Extender:
         chosen = None
         if virtual:
             pod = orjson.dumps(args.pod)
+            asked = {name: self.pool.estimator_of(name) for name in virtual}
             answers |= await self._estimate(virtual, pod, args.pod_key, reserve=True)
-            answers |= await self._ask_restarted(answers, pod, args.pod_key)
+            answers |= await self._ask_restarted(answers, asked, pod, args.pod_key, began)
             chosen = chosen_cluster(answers, self.score)
             # Room held elsewhere until the binding would turn the next pods of a burst
             # away from clusters that still have it.
@@ -136,21 +144,35 @@ class Extender:
         return reads
 
     async def _ask_restarted(
-        self, answers: Mapping[str, Answer], pod: bytes, pod_key: str
+        self,
+        answers: Mapping[str, Answer],
+        asked: Mapping[str, tuple[str, str] | None],
+        pod: bytes,
+        pod_key: str,
+        began: float,
     ) -> dict[str, Answer]:
-        """Asks again, once, the virtual nodes whose estimator failed but has restarted
-        since the Node cache last heard. The Node change that tells of a restart makes the
-        scheduler try its waiting pods again, and may reach it before this process's
-        watch: asked through the old channel, the new estimator would fail them, and no
-        further change would bring them back for minutes."""
+        """Asks again, once, the virtual nodes whose estimator failed but is not the one
+        ``asked`` (restarted since the Node cache last heard, or since the call began:
+        the watch's news of it closes the old channel under the call). The Node change
+        that tells of a restart makes the scheduler try its waiting pods again, and may
+        reach it before this process's watch: asked through the old channel, the new
+        estimator would fail them, and no further change would bring them back for
+        minutes."""
         failed = [n for n, a in answers.items() if isinstance(a, EstimatorFailure)]
         if not failed:
+            return {}
+        if self.clock() - began + LOOKUP_TIMEOUT + self.estimator_timeout > FILTER_BUDGET:
+            log.info("%s: no time left to ask again %s", pod_key, ", ".join(failed))
             return {}
         restarted = []
         for name, node in zip(failed, await self._read_nodes(failed), strict=True):
             if isinstance(node, BaseException):
                 log.warning("%s: not read again (%s)", name, node)
-            elif node is not None and self.pool.put(node):
+                continue
+            if node is not None:
+                self.pool.put(node)
+            current = self.pool.estimator_of(name)
+            if current is not None and current != asked.get(name):
                 restarted.append(name)
         if not restarted:
             return {}

@@ -450,6 +450,7 @@ def test_every_flag(tmp_path: Path) -> None:
         (["--kubeconfig=K", "--cert-dir=D", "--estimator-ca-file=/nonexistent"], "no such file"),
         (["--kubeconfig=K", "--cert-dir=D", "--estimator-timeout=0"], "above 0"),
         (["--kubeconfig=K", "--cert-dir=D", "--estimator-timeout=soon"], "not a number"),
+        (["--kubeconfig=K", "--cert-dir=D", "--estimator-timeout=5"], "at most 2 seconds"),
         (["--kubeconfig=K", "--cert-dir=D", "--on-estimator-error=retry"], "invalid choice"),
         (["--kubeconfig=K", "--cert-dir=D", "--score=random"], "invalid choice"),
         (["--kubeconfig=K", "--cert-dir=D", "--client-ca-file=/nonexistent"], "No such file"),

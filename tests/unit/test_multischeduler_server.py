@@ -29,6 +29,7 @@ from kubekit.estimatorapi.estimator_pb2 import (
     ReleaseResponse,
 )
 from kubekit.informer import FunctionHandler, Informer
+from multischeduler import server as extender_server
 from multischeduler.estimators import EstimatorPool, TokenFile, channel_credentials
 from multischeduler.extender import BindingArgs, EstimatorFailure, OnEstimatorError
 from multischeduler.server import Callers, Extender, make_app
@@ -692,6 +693,41 @@ async def test_an_estimator_restarted_before_the_node_cache_heard_is_asked_again
     failed = {**result["FailedNodes"], **result["FailedAndUnresolvableNodes"]}
     # gRPC says UNAVAILABLE or, when the server goes with the stream open, INTERNAL.
     assert failed["vk-a"].startswith("vk-a: estimator unavailable: "), result
+
+
+async def test_an_estimator_restarted_while_its_node_is_being_asked_is_asked_again(
+    federation: Federation,
+) -> None:
+    """The watch tells of the restart during the call, closing the old channel under
+    it: the new estimator, already in the pool when the Node is read, is asked."""
+    await federation.estimator("vk-a", fits(0.9), delay=0.2)
+    filtering = asyncio.create_task(federation.filter("vk-a"))
+    await asyncio.sleep(0.1)
+    restarted = FakeEstimator("a", fits(0.9))
+    address = await federation.serve(restarted)
+    federation.upper_nodes["vk-a"] = virtual_node_object("vk-a", address, started="2")
+    federation.nodes.apply({"type": "MODIFIED", "object": federation.upper_nodes["vk-a"]})
+    result = await asyncio.wait_for(filtering, 5)
+    assert result["NodeNames"] == ["vk-a"], result
+    assert len(restarted.estimates) == 1
+
+
+async def test_a_restarted_estimator_is_not_asked_again_past_the_filters_budget(
+    federation: Federation, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler gives the whole call 5 s, past which it fails the pod's attempt on
+    every node: no second round that would not end within the filter's budget."""
+    monkeypatch.setattr(extender_server, "FILTER_BUDGET", 0.1)
+    await federation.estimator("vk-a", fits(0.9), delay=0.2)
+    filtering = asyncio.create_task(federation.filter("vk-a"))
+    await asyncio.sleep(0.1)
+    restarted = FakeEstimator("a", fits(0.9))
+    address = await federation.serve(restarted)
+    federation.upper_nodes["vk-a"] = virtual_node_object("vk-a", address, started="2")
+    federation.nodes.apply({"type": "MODIFIED", "object": federation.upper_nodes["vk-a"]})
+    result = await asyncio.wait_for(filtering, 5)
+    assert result["NodeNames"] == [], result
+    assert restarted.estimates == []
 
 
 async def test_a_pod_the_scheduler_put_on_an_ordinary_node_gives_its_room_back(
