@@ -67,54 +67,66 @@ def _written(cert: bytes, key: bytes) -> Iterator[tuple[Path, Path]]:
 
 
 class ReloadingContext:
-    """A server SSLContext that loads its files again once they are renewed: connections
-    made after that get the new pair, open ones carry on with theirs. (The pair is tried
-    on a scratch context first: a key that does not match would leave the live one with
-    the new certificate and the old key.) A client CA file that changes has its
-    certificates trusted too, beside those loaded before (a context cannot forget one):
-    a CA rotated in the cluster signs the apiserver's new client certificate, which was
-    refused until a restart; the old CA stays trusted until then."""
+    """A server SSLContext whose new handshakes use the files as they are now: a change of
+    the pair or of the client CA file builds a context afresh, which each handshake
+    switches to from the first one's SNI callback (OpenSSL calls it for every
+    ClientHello, a server name in it or not); open connections carry on with theirs. The
+    pair is tried on a scratch context first: a key that does not match serves no
+    handshake. The client CAs are those of the file as it is now, so a CA rotated out is
+    no longer trusted (until 2026-11-28 the CAs of a changed file were added to the one
+    context, and one taken out stayed trusted until a restart)."""
 
     def __init__(self, cert_file: Path, key_file: Path, client_ca: Path | None = None) -> None:
         self.files = CertificateFiles(cert_file, key_file)
-        self.context = pki.server_ssl_context(cert_file, key_file, client_ca)
         self.client_ca = client_ca
-        self._trusted = client_ca.read_bytes() if client_ca is not None else b""
+        self._pair = (cert_file.read_bytes(), key_file.read_bytes())
+        self._trusted = client_ca.read_bytes() if client_ca is not None else None
+        self.context = pki.server_ssl_context(cert_file, key_file, self._trusted)
+        self.context.sni_callback = self._to_serving
+        self._serving = self.context
+
+    def _to_serving(
+        self, connection: ssl.SSLObject, _server_name: str | None, _context: ssl.SSLContext
+    ) -> None:
+        if self._serving is not self.context:
+            connection.context = self._serving
 
     def reload_if_changed(self) -> bool:
-        return self._trust_new_client_cas() | self._reload_pair()
-
-    def _trust_new_client_cas(self) -> bool:
-        if self.client_ca is None:
+        pair, trusted = self.files.renewed(), self._changed_client_cas()
+        if pair is None and trusted is None:
             return False
         try:
-            bundle = self.client_ca.read_bytes()
-            if bundle == self._trusted:
-                return False
-            # Tried on a scratch context first: a half-written file fails there.
-            ssl.create_default_context(cadata=bundle.decode())
-            self.context.load_verify_locations(cadata=bundle.decode())
+            with _written(*(pair or self._pair)) as (cert_file, key_file):
+                context = pki.server_ssl_context(
+                    cert_file, key_file, trusted if trusted is not None else self._trusted
+                )
         except (OSError, ValueError, ssl.SSLError) as error:
-            log.warning("client CA %s not reloaded yet: %s", self.client_ca, error)
-            return False
-        self._trusted = bundle
-        log.info("trusting the client CAs of %s as they are now", self.client_ca)
-        return True
-
-    def _reload_pair(self) -> bool:
-        pair = self.files.renewed()
-        if pair is None:
-            return False
-        try:
-            with _written(*pair) as (cert_file, key_file):
-                self.context.load_cert_chain(cert_file, key_file)
-        except (OSError, ssl.SSLError) as error:
             # No room for the scratch files, say: looked at again next time (the watch
             # must go on, or no renewal would be taken again).
             self.files.forget()
             log.warning("certificate %s not reloaded: %s", self.files.cert_file, error)
             return False
+        self._serving = context
+        self._pair = pair or self._pair
+        if trusted is not None:
+            self._trusted = trusted
+            log.info("trusting the client CAs of %s as they are now", self.client_ca)
         return True
+
+    def _changed_client_cas(self) -> bytes | None:
+        """The client CA file's certificates when they changed and read whole; None
+        otherwise (a half-written file is looked at again next time)."""
+        if self.client_ca is None:
+            return None
+        try:
+            bundle = self.client_ca.read_bytes()
+            if bundle == self._trusted:
+                return None
+            ssl.create_default_context(cadata=bundle.decode())
+        except (OSError, ValueError, ssl.SSLError) as error:
+            log.warning("client CA %s not reloaded yet: %s", self.client_ca, error)
+            return None
+        return bundle
 
     async def watch(self, interval: float = RELOAD_SECONDS) -> None:
         while True:

@@ -201,14 +201,17 @@ def ca_path(pair: KeyPair) -> Path:
 
 
 def server_ssl_context(
-    cert_file: Path, key_file: Path, client_ca: Path | None = None
+    cert_file: Path, key_file: Path, client_ca: Path | bytes | None = None
 ) -> ssl.SSLContext:
-    """TLS 1.2+ for our HTTPS servers; with ``client_ca``, asking for (not requiring) a
-    client certificate: token callers have none."""
+    """TLS 1.2+ for our HTTPS servers; with ``client_ca`` (a file, or its PEM), asking for
+    (not requiring) a client certificate: token callers have none."""
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.load_cert_chain(cert_file, key_file)
-    if client_ca is not None:
+    if isinstance(client_ca, bytes):
+        context.load_verify_locations(cadata=client_ca.decode())
+    elif client_ca is not None:
         context.load_verify_locations(cafile=str(client_ca))
+    if client_ca is not None:
         context.verify_mode = ssl.CERT_OPTIONAL
     return context

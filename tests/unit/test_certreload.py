@@ -129,9 +129,10 @@ async def accepted_as(port: int, ca: Path, client: pki.KeyPair) -> bool:
     return answer == b"hello\n"
 
 
-async def test_a_rotated_client_ca_is_trusted_beside_the_old_one(tmp_path: Path) -> None:
+async def test_the_client_cas_trusted_are_those_of_the_file_as_it_is_now(tmp_path: Path) -> None:
     """A CA rotated in the cluster signs the apiserver's new client certificate: until
-    a restart every call of it was refused at the handshake."""
+    a restart every call of it was refused at the handshake. A CA rotated out is no
+    longer trusted (it stayed trusted until a restart)."""
     serving_ca = pki.create_ca(tmp_path, "serving")
     pair = pki.issue(serving_ca, tmp_path / "tls", "127.0.0.1", server_names=("127.0.0.1",))
     old_ca, new_ca = pki.create_ca(tmp_path, "old"), pki.create_ca(tmp_path, "new")
@@ -145,8 +146,13 @@ async def test_a_rotated_client_ca_is_trusted_beside_the_old_one(tmp_path: Path)
         assert not await accepted_as(port, serving_ca.cert_path, new_client)
         client_ca.write_bytes(b"-----BEGIN CERTIFICATE-----\nhalf")  # being written
         assert not reloading.reload_if_changed()
-        client_ca.write_bytes(new_ca.cert_path.read_bytes())
+        # During the rotation the bundle holds both.
+        client_ca.write_bytes(old_ca.cert_path.read_bytes() + new_ca.cert_path.read_bytes())
         assert reloading.reload_if_changed()
         assert not reloading.reload_if_changed(), "nothing changed since"
         assert await accepted_as(port, serving_ca.cert_path, new_client)
         assert await accepted_as(port, serving_ca.cert_path, old_client)
+        client_ca.write_bytes(new_ca.cert_path.read_bytes())
+        assert reloading.reload_if_changed()
+        assert await accepted_as(port, serving_ca.cert_path, new_client)
+        assert not await accepted_as(port, serving_ca.cert_path, old_client)
