@@ -140,26 +140,27 @@ def test_a_pod_bound_here_holds_its_room_until_its_lower_copy_is_on_a_node() -> 
     assert cluster.fits("1", replicas=10) == 6
 
 
-def test_a_lower_copy_nominated_to_a_node_is_counted_there_once() -> None:
-    """Nominated after preempting below, it counts on that node: its assumption goes."""
+def nominated_to_big() -> tuple[Cluster, dict[str, Any]]:
+    """A 3-cpu pod bound here whose lower copy waits nominated to the node big."""
     cluster = Cluster()
     pod = upper_pod("web", "3")
     cluster.upper_pods.apply({"type": "ADDED", "object": pod})
     nominated = lower_copy(pod, None)
     nominated["status"]["nominatedNodeName"] = "big"
     cluster.lower_pods.apply({"type": "ADDED", "object": nominated})
+    return cluster, pod
+
+
+def test_a_lower_copy_nominated_to_a_node_is_counted_there_once() -> None:
+    """Nominated after preempting below, it counts on that node: its assumption goes."""
+    cluster, _ = nominated_to_big()
     assert cluster.fits("1", replicas=10) == 3
 
 
 def test_a_withdrawn_nomination_puts_the_room_back_on_hold() -> None:
     """The lower scheduler clears a nomination (a pod of higher priority took it): the
     pod bound here waits below again and holds room, as before it was nominated."""
-    cluster = Cluster()
-    pod = upper_pod("web", "3")
-    cluster.upper_pods.apply({"type": "ADDED", "object": pod})
-    nominated = lower_copy(pod, None)
-    nominated["status"]["nominatedNodeName"] = "big"
-    cluster.lower_pods.apply({"type": "ADDED", "object": nominated})
+    cluster, pod = nominated_to_big()
     cluster.lower_pods.apply({"type": "MODIFIED", "object": lower_copy(pod, None)})
     assert cluster.fits("3") == 0
     cluster.upper_pods.apply({"type": "MODIFIED", "object": pod})

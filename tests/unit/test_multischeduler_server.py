@@ -695,11 +695,11 @@ async def test_an_estimator_restarted_before_the_node_cache_heard_is_asked_again
     assert failed["vk-a"].startswith("vk-a: estimator unavailable: "), result
 
 
-async def test_an_estimator_restarted_while_its_node_is_being_asked_is_asked_again(
+async def filtered_while_restarting(
     federation: Federation,
-) -> None:
-    """The watch tells of the restart during the call, closing the old channel under
-    it: the new estimator, already in the pool when the Node is read, is asked."""
+) -> tuple[dict[str, Any], FakeEstimator]:
+    """A filter of vk-a during whose call vk-a's estimator restarts and the watch tells
+    of it: the filter's result, and the restarted estimator."""
     await federation.estimator("vk-a", fits(0.9), delay=0.2)
     filtering = asyncio.create_task(federation.filter("vk-a"))
     await asyncio.sleep(0.1)
@@ -707,7 +707,15 @@ async def test_an_estimator_restarted_while_its_node_is_being_asked_is_asked_aga
     address = await federation.serve(restarted)
     federation.upper_nodes["vk-a"] = virtual_node_object("vk-a", address, started="2")
     federation.nodes.apply({"type": "MODIFIED", "object": federation.upper_nodes["vk-a"]})
-    result = await asyncio.wait_for(filtering, 5)
+    return await asyncio.wait_for(filtering, 5), restarted
+
+
+async def test_an_estimator_restarted_while_its_node_is_being_asked_is_asked_again(
+    federation: Federation,
+) -> None:
+    """The watch tells of the restart during the call, closing the old channel under
+    it: the new estimator, already in the pool when the Node is read, is asked."""
+    result, restarted = await filtered_while_restarting(federation)
     assert result["NodeNames"] == ["vk-a"], result
     assert len(restarted.estimates) == 1
 
@@ -718,14 +726,7 @@ async def test_a_restarted_estimator_is_not_asked_again_past_the_filters_budget(
     """The scheduler gives the whole call 5 s, past which it fails the pod's attempt on
     every node: no second round that would not end within the filter's budget."""
     monkeypatch.setattr(extender_server, "FILTER_BUDGET", 0.1)
-    await federation.estimator("vk-a", fits(0.9), delay=0.2)
-    filtering = asyncio.create_task(federation.filter("vk-a"))
-    await asyncio.sleep(0.1)
-    restarted = FakeEstimator("a", fits(0.9))
-    address = await federation.serve(restarted)
-    federation.upper_nodes["vk-a"] = virtual_node_object("vk-a", address, started="2")
-    federation.nodes.apply({"type": "MODIFIED", "object": federation.upper_nodes["vk-a"]})
-    result = await asyncio.wait_for(filtering, 5)
+    result, restarted = await filtered_while_restarting(federation)
     assert result["NodeNames"] == [], result
     assert restarted.estimates == []
 

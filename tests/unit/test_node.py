@@ -284,9 +284,8 @@ async def test_the_labels_the_lower_nodes_share_follow_them() -> None:
     assert [r for r in upper.requests if r.path == "/api/v1/nodes/vk-lower-1"] == []
 
 
-async def test_a_node_deleted_while_its_labels_change_is_registered_again() -> None:
-    """The label patch that comes before the status meets the Node gone: registered
-    again, not a warning every few seconds while the Node stays away."""
+async def registered_then_relabelled() -> tuple[FakeClient, nodecontroller.NodeController]:
+    """A Node registered while its lower nodes were amd64; they are arm64 now."""
     upper = FakeClient()
     lower = LabelledLowerCluster(**{keys.ARCH_LABEL: "amd64"})
     controller = nodecontroller.NodeController(upper, identity(), lower)
@@ -294,6 +293,13 @@ async def test_a_node_deleted_while_its_labels_change_is_registered_again() -> N
     await controller.register()
     upper.requests.clear()
     lower.labels = {keys.ARCH_LABEL: "arm64"}
+    return upper, controller
+
+
+async def test_a_node_deleted_while_its_labels_change_is_registered_again() -> None:
+    """The label patch that comes before the status meets the Node gone: registered
+    again, not a warning every few seconds while the Node stays away."""
+    upper, controller = await registered_then_relabelled()
     upper.answer("PATCH", "/api/v1/nodes/vk-lower-1", status_error(404, "NotFound", "gone"))
     await controller.update_status(force=True)
     created = [r.body for r in upper.requests if (r.method, r.path) == ("POST", "/api/v1/nodes")]
@@ -409,13 +415,7 @@ async def test_the_lower_cluster_back_during_a_pause_for_other_changes_is_not_mi
 async def test_a_refused_label_holds_no_status_back() -> None:
     """An admission policy refuses a label copied from the lower nodes: the status (the
     capacity) goes all the same."""
-    upper = FakeClient()
-    lower = LabelledLowerCluster(**{keys.ARCH_LABEL: "amd64"})
-    controller = nodecontroller.NodeController(upper, identity(), lower)
-    controller.reachable = True
-    await controller.register()
-    upper.requests.clear()
-    lower.labels = {keys.ARCH_LABEL: "arm64"}
+    upper, controller = await registered_then_relabelled()
     upper.answer("PATCH", "/api/v1/nodes/vk-lower-1", status_error(403, "Forbidden", "policy"))
     await controller.update_status(force=True)
     assert [r.path for r in upper.requests if r.method == "PATCH"] == [
