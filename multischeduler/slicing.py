@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -62,6 +63,8 @@ SHORTFALL_RETRY_SECONDS = 30.0
 # How often the lower clusters are asked which namespaces hold slices there: a namespace
 # deleted while this process was away is taken back then.
 SWEEP_SECONDS = 60.0
+# How long a namespace's quota may be gone before its slices are taken back.
+QUOTA_GONE_GRACE_SECONDS = 30.0
 
 
 class SlicePool(Protocol):
@@ -138,6 +141,8 @@ class SliceController:
         timeout: float,
         retry_after: float = SHORTFALL_RETRY_SECONDS,
         sweep_every: float = SWEEP_SECONDS,
+        quota_gone_grace: float = QUOTA_GONE_GRACE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.client = client
         self.namespaces = namespaces
@@ -148,7 +153,11 @@ class SliceController:
         self.timeout = timeout
         self.retry_after = retry_after
         self.sweep_every = sweep_every
+        self.quota_gone_grace = quota_gone_grace
+        self.clock = clock
         self.queue: WorkQueue[str] = WorkQueue("slices")
+        # Namespace -> when its quota was first seen gone while it held slices.
+        self._quota_gone: dict[str, float] = {}
         # Namespaces a ledger may still promise slices though they are gone or unsliced:
         # found by the sweep, or deleted with slices.
         self._suspects: set[str] = set()
@@ -229,6 +238,16 @@ class SliceController:
         before = applied(annotations.get(keys.SLICE_APPLIED_ANNOTATION))
         quota = namespace_quota(self.quotas.items(name)) if namespace is not None else {}
         if not quota:
+            if namespace is not None and before is not None and before.slices:
+                # A quota replaced (`kubectl replace --force`, a tool that deletes and
+                # makes it again) is gone a moment: taken back at once, the room could be
+                # promised to another tenant before it came back, its pods still running.
+                gone_at = self._quota_gone.setdefault(name, self.clock())
+                left = gone_at + self.quota_gone_grace - self.clock()
+                if left > 0:
+                    self.queue.add_after(name, left)
+                    return
+            self._quota_gone.pop(name, None)
             # Deleted, or no quota: whatever a ledger still promises it is taken back. Only
             # asked of the clusters when something may be promised: most namespaces are
             # never sliced.
@@ -245,6 +264,7 @@ class SliceController:
                 await self._tell(namespace, None, "", "")
             return
         assert namespace is not None
+        self._quota_gone.pop(name, None)
         try:
             size = capped_size(slice_size(annotations.get(keys.SLICE_SIZE_ANNOTATION)), quota)
             count = slice_count(quota, size)

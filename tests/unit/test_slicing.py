@@ -4,6 +4,8 @@ answering from a table."""
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,13 +184,26 @@ class World:
         ]
 
 
-def world(policy: Policy = Policy.SPREAD, **clusters: Cluster) -> World:
+def world(
+    policy: Policy = Policy.SPREAD,
+    quota_gone_grace: float = 0.0,
+    clock: Callable[[], float] = time.monotonic,
+    **clusters: Cluster,
+) -> World:
     client = FakeClient()
     namespaces = Informer(client=None, resource=NAMESPACES)  # type: ignore[arg-type]
     quotas = Informer(client=None, resource=RESOURCEQUOTAS)  # type: ignore[arg-type]
     pool = FakePool(**clusters)
     controller = SliceController(
-        client, namespaces, quotas, pool, headroom=Headrooms("0"), policy=policy, timeout=1.0
+        client,
+        namespaces,
+        quotas,
+        pool,
+        headroom=Headrooms("0"),
+        policy=policy,
+        timeout=1.0,
+        quota_gone_grace=quota_gone_grace,
+        clock=clock,
     )
     return World(client, namespaces, quotas, pool, controller)
 
@@ -374,6 +389,33 @@ async def test_no_quota_takes_every_promise_back_and_clears_the_annotations() ->
         keys.SLICE_PLACEMENT_ANNOTATION: None,
         keys.SLICE_APPLIED_ANNOTATION: None,
     }
+
+
+async def test_a_quota_made_again_at_once_keeps_its_slices_one_gone_for_good_loses_them() -> None:
+    """`kubectl replace --force` deletes the quota and makes it again: taken back at
+    once, the room could be promised to another tenant meanwhile, the pods running."""
+    now = [1000.0]
+    held = (2, 2 * CPU)
+    w = world(quota_gone_grace=30.0, clock=lambda: now[0], a=Cluster((8,), ledger={"team": held}))
+    before = Applied(Amount(cpu=2 * CPU), {"a": 2})
+    w.put(w.namespaces, recorded(before))
+    replaced = quota("4")
+    w.put(w.quotas, replaced)
+    w.put(w.quotas, replaced, "DELETED")
+    await w.controller.reconcile("team")
+    assert w.pool.promised("a") == [], "not yet"
+    now[0] += 10
+    w.put(w.quotas, replaced)
+    await w.controller.reconcile("team")
+    assert w.pool.promised("a") == [] and w.pool.clusters["a"].ledger["team"] == held
+    w.put(w.quotas, replaced, "DELETED")
+    await w.controller.reconcile("team")
+    now[0] += 29
+    await w.controller.reconcile("team")
+    assert w.pool.promised("a") == [], "gone 29 s: still held"
+    now[0] += 2
+    await w.controller.reconcile("team")
+    assert w.pool.promised("a") == [0]
 
 
 async def test_a_deleted_namespace_s_promises_are_taken_back() -> None:
