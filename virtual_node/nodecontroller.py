@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol, TypeVar
 
 from kubekit import keys
@@ -297,13 +297,28 @@ class NodeController:
             metadata["labels"] = labels
         if not metadata:
             return
-        await self.upper.patch(NODES, self.identity.name, {"metadata": metadata})
+        try:
+            await self.upper.patch(NODES, self.identity.name, {"metadata": metadata})
+        except ApiError as error:
+            if is_not_found(error) or not (labels and annotations):
+                raise
+            # A label refused (an admission policy) holds back no annotation: the
+            # multischeduler reads the largest free slot and the digests from them.
+            log.warning("labels of node %s not updated: %s", self.identity.name, error)
+            await self.upper.patch(
+                NODES, self.identity.name, {"metadata": {"annotations": annotations}}
+            )
+            self._sent_annotations(annotations)
+            return
+        self._sent_annotations(annotations)
+        self._labels = wanted
+
+    def _sent_annotations(self, annotations: Mapping[str, str | None]) -> None:
         for key, value in annotations.items():
             if value is None:
                 self._annotations.pop(key, None)
             else:
                 self._annotations[key] = value
-        self._labels = wanted
 
     async def update_status(self, force: bool) -> None:
         """Sends the status when it changed, or when ``force`` (the periodic heartbeat),

@@ -254,9 +254,15 @@ class LabelledLowerCluster(FlakyLowerCluster):
     def __init__(self, **labels: str) -> None:
         super().__init__(True)
         self.labels = labels
+        self.slot: dict[str, str] = {}
 
     def report(self, reachable: bool) -> NodeReport:
-        return NodeReport(ready=reachable, allocatable={"cpu": "8"}, labels=dict(self.labels))
+        return NodeReport(
+            ready=reachable,
+            allocatable={"cpu": "8"},
+            labels=dict(self.labels),
+            largest_free_slot=self.slot,
+        )
 
 
 async def test_the_labels_the_lower_nodes_share_follow_them() -> None:
@@ -412,20 +418,24 @@ async def test_the_lower_cluster_back_during_a_pause_for_other_changes_is_not_mi
     )
 
 
-async def test_a_refused_label_holds_no_status_back() -> None:
+async def test_a_refused_label_holds_back_neither_status_nor_annotations() -> None:
     """An admission policy refuses a label copied from the lower nodes: the status (the
-    capacity) goes all the same."""
+    capacity) goes all the same, and so do the annotations the multischeduler reads."""
     upper, controller = await registered_then_relabelled()
-    upper.answer("PATCH", "/api/v1/nodes/vk-lower-1", status_error(403, "Forbidden", "policy"))
+    assert isinstance(controller.provider, LabelledLowerCluster)
+    controller.provider.slot = {"cpu": "7"}
+    node = "/api/v1/nodes/vk-lower-1"
+    upper.answer("PATCH", node, status_error(403, "Forbidden", "policy"))
     await controller.update_status(force=True)
-    assert [r.path for r in upper.requests if r.method == "PATCH"] == [
-        "/api/v1/nodes/vk-lower-1",
-        "/api/v1/nodes/vk-lower-1/status",
-    ]
+    patches = [r for r in upper.requests if r.method == "PATCH"]
+    assert [r.path for r in patches] == [node, node, f"{node}/status"]
+    assert patches[1].body == {
+        "metadata": {"annotations": {keys.LARGEST_FREE_SLOT_ANNOTATION: '{"cpu":"7"}'}}
+    }
     upper.requests.clear()
     await controller.update_status(force=False)
-    (patch,) = [r.body for r in upper.requests if r.path == "/api/v1/nodes/vk-lower-1"]
-    assert patch["metadata"]["labels"] == {keys.ARCH_LABEL: "arm64"}, "tried again"
+    (patch,) = [r.body for r in upper.requests if r.path == node]
+    assert patch["metadata"] == {"labels": {keys.ARCH_LABEL: "arm64"}}, "tried again"
 
 
 async def test_a_lease_renewed_again_after_failing_has_the_status_sent(
