@@ -329,16 +329,14 @@ class Reflector:
         )
 
     def _claim_may_bind_here(self, namespace: str, name: str) -> bool:
-        """A claim bound above to a volume, or waiting for a node that is not this one, is
-        another cluster's: a copy here that no pod uses would have a disk of its own
-        provisioned (Immediate binding), or bind a volume someone else needs."""
+        """Whether the upper scheduler chose this node for the claim's first pod. Another
+        claim is copied only for a pod here that uses it: one copied before its node was
+        chosen (a StatefulSet makes it before its pod), or bound above, is another
+        cluster's as often as not, and its copy, kept with the claim, would have a disk
+        of its own provisioned (Immediate binding) or bind a volume someone else needs."""
         upper = self.upper_objects["persistentvolumeclaims"].get(f"{namespace}/{name}")
-        if upper is None:
-            return False
-        selected = (upper["metadata"].get("annotations") or {}).get(keys.SELECTED_NODE_ANNOTATION)
-        if selected:
-            return bool(selected == self.owner.node_name)
-        return not (upper.get("spec") or {}).get("volumeName")
+        annotations = (upper or {}).get("metadata", {}).get("annotations") or {}
+        return bool(annotations.get(keys.SELECTED_NODE_ANNOTATION) == self.owner.node_name)
 
     def _named_by_needed_token(self, namespace: str, account: str) -> bool:
         """Whether a token Secret needed below names this account (but `default`, which
