@@ -59,12 +59,17 @@ def _unavailable(error: Exception) -> ProviderError:
     return ProviderError(503, f"the lower cluster is unreachable: {error}")
 
 
+# How the apiserver's authorizer words a refusal (an admission refusal never names a user).
+_RBAC_REFUSAL = re.compile(r'User "[^"]*" cannot ')
+
+
 def lower_failure(error: ApiError) -> ProviderError:
-    """A lower apiserver's refusal as the kubelet API answers it. A 401 or 403 is the
-    virtual node's own credentials below, not the caller's: passed on, kubectl told a
-    user whose credentials are fine "You must be logged in to the server"."""
+    """A lower apiserver's refusal as the kubelet API answers it. A 401, or a 403 of its
+    authorizer (`User "…" cannot …`), is the virtual node's own credentials below, not
+    the caller's: passed on, kubectl told a user whose credentials are fine "You must be
+    logged in to the server". An admission webhook's or policy's 403 is passed on."""
     message = error.message or error.reason or f"HTTP {error.status}"
-    if error.status in (401, 403):
+    if error.status == 401 or (error.status == 403 and _RBAC_REFUSAL.search(message)):
         return ProviderError(502, f"lower cluster refused the virtual node: {message}")
     status = error.status if 400 <= error.status < 500 else 502
     return ProviderError(status, f"lower cluster: {message}")

@@ -945,17 +945,25 @@ async def test_a_lower_log_stream_cut_short_is_a_provider_error(tmp_path: Path) 
         assert broken.value.message.startswith("the lower log stream broke")
 
 
+RBAC_REFUSAL = (
+    'pods "web" is forbidden: User "system:serviceaccount:kubestrata-system:vk" cannot '
+    'create resource "pods/exec" in API group "" in the namespace "shop"'
+)
+ADMISSION_REFUSAL = 'admission webhook "audit.example.com" denied the request: no shells'
+
+
 @pytest.mark.parametrize(
-    ("status", "expected"),
+    ("status", "message", "expected"),
     [
-        (401, (502, "lower cluster refused the virtual node: Unauthorized")),
-        (403, (502, "lower cluster refused the virtual node: Unauthorized")),
-        (404, (404, "lower cluster: Unauthorized")),
-        (500, (502, "lower cluster: Unauthorized")),
+        (401, "Unauthorized", (502, "lower cluster refused the virtual node: Unauthorized")),
+        (403, RBAC_REFUSAL, (502, f"lower cluster refused the virtual node: {RBAC_REFUSAL}")),
+        (403, ADMISSION_REFUSAL, (403, f"lower cluster: {ADMISSION_REFUSAL}")),
+        (404, "gone", (404, "lower cluster: gone")),
+        (500, "etcd", (502, "lower cluster: etcd")),
     ],
 )
 def test_the_lower_clusters_refusal_of_the_virtual_node_is_no_refusal_of_the_caller(
-    status: int, expected: tuple[int, str]
+    status: int, message: str, expected: tuple[int, str]
 ) -> None:
-    error = lower_failure(ApiError(status, {"message": "Unauthorized"}))
+    error = lower_failure(ApiError(status, {"message": message}))
     assert (error.status, str(error)) == expected
