@@ -214,4 +214,8 @@ def server_ssl_context(
         context.load_verify_locations(cafile=str(client_ca))
     if client_ca is not None:
         context.verify_mode = ssl.CERT_OPTIONAL
+        # No session is resumed: a resumed one skips the client certificate's check, so
+        # a certificate of a CA since taken out of the trusted ones would still get in.
+        context.options |= ssl.OP_NO_TICKET
+        context.num_tickets = 0
     return context

@@ -1,5 +1,6 @@
 import asyncio
 import shutil
+import socket
 import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -156,3 +157,35 @@ async def test_the_client_cas_trusted_are_those_of_the_file_as_it_is_now(tmp_pat
         assert reloading.reload_if_changed()
         assert await accepted_as(port, serving_ca.cert_path, new_client)
         assert not await accepted_as(port, serving_ca.cert_path, old_client)
+
+
+def resumed(port: int, ca: Path, client: pki.KeyPair, version: ssl.TLSVersion) -> bool:
+    """Whether a second connection of ``client`` resumes the session of its first."""
+    context = ssl.create_default_context(cafile=str(ca))
+    context.maximum_version = version
+    context.load_cert_chain(client.cert_path, client.key_path)
+    session, reused = None, False
+    for _ in range(2):
+        with (
+            socket.create_connection(("127.0.0.1", port)) as raw,
+            context.wrap_socket(raw, server_hostname="127.0.0.1", session=session) as tls,
+        ):
+            tls.sendall(b"hello\n")
+            tls.recv(16)  # a TLS 1.3 ticket comes after the handshake
+            reused, session = bool(tls.session_reused), tls.session
+    return reused
+
+
+@pytest.mark.parametrize("version", [ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3])
+async def test_no_session_is_resumed_past_the_client_certificates_check(
+    tmp_path: Path, version: ssl.TLSVersion
+) -> None:
+    """A resumed session skips the check: a client of a CA since taken out of the file
+    would still get in."""
+    ca = pki.create_ca(tmp_path, "serving")
+    pair = pki.issue(ca, tmp_path / "tls", "127.0.0.1", server_names=("127.0.0.1",))
+    clients_ca = pki.create_ca(tmp_path, "clients")
+    client = pki.issue(clients_ca, tmp_path / "client", "apiserver", client=True)
+    reloading = ReloadingContext(pair.cert_path, pair.key_path, clients_ca.cert_path)
+    async with serving(reloading.context) as port:
+        assert not await asyncio.to_thread(resumed, port, ca.cert_path, client, version)
