@@ -161,3 +161,26 @@ async def test_a_self_signed_pair_served_while_the_signer_is_away_is_replaced_on
         renewing.cancel()
     assert len(attempts) == 3, "asked again until signed, then not before it is due"
     assert pair.load()[0].serial_number == signed.load()[0].serial_number
+
+
+async def test_a_provisional_pair_is_asked_for_ever_more_rarely_and_not_once_forbidden(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each try leaves a CSR behind: after a minute, then twice as long each time up to an
+    hour; none after the apiserver forbids the virtual node its CSRs."""
+    failures: list[BaseException] = [ApiError(503, {"reason": "ServiceUnavailable"})] * 8
+    failures.append(ApiError(403, {"reason": "Forbidden"}))
+    slept: list[float] = []
+
+    async def request(*_args: object) -> pki.KeyPair:
+        raise failures.pop(0)
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    monkeypatch.setattr(certificates, "request_certificate", request)
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    pair = certificates._issued_pair(tmp_path)
+    await keep_renewed(None, "vk-1", ["127.0.0.1"], pair, provisional=True)  # type: ignore[arg-type]
+    assert slept == [60, 120, 240, 480, 960, 1920, 3600, 3600, 3600]
+    assert failures == []

@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.x509.oid import NameOID
 
 from kubekit import pki
-from kubekit.client import API_ERRORS, KubeClient, Resource
+from kubekit.client import API_ERRORS, ApiError, KubeClient, Resource
 
 log = logging.getLogger("virtual_node.kubeletapi")
 
@@ -33,6 +33,7 @@ ISSUE_TIMEOUT = 30.0
 # Renewed at this share of its life, as the kubelet's certificate manager does (70-90 %).
 RENEW_AT = 0.8
 RENEW_RETRY_SECONDS = 60.0
+PROVISIONAL_RETRY_CAP_SECONDS = 3600.0
 
 
 def signing_request(node_name: str, names: Collection[str]) -> tuple[bytes, bytes]:
@@ -173,8 +174,10 @@ def _write_pair(directory: Path, key_pem: bytes, cert_pem: bytes) -> pki.KeyPair
     for path, pem in ((pair.key_path, key_pem), (pair.cert_path, cert_pem)):
         # Each file whole or not at all: written beside, then moved over the old one.
         written = path.with_name(f".{path.name}.new")
-        written.write_bytes(pem)
-        written.chmod(0o600)
+        written.unlink(missing_ok=True)
+        # Readable by its owner alone from the first byte.
+        with os.fdopen(os.open(written, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+            f.write(pem)
         os.replace(written, path)
     return pair
 
@@ -241,25 +244,33 @@ async def keep_renewed(
     lived 80 % of its life, writing it over them (the kubelet API's TLS context reloads
     them); a failed request is tried again a minute later, while the old one still holds.
     A ``provisional`` pair (self-signed: the first CSR failed) is replaced as soon as a
-    CSR is signed, asked for every minute until then (a signer away a moment at start
-    left the apiservers that verify kubelets refusing every `kubectl logs` until a
-    restart)."""
+    CSR is signed, asked for after a minute, then twice as long each time up to an hour
+    (a signer away a moment at start left the apiservers that verify kubelets refusing
+    every `kubectl logs` until a restart; each try leaves a CSR behind), and no more once
+    the apiserver forbids the virtual node its CSRs."""
+    backoff = RENEW_RETRY_SECONDS
     while True:
-        delay = (
-            RENEW_RETRY_SECONDS
-            if provisional
-            else renewal_delay(pair.cert_path.read_bytes(), clock())
-        )
+        delay = backoff if provisional else renewal_delay(pair.cert_path.read_bytes(), clock())
         await asyncio.sleep(delay)
         try:
             await request_certificate(upper, node_name, names, pair.cert_path.parent)
         except _REQUEST_ERRORS as error:
+            if provisional and isinstance(error, ApiError) and error.status == 403:
+                log.warning(
+                    "no kubelet-serving certificate (%s): serving the self-signed one "
+                    "until a restart",
+                    error,
+                )
+                return
+            wait = backoff * 2 if provisional else RENEW_RETRY_SECONDS
             log.warning(
                 "kubelet-serving certificate not renewed (%s); trying again in %.0f s",
                 error,
-                RENEW_RETRY_SECONDS,
+                min(wait, PROVISIONAL_RETRY_CAP_SECONDS),
             )
-            if not provisional:
+            if provisional:
+                backoff = min(wait, PROVISIONAL_RETRY_CAP_SECONDS)
+            else:
                 await asyncio.sleep(RENEW_RETRY_SECONDS)
             continue
         provisional = False
