@@ -329,13 +329,21 @@ class Federation:
     def start(self) -> None:
         self._claim_state_dir()
         self._write_state()
+        pool = ThreadPoolExecutor(_PARALLEL_STARTS)
         try:
-            with ThreadPoolExecutor(_PARALLEL_STARTS) as pool:
-                for future in [pool.submit(c.start) for c in self._all_clusters()]:
-                    future.result()
+            for future in [pool.submit(c.start) for c in self._all_clusters()]:
+                future.result()
         except BaseException:
+            # At once (a Ctrl-C, a cluster that failed): the clusters not begun are not
+            # begun, those on their way stop launching and waiting, and what was
+            # launched meanwhile is stopped after them. Leaving the pool as a `with`
+            # block waited for every start, queued ones too, for minutes.
+            pool.shutdown(wait=False, cancel_futures=True)
+            self.stop()
+            pool.shutdown(wait=True)
             self.stop()
             raise
+        pool.shutdown()
 
     def start_virtual_nodes(self, timeout: float = 120.0) -> None:
         """One `kubestrata virtual-node` per lower cluster and tenant, each with its

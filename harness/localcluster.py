@@ -250,6 +250,9 @@ class LocalCluster(KubectlClient):
         self.die_with_parent = die_with_parent
         self.ports = ports or Ports.allocate()
         self.processes: dict[str, ManagedProcess] = {}
+        # Set by stop(): a start still on its way (or begun after) launches nothing more
+        # and stops waiting. A stopped cluster is not started again.
+        self._stopped = threading.Event()
         self._on_process_started = on_process_started
         self.kubeconfig = directory / "kubeconfig"
         self.pod_log_file = directory / "kwok" / "container.log"
@@ -334,6 +337,7 @@ class LocalCluster(KubectlClient):
     def _launch(
         self, name: str, argv: Sequence[str], purpose_ports: Iterable[int]
     ) -> ManagedProcess:
+        self._check_not_stopped()
         for port in purpose_ports:
             require_free_port(port, f"{self.name}/{name}")
         process = ManagedProcess(
@@ -705,6 +709,7 @@ class LocalCluster(KubectlClient):
     def _wait(self, process: ManagedProcess, timeout: float, ready: Any) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            self._check_not_stopped()
             process.check_running()
             if ready():
                 return
@@ -808,9 +813,14 @@ class LocalCluster(KubectlClient):
         self.processes[component].stop()
 
     def stop(self) -> None:
+        self._stopped.set()
         # Reverse start order: dependants first, etcd last.
         for process in reversed(list(self.processes.values())):
             process.stop()
+
+    def _check_not_stopped(self) -> None:
+        if self._stopped.is_set():
+            raise ClusterError(f"{self.name}: stopped while starting")
 
 
 _LIFECYCLE_TAINT_KEYS = frozenset({fit.NOT_READY_TAINT_KEY, "node.kubernetes.io/unreachable"})

@@ -317,3 +317,32 @@ def test_down_stops_the_supervisor_before_what_it_supervises(tmp_path: Path) -> 
     finally:
         supervisor.stop()
         supervised.stop()
+
+
+def test_a_start_that_fails_begins_no_queued_cluster_and_stops_those_on_their_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One cluster fails (or Ctrl-C): the start ends at once, the clusters queued behind
+    are never begun, and one still on its way stops waiting (it waited for every start,
+    queued ones too, and clusters began after the stop)."""
+    federation = Federation(tmp_path, FederationSpec(lower=3).clusters(), FAKE_TOOLCHAIN)
+    begun: list[str] = []
+    failing = federation.upper
+
+    def start(cluster: LocalCluster, timeout: float = 0.0) -> None:
+        begun.append(cluster.name)
+        if cluster is failing:
+            time.sleep(0.2)
+            raise ClusterError("upper: kube-apiserver exited")
+        process = cluster._launch(
+            "sleeper", [sys.executable, "-c", "import time; time.sleep(60)"], ()
+        )
+        cluster._wait(process, 60, lambda: False)
+
+    monkeypatch.setattr(LocalCluster, "start", start)
+    began = time.monotonic()
+    with pytest.raises(ClusterError, match="kube-apiserver exited"):
+        federation.start()
+    assert time.monotonic() - began < 10
+    assert begun[:2] == ["upper", "lower-1"] and "lower-3" not in begun, begun
+    assert all(not p.running() for c in federation.clusters.values() for p in c.processes.values())
