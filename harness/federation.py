@@ -430,6 +430,8 @@ class Federation:
         url = f"https://127.0.0.1:{port}{WEBHOOK_PATH}"
         tenant.kubectl("apply", "-f", "-", input=json.dumps(url_configuration(url)))
         identity = self.identity(tenant, name, WEBHOOK_ACCOUNT, MANIFESTS / WEBHOOK / "rbac.yaml")
+        # The right to put its CA in, which the manifests' replicas do not have.
+        tenant.kubectl("apply", "-f", str(MANIFESTS / WEBHOOK / "inject-ca-bundle" / "rbac.yaml"))
         self.start_component(
             name,
             [

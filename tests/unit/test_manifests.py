@@ -239,3 +239,20 @@ def test_the_install_job_goes_once_it_has_ended() -> None:
     assert jobs
     for job in jobs:
         assert 0 < job["spec"]["ttlSecondsAfterFinished"] <= 3600, job["metadata"]["name"]
+
+
+def test_the_webhook_deployment_cannot_rewrite_its_own_configuration() -> None:
+    """Only the single replica of `kubestrata up` (--inject-ca-bundle) patches it: with
+    that right a compromised replica of the Deployment could change its namespaceSelector
+    or failurePolicy and hold up pods cluster-wide."""
+    deployed = [
+        rule
+        for document in yaml.safe_load_all((MANIFESTS / "webhook" / "rbac.yaml").read_text())
+        if document and document["kind"] in ("Role", "ClusterRole")
+        for rule in document["rules"]
+    ]
+    assert deployed and not any(
+        "mutatingwebhookconfigurations" in rule["resources"] for rule in deployed
+    )
+    kustomization = yaml.safe_load((MANIFESTS / "webhook" / "kustomization.yaml").read_text())
+    assert not any("inject-ca-bundle" in resource for resource in kustomization["resources"])
