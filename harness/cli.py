@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -194,6 +195,11 @@ def _up(args: argparse.Namespace) -> int:
     print("ready. Point kubectl at a cluster with:")
     for name, cluster in federation.clusters.items():
         print(f"  {name:>10}:  export KUBECONFIG={cluster.kubeconfig}")
+    if shutil.which("kubectl") is None:
+        print(
+            "kubectl is not on PATH; the one built with the clusters: "
+            f"{federation.toolchain.kubectl}"
+        )
     if args.detach:
         print(
             "stop it with: kubestrata down"
@@ -260,7 +266,15 @@ def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _HANDLERS[args.command](args)
-    except (ClusterError, ProcessError, ToolchainError, ValueError) as error:
+    # A command of the toolchain timing out, a file that cannot be removed: one line too.
+    except (
+        ClusterError,
+        ProcessError,
+        ToolchainError,
+        ValueError,
+        OSError,
+        subprocess.TimeoutExpired,
+    ) as error:
         print(f"kubestrata {args.command}: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

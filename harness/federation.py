@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import ssl
+import subprocess
 import sys
 import threading
 import time
@@ -635,8 +636,9 @@ class Federation:
     ) -> None:
         try:
             start()
-        except (ClusterError, ProcessError) as error:
-            # Seen as one more exit on the next round.
+        except (ClusterError, ProcessError, OSError, subprocess.TimeoutExpired) as error:
+            # Seen as one more exit on the next round (a kubectl of the restart timing
+            # out ended the supervisor, and with it the federation).
             report(f"{name} did not start again: {error}")
             return
         self._write_state()

@@ -1,6 +1,7 @@
 import ipaddress
 import itertools
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from harness import cli as harness_cli
 from harness.cli import build_parser
 from harness.cli import main as cli_main
 from harness.federation import (
@@ -346,3 +348,35 @@ def test_a_start_that_fails_begins_no_queued_cluster_and_stops_those_on_their_wa
     assert time.monotonic() - began < 10
     assert begun[:2] == ["upper", "lower-1"] and "lower-3" not in begun, begun
     assert all(not p.running() for c in federation.clusters.values() for p in c.processes.values())
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        subprocess.TimeoutExpired(["kubectl", "wait"], 120),
+        OSError(39, "Directory not empty", "etcd"),
+    ],
+)
+def test_a_command_timing_out_or_a_file_in_the_way_is_one_line(
+    error: Exception, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def fail(_args: object) -> int:
+        raise error
+
+    monkeypatch.setitem(harness_cli._HANDLERS, "down", fail)
+    assert cli_main(["down"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kubestrata down: ") and err.count("\n") == 1
+
+
+def test_a_restart_that_times_out_is_one_more_exit_not_the_supervisors_end(
+    tmp_path: Path,
+) -> None:
+    federation = Federation(tmp_path, FederationSpec().clusters(), FAKE_TOOLCHAIN)
+    reports: list[str] = []
+
+    def start() -> None:
+        raise subprocess.TimeoutExpired(["kubectl", "wait"], 120)
+
+    federation._start_again("lower-1/kwok", start, reports.append)
+    assert len(reports) == 1 and reports[0].startswith("lower-1/kwok did not start again: ")
