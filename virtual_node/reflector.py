@@ -319,8 +319,8 @@ class Reflector:
         return self._wanted(service) and self._has_copy(service)
 
     def _needed(self, key: Key) -> bool:
-        """Referred to by a pod here, or of a namespace holding quota slices here (but a
-        claim of another cluster's)."""
+        """Referred to by a pod here, or of a namespace holding quota slices here (a claim
+        only once the upper scheduler chose this node for it)."""
         kind, namespace, name = key
         return key in self._users or (
             namespace in self._synced

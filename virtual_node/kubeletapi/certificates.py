@@ -211,7 +211,7 @@ async def serving_certificate(
         log.warning(
             "no kubelet-serving certificate from the upper cluster (%s); serving a "
             "self-signed one, which apiservers that verify kubelets refuse, until a CSR "
-            "is signed (asked again every %.0f s)",
+            "is signed (asked again in %.0f s, then ever more rarely)",
             error,
             RENEW_RETRY_SECONDS,
         )
