@@ -147,9 +147,8 @@ class FitEstimator:
         # Upper UID -> the key of its lower pod, and of itself in the upper cache.
         self._lower_keys: dict[str, str] = {}
         self._upper_keys: dict[str, str] = {}
-        # Upper UID -> the lower node its waiting lower copy is pinned to.
-        self._pins: dict[str, str] = {}
         self._upper_pods: Informer | None = None
+        self._lower_pods: Informer | None = None
         # {namespace/claim: class} of the upper claims still waiting for a volume, and the
         # lower cluster's StorageClasses (both empty until their caches are watched).
         self._waiting_claims: dict[str, str] = {}
@@ -163,6 +162,7 @@ class FitEstimator:
 
     def watch(self, lower_nodes: Informer, lower_pods: Informer, upper_pods: Informer) -> None:
         self._upper_pods = upper_pods
+        self._lower_pods = lower_pods
         lower_nodes.add_handler(
             FunctionHandler(
                 add=self._node_changed,
@@ -327,11 +327,6 @@ class FitEstimator:
             self._landed.add(uid)
             self._drop_assumption(uid)
             return
-        pin = pinned_node(pod)
-        if pin is None:
-            self._pins.pop(uid, None)
-        else:
-            self._pins[uid] = pin
         if (pod.get("status") or {}).get("phase") in _FINISHED or pod["metadata"].get(
             "deletionTimestamp"
         ):
@@ -340,6 +335,7 @@ class FitEstimator:
         # upper pod was assumed on the node it would take now): counted where it is
         # pinned, as a pod bound here is until it lands.
         self._landed.discard(uid)
+        pin = pinned_node(pod)
         assumed = self.state.assumed_node(uid)
         if uid in self._upper_keys and (assumed is None or (pin is not None and assumed != pin)):
             self._reserved.pop(uid, None)
@@ -353,7 +349,6 @@ class FitEstimator:
         if uid is not None:
             self._landed.discard(uid)
             self._lower_keys.pop(uid, None)
-            self._pins.pop(uid, None)
 
     @_exclusive
     def _upper_pod_changed(self, pod: JSON) -> None:
@@ -380,9 +375,16 @@ class FitEstimator:
             except QueryError as error:
                 log.debug("pod %s not assumed: %s", object_key(pod), error)
                 return
-            self.state.assume(uid, facts, self._pins.get(uid))
+            self.state.assume(uid, facts, self._lower_pin(uid))
             if uid not in self._lower_keys and self.quotas.holds(lower["metadata"]["namespace"]):
                 self.quotas.count(uid, lower["metadata"]["namespace"], quota_usage(lower))
+
+    def _lower_pin(self, uid: str) -> str | None:
+        """The node the pod's lower copy waits pinned to, if it has one (a restart lists
+        the upper pods after the lower ones, or before)."""
+        key = self._lower_keys.get(uid)
+        lower = self._lower_pods.get(key) if key and self._lower_pods is not None else None
+        return pinned_node(lower) if lower is not None else None
 
     @_exclusive
     def ledger_changed(self, ledger: JSON) -> None:
@@ -468,7 +470,8 @@ class FitEstimator:
             raise QueryError("the pod has no spec")
         lower, facts = self._lower_form(upper)
         try:
-            negative = negative_quantity(upper) or negative_quantity(lower)
+            # The upper pod's: its lower form adds only the lower RuntimeClass's overhead.
+            negative = negative_quantity(upper)
         except (TypeError, AttributeError) as error:
             raise QueryError(f"the pod's resources are not what they should be: {error}") from error
         if negative is not None:

@@ -115,6 +115,21 @@ def test_a_pair_is_written_whole_over_the_old_one(tmp_path: Path) -> None:
     assert oct(old.key_path.stat().st_mode & 0o777) == "0o600"
 
 
+def test_a_write_that_fails_leaves_the_file_it_was_to_replace_whole(tmp_path: Path) -> None:
+    """The new key cannot be written (here its scratch name is taken by a directory; a
+    full disk alike): the key served until then is intact, where a write in place left
+    part of a key that no start could serve."""
+    ca = pki.create_ca(tmp_path, "test")
+    names = ("127.0.0.1",)
+    old = pki.issue(ca, tmp_path / "kubelet-serving", "system:node:vk-1", server_names=names)
+    before = old.key_path.read_bytes(), old.cert_path.read_bytes()
+    new = pki.issue(ca, tmp_path / "new", "system:node:vk-1", server_names=names)
+    (tmp_path / f".{old.key_path.name}.new").mkdir()
+    with pytest.raises(OSError):
+        certificates._write_pair(tmp_path, new.key_path.read_bytes(), new.cert_path.read_bytes())
+    assert (old.key_path.read_bytes(), old.cert_path.read_bytes()) == before
+
+
 async def test_a_self_signed_pair_served_while_the_signer_is_away_is_replaced_once_signed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
