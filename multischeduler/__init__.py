@@ -7,7 +7,8 @@ kube-scheduler extender for the upper cluster.
   (below) passes and keeps its room. A cluster without room fails as unresolvable with
   its reason (`vk-lower-1: 0/3 nodes are available: 3 Insufficient cpu`); an estimator
   that fails or is late fails its own node only (`--on-estimator-error fail`) or lets it
-  pass (`ignore`). Ordinary nodes pass untouched.
+  pass (`ignore`); one late 3 times in a row is not asked for 5 s. Ordinary nodes pass
+  untouched.
 - `POST /prioritize`: 0..10 per candidate from filter's answers (`--score best-fit` or
   `least-allocated`, averaged with the pod's preferred node affinity); ordinary nodes
   get the best virtual node's score, so the extender never ranks them below the cluster

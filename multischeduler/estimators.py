@@ -73,6 +73,13 @@ RELEASE_TIMEOUT = 5.0
 # go in a Release call of their own.
 RELEASE_DELAY = 0.25
 
+# An estimator that leaves this many calls in a row unanswered within their deadline is
+# not asked for the next SKIP_LATE_SECONDS: each decision would otherwise wait its whole
+# deadline for it (a stopped or wedged virtual node), and the scheduler decides one pod
+# at a time. Its node fails those decisions at once, saying why.
+LATE_IN_A_ROW_TO_SKIP = 3
+SKIP_LATE_SECONDS = 5.0
+
 # Codes that mean the estimator did not act on the request, so holds no room for it.
 _NOT_ACTED_ON = frozenset(
     {
@@ -231,6 +238,10 @@ class _Estimator:
     # A Release call on its way: calls after it wait for it, or a release sent before a
     # new reservation of the same pod could arrive after it and drop it.
     flushing: asyncio.Task[None] | None = None
+    # Calls in a row left unanswered within their deadline, and until when (event loop
+    # time) it is not asked.
+    late_in_a_row: int = 0
+    skipped_until: float = 0.0
 
 
 class EstimatorPool:
@@ -242,10 +253,12 @@ class EstimatorPool:
         credentials: grpc.ChannelCredentials,
         token: TokenFile | None = None,
         release_delay: float = RELEASE_DELAY,
+        skip_late_seconds: float = SKIP_LATE_SECONDS,
     ) -> None:
         self.credentials = credentials
         self.token = token
         self.release_delay = release_delay
+        self.skip_late_seconds = skip_late_seconds
         self.nodes: dict[str, VirtualNode] = {}
         # Every Node the watch has shown, virtual or not: a name the scheduler sends that
         # is not here may be a virtual node the watch has not shown yet.
@@ -349,13 +362,19 @@ class EstimatorPool:
             return EstimatorFailure(
                 f"the node has no {keys.ESTIMATOR_ADDRESS_ANNOTATION} annotation"
             )
+        loop = asyncio.get_running_loop()
+        if (left := estimator.skipped_until - loop.time()) > 0:
+            return EstimatorFailure(
+                f"{estimator.address}: not asked for {left:.1f} s more: its last "
+                f"{estimator.late_in_a_row} calls had no answer within their deadline"
+            )
         if estimator.flushing is not None:
             # Within the call's own deadline: an estimator that hangs would hold every
             # later decision for the Release call's whole timeout.
-            loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
             done, _ = await asyncio.wait({estimator.flushing}, timeout=timeout)
             if not done:
+                self._late(name, estimator)
                 return EstimatorFailure(
                     f"{estimator.address}: room given back {timeout:g} s ago not confirmed yet"
                 )
@@ -369,10 +388,15 @@ class EstimatorPool:
             # Given back again with the next call: a release is idempotent.
             self._queue_releases(name, estimator, releases)
             code = error.code()
+            if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._late(name, estimator)
+            else:
+                estimator.late_in_a_row = 0
             return EstimatorFailure(
                 f"{estimator.address}: {code.name}: {error.details()}",
                 maybe_reserved=code not in _NOT_ACTED_ON,
             )
+        estimator.late_in_a_row = 0
         if len(response.estimates) != 1:
             return EstimatorFailure(
                 f"{estimator.address}: {len(response.estimates)} estimates for 1 pod",
@@ -382,6 +406,18 @@ class EstimatorPool:
             self._other_cluster(name, estimator.address, response.cluster_id)
             or response.estimates[0]
         )
+
+    def _late(self, name: str, estimator: _Estimator) -> None:
+        estimator.late_in_a_row += 1
+        if estimator.late_in_a_row >= LATE_IN_A_ROW_TO_SKIP:
+            estimator.skipped_until = asyncio.get_running_loop().time() + self.skip_late_seconds
+            log.warning(
+                "%s: %d calls in a row unanswered within their deadline at %s: not asked for %g s",
+                name,
+                estimator.late_in_a_row,
+                estimator.address,
+                self.skip_late_seconds,
+            )
 
     async def _ask(
         self,

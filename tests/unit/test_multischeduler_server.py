@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import ssl
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -30,7 +31,12 @@ from kubekit.estimatorapi.estimator_pb2 import (
 )
 from kubekit.informer import FunctionHandler, Informer
 from multischeduler import server as extender_server
-from multischeduler.estimators import EstimatorPool, TokenFile, channel_credentials
+from multischeduler.estimators import (
+    LATE_IN_A_ROW_TO_SKIP,
+    EstimatorPool,
+    TokenFile,
+    channel_credentials,
+)
 from multischeduler.extender import BindingArgs, EstimatorFailure, OnEstimatorError
 from multischeduler.server import Callers, Extender, make_app
 
@@ -413,6 +419,41 @@ async def test_a_slow_estimator_fails_only_its_own_node(federation: Federation) 
     assert "DEADLINE_EXCEEDED" in message
     assert result["Error"] == ""
     assert sample(federation, "kubestrata_extender_estimator_errors_total") == 1
+
+
+async def test_an_estimator_late_calls_in_a_row_is_skipped_for_a_while(
+    federation: Federation,
+) -> None:
+    federation.extender.pool.skip_late_seconds = 0.5
+    await federation.estimator("vk-a", fits(0.8))
+    await federation.estimator("vk-slow", fits(0.9), delay=0.6)
+    slow = federation.estimators["vk-slow"]
+    for _ in range(LATE_IN_A_ROW_TO_SKIP):
+        result = await federation.filter("vk-a", "vk-slow")
+        assert "DEADLINE_EXCEEDED" in result["FailedAndUnresolvableNodes"]["vk-slow"]
+    assert len(slow.estimates) == LATE_IN_A_ROW_TO_SKIP
+    # Skipped: its node fails at once, saying why, and the other cluster is still used.
+    result = await federation.filter("vk-a", "vk-slow")
+    assert result["NodeNames"] == ["vk-a"]
+    assert re.fullmatch(
+        r"vk-slow: estimator unavailable: 127\.0\.0\.1:\d+: not asked for 0\.\d s more: "
+        rf"its last {LATE_IN_A_ROW_TO_SKIP} calls had no answer within their deadline",
+        result["FailedAndUnresolvableNodes"]["vk-slow"],
+    )
+    assert len(slow.estimates) == LATE_IN_A_ROW_TO_SKIP
+    # Once the while is over it is asked again; answering in time, it is asked every time.
+    await asyncio.sleep(0.5)
+    slow.delay = 0.0
+    for _ in range(LATE_IN_A_ROW_TO_SKIP + 1):
+        result = await federation.filter("vk-a", "vk-slow")
+        assert "vk-slow" in result["NodeNames"]
+    assert len(slow.estimates) == 2 * LATE_IN_A_ROW_TO_SKIP + 1
+    # An answer in time starts the count again: one late call is no reason to skip it.
+    slow.delay = 0.6
+    await federation.filter("vk-a", "vk-slow")
+    slow.delay = 0.0
+    result = await federation.filter("vk-a", "vk-slow")
+    assert "vk-slow" in result["NodeNames"]
 
 
 async def test_ignore_mode_lets_a_node_with_a_failed_estimator_pass(
