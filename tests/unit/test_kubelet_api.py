@@ -24,7 +24,7 @@ from kubekit.informer import Informer
 from kubekit.keys import UPPER_UID_ANNOTATION
 from tests.unit.fakeapi import FakeClient
 from tests.unit.tlsserver import serving_over_tls
-from virtual_node.kubeletapi import channels
+from virtual_node.kubeletapi import auth, channels
 from virtual_node.kubeletapi.auth import (
     MAX_PENDING_REVIEWS,
     AuthError,
@@ -906,6 +906,42 @@ async def test_reviews_waiting_past_the_limit_are_told_to_come_back() -> None:
     with pytest.raises(AuthError) as denied:
         await authorizer.authenticate(None, "Bearer again")
     assert denied.value.status == 401
+
+
+async def test_callers_let_in_before_are_reviewed_again_past_a_flood(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once a valid token's or an allowed access's cached answer lapses, its review has
+    places of its own: a flood of bad tokens filling the others does not refuse it."""
+    monkeypatch.setattr(auth, "TOKEN_TTL", 0.0)
+    monkeypatch.setattr(auth, "ALLOW_TTL", 0.0)
+    release = asyncio.Event()
+
+    class FloodedApiserver(FakeClient):
+        async def request(self, method: str, path: str, **kwargs: Any) -> Any:
+            if path == SAR:
+                return reviewed(True)
+            token = kwargs["body"]["spec"]["token"]
+            if token != "good":
+                await release.wait()
+            return {"status": {"authenticated": token == "good", "user": {"username": "ms"}}}
+
+    authorizer = Authorizer(FloodedApiserver(), "vk-1")
+    user = await authorizer.authenticate(None, "Bearer good")
+    await authorizer.authorize_node_access(user, "get", "estimator")
+    flood = [
+        asyncio.create_task(authorizer.authenticate(None, f"Bearer t{n}"))
+        for n in range(MAX_PENDING_REVIEWS)
+    ]
+    await asyncio.sleep(0)
+    with pytest.raises(AuthError) as refused:
+        await authorizer.authenticate(None, "Bearer one-more")
+    assert refused.value.status == 429
+    # Both answers have lapsed (a TTL of 0): each is asked again, and given.
+    assert await authorizer.authenticate(None, "Bearer good") == user
+    await authorizer.authorize_node_access(user, "get", "estimator")
+    release.set()
+    await asyncio.gather(*flood, return_exceptions=True)
 
 
 async def test_a_lower_log_stream_cut_short_is_a_provider_error(tmp_path: Path) -> None:

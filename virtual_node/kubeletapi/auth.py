@@ -21,6 +21,10 @@ _CACHE_LIMIT = 4096
 # Reviews waiting for the upper apiserver at once; past these a caller is told to come
 # back. A denied token is not cached, so whoever reaches the kubelet port could send
 # tokens by the thousand, each a TokenReview held in the queue for the review budget.
+# The review of a token, or of an access, that passed before its cached answer lapsed
+# has as many places again of its own: such a flood would otherwise refuse the callers
+# that were let in (the multischeduler's estimator calls, kubectl through the apiserver)
+# each time their answer lapsed, and only a valid token gets a place there.
 MAX_PENDING_REVIEWS = 64
 
 _VERBS = {
@@ -115,6 +119,11 @@ class _TtlCache:
             return None
         return entry[1]
 
+    def lapsed(self, key: Any) -> Any:
+        """The answer kept for ``key``, lapsed or not, while it is still held."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry[1]
+
     def put(self, key: Any, value: Any, ttl: float) -> None:
         with self._lock:
             if len(self._entries) >= _CACHE_LIMIT:
@@ -138,7 +147,8 @@ class Authorizer:
         self.home = home
         self._tokens = _TtlCache()
         self._decisions = _TtlCache()
-        self._pending_reviews = 0  # on the ``home`` loop only
+        # Reviews waiting, by whether the answer was yes before (on the ``home`` loop only).
+        self._pending_reviews = {False: 0, True: 0}
 
     async def authenticate(self, peercert: dict[str, Any] | None, authorization: str) -> User:
         user = user_from_certificate(peercert)
@@ -160,6 +170,7 @@ class Authorizer:
                 "kind": "TokenReview",
                 "spec": {"token": token},
             },
+            passed_before=self._tokens.lapsed(token) is not None,
         )
         status = review.get("status") or {}
         if not status.get("authenticated"):
@@ -209,18 +220,21 @@ class Authorizer:
                         },
                     },
                 },
+                passed_before=self._decisions.lapsed(key) is True,
             )
             allowed = bool((review.get("status") or {}).get("allowed"))
             self._decisions.put(key, allowed, ALLOW_TTL if allowed else DENY_TTL)
         return allowed
 
-    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await on_loop(self.home, self._review(path, body))
+    async def _post(
+        self, path: str, body: dict[str, Any], *, passed_before: bool
+    ) -> dict[str, Any]:
+        return await on_loop(self.home, self._review(path, body, passed_before))
 
-    async def _review(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        if self._pending_reviews >= MAX_PENDING_REVIEWS:
+    async def _review(self, path: str, body: dict[str, Any], passed_before: bool) -> dict[str, Any]:
+        if self._pending_reviews[passed_before] >= MAX_PENDING_REVIEWS:
             raise AuthError(429, "Too many requests: access checks waiting; try again later")
-        self._pending_reviews += 1
+        self._pending_reviews[passed_before] += 1
         try:
             review: dict[str, Any] = await self.upper.request("POST", path, body=body)
             return review
@@ -229,4 +243,4 @@ class Authorizer:
                 503, f"cannot check access with the upper apiserver: {error}"
             ) from error
         finally:
-            self._pending_reviews -= 1
+            self._pending_reviews[passed_before] -= 1
