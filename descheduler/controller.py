@@ -87,8 +87,14 @@ class EvictionBlocked(Exception):
     """The Eviction API refused (429): a PodDisruptionBudget allows no disruption now."""
 
 
-# What stops a defragmentation plan half way: a refusal, or any other failed eviction.
-_EVICTION_FAILURES: tuple[type[Exception], ...] = (EvictionBlocked, *API_ERRORS)
+class PodChanged(Exception):
+    """The pod was not evicted (409): it changed since it was judged, or another of the
+    same name took its place; it still holds its room."""
+
+
+# What stops a defragmentation plan half way: a refusal, a pod changed since the plan, or
+# any other failed eviction.
+_EVICTION_FAILURES: tuple[type[Exception], ...] = (EvictionBlocked, PodChanged, *API_ERRORS)
 
 
 def receivers(
@@ -385,8 +391,9 @@ class Descheduler:
         )
 
     async def _evict(self, pod: Mapping[str, Any], reason: str) -> bool:
-        """Evicts a pod through the Eviction API; False when it was gone, replaced or
-        changed meanwhile. Raises EvictionBlocked on a 429. ``reason`` labels the metric."""
+        """Evicts a pod through the Eviction API; False when it was gone. Raises PodChanged
+        when it was replaced or changed meanwhile (409), EvictionBlocked on a 429.
+        ``reason`` labels the metric."""
         metadata = pod["metadata"]
         # The pod as it was judged, or none: the cache may be seconds behind by the last
         # move of a look, and a pod placed below meanwhile (a node added there) was
@@ -407,8 +414,10 @@ class Descheduler:
             await self.client.request("POST", path, body=body, retry_when_told=False)
         except ApiError as error:
             metrics.EVICTIONS.labels(reason, error.reason or str(error.status)).inc()
-            if error.status in (404, 409):
+            if error.status == 404:
                 return False
+            if error.status == 409:
+                raise PodChanged(error.message) from error
             if error.status == 429:
                 raise EvictionBlocked(error.message) from error
             raise
@@ -442,6 +451,9 @@ class Descheduler:
         try:
             if not await self._evict(stuck.pod, "stuck"):
                 return  # nothing left to move
+        except PodChanged as changed:
+            log.info("%s: changed since judged, judged again next cycle: %s", stuck.key, changed)
+            return
         except EvictionBlocked as blocked:
             self._blocked[stuck.uid] = self.clock() + BLOCKED_RETRY_SECONDS
             log.info("%s: eviction refused, tried again later: %s", stuck.key, blocked)
@@ -656,7 +668,13 @@ class Descheduler:
                 if not await self._evict(pod, "defragment"):
                     continue  # gone or replaced meanwhile: nobody was evicted
             except _EVICTION_FAILURES as error:
-                what = "was refused" if isinstance(error, EvictionBlocked) else "failed"
+                what = (
+                    "was refused"
+                    if isinstance(error, EvictionBlocked)
+                    else "was not made, the pod changed since the plan (it holds its room)"
+                    if isinstance(error, PodChanged)
+                    else "failed"
+                )
                 await self._event(
                     waiting.pod,
                     "DefragmentationIncomplete",

@@ -1304,6 +1304,19 @@ async def test_a_pod_gone_before_its_eviction_is_not_said_to_be_evicted() -> Non
     assert world.reasons() == ["Defragmenting"]
 
 
+async def test_a_pod_changed_since_the_plan_stops_it_for_its_room_is_not_freed() -> None:
+    world = Fragmented()
+    world.pool.room["vk-lower-2"] = 5
+    world.client.eviction_error = ApiError(409, {"reason": "Conflict", "message": "changed"})
+    await world.descheduler.cycle()
+    assert len(world.client.calls) == 1, "the second pod is not evicted for nothing"
+    assert world.reasons() == ["Defragmenting", "DefragmentationIncomplete"]
+    assert (
+        "apps/a was not made, the pod changed since the plan" in world.client.events[-1]["message"]
+    )
+    assert world.pool.released == [(["vk-lower-1"], "uid-big")]
+
+
 async def test_an_eviction_failing_mid_plan_stops_it_and_the_cycle_goes_on() -> None:
     world = Fragmented()
     world.pool.room["vk-lower-2"] = 5
