@@ -7,7 +7,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from kubekit.client import EVENTS, ApiError, KubeClient
+from kubekit.client import API_ERRORS, EVENTS, KubeClient
 from kubekit.informer import object_key
 from kubekit.timestamps import now_rfc3339
 
@@ -64,5 +64,7 @@ async def record_pod_event(
     body = pod_event(pod, event_type, reason, message, source, now_rfc3339(), kind)
     try:
         await client.create(EVENTS, body, body["metadata"]["namespace"])
-    except ApiError as error:
+    except API_ERRORS as error:
+        # The apiserver out of reach too: a descheduler's plan cut short by its event
+        # would have evicted pods for nothing and kept the room held for the waiting one.
         log.warning("event %s on %s not recorded: %s", reason, object_key(pod), error)

@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 import pytest
 import yaml
@@ -603,6 +604,8 @@ class FakeClient:
         self.events: list[dict[str, Any]] = []
         self.created: dict[str, dict[str, Any]] = {}
         self.eviction_error: ApiError | None = None
+        # What an event's write raises (the apiserver out of reach).
+        self.event_error: Exception | None = None
         # The moves ConfigMap, as stored; writes to refuse with this error, then accept.
         self.moves: dict[str, Any] | None = None
         self.moves_errors: list[ApiError] = []
@@ -641,6 +644,8 @@ class FakeClient:
 
     async def create(self, resource: Any, body: dict[str, Any], namespace: str) -> dict[str, Any]:
         if body["kind"] == "Event":
+            if self.event_error is not None:
+                raise self.event_error
             self.events.append(body)
             return body
         if resource is CONFIGMAPS:
@@ -1315,6 +1320,16 @@ async def test_a_pod_changed_since_the_plan_stops_it_for_its_room_is_not_freed()
         "apps/a was not made, the pod changed since the plan" in world.client.events[-1]["message"]
     )
     assert world.pool.released == [(["vk-lower-1"], "uid-big")]
+
+
+async def test_events_that_cannot_be_written_stop_no_plan() -> None:
+    world = Fragmented()
+    world.pool.room["vk-lower-3"] = 1
+    world.client.event_error = aiohttp.ClientConnectionError("connection reset")
+    (plan,) = await world.descheduler.cycle()
+    assert isinstance(plan, Plan)
+    assert world.client.evictions() == 2, "the whole plan is carried out"
+    assert world.pool.released == []
 
 
 async def test_an_eviction_failing_mid_plan_stops_it_and_the_cycle_goes_on() -> None:
