@@ -203,6 +203,8 @@ class Stuck(PodCase):
     # For how long, in seconds, and the lower cluster's own words.
     seconds: float
     detail: str
+    # When the upper taint manager deletes it from its cluster down; None if it never does.
+    deleted_at: datetime | None = None
 
     @property
     def owned(self) -> bool:
@@ -210,9 +212,9 @@ class Stuck(PodCase):
 
     @property
     def lost_if_left(self) -> bool:
-        """A bare pod of a cluster that is down: the taint manager deletes it there, and
-        nobody makes it again."""
-        return self.why is Why.CLUSTER_DOWN and not self.owned
+        """A bare pod the taint manager deletes from its cluster down, which nobody makes
+        again."""
+        return self.why is Why.CLUSTER_DOWN and not self.owned and self.deleted_at is not None
 
     def describe(self) -> str:
         if self.why is Why.CLUSTER_DOWN:
@@ -272,6 +274,14 @@ def taint_deletion_at(pod: Mapping[str, Any], node: Mapping[str, Any]) -> dateti
     return None if shortest is None else added + timedelta(seconds=shortest)
 
 
+def _tainted_down(node: Mapping[str, Any]) -> bool:
+    """Whether the upper node controller has tainted the Node NoExecute for being down."""
+    return any(
+        taint.get("key") in keys.NODE_DOWN_TAINTS and taint.get("effect") == "NoExecute"
+        for taint in (node.get("spec") or {}).get("taints") or []
+    )
+
+
 def stuck_pods(
     pods: Iterable[Mapping[str, Any]],
     virtual_nodes: Mapping[str, Mapping[str, Any]],
@@ -298,10 +308,15 @@ def stuck_pods(
             continue
         if node in down:
             deleted_at = taint_deletion_at(pod, virtual_nodes[node])
+            if deleted_at is None and _tainted_down(virtual_nodes[node]):
+                # It tolerates its node unreachable for ever: bound there whatever
+                # happens, as the taint manager leaves it (moved, a bare pod cut off from
+                # the upper cluster but running on below would run twice).
+                continue
             if down[node] >= policy.cluster_down_timeout or (
                 deleted_at is not None and now >= deleted_at - ahead
             ):
-                found.append(Stuck(pod, node, Why.CLUSTER_DOWN, down[node], ""))
+                found.append(Stuck(pod, node, Why.CLUSTER_DOWN, down[node], "", deleted_at))
             continue
         if status.get("phase") != "Pending":
             continue

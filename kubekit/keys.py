@@ -47,6 +47,8 @@ def virtual_node_lease_name(node_name: str) -> str:
 # get its toleration from the webhook.
 PROVIDER_TAINT_KEY = "virtual-kubelet.io/provider"
 PROVIDER_TAINT_VALUE = "kubestrata"
+# Kubernetes' own: the node controller's taints of a Node that stopped reporting.
+NODE_DOWN_TAINTS = frozenset({"node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready"})
 
 # On every lower object kubestrata creates: who made it. MANAGED_BY marks it as ours;
 # ORIGIN names the upper cluster (the UID of its kube-system namespace), so lower

@@ -270,9 +270,10 @@ def tolerating(seconds: int | None, **toleration: Any) -> dict[str, Any]:
         (300, 271, True),
         (60, 31, True),
         (60, 29, False),
-        # Tolerated for ever: only the policy's timeout moves it.
+        # Tolerated for ever: bound there whatever happens, as the taint manager leaves it.
         (None, 299, False),
-        (None, 301, True),
+        (None, 301, False),
+        (None, 3600, False),
     ],
 )
 def test_a_pod_of_a_cluster_down_moves_before_the_taint_eviction_would_delete_it(
@@ -281,6 +282,18 @@ def test_a_pod_of_a_cluster_down_moves_before_the_taint_eviction_would_delete_it
     nodes = {**NODES_UP, "vk-lower-2": unreachable("vk-lower-2", down_for=down)}
     stuck = stuck_pods([tolerating(seconds)], nodes, NOW, Policy())
     assert [s.why for s in stuck] == ([Why.CLUSTER_DOWN] if moved else [])
+
+
+def test_a_bare_pod_the_taint_manager_never_deletes_is_not_moved_past_the_limits() -> None:
+    """Only a pod of a cluster down the taint manager would delete is lost if left; the
+    policy's timeout moves the others within the limits."""
+    nodes = {**NODES_UP, "vk-lower-2": virtual("vk-lower-2", down_for=400)}
+    bare = pod("bare", node="vk-lower-2", unschedulable_for=None, phase="Running", owned=False)
+    (stuck,) = stuck_pods([bare], nodes, NOW, Policy())
+    assert stuck.why is Why.CLUSTER_DOWN and not stuck.lost_if_left
+    tainted = {**NODES_UP, "vk-lower-2": unreachable("vk-lower-2", down_for=400)}
+    (stuck,) = stuck_pods([bare], tainted, NOW, Policy())
+    assert stuck.lost_if_left
 
 
 @pytest.mark.parametrize(("down", "moved"), [(119, False), (121, True)])
@@ -544,7 +557,10 @@ def test_every_bare_pod_of_a_cluster_down_moves_whatever_the_limits() -> None:
     """Left, each is lost when the taint manager deletes it (at 5 a look, 15 of 20 were);
     they count against the limits all the same, so pods with a controller wait."""
     bare = [
-        Move(Stuck(pod(f"bare-{i}", owned=False), "vk-lower-1", Why.CLUSTER_DOWN, 280, ""), "vk-x")
+        Move(
+            Stuck(pod(f"bare-{i}", owned=False), "vk-lower-1", Why.CLUSTER_DOWN, 280, "", NOW),
+            "vk-x",
+        )
         for i in range(20)
     ]
     owned_down = Move(Stuck(pod("owned"), "vk-lower-1", Why.CLUSTER_DOWN, 280, ""), "vk-x")
