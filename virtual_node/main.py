@@ -8,7 +8,7 @@ import logging
 import re
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +115,7 @@ class VirtualNodeConfig:
     leader_elect_retry_period: float = leader.RETRY_PERIOD
 
     def __post_init__(self) -> None:
+        _check_types(self)
         if not _CLUSTER_ID.match(self.cluster_id):
             raise ValueError(
                 f"cluster id {self.cluster_id!r} must be a DNS label of at most 53 characters "
@@ -139,6 +140,16 @@ class VirtualNodeConfig:
             raise ValueError(f"estimator port {self.estimator_port} is not a TCP port (0: none)")
         if not 0 <= self.health_port < 65536:
             raise ValueError(f"health port {self.health_port} is not a TCP port (0: none)")
+        ports = [p for p in (self.kubelet_port, self.estimator_port, self.health_port) if p]
+        if len(set(ports)) != len(ports):
+            # The second bind would fail at every restart of the work, for ever.
+            raise ValueError(
+                f"the kubelet ({self.kubelet_port}), estimator ({self.estimator_port}) and "
+                f"health ({self.health_port}) ports must differ"
+            )
+        for name in ("upper_qps", "lower_qps", "event_qps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be above 0, not {getattr(self, name)}")
         NamespaceMapping(self.namespace_strategy, self.namespace_prefix)  # validates
         for name in ("counted_taint_keys", "host_access_namespaces"):
             value = getattr(self, name)
@@ -165,6 +176,22 @@ class VirtualNodeConfig:
 
     def election(self) -> ElectionSettings | None:
         return leader.election_settings(self, keys.virtual_node_lease_name(self.name))
+
+
+def _check_types(config: VirtualNodeConfig) -> None:
+    """Each setting of the type of its default: a YAML file's `taint: "false"` is a true
+    string, and a quoted number failed only at the first request."""
+    for field in fields(config):
+        value = getattr(config, field.name)
+        expected = str if field.default is MISSING else type(field.default)
+        if expected is tuple:
+            continue  # checked with its items
+        accepted: tuple[type, ...] = (int, float) if expected is float else (expected,)
+        if isinstance(value, bool) is not (expected is bool) or not isinstance(value, accepted):
+            raise ValueError(
+                f"{field.name} must be {'a number' if expected is float else expected.__name__}"
+                f", not {value!r}"
+            )
 
 
 def parse_args(argv: Sequence[str]) -> VirtualNodeConfig:

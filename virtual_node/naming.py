@@ -28,6 +28,16 @@ class NamespaceMapping:
     prefix: str = ""
 
     def __post_init__(self) -> None:
+        if self.strategy not in ("same", "prefix"):
+            raise NamingError(
+                f"namespace strategy {self.strategy!r} is not one of 'same', 'prefix'"
+            )
+        if self.strategy == "same" and self.prefix:
+            # Tenants that meant to be kept apart by their prefixes would share namespaces.
+            raise NamingError(
+                f"namespace prefix {self.prefix!r} is used only by the prefix namespace "
+                "strategy: set it too"
+            )
         if self.strategy == "prefix" and not self.prefix:
             raise NamingError("the prefix namespace strategy needs a prefix")
         if self.strategy == "prefix" and not _PREFIX.match(self.prefix):

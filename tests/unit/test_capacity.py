@@ -1,9 +1,11 @@
+import re
 from collections.abc import Mapping
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from kubekit import keys, pki
 from kubekit.client import PODS, RESOURCEQUOTAS, Resource
@@ -452,6 +454,8 @@ def test_a_client_with_no_burst_is_refused_at_start(name: str) -> None:
         ({"namespace_strategy": "prefix", "namespace_prefix": "Tenant_1"}, "lowercase letters"),
         ({"namespace_strategy": "prefix", "namespace_prefix": "t" * 62}, "at most 61"),
         ({"namespace_strategy": "prefix", "namespace_prefix": "acme-dev"}, "no '-'"),
+        ({"namespace_strategy": "Prefix", "namespace_prefix": "acme"}, "not one of"),
+        ({"namespace_prefix": "acme"}, "used only by the prefix namespace strategy"),
     ],
 )
 def test_a_name_every_lower_object_would_be_refused_for_is_refused_at_start(
@@ -461,3 +465,36 @@ def test_a_name_every_lower_object_would_be_refused_for_is_refused_at_start(
     name: either wrong, every create below would fail, and the pods wait for good."""
     with pytest.raises(ValueError, match=words):
         VirtualNodeConfig("l", "c", client_ca_file="ca", **settings)
+
+
+@pytest.mark.parametrize(
+    ("settings", "words"),
+    [
+        ({"taint": "false"}, "taint must be bool, not 'false'"),
+        ({"leader_elect": 0}, "leader_elect must be bool, not 0"),
+        ({"upper_qps": "abc"}, "upper_qps must be a number, not 'abc'"),
+        ({"workers": 2.5}, "workers must be int, not 2.5"),
+        ({"kubelet_port": True}, "kubelet_port must be int, not True"),
+        ({"address": 10}, "address must be str, not 10"),
+        ({"event_qps": -1}, "event_qps must be above 0, not -1"),
+        ({"health_port": 10250}, "ports must differ"),
+        ({"estimator_port": 10250}, "ports must differ"),
+    ],
+)
+def test_a_setting_of_the_wrong_type_or_a_port_taken_twice_is_refused_at_start(
+    settings: dict[str, Any], words: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A YAML file's `taint: "false"` is a true string, a quoted number failed at the
+    first request, and a port given twice failed its bind at every restart of the work."""
+    with pytest.raises(ValueError, match=re.escape(words)):
+        VirtualNodeConfig("l", "c", client_ca_file="ca", **settings)
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(settings))
+    with pytest.raises(SystemExit):
+        parse_args(["--lower-kubeconfig=l", "--cluster-id=c", f"--config={config}"])
+    assert words in capsys.readouterr().err
+
+
+def test_zero_ports_are_none_and_may_repeat() -> None:
+    config = VirtualNodeConfig("l", "c", client_ca_file="ca", estimator_port=0, health_port=0)
+    assert (config.estimator_port, config.health_port) == (0, 0)
