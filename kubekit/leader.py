@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import enum
 import logging
 import math
 import socket
@@ -122,6 +123,12 @@ def released(lease: JSON, now: str) -> JSON:
     return {**lease, "spec": spec}
 
 
+class Attempt(enum.Enum):
+    HELD = "held"  # the Lease is ours, written
+    TAKEN = "taken"  # another candidate holds it
+    FAILED = "failed"  # no answer, or an error: nothing learnt
+
+
 class LeaseObserver:
     """When a candidate last saw the Lease change, by its own clock: the holder's renew
     times come from another machine's clock, so only a change seen here counts."""
@@ -161,6 +168,9 @@ class LeaderElector:
 
     async def try_acquire_or_renew(self) -> bool:
         """One attempt; False when another candidate holds the Lease or the API failed."""
+        return await self._attempt() is Attempt.HELD
+
+    async def _attempt(self) -> Attempt:
         settings = self.settings
         try:
             try:
@@ -174,21 +184,34 @@ class LeaderElector:
             if lease is not None:
                 self._report_holder(holder(lease))
                 if self._observer.held_by_other(lease, settings.identity, self._clock()):
-                    return False
+                    return Attempt.TAKEN
             body = claim(lease, settings, now_micro())
             if lease is None:
                 self._lease = await self.client.create(LEASES, body, settings.namespace)
             else:
                 self._lease = await self.client.replace(LEASES, body, settings.namespace)
         except ApiError as error:
-            if not is_conflict(error):
-                log.warning("lease %s: %s", self._key(), error.message)
-            return False
+            if is_conflict(error):
+                return Attempt.TAKEN  # another candidate wrote it between our read and write
+            log.warning("lease %s: %s", self._key(), error.message)
+            return Attempt.FAILED
         except CONNECTION_ERRORS as error:
             log.warning("lease %s: %s", self._key(), error or type(error).__name__)
-            return False
+            return Attempt.FAILED
         self._report_holder(settings.identity)
-        return True
+        return Attempt.HELD
+
+    async def _timed_attempt(self, limit: float) -> tuple[Attempt, float]:
+        """An attempt given at most ``limit`` seconds, and when it began: the Lease is
+        held from when the write was sent, not answered, since a follower counts the
+        Lease's duration from when it sees the write (a reply that took 3 s had the
+        leader work up to 3 s past the moment a follower took over)."""
+        began = self._clock()
+        try:
+            async with asyncio.timeout(max(limit, 0.1)):
+                return await self._attempt(), began
+        except TimeoutError:
+            return Attempt.FAILED, began
 
     async def run(self, work: Callable[[], Awaitable[None]]) -> None:
         """Waits for the Lease, then runs ``work`` while renewing it. Returns or raises
@@ -196,12 +219,11 @@ class LeaderElector:
         could not be renewed in time. A leader that stops releases the Lease."""
         settings = self.settings
         log.info("lease %s: candidate %s waiting to lead", self._key(), settings.identity)
-        await self._acquire()
+        renewed_at = await self._acquire()
         log.info("lease %s: %s leads", self._key(), settings.identity)
         task = asyncio.ensure_future(work())
         lost = False
         try:
-            renewed_at = self._clock()
             while True:
                 # Never past the renew deadline: after a renewal that failed fast, a full
                 # retry period would keep a leader working beyond it.
@@ -218,13 +240,14 @@ class LeaderElector:
                 # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a
                 # cancellation (SIGTERM) that comes as the renewal ends, and the leader
                 # went on renewing, never released.
-                try:
-                    async with asyncio.timeout(max(left, 0.1)):
-                        renewed = await self.try_acquire_or_renew()
-                except TimeoutError:
-                    renewed = False
-                if renewed:
-                    renewed_at = self._clock()
+                attempt, began = await self._timed_attempt(left)
+                if attempt is Attempt.HELD:
+                    renewed_at = began
+                elif attempt is Attempt.TAKEN:
+                    # Another candidate holds it: it works already, so stop now, not at
+                    # the deadline.
+                    lost = True
+                    raise LeadershipLost(f"lease {self._key()} taken by another candidate")
                 elif self._clock() >= renewed_at + settings.renew_deadline:
                     lost = True
                     raise LeadershipLost(
@@ -236,11 +259,16 @@ class LeaderElector:
             if not lost:
                 await self._release()
 
-    async def _acquire(self) -> None:
+    async def _acquire(self) -> float:
+        """Waits for the Lease; when the attempt that took it began. One whose answer
+        came past the renew deadline is no lead: the Lease may be another's by then."""
+        settings = self.settings
         while True:
-            if await self.try_acquire_or_renew():
-                return
-            await asyncio.sleep(self.settings.retry_period)
+            attempt, began = await self._timed_attempt(settings.renew_deadline)
+            if attempt is Attempt.HELD and self._clock() < began + settings.renew_deadline:
+                return began
+            if attempt is not Attempt.HELD:
+                await asyncio.sleep(settings.retry_period)
 
     async def _release(self) -> None:
         if self._lease is None or holder(self._lease) != self.settings.identity:

@@ -374,3 +374,56 @@ async def test_a_stop_that_comes_as_a_renewal_ends_is_not_lost() -> None:
     done, _ = await asyncio.wait({run}, timeout=2)
     assert done, "still leading after the stop"
     assert store.holder() is None, "released"
+
+
+async def test_a_leader_that_finds_another_holder_stops_at_once() -> None:
+    """Its work went on until the renew deadline, beside the new holder's."""
+    store = LeaseStore()
+    timing = {"lease_duration": 6.0, "renew_deadline": 4.0, "retry_period": 0.05}
+    leader = LeaderElector(store, settings("a", **timing))  # type: ignore[arg-type]
+    run = await leading(leader)
+    lease = store.leases["kubestrata-system", "lock"]
+    lease["spec"] = {**lease["spec"], "holderIdentity": "b", "renewTime": LATER}
+    began = asyncio.get_running_loop().time()
+    with pytest.raises(LeadershipLost, match="taken by another candidate"):
+        await asyncio.wait_for(run, 5)
+    assert asyncio.get_running_loop().time() - began < timing["renew_deadline"]
+    assert store.holder() == "b", "not released: it is not ours"
+
+
+async def test_a_lease_is_held_from_when_its_write_was_sent_not_answered() -> None:
+    """A write that lands at once but whose answer takes 2 s: a follower counts the
+    Lease's duration from the write, so the leader's deadline does too (counted from the
+    answer, it worked on up to 2 s past a follower's takeover)."""
+    store = LeaseStore()
+    timing = {"lease_duration": 4.0, "renew_deadline": 2.5, "retry_period": 0.5}
+    leader = LeaderElector(store, settings("a", **timing))  # type: ignore[arg-type]
+    real_create, real_replace = store.create, store.replace
+    answer_delay = 2.0
+
+    async def slow(write: Any, *args: Any) -> dict[str, Any]:
+        written = await write(*args)
+        await asyncio.sleep(answer_delay)
+        return written  # type: ignore[no-any-return]
+
+    store.create = lambda *args: slow(real_create, *args)  # type: ignore[method-assign]
+    store.replace = lambda *args: slow(real_replace, *args)  # type: ignore[method-assign]
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    working = asyncio.Event()
+    stopped: list[float] = []
+
+    async def work() -> None:
+        working.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            stopped.append(loop.time())
+
+    run = asyncio.create_task(leader.run(work))
+    with pytest.raises(LeadershipLost):
+        await asyncio.wait_for(run, 10)
+    assert working.is_set()
+    # Its first write was sent at once: held until 2.5 s from then, not from its answer
+    # (4.5 s), every renewal's answer coming too late.
+    assert stopped[0] - began < answer_delay + timing["renew_deadline"] - 0.5
