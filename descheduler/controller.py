@@ -35,6 +35,7 @@ from descheduler.rescue import (
     controller_kind,
     copy_alive,
     copy_name,
+    copy_taken,
     destination,
     down_for,
     is_copy_of,
@@ -478,30 +479,57 @@ class Descheduler:
             print(f"dry run: {object_key(original)}: delete, its copy is {where}", flush=True)
             return
         log.info("%s: its copy is %s; deleting the original", object_key(original), where)
-        await self.client.delete_exact(PODS, original)
-        await self._event(
-            original,
-            "Rescheduled",
-            f"re-created as {where} by a move cut short before the original went",
-        )
+        if await self._delete_original(original):
+            await self._event(
+                original, "Rescheduled", f"re-created as {where}, which its cluster has taken"
+            )
+
+    async def _delete_original(self, original: Mapping[str, Any]) -> bool:
+        """Deletes a bare pod whose copy has been taken, as the cache shows it; False when
+        it changed since (409: it may run now, and is judged again at the next look)."""
+        metadata = original["metadata"]
+        try:
+            await self.client.delete(
+                PODS,
+                metadata["name"],
+                metadata["namespace"],
+                uid=metadata["uid"],
+                resource_version=metadata.get("resourceVersion"),
+            )
+        except ApiError as error:
+            if error.status == 409:
+                log.info("%s: changed since judged, not deleted", object_key(original))
+                return False
+            if error.status != 404:
+                raise
+        return True
 
     async def _copy(self, move: Move) -> None:
         stuck = move.stuck
         copy = pod_copy(stuck.pod, move.to, self.now(), self.policy.return_after)
         name, namespace = copy["metadata"]["name"], stuck.namespace
-        try:
-            made = self._copy_made(stuck) or await self.client.create(PODS, copy, namespace)
-        except ApiError as error:
-            if error.status != 409:
-                raise
-            # A copy made by an earlier try, not yet in the cache.
-            made = await self.client.get(PODS, name, namespace)
+        made = self._copy_made(stuck)
+        if made is None:
+            try:
+                made = await self.client.create(PODS, copy, namespace)
+            except ApiError as error:
+                if error.status != 409:
+                    raise
+                # A copy made by an earlier try, not yet in the cache.
+                made = await self.client.get(PODS, name, namespace)
+            else:
+                await self._event(
+                    made,
+                    "Rescheduled",
+                    f"copy of pod {stuck.key} ({stuck.describe()}); the original goes once "
+                    f"{move.to} has taken it",
+                )
         why = (
             f"pod {name} exists and is not its copy"
             if not is_copy_of(made, stuck.pod)
             else None
             if copy_alive(made)
-            else f"its copy {name} has failed or is being deleted"
+            else f"its copy {name} has failed or is being deleted{_said_why(made)}"
         )
         if why is not None:
             # Said once while it stays so; the original is the one left running.
@@ -510,13 +538,15 @@ class Descheduler:
                 stuck.pod, "NotRescheduled", f"stuck in {stuck.node}; not re-created: {why}"
             )
             return
-        await self.client.delete_exact(PODS, stuck.pod)
-        await self._event(
-            stuck.pod,
-            "Rescheduled",
-            f"{stuck.describe()}; re-created as pod {name} on {made['spec'].get('nodeName')}",
-        )
-        await self._event(made, "Rescheduled", f"copy of pod {stuck.key} ({stuck.describe()})")
+        if not copy_taken(made):
+            log.info("%s: its copy %s not yet taken by %s", stuck.key, name, move.to)
+            return
+        if await self._delete_original(stuck.pod):
+            await self._event(
+                stuck.pod,
+                "Rescheduled",
+                f"{stuck.describe()}; re-created as pod {name} on {made['spec'].get('nodeName')}",
+            )
 
     # -- defragmentation ---------------------------------------------------------------------
 
@@ -718,6 +748,13 @@ class Descheduler:
     ) -> None:
         event_type = "Warning" if warning else "Normal"
         await record_pod_event(self.client, pod, event_type, reason, message, SOURCE)
+
+
+def _said_why(pod: Mapping[str, Any]) -> str:
+    """What a failed pod's status says of its end, in parentheses; "" when nothing."""
+    status = pod.get("status") or {}
+    words = ": ".join(str(status[k]) for k in ("reason", "message") if status.get(k))
+    return f" ({words})" if words else ""
 
 
 def answer_text(failure: EstimatorFailure) -> str:

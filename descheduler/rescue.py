@@ -6,8 +6,9 @@ sooner), or when its lower copy has been unschedulable (the PodScheduled False t
 reports up) for ``pendingTimeout``. It moves only where an estimator says one real node
 fits it now: a controller's pod is evicted and its controller makes the replacement the
 scheduler places; a bare pod has nobody to replace it, so a copy bound to the chosen
-cluster is created before the original goes (a crash between the two leaves both, and
-the next cycle, finding the copy by its name, only deletes the original).
+cluster is created, and the original goes once that cluster has taken the copy (a crash
+between the two leaves both, and a later cycle, finding the copy by its name, only
+deletes the original).
 """
 
 from __future__ import annotations
@@ -450,16 +451,31 @@ def is_copy_of(candidate: Mapping[str, Any], original: Mapping[str, Any]) -> boo
 
 
 def copy_alive(copy: Mapping[str, Any]) -> bool:
-    """A copy the original may go for: not failed, not being deleted."""
+    """A copy not failed, not being deleted."""
     phase = (copy.get("status") or {}).get("phase")
     return phase != "Failed" and not copy["metadata"].get("deletionTimestamp")
 
 
+def copy_taken(copy: Mapping[str, Any]) -> bool:
+    """A live copy its cluster has taken: made below, where its scheduler has judged it
+    (a copy is bound by its nodeName, so any PodScheduled comes from below), or a node
+    has admitted it. Only then may its original go: the lower apiserver may refuse the
+    copy for good (an admission policy of that cluster alone), and the virtual node then
+    fails it, which, its original gone, left the pod nowhere."""
+    status = copy.get("status") or {}
+    return copy_alive(copy) and (
+        status.get("phase") in ("Running", "Succeeded")
+        or bool(status.get("hostIP"))
+        or condition(status.get("conditions") or [], "PodScheduled") is not None
+    )
+
+
 def unfinished_moves(pods: Iterable[Mapping[str, Any]]) -> list[tuple[JSON, JSON]]:
-    """(original, copy) of the bare pods whose copy was made and runs on, but which were
-    not deleted after it (the delete failed, or the process stopped between the two): the
-    move was decided, and left so, both would run for ever once the original is no
-    longer stuck (its cluster back, say). In key order of the originals."""
+    """(original, copy) of the bare pods whose copy its cluster has taken, but which were
+    not deleted after it (the copy taken after the original stopped being stuck, the
+    delete failed, or the process stopped between the two): the move was decided, and
+    left so, both would run for ever once the original is no longer stuck (its cluster
+    back, say). In key order of the originals."""
     listed = list(pods)
     by_uid = {str(pod["metadata"].get("uid")): pod for pod in listed}
     found = []
@@ -471,7 +487,7 @@ def unfinished_moves(pods: Iterable[Mapping[str, Any]]) -> list[tuple[JSON, JSON
             and not original["metadata"].get("deletionTimestamp")
             and copy["metadata"].get("namespace") == original["metadata"].get("namespace")
             and copy["metadata"].get("name") == copy_name(original)
-            and copy_alive(copy)
+            and copy_taken(copy)
         ):
             found.append((dict(original), dict(copy)))
     return sorted(found, key=lambda pair: object_key(pair[0]))

@@ -563,12 +563,14 @@ class KubeClient:
         *,
         grace_period_seconds: int | None = None,
         uid: str | None = None,
+        resource_version: str | None = None,
     ) -> JSON:
         options: JSON = {"apiVersion": "v1", "kind": "DeleteOptions"}
         if grace_period_seconds is not None:
             options["gracePeriodSeconds"] = grace_period_seconds
-        if uid is not None:
-            options["preconditions"] = {"uid": uid}
+        preconditions = {"uid": uid, "resourceVersion": resource_version}
+        if any(preconditions.values()):
+            options["preconditions"] = {k: v for k, v in preconditions.items() if v}
         return await self.request("DELETE", resource.path(namespace, name), body=options)
 
     async def delete_exact(

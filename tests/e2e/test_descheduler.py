@@ -211,8 +211,14 @@ def test_a_bare_pod_stuck_below_is_re_created_in_a_cluster_that_fits_it(
     assert copy is not None
     assert copy["spec"]["nodeName"] == "vk-lower-2"
     assert copy["metadata"]["labels"]["app"] == "solo"
-    upper = pods_by_name(descheduling.upper, NAMESPACE, "app=solo")
-    assert set(upper) == {copy["metadata"]["name"]}, "the original is gone, one copy runs"
+    # The original goes at the look after its copy was taken below.
+    wait_for(
+        lambda: (
+            set(pods_by_name(descheduling.upper, NAMESPACE, "app=solo"))
+            == {copy["metadata"]["name"]}
+        ),
+        "the original gone, one copy running",
+    )
     wait_for(
         lambda: not pods_by_name(descheduling.clusters["lower-1"], NAMESPACE, "app=solo"),
         "the original's lower pod gone from lower-1",
@@ -235,7 +241,9 @@ def test_a_bare_pod_its_lower_cluster_refuses_is_re_created_in_another(
         uid = get_json(descheduling.upper, "pod", "-n", NAMESPACE, "capped")["metadata"]["uid"]
         copy = wait_for(partial(running_copy, descheduling, uid), "the copy Running", timeout=120)
         assert copy is not None and copy["spec"]["nodeName"] == "vk-lower-2"
-        (said,) = events(descheduling, "capped", "Rescheduled")
+        (said,) = wait_for(
+            lambda: events(descheduling, "capped", "Rescheduled"), "the original re-created"
+        )
         assert "unschedulable in vk-lower-1" in said and "exceeded quota: no-pods" in said
     finally:
         lower_1.kubectl("delete", "quota", "no-pods", "-n", NAMESPACE)

@@ -622,6 +622,9 @@ class FakeClient:
         self.eviction_error: ApiError | None = None
         # What an event's write raises (the apiserver out of reach).
         self.event_error: Exception | None = None
+        # What a pod's delete raises, and the preconditions of each delete.
+        self.delete_error: ApiError | None = None
+        self.preconditions: list[dict[str, str | None]] = []
         # The moves ConfigMap, as stored; writes to refuse with this error, then accept.
         self.moves: dict[str, Any] | None = None
         self.moves_errors: list[ApiError] = []
@@ -694,9 +697,20 @@ class FakeClient:
     # The real read-modify-write, over this fake's get, create and replace.
     update_configmap_data = KubeClient.update_configmap_data
 
-    async def delete_exact(self, resource: Any, obj: dict[str, Any]) -> None:
-        metadata = obj["metadata"]
-        self.calls.append(("delete", f"{metadata['namespace']}/{metadata['name']}"))
+    async def delete(
+        self,
+        resource: Any,
+        name: str,
+        namespace: str,
+        *,
+        uid: str | None = None,
+        resource_version: str | None = None,
+    ) -> dict[str, Any]:
+        self.calls.append(("delete", f"{namespace}/{name}"))
+        self.preconditions.append({"uid": uid, "resourceVersion": resource_version})
+        if self.delete_error is not None:
+            raise self.delete_error
+        return {}
 
 
 class FakePool:
@@ -845,8 +859,7 @@ async def test_a_move_the_apiserver_refuses_waits_and_the_others_go_on() -> None
     quota = ApiError(403, {"reason": "Forbidden", "message": 'exceeded quota: "compute"'})
     world.client.create_errors[copy_name(first)] = quota
     await world.descheduler.cycle()
-    assert ("delete", "apps/b-second") in world.client.calls, "the next pod still moves"
-    assert ("delete", "apps/a-first") not in world.client.calls
+    assert ("create", f"apps/{copy_name(second)}") in world.client.calls, "the next still moves"
     (refused,) = [e for e in world.client.events if e["reason"] == "NotRescheduled"]
     assert refused["involvedObject"]["name"] == "a-first"
     assert 'exceeded quota: "compute"' in refused["message"]
@@ -862,7 +875,8 @@ async def test_a_move_the_apiserver_refuses_waits_and_the_others_go_on() -> None
     del world.client.create_errors[copy_name(first)]
     world.moment += 31
     await world.descheduler.cycle()
-    assert ("delete", "apps/a-first") in world.client.calls
+    assert world.client.calls.count(copy_of_first) == 3
+    assert copy_name(first) in world.client.created
 
 
 async def test_the_move_is_recorded_before_the_eviction_and_a_lost_race_written_again() -> None:
@@ -896,15 +910,65 @@ async def test_a_move_that_cannot_be_recorded_is_not_made_this_cycle() -> None:
     assert world.client.evictions() == 1, "made the next cycle"
 
 
-async def test_a_bare_pod_is_copied_before_the_original_goes() -> None:
+def taken(copy: dict[str, Any], uid: str = "uid-copy") -> dict[str, Any]:
+    """The copy as its cluster has taken it: its lower scheduler's verdict came up."""
+    scheduled = {"type": "PodScheduled", "status": "True", "lastTransitionTime": stamp(1)}
+    return {
+        **copy,
+        "metadata": {**copy["metadata"], "uid": uid, "resourceVersion": "7"},
+        "status": {"phase": "Pending", "conditions": [scheduled]},
+    }
+
+
+async def test_a_bare_pod_is_copied_and_the_original_goes_once_the_copy_is_taken() -> None:
+    world = World(ROOM_IN_2)
+    solo = pod("solo", owned=False, resourceVersion="5")
+    world.add(solo)
+    await world.descheduler.cycle()
+    name = copy_name(solo)
+    assert world.client.calls == [("create", f"apps/{name}")]
+    made = world.client.created[name]
+    assert made["spec"]["nodeName"] == "vk-lower-2"
+    assert world.reasons() == ["Rescheduled"]
+    assert "the original goes once vk-lower-2 has taken it" in world.client.events[0]["message"]
+    # Made above, not yet below: the original stays.
+    world.add(made)
+    await world.descheduler.cycle()
+    assert world.client.calls == [("create", f"apps/{name}")]
+    world.add(taken(made))
+    await world.descheduler.cycle()
+    assert world.client.calls[1:] == [("delete", "apps/solo")]
+    assert world.client.preconditions == [{"uid": "uid-solo", "resourceVersion": "5"}]
+    assert world.reasons() == ["Rescheduled", "Rescheduled"]
+    assert f"re-created as pod {name} on vk-lower-2" in world.client.events[1]["message"]
+
+
+async def test_a_copy_its_cluster_refuses_for_good_leaves_the_original() -> None:
+    """The lower apiserver refused the copy (an admission policy of that cluster alone)
+    and the virtual node failed it: the original, still there, is the pod."""
     world = World(ROOM_IN_2)
     solo = pod("solo", owned=False)
     world.add(solo)
     await world.descheduler.cycle()
-    name = copy_name(solo)
-    assert world.client.calls == [("create", f"apps/{name}"), ("delete", "apps/solo")]
-    assert world.client.created[name]["spec"]["nodeName"] == "vk-lower-2"
-    assert world.reasons() == ["Rescheduled", "Rescheduled"]
+    made = world.client.created[copy_name(solo)]
+    refused = {"phase": "Failed", "reason": "LowerClusterRejected", "message": "denied by policy"}
+    world.add({**made, "status": refused})
+    await world.descheduler.cycle()
+    assert ("delete", "apps/solo") not in world.client.calls
+    said = world.client.events[-1]
+    assert (said["reason"], said["involvedObject"]["name"]) == ("NotRescheduled", "solo")
+    assert "(LowerClusterRejected: denied by policy)" in said["message"]
+
+
+async def test_an_original_changed_since_it_was_judged_is_not_said_to_be_re_created() -> None:
+    world = World(ROOM_IN_2)
+    solo = pod("solo", owned=False)
+    world.add(solo)
+    world.add(taken(pod_copy(solo, "vk-lower-2", NOW, 600)))
+    world.client.delete_error = ApiError(409, {"reason": "Conflict", "message": "changed"})
+    await world.descheduler.cycle()
+    assert world.client.calls == [("delete", "apps/solo")]
+    assert world.reasons() == []
 
 
 async def test_bare_pods_sent_to_one_cluster_in_a_cycle_go_as_far_as_its_room_goes() -> None:
@@ -967,9 +1031,7 @@ def test_an_unreadable_left_until_entry_keeps_the_pod_off_nothing(written: str) 
 async def test_a_copy_made_before_a_crash_is_found_and_only_the_original_deleted() -> None:
     world = World(ROOM_IN_2)
     solo = pod("solo", owned=False)
-    made = pod_copy(solo, "vk-lower-2", NOW, 600)
-    made["metadata"]["uid"] = "uid-copy"
-    world.client.created[copy_name(solo)] = made
+    world.client.created[copy_name(solo)] = taken(pod_copy(solo, "vk-lower-2", NOW, 600))
     world.add(solo)
     await world.descheduler.cycle()
     assert world.client.calls == [("create", f"apps/{copy_name(solo)}"), ("delete", "apps/solo")]
@@ -980,15 +1042,13 @@ async def test_a_copy_the_cache_holds_finishes_the_move_though_its_room_is_taken
     estimators would find for the original, so the move is finished without asking them."""
     world = World({"vk-lower-2": NO_ROOM, "vk-lower-3": NO_ROOM})
     solo = pod("solo", owned=False)
-    made = pod_copy(solo, "vk-lower-2", NOW, 600)
-    made["metadata"]["uid"] = "uid-copy"
     world.add(solo)
-    world.add(made)
+    world.add(taken(pod_copy(solo, "vk-lower-2", NOW, 600)))
     (decision,) = [d for d in await world.descheduler.cycle() if isinstance(d, Move)]
     assert (decision.stuck.key, decision.to) == ("apps/solo", "vk-lower-2")
     assert world.client.calls == [("delete", "apps/solo")]
     assert world.pool.asked == []
-    assert world.reasons() == ["Rescheduled", "Rescheduled"]
+    assert world.reasons() == ["Rescheduled"]
 
 
 async def test_a_name_taken_by_another_pod_stops_the_copy() -> None:
@@ -1026,8 +1086,7 @@ async def test_a_copy_that_failed_or_goes_never_takes_the_original_with_it() -> 
 async def test_a_move_cut_short_is_finished_once_the_original_is_no_longer_stuck() -> None:
     world = World(ROOM_IN_2)
     solo = pod("solo", owned=False, unschedulable_for=None, phase="Running")
-    made = pod_copy(solo, "vk-lower-2", NOW, 600)
-    made["metadata"]["uid"] = "uid-copy"
+    made = taken(pod_copy(solo, "vk-lower-2", NOW, 600))
     world.add(solo)
     world.add(made)
     assert unfinished_moves([solo, made]) == [(solo, made)]
@@ -1035,12 +1094,18 @@ async def test_a_move_cut_short_is_finished_once_the_original_is_no_longer_stuck
     assert world.client.calls == [("delete", "apps/solo")]
     (event,) = world.client.events
     assert (event["reason"], event["involvedObject"]["name"]) == ("Rescheduled", "solo")
-    assert "by a move cut short" in event["message"]
+    assert "which its cluster has taken" in event["message"]
     other = pod("other", owned=False)
     stranger = {**made, "metadata": {**made["metadata"], "name": "not-its-copy-name"}}
     failed = {**made, "status": {"phase": "Failed"}}
+    untaken = {**made, "status": {"phase": "Pending"}}
     assert unfinished_moves([other, made]) == [], "no original of that UID"
     assert unfinished_moves([solo, stranger]) == [] and unfinished_moves([solo, failed]) == []
+    assert unfinished_moves([solo, untaken]) == [], "not taken below yet"
+    running = {**made, "status": {"phase": "Running"}}
+    admitted = {**made, "status": {"phase": "Pending", "hostIP": "10.0.0.1"}}
+    assert unfinished_moves([solo, running]) == [(solo, running)]
+    assert unfinished_moves([solo, admitted]) == [(solo, admitted)]
 
 
 async def test_a_pod_no_cluster_can_run_is_left_and_said_once() -> None:
