@@ -80,13 +80,6 @@ RETRIES_WHEN_TOLD = 10
 LONGEST_WAIT_WHEN_TOLD = 10.0
 
 
-# A WebSocket to an apiserver is pinged this often, and closed when a pong is not back
-# within half of it: an idle exec shell or port-forwarded connection crosses load
-# balancers that drop silent flows (Azure's after 4 minutes, AWS NLB's after 350 s), and
-# a dropped one would hang rather than end. client-go pings every 5 s.
-WEBSOCKET_HEARTBEAT_SECONDS = 30.0
-
-
 class KubeconfigError(Exception):
     """A kubeconfig (or the in-cluster configuration) that cannot be used as it is: no
     later try would do better."""
@@ -384,7 +377,12 @@ class KubeClient:
                 headers=headers,
                 max_msg_size=0,
                 autoping=True,
-                heartbeat=WEBSOCKET_HEARTBEAT_SECONDS,
+                # No heartbeat: a session whose client stops reading (`kubectl exec …
+                # | less` on its first page, a paused download through port-forward)
+                # stops reading the lower socket too, the pong goes unread, and aiohttp
+                # closed the session 45 s later, the output cut short. The connection's
+                # TCP keepalive (``_kept_alive``) keeps it through load balancers that
+                # drop silent flows, and ends it if its peer is gone.
                 **self._connection_options(),
             )
         except aiohttp.WSServerHandshakeError as error:
@@ -691,7 +689,8 @@ def _read_in_bulk(transport: asyncio.BaseTransport | None) -> None:
 
 
 # TCP keepalive of the streams' connections (a followed log that says nothing for
-# minutes; the WebSockets are pinged besides): a load balancer that drops silent flows
+# minutes, an idle exec shell or port-forwarded connection): a load balancer that drops
+# silent flows
 # (Azure's after 4 minutes) left `kubectl logs -f` through the virtual node hanging for
 # good; probed after 30 s of silence, a dropped connection ends within a minute more.
 STREAM_KEEPALIVE_IDLE_SECONDS = 30

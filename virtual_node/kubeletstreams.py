@@ -94,6 +94,14 @@ def exec_status(error_channel: bytes, command: tuple[str, ...]) -> bytes:
     return error_channel
 
 
+def dropped(message: aiohttp.WSMessage, socket: aiohttp.ClientWebSocketResponse) -> bool:
+    """Whether a WebSocket ended without its peer's goodbye (the connection dropped)."""
+    return message.type is aiohttp.WSMsgType.ERROR or (
+        message.type is aiohttp.WSMsgType.CLOSED
+        and socket.close_code == aiohttp.WSCloseCode.ABNORMAL_CLOSURE
+    )
+
+
 class WebSocketProcess:
     """An exec/attach session on the lower apiserver over v5.channel.k8s.io (or v4)."""
 
@@ -154,6 +162,7 @@ class WebSocketPort:
         self._channels = channels.PortForwardChannels((port,))
         self._codec = channels.ChannelCodec(socket.protocol or channels.V4_PROTOCOL, 2)
         self._error = bytearray()
+        self._closing = False
 
     async def send(self, data: bytes) -> None:
         if not self._socket.closed:
@@ -166,6 +175,10 @@ class WebSocketPort:
         while True:
             message = await self._socket.receive()
             if message.type not in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT):
+                if dropped(message, self._socket) and not self._closing:
+                    # Said on the error stream: ended as if the pod had closed it, the
+                    # client took what came through for the whole of it.
+                    self._error += b"the connection to the lower cluster broke"
                 return b""
             try:
                 decoded = self._codec.decode(message.data)
@@ -186,6 +199,7 @@ class WebSocketPort:
         return self._error.decode(errors="replace")
 
     async def close(self) -> None:
+        self._closing = True
         await self._socket.close()
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.x509.oid import NameOID
@@ -54,6 +55,7 @@ from virtual_node.kubeletapi.server import (
 )
 from virtual_node.kubeletstreams import (
     LowerKubelet,
+    WebSocketPort,
     container_starts,
     exec_status,
     lower_failure,
@@ -1003,3 +1005,35 @@ def test_the_lower_clusters_refusal_of_the_virtual_node_is_no_refusal_of_the_cal
 ) -> None:
     error = lower_failure(ApiError(status, {"message": message}))
     assert (error.status, str(error)) == expected
+
+
+@pytest.mark.parametrize("ending", ["dropped", "closed"])
+async def test_a_lower_port_connection_that_drops_says_so_on_its_error_stream(
+    ending: str,
+) -> None:
+    """Ended as if the pod had closed it, the client took a download cut short for all of
+    it; a connection the pod closes says nothing."""
+
+    async def lower_port(request: web.Request) -> web.WebSocketResponse:
+        socket = web.WebSocketResponse(protocols=(channels.V4_PROTOCOL,))
+        await socket.prepare(request)
+        announced = (80).to_bytes(2, "little")
+        await socket.send_bytes(b"\x00" + announced)
+        await socket.send_bytes(b"\x01" + announced)
+        await socket.send_bytes(b"\x00hello")
+        if ending == "dropped":
+            assert request.transport is not None
+            request.transport.abort()
+        else:
+            await socket.close()
+        return socket
+
+    app = web.Application()
+    app.router.add_get("/port", lower_port)
+    async with TestClient(TestServer(app)) as client:
+        socket = await client.ws_connect("/port", protocols=(channels.V4_PROTOCOL,))
+        port = WebSocketPort(socket, 80)
+        assert await port.receive() == b"hello"
+        assert await port.receive() == b""
+    expected = "the connection to the lower cluster broke" if ending == "dropped" else ""
+    assert port.error() == expected
