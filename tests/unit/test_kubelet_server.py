@@ -510,6 +510,42 @@ async def test_a_forwarded_connection_the_client_closed_closes_the_pods_soon(
         assert session._streams == {}
 
 
+async def test_a_half_close_sent_as_headers_closes_the_pods_connection_soon(
+    kubelet: Kubelet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SPDY lets a peer half-close with HEADERS and FIN as with DATA: it was dropped, and
+    the pod's connection stayed open for the session's life."""
+    monkeypatch.setattr(server_module, "CLIENT_DONE_GRACE", 0.05)
+    async with spdy_upgrade(kubelet.server, "/portForward/default/p", "portforward.k8s.io") as peer:
+        peer.open(streamtype="error", port="8080", requestid="0")
+        data = peer.open(streamtype="data", port="8080", requestid="0")
+        peer.send(data, b"ping")
+        await peer.until(lambda p: p.data(data) == b"echo:ping")
+        peer.spdy.headers(data, {}, fin=True)
+        peer.flush()
+        [connection] = kubelet.provider.connections
+        await asyncio.wait_for(connection.closed.wait(), TIMEOUT)
+
+
+async def test_a_second_stream_of_a_kind_or_one_of_no_kind_is_reset(kubelet: Kubelet) -> None:
+    """Kept unread, what it was sent held the session's read budget, and past it every
+    connection of the session stalled."""
+    async with spdy_upgrade(kubelet.server, "/portForward/default/p", "portforward.k8s.io") as peer:
+        data = peer.open(streamtype="data", port="8080", requestid="0")
+        again = peer.open(streamtype="data", port="8080", requestid="0")
+        odd = peer.open(streamtype="other", port="8080", requestid="0")
+        peer.open(streamtype="error", port="8080", requestid="0")
+        peer.send(data, b"ping")
+
+        def reset(p: SpdyPeer, stream: int) -> bool:
+            return any(isinstance(e, StreamReset) and e.stream_id == stream for e in p.events)
+
+        await peer.until(
+            lambda p: p.data(data) == b"echo:ping" and reset(p, again) and reset(p, odd)
+        )
+        assert len(kubelet.provider.connections) == 1
+
+
 async def test_half_a_port_forward_pair_is_reset_after_the_creation_timeout(
     kubelet: Kubelet, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -567,10 +567,16 @@ async def _serve_port_forward_spdy(
     try:
         while (stream := await session.accept()) is not None:
             request_id = stream.header("requestid")
+            kind = stream.header("streamtype")
+            if kind not in ("data", "error") or kind in pending.get(request_id, {}):
+                # Kept, the stream would hold what it is sent against the session's read
+                # budget for good (nobody reads it), and past it stall every connection.
+                stream.reset()
+                continue
             if request_id not in pending:
                 timers[request_id] = loop.call_later(STREAM_CREATION_TIMEOUT, expire, request_id)
             pair = pending.setdefault(request_id, {})
-            pair[stream.header("streamtype")] = stream
+            pair[kind] = stream
             if "data" in pair and "error" in pair:
                 del pending[request_id]
                 timers.pop(request_id).cancel()

@@ -217,6 +217,10 @@ class SpdySession:
                     receiver._push(data, fin)
                     if self._buffered > _PAUSE_ABOVE:
                         self._stall("input")
+            case spdy.HeadersReceived(stream_id=stream_id, fin=True):
+                # A half-close may come as HEADERS too (legal, if not spdystream's way).
+                if (receiver := self._streams.get(stream_id)) is not None:
+                    receiver._push(b"", fin=True)
             case spdy.StreamReset(stream_id=stream_id):
                 if (reset := self._streams.pop(stream_id, None)) is not None:
                     # What it sent before the reset will not be read (kubectl resets a
