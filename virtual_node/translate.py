@@ -169,25 +169,73 @@ def desired_lower_pod(
     }
 
 
+# The capabilities a container may add under the Pod Security Standards' baseline (the
+# container runtime's defaults): any other (SYS_ADMIN, SYS_MODULE, ...) reaches the node.
+BASELINE_CAPABILITIES = frozenset(
+    {
+        "AUDIT_WRITE",
+        "CHOWN",
+        "DAC_OVERRIDE",
+        "FOWNER",
+        "FSETID",
+        "KILL",
+        "MKNOD",
+        "NET_BIND_SERVICE",
+        "SETFCAP",
+        "SETGID",
+        "SETPCAP",
+        "SETUID",
+        "SYS_CHROOT",
+    }
+)
+
+
+def _unconfined(context: Mapping[str, Any], owner: str) -> list[str]:
+    """The confinement a pod's or container's securityContext switches off."""
+    return [
+        f"{field} Unconfined of {owner}"
+        for field in ("seccompProfile", "appArmorProfile")
+        if (context.get(field) or {}).get("type") == "Unconfined"
+    ]
+
+
 def host_access(spec: Mapping[str, Any]) -> list[str]:
-    """What of the lower node's host a pod spec asks for: privileged containers, the
-    host's network, PID or IPC namespace, hostPath volumes, host ports (empty: none)."""
+    """What of the lower node's host a pod spec asks for, as the Pod Security Standards'
+    baseline sees it: privileged containers, the host's network, PID or IPC namespace,
+    hostPath volumes, host ports, added capabilities beyond the baseline's, seccomp or
+    AppArmor switched off, an unmasked /proc, Windows host processes (empty: none)."""
     found = [f"spec.{field}" for field in ("hostNetwork", "hostPID", "hostIPC") if spec.get(field)]
     found += [
         f"hostPath volume {volume.get('name')!r}"
         for volume in spec.get("volumes") or []
         if "hostPath" in volume
     ]
+    pod_context = spec.get("securityContext") or {}
+    found += _unconfined(pod_context, "the pod")
+    if (pod_context.get("windowsOptions") or {}).get("hostProcess") is True:
+        found.append("a Windows host process pod")
     for kind in ("initContainers", "containers", "ephemeralContainers"):
         for container in spec.get(kind) or []:
             name = container.get("name")
-            if ((container.get("securityContext") or {}).get("privileged")) is True:
+            context = container.get("securityContext") or {}
+            if context.get("privileged") is True:
                 found.append(f"privileged container {name!r}")
             found += [
                 f"host port {port['hostPort']} of container {name!r}"
                 for port in container.get("ports") or []
                 if port.get("hostPort")
             ]
+            added = (context.get("capabilities") or {}).get("add") or []
+            found += [
+                f"capability {capability} of container {name!r}"
+                for capability in added
+                if str(capability).upper().removeprefix("CAP_") not in BASELINE_CAPABILITIES
+            ]
+            found += _unconfined(context, f"container {name!r}")
+            if context.get("procMount") == "Unmasked":
+                found.append(f"unmasked /proc of container {name!r}")
+            if (context.get("windowsOptions") or {}).get("hostProcess") is True:
+                found.append(f"Windows host process container {name!r}")
     return found
 
 

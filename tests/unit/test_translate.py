@@ -1005,6 +1005,39 @@ def test_host_access_names_everything_that_reaches_into_the_node() -> None:
     assert host_access(upper_pod()["spec"]) == []
 
 
+def test_host_access_names_the_ways_out_of_the_baseline_too() -> None:
+    """Added capabilities beyond the baseline's, seccomp or AppArmor off and an unmasked
+    /proc are a known way out of a container (cgroup release_agent, module loading)."""
+    spec = {
+        "securityContext": {"seccompProfile": {"type": "Unconfined"}},
+        "containers": [
+            {
+                "name": "escape",
+                "securityContext": {
+                    "capabilities": {"add": ["NET_BIND_SERVICE", "SYS_ADMIN", "CAP_SYS_MODULE"]},
+                    "appArmorProfile": {"type": "Unconfined"},
+                    "procMount": "Unmasked",
+                },
+            },
+            {
+                "name": "fine",
+                "securityContext": {
+                    "capabilities": {"add": ["CHOWN"], "drop": ["ALL"]},
+                    "seccompProfile": {"type": "RuntimeDefault"},
+                    "procMount": "Default",
+                },
+            },
+        ],
+    }
+    assert host_access(spec) == [
+        "seccompProfile Unconfined of the pod",
+        "capability SYS_ADMIN of container 'escape'",
+        "capability CAP_SYS_MODULE of container 'escape'",
+        "appArmorProfile Unconfined of container 'escape'",
+        "unmasked /proc of container 'escape'",
+    ]
+
+
 def test_a_deleted_pod_ends_as_a_kubelet_ends_it() -> None:
     pod = upper_pod()
     ready = {"status": "True", "lastTransitionTime": "2026-11-27T09:00:00Z"}
