@@ -78,6 +78,15 @@ _PERMANENT = frozenset({400, 422})
 _PATCH_REFUSED = _PERMANENT | {403}
 
 
+def _ran(removed: Mapping[str, Any] | None, upper: Mapping[str, Any]) -> bool:
+    """Whether the lower pod last seen removed was this upper pod's, and a node below had
+    taken it (or it had finished)."""
+    if removed is None or not _made_from(removed, upper):
+        return False
+    status = removed.get("status") or {}
+    return bool(status.get("hostIP")) or status.get("phase") in FINISHED
+
+
 def namespace_is_gone(error: ApiError) -> bool:
     """A create refused because its namespace does not exist (404 about the namespace)
     or is being deleted (403 with the cause NamespaceTerminating)."""
@@ -347,8 +356,10 @@ class LowerCluster:
             if finished:
                 self._removed.pop(upper_key, None)
                 return Waiting()  # never run again
-            if (upper.get("status") or {}).get("hostIP"):
-                # It ran below before; the cache may only lag behind our own create.
+            if (upper.get("status") or {}).get("hostIP") or _ran(removed, upper):
+                # It ran below before (the status saying so may not have come up yet: our
+                # write lost a race, the upper apiserver was down); the cache may only
+                # lag behind our own create. Made again, a pod that ran would run twice.
                 lower = await self._get_live(namespace, name)
                 if lower is None:
                     if (

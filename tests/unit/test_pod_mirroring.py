@@ -553,6 +553,39 @@ async def test_a_pod_finished_and_removed_below_while_the_cluster_was_unreachabl
     assert mirroring.upper.writes("DELETE") == []
 
 
+@pytest.mark.parametrize("phase", ["Running", "Succeeded"])
+async def test_a_pod_removed_below_before_its_status_came_up_is_not_made_again(
+    mirroring: Mirroring, phase: str
+) -> None:
+    """The upper pod's status does not say yet that it ran (our status write lost a race,
+    the upper apiserver was down), but the lower pod removed was ours and a node had
+    taken it: made again, it ran twice (a Job's pod, a restartPolicy Never pod)."""
+    pod = upper_pod(controlled=True)
+    pod["status"] = {"phase": "Pending"}
+    mirroring.above(pod)
+    mirroring.below(lower_pod(phase="Running", hostIP="192.168.1.5"))
+    mirroring.below(lower_pod(phase=phase, hostIP="192.168.1.5"), "DELETED")
+    mirroring.lower.answer("GET", f"{LOWER_POD_PATH}/web", not_found("pods", "web"))
+    await mirroring.controller.reconcile("shop/web")
+    assert ("POST", LOWER_POD_PATH) not in mirroring.lower.writes("POST"), "not made again"
+    if phase == "Succeeded":
+        assert [status["phase"] for status in mirroring.upper_statuses()] == ["Succeeded"]
+    else:
+        assert mirroring.upper_event_reasons() == ["LowerPodDeleted"]
+
+
+async def test_a_pod_removed_below_before_a_node_took_it_is_made_again(
+    mirroring: Mirroring,
+) -> None:
+    pod = upper_pod(controlled=True)
+    pod["status"] = {"phase": "Pending"}
+    mirroring.above(pod)
+    mirroring.below(lower_pod(phase="Pending"))
+    mirroring.below(lower_pod(phase="Pending"), "DELETED")
+    await mirroring.controller.reconcile("shop/web")
+    assert ("POST", LOWER_POD_PATH) in mirroring.lower.writes("POST")
+
+
 async def test_a_finished_pod_is_never_run_again(mirroring: Mirroring) -> None:
     pod = upper_pod()
     pod["status"] = {"phase": "Succeeded", "hostIP": HOST_IP}
