@@ -307,7 +307,9 @@ class SliceBudgets:
         counted = self._pods.pop(uid, None)
         if counted is not None:
             namespace, amount = counted
-            self._used[namespace] = self._used[namespace] - amount
+            # A pod that counts nothing (requests of 0) may be the last one counted,
+            # after the entry went at zero.
+            self._used[namespace] = self._used.get(namespace, Amount()) - amount
             if self._used[namespace] == Amount():
                 del self._used[namespace]
 

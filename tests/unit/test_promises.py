@@ -14,7 +14,7 @@ from kubekit.client import CONFIGMAPS, NODES, PODS, ApiError
 from kubekit.informer import Informer
 from kubekit.slices import Amount, LedgerEntry, ledger_entry
 from virtual_node.naming import NamespaceMapping
-from virtual_node.promises import PromiseRefused, SlicePromises
+from virtual_node.promises import PromiseRefused, SliceBudgets, SlicePromises
 from virtual_node.translate import Ownership
 
 from .fakeapi import FakeClient, Request, not_found
@@ -271,3 +271,17 @@ async def test_a_quota_left_behind_its_ledger_entry_is_brought_in_step_by_the_ne
     del api.quotas["t1-team"]
     await promises.room("team")
     assert "t1-team" in api.quotas
+
+
+def test_a_pod_counting_nothing_is_uncounted_after_the_others() -> None:
+    """A pod requesting 0 counted last in a namespace: uncounting it raised KeyError (its
+    namespace's entry went when the use came back to 0), and the estimator kept the room
+    of the pod it was dropping held for good."""
+    budgets = SliceBudgets("origin-a")
+    entry = LedgerEntry("ns", "origin-a", 2, SLICE)
+    budgets.ledger_changed({"data": {"ns": entry.encode()}})
+    budgets.count("a", "ns", Amount(cpu=100))
+    budgets.count("zero", "ns", Amount())
+    budgets.uncount("a")
+    budgets.uncount("zero")
+    assert budgets.room_for("ns", "new", SLICE.times(2)) == (1, "")
