@@ -334,6 +334,12 @@ def stash_update(
             originals[field] = {**stashed, **added}
             above = {**(old or {}), **(_project_node_selector(added, keep) or {})}
             _set_or_drop(new_spec, field, above or old)
+            tolerations = list(new_spec.get("tolerations") or [])
+            if PROVIDER_TOLERATION not in tolerations:
+                # Made before the webhook: held to virtual nodes now, it needs what a
+                # create would have given it to go on one (their taint's toleration), or
+                # it waited for good.
+                new_spec["tolerations"] = [*tolerations, dict(PROVIDER_TOLERATION)]
         elif gated and field == "affinity" and _only_node_affinity_changed(old, value):
             node_affinity = (value or {}).get("nodeAffinity") or {}
             if _project_node_affinity(node_affinity, keep) != node_affinity:

@@ -516,6 +516,18 @@ def test_a_gated_pod_that_stashed_nothing_has_a_node_selector_given_later_stashe
     assert saved["nodeSelector"] == {"disk": "ssd"}
 
 
+def test_a_gated_pod_made_before_the_webhook_given_a_node_selector_may_go_on_a_virtual_node() -> (
+    None
+):
+    """Held to virtual nodes by the selector, it needs their taint's toleration too, as a
+    create would have given it: without, it waited for good."""
+    gated = {"schedulingGates": [{"name": "q"}]}
+    new = pod({**gated, "nodeSelector": {"disk": "ssd"}})
+    after = patched(new, answer(review(new, operation="UPDATE", oldObject=pod(gated))))
+    assert after["spec"]["nodeSelector"] == stash.VIRTUAL_NODE_SELECTOR
+    assert after["spec"]["tolerations"] == [stash.PROVIDER_TOLERATION]
+
+
 def test_a_gated_pod_that_stashed_nothing_gets_no_empty_stash_for_a_toleration() -> None:
     gated = {"schedulingGates": [{"name": "q"}], "tolerations": [dict(stash.PROVIDER_TOLERATION)]}
     spot = {"key": "spot", "operator": "Exists"}
