@@ -21,8 +21,10 @@ class Serving:
     port: int
     cert_file: Path
     key_file: Path
-    # The CA clients must trust when the certificate was generated; None for given files.
+    # The CA clients must trust when the certificate was generated, and the names that
+    # certificate covers; None for given files.
     generated_ca: Path | None
+    names: tuple[str, ...] | None = None
 
 
 def host_port(address: str, port: int) -> str:
@@ -52,9 +54,18 @@ def add_serving_arguments(parser: argparse.ArgumentParser, generated_ca_help: st
     )
 
 
+def listen_address(listen: str) -> tuple[str, str]:
+    """``--listen``'s host and port text; an IPv6 host as written in brackets
+    (``[::1]:8443``, as ``host_port`` gives it) without them, as a bind takes it."""
+    host, _, port_text = listen.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, port_text
+
+
 def check_serving_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuses what cannot work before anything is written."""
-    host, _, port_text = args.listen.rpartition(":")
+    host, port_text = listen_address(args.listen)
     if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
         parser.error(f"--listen must be HOST:PORT, not {args.listen!r}")
     if (args.tls_cert_file is None) != (args.tls_key_file is None):
@@ -95,11 +106,12 @@ def check_client_ca(parser: argparse.ArgumentParser, path: Path, flag: str) -> N
 def serving(args: argparse.Namespace, name: str) -> Serving:
     """The checked flags as a Serving; with --cert-dir, the certificate ``name`` there is
     generated (or reused while it covers the names)."""
-    host, _, port_text = args.listen.rpartition(":")
+    host, port_text = listen_address(args.listen)
     if args.tls_cert_file is not None:
         return Serving(host, int(port_text), args.tls_cert_file, args.tls_key_file, None)
-    pair = pki.serving_pair(args.cert_dir, name, tuple(args.server_name) or (host,))
-    return Serving(host, int(port_text), pair.cert_path, pair.key_path, pki.ca_path(pair))
+    names = tuple(args.server_name) or (host,)
+    pair = pki.serving_pair(args.cert_dir, name, names)
+    return Serving(host, int(port_text), pair.cert_path, pair.key_path, pki.ca_path(pair), names)
 
 
 def check_kubeconfig(

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import base64
 import logging
+import urllib.parse
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,6 +174,24 @@ async def inject_ca_bundle(
     log.info("put our CA bundle into %s", name)
 
 
+def check_register_url(
+    parser: argparse.ArgumentParser, url: str, certificate_names: Sequence[str] | None
+) -> None:
+    """The URL registered must be one the apiserver can call: refused, every pod create of
+    a federated namespace failed (the stash webhook fails closed). ``certificate_names``:
+    those of the certificate this process generated (None: one given)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "https" or not parts.hostname:
+        parser.error(f"--register-url must be an https URL, not {url!r}")
+    if parts.path != PATH:
+        parser.error(f"--register-url must end in the path {PATH}, which is served, not {url!r}")
+    if certificate_names is not None and parts.hostname not in certificate_names:
+        parser.error(
+            f"--register-url's host {parts.hostname} is not a name of the generated "
+            f"certificate ({', '.join(certificate_names)}): add --server-name {parts.hostname}"
+        )
+
+
 def parse_args(argv: Sequence[str]) -> WebhookConfig:
     parser = argparse.ArgumentParser(
         prog="kubestrata webhook",
@@ -218,8 +237,8 @@ def parse_args(argv: Sequence[str]) -> WebhookConfig:
     ca_file = args.ca_file or listening.generated_ca
     if (args.register_url or args.inject_ca_bundle) and ca_file is None:
         parser.error("--register-url/--inject-ca-bundle need --ca-file with --tls-cert-file")
-    if args.register_url is not None and not args.register_url.startswith("https://"):
-        parser.error(f"--register-url must be an https URL, not {args.register_url!r}")
+    if args.register_url is not None:
+        check_register_url(parser, args.register_url, listening.names)
     if args.register_url or args.inject_ca_bundle or args.follow_moves:
         check_kubeconfig(parser, args.kubeconfig)
     return WebhookConfig(

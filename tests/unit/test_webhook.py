@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import ipaddress
 import json
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ import jsonpatch
 import pytest
 import yaml
 from aiohttp.test_utils import TestClient, TestServer
+from cryptography import x509
 from hypothesis import given
 
 from kubekit import keys, pki, stash
@@ -570,7 +572,7 @@ def test_a_gated_daemonset_pod_is_left_as_it_is_on_update() -> None:
         (["--follow-moves"], "--kubeconfig is needed outside a cluster"),
         (["--follow-moves", "--kubeconfig=/nonexistent"], "--kubeconfig: no such file"),
         (["--inject-ca-bundle=kubestrata-webhook"], "--kubeconfig is needed outside a cluster"),
-        (["--register-url=https://127.0.0.1:1/stash"], "--kubeconfig is needed outside a cluster"),
+        (["--register-url=https://127.0.0.1:1/mutate"], "--kubeconfig is needed outside a cluster"),
     ],
 )
 def test_a_webhook_that_talks_to_the_apiserver_needs_a_kubeconfig_at_start(
@@ -585,6 +587,48 @@ def test_a_webhook_that_talks_to_the_apiserver_needs_a_kubeconfig_at_start(
     with pytest.raises(SystemExit):
         parse_args([f"--cert-dir={tmp_path}", "--listen=127.0.0.1:9443", *flags])
     assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("url", "words"),
+    [
+        ("http://127.0.0.1:9443/mutate", "must be an https URL"),
+        ("https://127.0.0.1:9443/", "must end in the path /mutate, which is served"),
+        ("https://127.0.0.1:9443/stash", "must end in the path /mutate"),
+        (
+            "https://10.0.0.5:9443/mutate",
+            "host 10.0.0.5 is not a name of the generated certificate (127.0.0.1): "
+            "add --server-name 10.0.0.5",
+        ),
+    ],
+)
+def test_a_registered_url_the_apiserver_could_not_call_is_refused_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], url: str, words: str
+) -> None:
+    """Registered, every pod create of a federated namespace failed (the stash webhook
+    fails closed): a path nothing serves, a host the certificate does not name."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text("{}")
+    with pytest.raises(SystemExit):
+        parse_args(
+            [
+                f"--cert-dir={tmp_path}",
+                "--listen=127.0.0.1:9443",
+                f"--kubeconfig={kubeconfig}",
+                f"--register-url={url}",
+            ]
+        )
+    assert words in capsys.readouterr().err
+    config = parse_args(
+        [
+            f"--cert-dir={tmp_path}",
+            "--listen=127.0.0.1:9443",
+            "--server-name=10.0.0.5",
+            f"--kubeconfig={kubeconfig}",
+            "--register-url=https://10.0.0.5:9443/mutate",
+        ]
+    )
+    assert config.register_url == "https://10.0.0.5:9443/mutate"
 
 
 def test_a_webhook_that_only_answers_needs_no_kubeconfig(
@@ -621,3 +665,15 @@ def test_a_pod_outside_federation_tolerating_every_taint_is_kept_off_virtual_nod
     ]
     for review in left_alone:
         assert "patch" not in keep_off_response(review)["response"]
+
+
+def test_a_bracketed_ipv6_listen_address_is_bound_and_named_without_its_brackets(
+    tmp_path: Path,
+) -> None:
+    """`[::1]:8443`, as addresses with a port are written: the brackets went to the bind
+    (which failed) and into the certificate as a DNS name."""
+    config = parse_args([f"--cert-dir={tmp_path}", "--listen=[::1]:9443"])
+    assert (config.host, config.port) == ("::1", 9443)
+    certificate = x509.load_pem_x509_certificate(config.cert_file.read_bytes())
+    names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("::1")]
