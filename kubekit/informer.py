@@ -480,6 +480,7 @@ class InformerFactory:
         self.client = client
         self._informers: dict[tuple[Resource, str | None, str | None, str | None], Informer] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._started = False
 
     def informer(
         self,
@@ -499,11 +500,12 @@ class InformerFactory:
                 field_selector=field_selector,
             )
             self._informers[key] = informer
-            if self._tasks:  # already started: start this one too
+            if self._started:  # this one too (started empty, there are no tasks)
                 self._tasks.append(asyncio.create_task(informer.run(), name=repr(informer)))
         return self._informers[key]
 
     def start(self) -> None:
+        self._started = True
         for informer in self._informers.values():
             self._tasks.append(asyncio.create_task(informer.run(), name=repr(informer)))
 
@@ -520,3 +522,4 @@ class InformerFactory:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        self._started = False

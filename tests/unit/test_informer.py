@@ -16,6 +16,7 @@ from kubekit.informer import (
     Compressor,
     FunctionHandler,
     Informer,
+    InformerFactory,
     diff_snapshot,
     namespace_index,
     object_key,
@@ -521,3 +522,16 @@ def test_line_splitter_is_independent_of_chunking(chunk_size: int) -> None:
     for start in range(0, len(stream), chunk_size):
         lines += splitter.feed(stream[start : start + chunk_size])
     assert lines == [b'{"a":1}', big, b'{"b":2}']
+
+
+async def test_an_informer_asked_of_a_factory_started_empty_runs() -> None:
+    """Started with no informer, the factory took a later one for not started yet: it
+    never ran, and waiting for the caches waited for good."""
+    factory = InformerFactory(WatchAnswering(None))  # type: ignore[arg-type]
+    factory.start()
+    cache = factory.informer(Resource("", "v1", "configmaps"))
+    try:
+        await asyncio.wait_for(factory.wait_synced(), 5)
+        assert cache.synced.is_set()
+    finally:
+        await factory.stop()
