@@ -7,6 +7,7 @@ cut short by a crash or an error is taken up again by the next one."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import Counter
@@ -17,11 +18,13 @@ from typing import Any
 import orjson
 
 from descheduler.defrag import (
+    MAX_PLANS,
     Plan,
     Waiting,
     admitting,
     budgets_allow,
     candidate_plans,
+    defragmented_record,
     movable_pods,
     taking_from_budgets,
     waiting_pods,
@@ -687,11 +690,26 @@ class Descheduler:
             log.warning("%s: room not held, nothing evicted: %s", waiting.key, failure.message)
             return
         self._holding[waiting.uid] = (self.clock() + self.policy.hold_timeout, plan.cluster)
+        # Recorded on the pod before any eviction, so that no plan for it comes again
+        # too soon, from this process or the next leader.
+        record = defragmented_record(waiting.pod, self.now())
+        try:
+            await self.client.patch(
+                PODS,
+                waiting.pod["metadata"]["name"],
+                {"metadata": {"annotations": {keys.DEFRAGMENTED_ANNOTATION: record}}},
+                waiting.namespace,
+            )
+        except API_ERRORS as error:
+            log.warning("%s: plan not recorded, nothing evicted: %s", waiting.key, error)
+            self._give_back(waiting.pod)
+            return
+        plans = json.loads(record)["plans"]
         await self._event(
             waiting.pod,
             "Defragmenting",
             f"no cluster has a node that fits it; {plan.describe()} (held for it "
-            f"{self.policy.hold_timeout:.0f} s)",
+            f"{self.policy.hold_timeout:.0f} s; plan {plans} of at most {MAX_PLANS} for it)",
         )
         for pod in plan.evicted:
             try:
@@ -734,7 +752,7 @@ class Descheduler:
         else:
             self._give_back(pod)
 
-    def _give_back(self, pod: JSON) -> None:
+    def _give_back(self, pod: Mapping[str, Any]) -> None:
         """The room held for a waiting pod deleted, or bound to another node: nothing else
         would give it back before the hold lapsed (the estimator sees only the pods bound
         to its own node), and a lapse is no event for the scheduler."""

@@ -11,10 +11,11 @@ and those its cluster cannot take again fit, together, in the others.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from descheduler.policy import Policy
@@ -29,9 +30,14 @@ from descheduler.rescue import (
 from kubekit import fit, keys
 from kubekit.estimatorapi.estimator_pb2 import DefragmentResponse
 from kubekit.informer import object_key
+from kubekit.timestamps import parse_time, rfc3339
 
 # Never evicted to make room: the cluster's own machinery.
 PROTECTED_NAMESPACES = frozenset({"kube-system"})
+# Plans carried out for one waiting pod before the descheduler leaves it be: each waits
+# twice as long as the one before after it (holdTimeout the first), at most an hour.
+MAX_PLANS = 4
+LONGEST_REPLAN_WAIT = timedelta(hours=1)
 _PROVIDER_TAINT = fit.Taint(keys.PROVIDER_TAINT_KEY, keys.PROVIDER_TAINT_VALUE, fit.NO_SCHEDULE)
 
 
@@ -47,13 +53,53 @@ class Waiting(PodCase):
     message: str
 
 
+def defragmented(pod: Mapping[str, Any]) -> tuple[int, datetime] | None:
+    """How many plans were carried out for a waiting pod, and when the last was (None:
+    none, or a record that cannot be read)."""
+    text = (pod["metadata"].get("annotations") or {}).get(keys.DEFRAGMENTED_ANNOTATION)
+    if not isinstance(text, str):
+        return None
+    try:
+        record = json.loads(text)
+        plans, at = record["plans"], parse_time(record["at"])
+    except (ValueError, TypeError, KeyError, RecursionError):
+        return None
+    if not isinstance(plans, int) or isinstance(plans, bool) or plans < 1:
+        return None
+    return plans, at
+
+
+def defragmented_record(pod: Mapping[str, Any], now: datetime) -> str:
+    """The pod's record once one more plan is carried out for it now."""
+    plans = (defragmented(pod) or (0, now))[0] + 1
+    return json.dumps({"plans": plans, "at": rfc3339(now)}, sort_keys=True)
+
+
+def planned_again_at(pod: Mapping[str, Any], policy: Policy) -> datetime | None:
+    """When room may be made for a waiting pod again (None: at once, never made before;
+    datetime.max: never, ``MAX_PLANS`` carried out). The evicted pods' replacements may
+    take longer than the hold to go, or the pod wait for a reason the estimators do not
+    model: planned again at each hold's end, new pods were evicted for it for good."""
+    record = defragmented(pod)
+    if record is None:
+        return None
+    plans, at = record
+    if plans >= MAX_PLANS:
+        return datetime.max.replace(tzinfo=at.tzinfo)
+    wait = timedelta(seconds=policy.hold_timeout * 2 ** (plans - 1))
+    return at + min(wait, LONGEST_REPLAN_WAIT)
+
+
 def waiting_pods(pods: Iterable[Mapping[str, Any]], now: datetime, policy: Policy) -> list[Waiting]:
     """Unbound federated pods the upper scheduler has found no node for since
-    ``defragAfter``, the highest priority first, then by key."""
+    ``defragAfter``, and that no plan carried out for them lately waits for, the highest
+    priority first, then by key."""
     found = []
     for pod in pods:
         metadata, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
         if spec.get("nodeName") or metadata.get("deletionTimestamp") or hands_off(pod):
+            continue
+        if (again := planned_again_at(pod, policy)) is not None and now < again:
             continue
         # Its PriorityClass says it never displaces running pods.
         if spec.get("preemptionPolicy") == "Never":

@@ -154,6 +154,9 @@ LARGEST_FREE_SLOT_ANNOTATION = f"{PREFIX}/largest-free-slot"
 # too (a user who wrote "Never" or "false" meant it), and the webhook warns of it.
 DESCHEDULER_ANNOTATION = f"{PREFIX}/descheduler"
 DESCHEDULER_NEVER = "never"
+# On a waiting upper pod the descheduler made room for: how many plans were carried out
+# for it and when the last was ({"plans": n, "at": RFC 3339}); the next waits longer.
+DEFRAGMENTED_ANNOTATION = f"{PREFIX}/defragmented"
 # The ConfigMap (in SYSTEM_NAMESPACE) where the descheduler records, per controller UID,
 # the virtual nodes it moved that controller's pods off and until when the webhook keeps
 # the controller's new pods off them (kubekit.moves).

@@ -3,6 +3,7 @@ the bare pod's copy (pure), and the loop over a fake client fed through real inf
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
@@ -16,11 +17,14 @@ import yaml
 
 from descheduler.controller import STAY_EVENT_SECONDS, Descheduler, receivers
 from descheduler.defrag import (
+    MAX_PLANS,
     Plan,
     Waiting,
     budgets_allow,
     candidate_plans,
+    defragmented,
     movable_pods,
+    planned_again_at,
     taking_from_budgets,
     waiting_pods,
 )
@@ -622,6 +626,10 @@ class FakeClient:
         self.eviction_error: ApiError | None = None
         # What an event's write raises (the apiserver out of reach).
         self.event_error: Exception | None = None
+        # The pods' merge patches and what they raise; the pod cache they show in.
+        self.patches: list[tuple[str, dict[str, Any]]] = []
+        self.patch_error: ApiError | None = None
+        self.pods: Informer | None = None
         # What a pod's delete raises, and the preconditions of each delete.
         self.delete_error: ApiError | None = None
         self.preconditions: list[dict[str, str | None]] = []
@@ -696,6 +704,24 @@ class FakeClient:
 
     # The real read-modify-write, over this fake's get, create and replace.
     update_configmap_data = KubeClient.update_configmap_data
+
+    async def patch(
+        self, resource: Any, name: str, patch: dict[str, Any], namespace: str
+    ) -> dict[str, Any]:
+        """A merge patch of a pod's annotations, seen at once by ``pods`` (the cache)."""
+        assert resource is PODS
+        self.patches.append((f"{namespace}/{name}", patch))
+        if self.patch_error is not None:
+            raise self.patch_error
+        cached = self.pods.get(f"{namespace}/{name}") if self.pods is not None else None
+        if cached is None:
+            return {}
+        annotations = {**(cached["metadata"].get("annotations") or {})}
+        annotations.update(patch["metadata"]["annotations"])
+        patched = {**cached, "metadata": {**cached["metadata"], "annotations": annotations}}
+        assert self.pods is not None
+        self.pods.apply({"type": "MODIFIED", "object": patched})
+        return patched
 
     async def delete(
         self,
@@ -772,6 +798,7 @@ class World:
         self.budgets = Informer(client=None, resource=PODDISRUPTIONBUDGETS)  # type: ignore[arg-type]
         for node in NODES_UP.values():
             self.nodes.apply({"type": "ADDED", "object": node})
+        self.client.pods = self.pods
         self.descheduler = Descheduler(
             self.client,  # type: ignore[arg-type]
             self.pods,
@@ -1299,9 +1326,53 @@ async def test_a_complete_plan_holds_the_room_then_evicts() -> None:
     assert world.reasons() == ["Defragmenting", "Descheduled", "Descheduled"]
     assert "to make room for pod apps/big" in world.client.events[1]["message"]
     assert await world.descheduler.cycle() == [], "not planned again while the room is held"
+    ((patched, patch),) = world.client.patches
+    record = json.loads(patch["metadata"]["annotations"][keys.DEFRAGMENTED_ANNOTATION])
+    assert (patched, record) == ("apps/big", {"plans": 1, "at": "2026-11-23T12:00:00Z"})
     world.moment += Policy().hold_timeout + 1
     await world.descheduler.cycle()
     assert len(world.pool.held) == 2, "planned again once the hold lapsed"
+
+
+async def test_plans_for_one_pod_wait_longer_each_time_and_stop_after_the_last() -> None:
+    """Its evicted pods' replacements may take longer than the hold to go, or it waits
+    for a reason the estimators do not model: planned again at each hold's end, new pods
+    were evicted for it for good, every two minutes (and at once by a new leader)."""
+    hold = Policy().hold_timeout
+    world = Fragmented()
+    world.pool.room["vk-lower-3"] = 1
+    planned = []
+    for _ in range(60):  # two hours, a look a minute... and a few more
+        if await world.descheduler.cycle():
+            planned.append(world.moment - START)
+        world.moment += 60
+        world.client.calls.clear()
+    assert len(planned) == MAX_PLANS
+    waits = [later - earlier for earlier, later in itertools.pairwise(planned)]
+    assert waits == [hold, 2 * hold, 4 * hold], "each wait twice the one before"
+    assert "plan 4 of at most 4 for it" in world.client.events[-3]["message"]
+
+
+async def test_a_new_leader_plans_no_sooner_for_a_pod_planned_for_lately() -> None:
+    world = Fragmented()
+    world.pool.room["vk-lower-3"] = 1
+    await world.descheduler.cycle()
+    successor = Fragmented()
+    successor.pool.room["vk-lower-3"] = 1
+    recorded = world.pods.get("apps/big")  # as the first one recorded it
+    assert recorded is not None
+    successor.add(recorded)
+    assert await successor.descheduler.cycle() == []
+    assert successor.pool.held == [] and successor.client.evictions() == 0
+
+
+async def test_a_plan_that_cannot_be_recorded_evicts_nothing() -> None:
+    world = Fragmented()
+    world.pool.room["vk-lower-3"] = 1
+    world.client.patch_error = ApiError(500, {"message": "etcd is slow"})
+    await world.descheduler.cycle()
+    assert world.client.evictions() == 0
+    assert world.pool.released == [(["vk-lower-1"], "uid-big")]
 
 
 async def test_no_room_is_made_in_a_cluster_the_waiting_pod_is_kept_off() -> None:
@@ -1471,6 +1542,7 @@ def test_rbac_grants_exactly_what_the_descheduler_uses() -> None:
     watch = {"get", "list", "watch"}
     assert core_grants(role) == {("nodes", v) for v in watch} | {("pods", v) for v in watch} | {
         ("pods", "create"),
+        ("pods", "patch"),
         ("pods", "delete"),
         ("pods/eviction", "create"),
         ("events", "create"),
@@ -1649,3 +1721,13 @@ async def test_a_stuck_pod_goes_only_where_its_node_selector_admits_it() -> None
     (decision,) = await world.descheduler.cycle()
     assert isinstance(decision, Stay)
     assert world.client.calls == []
+
+
+@pytest.mark.parametrize(
+    "written", ["", "{", "[]", '{"plans": 0, "at": "2026-11-23T12:00:00Z"}', '{"plans": 2}']
+)
+def test_a_defragmentation_record_that_cannot_be_read_is_none(written: str) -> None:
+    waiting = federated("big")
+    waiting["metadata"]["annotations"] = {keys.DEFRAGMENTED_ANNOTATION: written}
+    assert defragmented(waiting) is None
+    assert planned_again_at(waiting, Policy()) is None
