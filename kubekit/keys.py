@@ -149,6 +149,9 @@ LOWER_QUOTAS_ANNOTATION = f"{PREFIX}/lower-quotas"
 # On virtual Nodes: the roomiest lower node and what it has left, as JSON quantities
 # ({"node": ..., "cpu": ..., "memory": ...}); what fragmentation leaves of the total.
 LARGEST_FREE_SLOT_ANNOTATION = f"{PREFIX}/largest-free-slot"
+# On virtual Nodes: the keys of the labels the virtual node set (a JSON list), so that a
+# restarted one takes off those the lower nodes no longer share, and no user's label.
+NODE_LABEL_KEYS_ANNOTATION = f"{PREFIX}/label-keys"
 
 # On upper pods: "never" keeps the descheduler's hands off the pod. Any other value does
 # too (a user who wrote "Never" or "false" meant it), and the webhook warns of it.

@@ -127,15 +127,34 @@ def provider_taint() -> JSON:
     }
 
 
+def label_keys_record(labels: Mapping[str, str]) -> str:
+    """The Node annotation's record of the labels we set: their keys."""
+    return json.dumps(sorted(labels), separators=(",", ":"))
+
+
+def recorded_label_keys(node: Mapping[str, Any]) -> set[str]:
+    """The keys of the labels a former run set on the Node (none when not recorded)."""
+    text = (node["metadata"].get("annotations") or {}).get(keys.NODE_LABEL_KEYS_ANNOTATION)
+    try:
+        recorded = json.loads(text) if isinstance(text, str) else []
+    except (ValueError, RecursionError):
+        return set()
+    return {k for k in recorded if isinstance(k, str)} if isinstance(recorded, list) else set()
+
+
 def registration(identity: NodeIdentity, report: NodeReport) -> JSON:
     """The Node to create when none exists."""
+    labels = node_labels(identity, report)
     return {
         "apiVersion": "v1",
         "kind": "Node",
         "metadata": {
             "name": identity.name,
-            "labels": node_labels(identity, report),
-            "annotations": identity.annotations(),
+            "labels": labels,
+            "annotations": {
+                **identity.annotations(),
+                keys.NODE_LABEL_KEYS_ANNOTATION: label_keys_record(labels),
+            },
         },
         "spec": {"taints": [provider_taint()] if identity.taint else []},
         "status": node_status(identity, report),
@@ -146,11 +165,18 @@ def registration_patch(
     existing: Mapping[str, Any], identity: NodeIdentity, report: NodeReport
 ) -> JSON | None:
     """A merge patch for an existing Node: our labels and our taint, leaving alone what
-    others set (cordon, the node controller's taints, users' labels)."""
+    others set (cordon, the node controller's taints, users' labels). A label a former
+    run set that the lower nodes no longer share goes (they changed while no virtual
+    node ran: left, it held the Node in a zone its cluster has left)."""
     want_labels = node_labels(identity, report)
     have_labels = existing["metadata"].get("labels") or {}
     patch: JSON = {}
-    label_change = {k: v for k, v in want_labels.items() if have_labels.get(k) != v}
+    label_change: dict[str, str | None] = {
+        k: v for k, v in want_labels.items() if have_labels.get(k) != v
+    }
+    label_change.update(
+        dict.fromkeys((recorded_label_keys(existing) - set(want_labels)) & set(have_labels))
+    )
     if label_change:
         patch["metadata"] = {"labels": label_change}
     have_annotations = existing["metadata"].get("annotations") or {}
@@ -160,6 +186,7 @@ def registration_patch(
         keys.ESTIMATOR_ADDRESS_ANNOTATION: None,
         keys.ESTIMATOR_STARTED_ANNOTATION: None,
         **identity.annotations(),
+        keys.NODE_LABEL_KEYS_ANNOTATION: label_keys_record(want_labels),
     }
     annotation_change = {
         k: v for k, v in wanted_annotations.items() if have_annotations.get(k) != v

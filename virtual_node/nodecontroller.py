@@ -27,6 +27,7 @@ from kubekit.timestamps import now_micro
 from virtual_node.node import (
     NodeIdentity,
     NodeReport,
+    label_keys_record,
     lease,
     node_labels,
     node_status,
@@ -290,9 +291,16 @@ class NodeController:
             key: value for key, value in wanted.items() if self._labels.get(key) != value
         }
         labels.update(dict.fromkeys(set(self._labels) - set(wanted)))
+        # Goes with the labels only: recorded, a label refused would be taken off later.
+        record = label_keys_record(wanted)
+        with_labels = (
+            {keys.NODE_LABEL_KEYS_ANNOTATION: record}
+            if labels and self._annotations.get(keys.NODE_LABEL_KEYS_ANNOTATION) != record
+            else {}
+        )
         metadata: dict[str, object] = {}
-        if annotations:
-            metadata["annotations"] = annotations
+        if annotations or with_labels:
+            metadata["annotations"] = {**annotations, **with_labels}
         if labels:
             metadata["labels"] = labels
         if not metadata:
@@ -310,7 +318,7 @@ class NodeController:
             )
             self._sent_annotations(annotations)
             return
-        self._sent_annotations(annotations)
+        self._sent_annotations({**annotations, **with_labels})
         self._labels = wanted
 
     def _sent_annotations(self, annotations: Mapping[str, str | None]) -> None:

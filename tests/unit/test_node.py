@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 
 import pytest
 
@@ -14,6 +16,7 @@ from virtual_node import nodecontroller
 from virtual_node.node import (
     NodeIdentity,
     NodeReport,
+    label_keys_record,
     node_status,
     nodes_digest,
     registration,
@@ -23,6 +26,7 @@ from virtual_node.node import (
 )
 
 REPORT = NodeReport(ready=True, allocatable={"cpu": "8"})
+ZONE = "topology.kubernetes.io/zone"
 
 
 def identity(**fields: object) -> NodeIdentity:
@@ -31,11 +35,37 @@ def identity(**fields: object) -> NodeIdentity:
 
 def test_a_node_with_an_estimator_says_where_it_listens_and_since_when() -> None:
     node = registration(identity(estimator_port=10352, estimator_started="t1"), REPORT)
-    assert node["metadata"]["annotations"] == {
+    annotations = node["metadata"]["annotations"]
+    assert annotations.pop(keys.NODE_LABEL_KEYS_ANNOTATION) == label_keys_record(
+        node["metadata"]["labels"]
+    )
+    assert annotations == {
         keys.ESTIMATOR_ADDRESS_ANNOTATION: "10.1.2.3:10352",
         keys.ESTIMATOR_STARTED_ANNOTATION: "t1",
     }
-    assert registration(identity(), REPORT)["metadata"]["annotations"] == {}
+    assert list(registration(identity(), REPORT)["metadata"]["annotations"]) == [
+        keys.NODE_LABEL_KEYS_ANNOTATION
+    ]
+
+
+def test_a_label_set_before_that_the_lower_nodes_no_longer_share_goes_at_registration() -> None:
+    """The lower nodes changed while no virtual node ran (a zone-b pool added): the
+    Node kept zone=a for good. A label a user put on it is left."""
+    zoned = dataclasses.replace(REPORT, labels={ZONE: "a"})
+    existing = registration(identity(), zoned)
+    existing["metadata"] |= {"resourceVersion": "7"}
+    existing["metadata"]["labels"]["team"] = "ours"
+    patch = registration_patch(existing, identity(), REPORT)
+    assert patch is not None
+    assert patch["metadata"]["labels"] == {ZONE: None}
+    record = patch["metadata"]["annotations"][keys.NODE_LABEL_KEYS_ANNOTATION]
+    assert ZONE not in json.loads(record) and "team" not in json.loads(record)
+    # A Node of a run that kept no record: nothing is taken off.
+    unrecorded = registration(identity(), zoned)
+    del unrecorded["metadata"]["annotations"][keys.NODE_LABEL_KEYS_ANNOTATION]
+    unrecorded["metadata"]["resourceVersion"] = "7"
+    patch = registration_patch(unrecorded, identity(), REPORT)
+    assert patch is not None and "labels" not in patch["metadata"]
 
 
 def test_a_restarted_estimator_is_news_and_other_annotations_are_left_alone() -> None:
@@ -435,7 +465,7 @@ async def test_a_refused_label_holds_back_neither_status_nor_annotations() -> No
     upper.requests.clear()
     await controller.update_status(force=False)
     (patch,) = [r.body for r in upper.requests if r.path == node]
-    assert patch["metadata"] == {"labels": {keys.ARCH_LABEL: "arm64"}}, "tried again"
+    assert patch["metadata"]["labels"] == {keys.ARCH_LABEL: "arm64"}, "tried again"
 
 
 async def test_a_lease_renewed_again_after_failing_has_the_status_sent(
