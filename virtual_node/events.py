@@ -111,6 +111,12 @@ def lower_event_uid(copy_name: str) -> str:
 # second of 503s drops none. A one-off event (Scheduled, Started) never comes back to
 # be tried again.
 EVENT_ATTEMPTS = 12
+# An event about a pod the lower pod cache does not show yet (its watch relisting after a
+# 410, or behind the event watch) is looked at again this many times, a second later
+# and then twice as long each time: dropped at once, a new pod's one-off events
+# (Scheduled, Pulled, Started) never came up.
+POD_WAITS = 5
+POD_WAIT_SECONDS = 1.0
 
 
 def event_queue(first_retry_seconds: float = 1.0) -> WorkQueue[str]:
@@ -134,6 +140,8 @@ class EventReflector:
         self.cluster_id = cluster_id
         self.queue = queue
         self._copied: dict[str, int] = {}  # lower event UID -> fingerprint of its copy
+        # Event key -> times it was put off for its pod not in the cache yet.
+        self._waiting: dict[str, int] = {}
         lower_events.add_handler(
             FunctionHandler(
                 add=self._changed,
@@ -144,6 +152,15 @@ class EventReflector:
 
     def _forget(self, event: Mapping[str, Any]) -> None:
         self._copied.pop(event["metadata"].get("uid", ""), None)
+        self._waiting.pop(object_key(event), None)
+
+    def _wait_for_pod(self, key: str) -> None:
+        tries = self._waiting.get(key, 0)
+        if tries >= POD_WAITS:
+            del self._waiting[key]
+            return
+        self._waiting[key] = tries + 1
+        self.queue.add_after(key, POD_WAIT_SECONDS * 2**tries)
 
     def _changed(self, event: Mapping[str, Any]) -> None:
         if (event.get("involvedObject") or {}).get("kind") == "Pod":
@@ -172,7 +189,12 @@ class EventReflector:
             return
         involved = event["involvedObject"]
         pod = self.lower_pods.get(f"{involved.get('namespace')}/{involved.get('name')}")
-        if pod is None or not self.owner.owns(pod):
+        about = involved.get("uid")
+        if pod is None or (about and about != pod["metadata"].get("uid")):
+            self._wait_for_pod(key)  # or the event is about an earlier pod of the name
+            return
+        self._waiting.pop(key, None)
+        if not self.owner.owns(pod):
             return
         body = upper_event(event, pod, self.owner, self.cluster_id)
         if body is None:

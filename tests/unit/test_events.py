@@ -1,10 +1,13 @@
 import asyncio
 import contextlib
 
+import pytest
+
 from kubekit import keys
 from kubekit.client import EVENTS, PODS
 from kubekit.informer import Informer
 from tests.unit.fakeapi import FakeClient, status_error
+from virtual_node import events as events_module
 from virtual_node.events import (
     EventReflector,
     event_queue,
@@ -154,3 +157,64 @@ async def test_an_event_is_copied_up_after_seconds_of_failed_creates() -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await workers
     assert len(upper.writes("POST")) == 7
+
+
+async def test_an_event_about_a_pod_not_in_the_cache_yet_is_copied_once_it_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pod watch relisting (a 410 after a lower apiserver restart) or behind the
+    event watch: a new pod's one-off events were dropped for good."""
+    monkeypatch.setattr(events_module, "POD_WAIT_SECONDS", 0.01)
+    upper = FakeClient()
+    pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
+    events = Informer(client=None, resource=EVENTS)  # type: ignore[arg-type]
+    lower = {
+        "metadata": {"name": "web-1.abc", "namespace": "east-shop", "uid": "e-1"},
+        "involvedObject": {
+            "kind": "Pod",
+            "name": "web-1",
+            "namespace": "east-shop",
+            "uid": "lower-uid",
+        },
+        "type": "Normal",
+        "reason": "Started",
+        "message": "Started container app",
+    }
+    reflector = EventReflector(upper, events, pods, OWNER, "lower-1", event_queue())
+    events.apply({"type": "ADDED", "object": lower})
+    workers = asyncio.ensure_future(reflector.run(1))
+    try:
+        await asyncio.sleep(0.02)
+        assert upper.writes("POST") == []
+        owned = {**LOWER_POD, "metadata": {**LOWER_POD["metadata"], "labels": OWNER.labels()}}
+        pods.apply({"type": "ADDED", "object": owned})
+        for _ in range(200):
+            if upper.writes("POST"):
+                break
+            await asyncio.sleep(0.005)
+    finally:
+        workers.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await workers
+    assert upper.writes("POST") == [("POST", "/api/v1/namespaces/shop/events")]
+    assert reflector._waiting == {}
+
+
+async def test_an_event_whose_pod_never_comes_is_let_go() -> None:
+    pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
+    events = Informer(client=None, resource=EVENTS)  # type: ignore[arg-type]
+    queue = event_queue()
+    reflector = EventReflector(FakeClient(), events, pods, OWNER, "lower-1", queue)
+    for _ in range(events_module.POD_WAITS + 1):
+        await reflector.reconcile("east-shop/web-1.abc")  # not cached: nothing
+    lonely = {
+        "metadata": {"name": "web-1.abc", "namespace": "east-shop", "uid": "e-1"},
+        "involvedObject": {"kind": "Pod", "name": "web-1", "namespace": "east-shop"},
+    }
+    events.apply({"type": "ADDED", "object": lonely})
+    for _ in range(events_module.POD_WAITS):
+        await reflector.reconcile("east-shop/web-1.abc")
+    assert reflector._waiting == {"east-shop/web-1.abc": events_module.POD_WAITS}
+    await reflector.reconcile("east-shop/web-1.abc")
+    assert reflector._waiting == {}, "no more tries, nothing kept"
+    queue.shut_down()
