@@ -237,9 +237,19 @@ class Descheduler:
             for w in waiting_pods(pods, now, self.policy)
             if self._holding.get(w.uid, (0.0, ""))[0] <= moment
         ]
-        plans = []
+        plans: list[Plan] = []
         for each in waiting:
-            names = admitting(each.pod, virtual_nodes, receivers(virtual_nodes, now, ""))
+            # One plan a cycle in a cluster: its estimator does not know yet of the room
+            # the first plan's evicted pods will take again on its other nodes, and would
+            # give it to a second plan.
+            planned = {p.cluster for p in plans}
+            names = [
+                name
+                for name in admitting(each.pod, virtual_nodes, receivers(virtual_nodes, now, ""))
+                if name not in planned
+            ]
+            if not names:
+                continue  # next cycle
             plan = await self._defragment(each, names, limits, virtual_nodes, now)
             if plan is not None:
                 plans.append(plan)

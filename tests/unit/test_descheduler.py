@@ -1686,6 +1686,24 @@ async def test_plans_of_one_cycle_do_not_count_on_the_same_room_for_their_homele
     assert "no other cluster has room for apps/d" in refused["message"]
 
 
+async def test_one_plan_a_cycle_makes_room_in_a_cluster() -> None:
+    """Its estimator does not know yet of the room the first plan's evicted pods take
+    again on its other nodes: a second plan there could give that room away, and the
+    first plan's pods then waited with nowhere to go."""
+    world = Fragmented()
+    world.pool.room["vk-lower-3"] = 2
+    world.add(federated("big-2"))
+    world.add(running("c"))
+    world.add(running("d"))
+    world.pool.plans["vk-lower-1"].append(
+        Freeing(node="n2", evicted_pod_uids=["uid-c", "uid-d"], homeless_pod_uids=["uid-d"])
+    )
+    (plan,) = await world.descheduler.cycle()
+    assert isinstance(plan, Plan) and plan.waiting.key == "apps/big"
+    assert [name for name, _ in world.pool.held] == ["vk-lower-1"]
+    assert world.client.evictions() == 2
+
+
 async def test_a_bare_pods_copy_bound_this_cycle_is_left_to_its_estimator_to_count() -> None:
     """The copy is bound to its cluster, whose estimator counts it: asked again for room
     in a plan's check, it was counted twice, and the plan refused for nothing."""
