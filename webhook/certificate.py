@@ -96,36 +96,54 @@ def leaf_due(
     return ""
 
 
+# How long after the serving certificate in the Secret was issued the CAs published
+# beside ours stay: the replicas serve the one they loaded until the kubelet has synced
+# the Secret (a minute or more) and they have reloaded it.
+CA_OVERLAP = datetime.timedelta(minutes=10)
+# pki backdates a certificate's notBefore by this much for clocks a little behind.
+_BACKDATED = datetime.timedelta(minutes=5)
+
+
 def ca_bundle(
-    ca_pem: bytes, served_before: bytes | None, known: Iterable[bytes], now: datetime.datetime
+    ca_pem: bytes,
+    served_before: bytes | None,
+    known: Iterable[bytes],
+    now: datetime.datetime,
+    overlap: datetime.timedelta = CA_OVERLAP,
 ) -> bytes:
-    """The CA bundle to publish: ``ca_pem``, and the CA of the certificate served before
-    (``served_before``) when another one signed it, found among the ``known`` PEM bundles
-    and still valid. The replicas serve that certificate until they load the renewed
-    Secret (a minute or more): with the new CA alone in the bundle, the apiserver refused
-    them meanwhile, and with failurePolicy Fail every federated pod's creation. Published
-    again once the new certificate is the one served before, the old CA goes."""
+    """The CA bundle to publish: ``ca_pem``, and, found among the ``known`` PEM bundles and
+    still valid, the CA of the certificate in the Secret before (``served_before``) when
+    another one signed it, and every other CA when that certificate is new. The replicas
+    serve the certificate they loaded until they load the renewed Secret: with the new CA
+    alone in the bundle, the apiserver refused them meanwhile, and with failurePolicy Fail
+    every federated pod's creation. Published again later, the old CAs go. A run that
+    renewed the certificate but failed to publish, then ran again at once, found the new
+    certificate "served before" and dropped the old CA before the replicas had it."""
     try:
         served = x509.load_pem_x509_certificate(served_before) if served_before else None
         new_ca = x509.load_pem_x509_certificate(ca_pem)
     except ValueError:
         return ca_pem
-    if served is None or (served.issuer == new_ca.subject and _signed_by(served, new_ca)):
+    if served is None:
         return ca_pem
+    recent = now - served.not_valid_before_utc < _BACKDATED + overlap
+    kept: list[bytes] = []
     for bundle in known:
         try:
             candidates = x509.load_pem_x509_certificates(bundle)
         except ValueError:
             continue
         for candidate in candidates:
+            pem = candidate.public_bytes(serialization.Encoding.PEM)
             if (
                 candidate.issuer == candidate.subject
+                and candidate != new_ca
                 and candidate.not_valid_after_utc > now
-                and _signed_by(served, candidate)
+                and (recent or _signed_by(served, candidate))
+                and pem not in kept
             ):
-                previous = candidate.public_bytes(serialization.Encoding.PEM)
-                return ca_pem.rstrip(b"\n") + b"\n" + previous
-    return ca_pem
+                kept.append(pem)
+    return b"".join([ca_pem.rstrip(b"\n") + b"\n", *kept]) if kept else ca_pem
 
 
 def _signed_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:

@@ -25,6 +25,7 @@ from kubekit.client import SECRETS, ApiError, ClientSettings, KubeClient, is_not
 from kubekit.component import run_component
 from kubekit.serving import check_kubeconfig
 from webhook.certificate import (
+    CA_OVERLAP,
     CA_SECRET,
     RENEW_BEFORE,
     SERVICE,
@@ -67,12 +68,22 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=RENEW_BEFORE.days,
         help="renew what expires within this many days (default %(default)s)",
     )
+    parser.add_argument(
+        "--ca-overlap-minutes",
+        type=float,
+        default=CA_OVERLAP.total_seconds() / 60,
+        help="for this long after the serving certificate was issued, the CAs published "
+        "before stay in the bundle beside ours, for replicas that have not loaded it yet "
+        "(default %(default)g)",
+    )
     logs.add_arguments(parser)
     args = parser.parse_args(argv)
     logs.configure(args.log_level, args.log_format)
     check_kubeconfig(parser, args.kubeconfig)
     if args.renew_before_days < 0:
         parser.error("--renew-before-days must be at least 0")
+    if args.ca_overlap_minutes < 0:
+        parser.error("--ca-overlap-minutes must be at least 0")
     return args
 
 
@@ -139,7 +150,13 @@ async def run(args: argparse.Namespace) -> None:
         await inject_ca_bundle(
             client,
             args.configuration,
-            lambda published: ca_bundle(ca_pem, served_before, [ca_before, *published], now),
+            lambda published: ca_bundle(
+                ca_pem,
+                served_before,
+                [ca_before, *published],
+                now,
+                datetime.timedelta(minutes=args.ca_overlap_minutes),
+            ),
         )
 
 
