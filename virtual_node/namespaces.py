@@ -43,6 +43,9 @@ def others_objects(objects: Iterable[Mapping[str, Any]], owner: Ownership) -> li
 
 
 KEPT_NAMESPACE_RECHECK_SECONDS = 300.0
+# Looked at again this soon when our own pods there are not being deleted yet: most often
+# their upper pods' deletion is on its way down.
+OWN_PODS_RECHECK_SECONDS = 5.0
 
 
 class LowerNamespaces:
@@ -84,6 +87,15 @@ class LowerNamespaces:
         with contextlib.suppress(NamingError):
             self.queue.add(self.mapping.lower(namespace["metadata"]["name"]))
 
+    async def _upper_exists(self, name: str) -> bool:
+        try:
+            await self.upper.get(NAMESPACES, name)
+        except ApiError as error:
+            if not is_not_found(error):
+                raise
+            return False
+        return True
+
     async def run(self, workers: int) -> None:
         await self.queue.run_workers(workers, self.reconcile)
 
@@ -94,14 +106,21 @@ class LowerNamespaces:
         upper_name = self.mapping.upper(name)
         if upper_name is None or self.upper_namespaces.get(upper_name) is not None:
             return
-        try:
-            # The cache may not have heard of a namespace made a moment ago.
-            await self.upper.get(NAMESPACES, upper_name)
+        if await self._upper_exists(upper_name):
+            return  # the cache has not heard of it yet
+        pods = list(self.lower_pods.items(name))
+        others = others_objects(pods, self.owner)
+        staying = [
+            p
+            for p in pods
+            if object_key(p) not in others and not p["metadata"].get("deletionTimestamp")
+        ]
+        if staying:
+            # Our pods there not being deleted: the namespace was made again above (`kubectl
+            # delete ns x --wait && kubectl create ns x`) and its pods mirrored into this
+            # one, or their deletion is still to come. Deleted, it would take them along.
+            self.queue.add_after(name, OWN_PODS_RECHECK_SECONDS)
             return
-        except ApiError as error:
-            if not is_not_found(error):
-                raise
-        others = others_objects(self.lower_pods.items(name), self.owner)
         if not others:
             # Claims of others are not in any cache here (the claims' copies are ours
             # only); asked for once, when the namespace would go.
@@ -119,6 +138,8 @@ class LowerNamespaces:
             # namespace would stay until the next restart.
             self.queue.add_after(name, KEPT_NAMESPACE_RECHECK_SECONDS)
             return
+        if await self._upper_exists(upper_name):
+            return  # made again above while the claims were listed
         await self.lower.delete_exact(NAMESPACES, namespace)
         self.forget(name)
         log.info("namespace %s: gone above, deleted below", name)

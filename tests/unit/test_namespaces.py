@@ -114,7 +114,9 @@ async def test_a_namespace_holding_pods_of_others_is_kept_and_looked_at_again(
     monkeypatch.setattr(namespaces, "KEPT_NAMESPACE_RECHECK_SECONDS", 0.05)
     world = Harness()
     world.lower_pods.apply({"type": "ADDED", "object": pod("theirs", "another-upper")})
-    world.lower_pods.apply({"type": "ADDED", "object": pod("ours", OWNER.origin)})
+    ours = pod("ours", OWNER.origin)
+    ours["metadata"]["deletionTimestamp"] = "2026-11-27T01:00:00Z"  # as its upper pod went
+    world.lower_pods.apply({"type": "ADDED", "object": ours})
     world.lower_namespaces.apply({"type": "ADDED", "object": namespace("shop")})
     await world.drain()
     assert world.lower.writes() == []
@@ -159,3 +161,29 @@ async def test_a_namespace_holding_claims_of_others_is_kept() -> None:
     await world.drain()
     assert world.lower.writes() == []
     assert ("GET", CLAIMS) in [(r.method, r.path) for r in world.lower.requests]
+
+
+async def test_a_namespace_holding_pods_of_ours_not_being_deleted_is_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`kubectl delete ns shop --wait && kubectl create ns shop && kubectl apply ...`: the
+    pod mirror, which still knew the lower namespace, made the new pods in it, and the
+    namespace's delete took them along."""
+    monkeypatch.setattr(namespaces, "OWN_PODS_RECHECK_SECONDS", 0.05)
+    world = Harness()
+    world.lower_pods.apply({"type": "ADDED", "object": pod("new", OWNER.origin)})
+    world.lower_namespaces.apply({"type": "ADDED", "object": namespace("shop")})
+    await world.drain()
+    assert world.lower.writes() == []
+    async with asyncio.timeout(5):
+        assert await world.queue.get() == "shop", "looked at again"
+
+
+async def test_a_namespace_made_again_above_while_claims_are_listed_is_kept() -> None:
+    world = Harness()
+    gone = not_found("namespaces", "shop")
+    world.upper.answer("GET", "/api/v1/namespaces/shop", gone, namespace("shop"))
+    world.claims_below()
+    world.lower_namespaces.apply({"type": "ADDED", "object": namespace("shop")})
+    await world.drain()
+    assert world.lower.writes() == []
