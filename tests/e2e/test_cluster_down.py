@@ -106,18 +106,23 @@ def test_a_bare_pod_of_a_cluster_down_is_copied_before_the_taint_eviction_delete
         # Deleted by the taint eviction 60 s after the taint, the pod would have no copy.
         copy = wait_for(copy_running, "the copy Running in lower-2", timeout=TOLERATED + 30)
         assert copy is not None
-        said = [
-            e["message"]
-            for e in get_json(
-                upper,
-                "events",
-                "-n",
-                NAMESPACE,
-                "--field-selector",
-                "involvedObject.name=keeper,reason=Rescheduled",
-            )["items"]
-        ]
-        assert said and f"{LEFT} NotReady for" in said[0], said
+
+        def said() -> list[str]:
+            return [
+                e["message"]
+                for e in get_json(
+                    upper,
+                    "events",
+                    "-n",
+                    NAMESPACE,
+                    "--field-selector",
+                    "involvedObject.name=keeper,reason=Rescheduled",
+                )["items"]
+            ]
+
+        # Said as the original goes, at the look after its copy was taken below.
+        (message,) = wait_for(said, "the original said re-created")
+        assert f"{LEFT} NotReady for" in message, message
     finally:
         lower.restart("kube-apiserver")
     wait_for(lambda: node_ready(descheduling, LEFT) == "True", f"{LEFT} Ready again", timeout=120)
