@@ -86,8 +86,11 @@ def planned_again_at(pod: Mapping[str, Any], policy: Policy) -> datetime | None:
     plans, at = record
     if plans >= MAX_PLANS:
         return datetime.max.replace(tzinfo=at.tzinfo)
-    wait = timedelta(seconds=policy.hold_timeout * 2 ** (plans - 1))
-    return at + min(wait, LONGEST_REPLAN_WAIT)
+    wait = min(timedelta(seconds=policy.hold_timeout * 2 ** (plans - 1)), LONGEST_REPLAN_WAIT)
+    try:
+        return at + wait
+    except OverflowError:
+        return None  # a time no plan of ours wrote (year 9999): unreadable, as garbage
 
 
 def waiting_pods(pods: Iterable[Mapping[str, Any]], now: datetime, policy: Policy) -> list[Waiting]:

@@ -457,16 +457,19 @@ def copy_alive(copy: Mapping[str, Any]) -> bool:
 
 
 def copy_taken(copy: Mapping[str, Any]) -> bool:
-    """A live copy its cluster has taken: made below, where its scheduler has judged it
-    (a copy is bound by its nodeName, so any PodScheduled comes from below), or a node
-    has admitted it. Only then may its original go: the lower apiserver may refuse the
-    copy for good (an admission policy of that cluster alone), and the virtual node then
-    fails it, which, its original gone, left the pod nowhere."""
+    """A live copy its cluster has taken: made below, where its scheduler has placed it or
+    found no node for it yet (Unschedulable), or a node has admitted it. Only then may
+    its original go: the lower apiserver may refuse the copy (an admission policy of that
+    cluster alone: a 403 the virtual node reports as PodScheduled False with its own
+    reason, a 400 it fails the copy for), which, its original gone, left the pod
+    nowhere."""
     status = copy.get("status") or {}
+    scheduled = condition(status.get("conditions") or [], "PodScheduled") or {}
     return copy_alive(copy) and (
         status.get("phase") in ("Running", "Succeeded")
         or bool(status.get("hostIP"))
-        or condition(status.get("conditions") or [], "PodScheduled") is not None
+        or scheduled.get("status") == "True"
+        or (scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable")
     )
 
 

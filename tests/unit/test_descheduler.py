@@ -1133,6 +1133,21 @@ async def test_a_move_cut_short_is_finished_once_the_original_is_no_longer_stuck
     admitted = {**made, "status": {"phase": "Pending", "hostIP": "10.0.0.1"}}
     assert unfinished_moves([solo, running]) == [(solo, running)]
     assert unfinished_moves([solo, admitted]) == [(solo, admitted)]
+    waiting_below = {
+        **made,
+        "status": {
+            "phase": "Pending",
+            "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}],
+        },
+    }
+    assert unfinished_moves([solo, waiting_below]) == [(solo, waiting_below)]
+    # The virtual node's own word for a create the lower apiserver refuses (an admission
+    # policy's 403): not taken.
+    refused = {
+        **made,
+        "status": refused_status(made, "LowerClusterRefused", "denied", "2026-11-23T12:00:00Z"),
+    }
+    assert unfinished_moves([solo, refused]) == []
 
 
 async def test_a_pod_no_cluster_can_run_is_left_and_said_once() -> None:
@@ -1749,3 +1764,16 @@ def test_a_defragmentation_record_that_cannot_be_read_is_none(written: str) -> N
     waiting["metadata"]["annotations"] = {keys.DEFRAGMENTED_ANNOTATION: written}
     assert defragmented(waiting) is None
     assert planned_again_at(waiting, Policy()) is None
+
+
+async def test_a_defragmentation_record_at_the_end_of_time_crashes_no_cycle() -> None:
+    """Its next plan's time overflowed, and the leader's work died at every look."""
+    world = Fragmented()
+    world.pool.room["vk-lower-3"] = 1
+    big = federated("big")
+    big["metadata"]["annotations"] = {
+        keys.DEFRAGMENTED_ANNOTATION: '{"plans": 1, "at": "9999-12-31T23:59:00Z"}'
+    }
+    world.pods.apply({"type": "MODIFIED", "object": big})
+    (plan,) = await world.descheduler.cycle()
+    assert isinstance(plan, Plan)
