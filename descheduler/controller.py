@@ -186,6 +186,7 @@ class Descheduler:
             for s in stuck_pods(pods, virtual_nodes, now, self.policy)
             if self._blocked.get(s.uid, 0.0) <= moment
         ]
+        stuck = await self._withdraw_untaken_copies(stuck, pods)
         # A bare pod whose copy an earlier try made (cut short before the original went)
         # only has its original left to delete: asking the estimators again would find
         # the room taken, by that very copy.
@@ -485,6 +486,33 @@ class Descheduler:
             f"{stuck.describe()}; evicted from {stuck.node} for its controller to replace "
             f"({move.to} can run it)",
         )
+
+    async def _withdraw_untaken_copies(self, stuck: list[Stuck], pods: list[JSON]) -> list[Stuck]:
+        """Deletes the stuck copies their cluster never took whose original is still
+        there, and returns the other stuck pods. Moved in turn, such a copy got a copy of
+        its own, and its original, neither deleted (its copy never taken) nor copied
+        again (that copy going), ran beside the copy's copy once its cluster was back.
+        The original, stuck still, is copied afresh at a later look."""
+        live = {
+            str(p["metadata"].get("uid"))
+            for p in pods
+            if not p["metadata"].get("deletionTimestamp")
+        }
+        left = []
+        for case in stuck:
+            annotations = case.pod["metadata"].get("annotations") or {}
+            original = annotations.get(keys.COPY_OF_ANNOTATION)
+            if original not in live or copy_taken(case.pod):
+                left.append(case)
+                continue
+            log.info("%s: a copy %s never took, %s; deleted", case.key, case.node, case.describe())
+            if self.dry_run:
+                continue
+            try:
+                await self.client.delete_exact(PODS, case.pod)
+            except API_ERRORS as error:
+                log.warning("%s: untaken copy not deleted: %s", case.key, error)
+        return left
 
     async def _finish_move(self, original: JSON, copy: JSON) -> None:
         where = f"pod {copy['metadata']['name']} on {copy['spec'].get('nodeName')}"

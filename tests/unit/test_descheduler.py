@@ -723,6 +723,10 @@ class FakeClient:
         self.pods.apply({"type": "MODIFIED", "object": patched})
         return patched
 
+    async def delete_exact(self, resource: Any, obj: dict[str, Any]) -> None:
+        metadata = obj["metadata"]
+        self.calls.append(("delete", f"{metadata['namespace']}/{metadata['name']}"))
+
     async def delete(
         self,
         resource: Any,
@@ -1053,6 +1057,25 @@ async def test_a_bare_pod_is_not_copied_back_to_a_cluster_it_left_within_return_
 def test_an_unreadable_left_until_entry_keeps_the_pod_off_nothing(written: str) -> None:
     solo = pod("solo", owned=False, annotations={keys.LEFT_UNTIL_ANNOTATION: written})
     assert left_until(solo) == {} and kept_off(solo, NOW) == set()
+
+
+async def test_a_copy_its_cluster_never_took_is_withdrawn_not_copied_in_turn() -> None:
+    """The copy's cluster went down before it made the copy below: copied in turn, the
+    original (never deleted, its copy never taken) ran beside the copy's copy once its
+    own cluster was back."""
+    world = World(ROOM_IN_2)
+    solo = pod("solo", owned=False)
+    world.add(solo)
+    made = pod_copy(solo, "vk-lower-3", NOW, 600)
+    made["metadata"]["uid"] = "uid-copy"
+    made["status"] = {"phase": "Pending"}  # never made below
+    world.add(made)
+    world.nodes.apply({"type": "MODIFIED", "object": virtual("vk-lower-3", down_for=400)})
+    await world.descheduler.cycle()
+    name = copy_name(solo)
+    assert ("delete", f"apps/{name}") in world.client.calls
+    assert ("create", f"apps/{copy_name(made)}") not in world.client.calls
+    assert ("delete", "apps/solo") not in world.client.calls
 
 
 async def test_a_copy_made_before_a_crash_is_found_and_only_the_original_deleted() -> None:
