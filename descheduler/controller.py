@@ -7,6 +7,7 @@ cut short by a crash or an error is taken up again by the next one."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -732,16 +733,12 @@ class Descheduler:
         # too soon, from this process or the next leader.
         record = defragmented_record(waiting.pod, self.now())
         try:
-            await self.client.patch(
-                PODS,
-                waiting.pod["metadata"]["name"],
-                {"metadata": {"annotations": {keys.DEFRAGMENTED_ANNOTATION: record}}},
-                waiting.namespace,
-            )
+            await self._record_plan(waiting, record)
         except API_ERRORS as error:
             log.warning("%s: plan not recorded, nothing evicted: %s", waiting.key, error)
             self._give_back(waiting.pod)
             return
+        evicted = 0
         plans = json.loads(record)["plans"]
         await self._event(
             waiting.pod,
@@ -771,13 +768,30 @@ class Descheduler:
                 # may take their room again. (It is not planned for again until the
                 # hold would have lapsed.)
                 self.pool.release([plan.cluster], waiting.uid)
+                if not evicted:
+                    # Nobody evicted: no plan carried out, to count against its four.
+                    previous = (waiting.pod["metadata"].get("annotations") or {}).get(
+                        keys.DEFRAGMENTED_ANNOTATION
+                    )
+                    with contextlib.suppress(*API_ERRORS):
+                        await self._record_plan(waiting, previous)
                 return
+            evicted += 1
             await self._event(
                 pod,
                 "Descheduled",
                 f"evicted from {plan.cluster} (lower node {plan.node}) to make room for pod "
                 f"{waiting.key}, which no node of any cluster fits; its controller replaces it",
             )
+
+    async def _record_plan(self, waiting: Waiting, record: str | None) -> None:
+        """Writes the waiting pod's record of the plans made for it (None: none)."""
+        await self.client.patch(
+            PODS,
+            waiting.pod["metadata"]["name"],
+            {"metadata": {"annotations": {keys.DEFRAGMENTED_ANNOTATION: record}}},
+            waiting.namespace,
+        )
 
     def _pod_changed(self, pod: JSON) -> None:
         node = pod["spec"].get("nodeName")

@@ -717,7 +717,11 @@ class FakeClient:
         if cached is None:
             return {}
         annotations = {**(cached["metadata"].get("annotations") or {})}
-        annotations.update(patch["metadata"]["annotations"])
+        for key, value in patch["metadata"]["annotations"].items():
+            if value is None:
+                annotations.pop(key, None)  # a merge patch's null
+            else:
+                annotations[key] = value
         patched = {**cached, "metadata": {**cached["metadata"], "annotations": annotations}}
         assert self.pods is not None
         self.pods.apply({"type": "MODIFIED", "object": patched})
@@ -1469,6 +1473,22 @@ async def test_an_eviction_refused_mid_plan_stops_it_with_a_warning() -> None:
     assert "apps/a was refused: disruption budget" in world.client.events[-1]["message"]
     assert world.pool.released == [(["vk-lower-1"], "uid-big")], "the room goes back at once"
     assert await world.descheduler.cycle() == [], "not planned again before the hold's time"
+
+
+async def test_a_plan_stopped_before_any_eviction_does_not_count() -> None:
+    """Four plans refused at their first eviction (a budget changed meanwhile) left the
+    pod never planned for again, though no pod had ever been evicted for it."""
+    world = Fragmented()
+    world.pool.room["vk-lower-2"] = 5
+    world.client.eviction_error = ApiError(429, {"message": "disruption budget"})
+    await world.descheduler.cycle()
+    (first, rollback) = [patch for _, patch in world.client.patches]
+    assert keys.DEFRAGMENTED_ANNOTATION in first["metadata"]["annotations"]
+    assert rollback == {"metadata": {"annotations": {keys.DEFRAGMENTED_ANNOTATION: None}}}
+    big = world.pods.get("apps/big")
+    assert big is not None and keys.DEFRAGMENTED_ANNOTATION not in big["metadata"].get(
+        "annotations", {}
+    )
 
 
 async def test_room_held_for_a_pod_deleted_or_bound_elsewhere_goes_back_at_once() -> None:
