@@ -127,9 +127,9 @@ def provider_taint() -> JSON:
     }
 
 
-def label_keys_record(labels: Mapping[str, str]) -> str:
+def label_keys_record(label_keys: Iterable[str]) -> str:
     """The Node annotation's record of the labels we set: their keys."""
-    return json.dumps(sorted(labels), separators=(",", ":"))
+    return json.dumps(sorted(label_keys), separators=(",", ":"))
 
 
 def recorded_label_keys(node: Mapping[str, Any]) -> set[str]:
@@ -174,9 +174,13 @@ def registration_patch(
     label_change: dict[str, str | None] = {
         k: v for k, v in want_labels.items() if have_labels.get(k) != v
     }
-    label_change.update(
-        dict.fromkeys((recorded_label_keys(existing) - set(want_labels)) & set(have_labels))
-    )
+    # No lower node counting (all NotReady a moment, an upgrade) says nothing of the
+    # labels: those set before stay, and so does their record.
+    keep_labels = not report.labels
+    if not keep_labels:
+        label_change.update(
+            dict.fromkeys((recorded_label_keys(existing) - set(want_labels)) & set(have_labels))
+        )
     if label_change:
         patch["metadata"] = {"labels": label_change}
     have_annotations = existing["metadata"].get("annotations") or {}
@@ -186,8 +190,11 @@ def registration_patch(
         keys.ESTIMATOR_ADDRESS_ANNOTATION: None,
         keys.ESTIMATOR_STARTED_ANNOTATION: None,
         **identity.annotations(),
-        keys.NODE_LABEL_KEYS_ANNOTATION: label_keys_record(want_labels),
     }
+    recorded = recorded_label_keys(existing) if keep_labels else set()
+    wanted_annotations[keys.NODE_LABEL_KEYS_ANNOTATION] = label_keys_record(
+        recorded | set(want_labels)
+    )
     annotation_change = {
         k: v for k, v in wanted_annotations.items() if have_annotations.get(k) != v
     }

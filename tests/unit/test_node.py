@@ -51,20 +51,25 @@ def test_a_node_with_an_estimator_says_where_it_listens_and_since_when() -> None
 def test_a_label_set_before_that_the_lower_nodes_no_longer_share_goes_at_registration() -> None:
     """The lower nodes changed while no virtual node ran (a zone-b pool added): the
     Node kept zone=a for good. A label a user put on it is left."""
-    zoned = dataclasses.replace(REPORT, labels={ZONE: "a"})
+    region = "topology.kubernetes.io/region"
+    zoned = dataclasses.replace(REPORT, labels={region: "eu", ZONE: "a"})
+    moved = dataclasses.replace(REPORT, labels={region: "eu"})  # zones a and b now
     existing = registration(identity(), zoned)
     existing["metadata"] |= {"resourceVersion": "7"}
     existing["metadata"]["labels"]["team"] = "ours"
-    patch = registration_patch(existing, identity(), REPORT)
+    patch = registration_patch(existing, identity(), moved)
     assert patch is not None
     assert patch["metadata"]["labels"] == {ZONE: None}
     record = patch["metadata"]["annotations"][keys.NODE_LABEL_KEYS_ANNOTATION]
     assert ZONE not in json.loads(record) and "team" not in json.loads(record)
+    # No lower node counts at the moment (all NotReady, an upgrade): that says nothing of
+    # the labels, which stay, recorded still.
+    assert registration_patch(existing, identity(), dataclasses.replace(zoned, labels={})) is None
     # A Node of a run that kept no record: nothing is taken off.
     unrecorded = registration(identity(), zoned)
     del unrecorded["metadata"]["annotations"][keys.NODE_LABEL_KEYS_ANNOTATION]
     unrecorded["metadata"]["resourceVersion"] = "7"
-    patch = registration_patch(unrecorded, identity(), REPORT)
+    patch = registration_patch(unrecorded, identity(), moved)
     assert patch is not None and "labels" not in patch["metadata"]
 
 
