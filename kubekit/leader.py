@@ -125,7 +125,7 @@ def released(lease: JSON, now: str) -> JSON:
 
 class Attempt(enum.Enum):
     HELD = "held"  # the Lease is ours, written
-    TAKEN = "taken"  # another candidate holds it
+    TAKEN = "taken"  # another candidate holds it, as read
     FAILED = "failed"  # no answer, or an error: nothing learnt
 
 
@@ -191,9 +191,10 @@ class LeaderElector:
             else:
                 self._lease = await self.client.replace(LEASES, body, settings.namespace)
         except ApiError as error:
-            if is_conflict(error):
-                return Attempt.TAKEN  # another candidate wrote it between our read and write
-            log.warning("lease %s: %s", self._key(), error.message)
+            # A conflict may be our own earlier write that landed after its call timed
+            # out: the next attempt reads who holds it.
+            if not is_conflict(error):
+                log.warning("lease %s: %s", self._key(), error.message)
             return Attempt.FAILED
         except CONNECTION_ERRORS as error:
             log.warning("lease %s: %s", self._key(), error or type(error).__name__)

@@ -1,4 +1,5 @@
 import asyncio
+import contextlib
 import copy
 from typing import Any
 
@@ -427,3 +428,27 @@ async def test_a_lease_is_held_from_when_its_write_was_sent_not_answered() -> No
     # Its first write was sent at once: held until 2.5 s from then, not from its answer
     # (4.5 s), every renewal's answer coming too late.
     assert stopped[0] - began < answer_delay + timing["renew_deadline"] - 0.5
+
+
+async def test_a_renewal_that_meets_its_own_late_write_leads_on() -> None:
+    """A renewal whose call timed out may land after all; the next one's write then meets
+    a conflict with it (409), not with another candidate: leadership is not lost."""
+    store = LeaseStore()
+    timing = {"lease_duration": 6.0, "renew_deadline": 4.0, "retry_period": 0.05}
+    leader = LeaderElector(store, settings("a", **timing))  # type: ignore[arg-type]
+    real = store.replace
+    conflicts = [ApiError(409, {"reason": "Conflict"})]
+
+    async def replace(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        if conflicts:
+            raise conflicts.pop()
+        return await real(*args, **kwargs)
+
+    store.replace = replace  # type: ignore[method-assign]
+    run = await leading(leader)
+    await asyncio.sleep(0.3)  # several renewals, the first one refused
+    assert not run.done() and not conflicts
+    assert store.holder() == "a"
+    run.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await run
