@@ -3,7 +3,9 @@ the apiserver's reason, and the kubeconfig's connection settings hold as for req
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import pytest
 import yaml
 from aiohttp import WSMsgType, web
@@ -56,11 +58,23 @@ async def test_websockets_honour_the_kubeconfigs_tls_server_name(tmp_path: Path)
             await socket.close()
 
 
-async def test_a_websocket_whose_reader_waits_is_not_closed_under_it(tmp_path: Path) -> None:
+async def test_a_websocket_whose_reader_waits_is_not_closed_under_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A session whose client stops reading (`kubectl exec … | less` on its first page)
-    stops reading the lower socket too, so a ping's pong goes unread: a heartbeat closed
-    the session then, the output cut short. TCP keepalive keeps the connection instead."""
+    stops reading the lower socket too, so a ping's pong goes unread: a heartbeat (30 s)
+    closed the session 15 s later, the output cut short. TCP keepalive keeps the
+    connection instead: no heartbeat is asked of aiohttp, and a reader that waits gets
+    everything."""
     payload = bytes(range(256)) * 4096  # 1 MiB: past what the client reads ahead
+    asked: list[dict[str, Any]] = []
+    connect = aiohttp.ClientSession.ws_connect
+
+    def recording(self: aiohttp.ClientSession, *args: Any, **kwargs: Any) -> Any:
+        asked.append(kwargs)
+        return connect(self, *args, **kwargs)
+
+    monkeypatch.setattr(aiohttp.ClientSession, "ws_connect", recording)
 
     async def talker(request: web.Request) -> web.WebSocketResponse:
         socket = web.WebSocketResponse(autoping=False)
@@ -83,3 +97,4 @@ async def test_a_websocket_whose_reader_waits_is_not_closed_under_it(tmp_path: P
                     assert message.type is WSMsgType.BINARY, message
                     received += message.data
             assert bytes(received) == payload
+    assert [kwargs.get("heartbeat") for kwargs in asked] == [None]
