@@ -164,7 +164,7 @@ class AnswerStream:
         while self._waiting:
             waiting = self._waiting.popleft()
             if not waiting.done():
-                waiting.set_exception(self._failure)
+                waiting.set_exception(_EndedWithTheCall(self._failure))
 
     async def ask(self, request: EstimateRequest, timeout: float) -> EstimateResponse:
         """The answer to ``request``; raises the call's failure as a unary call would."""
@@ -173,7 +173,7 @@ class AnswerStream:
             async with asyncio.timeout(timeout):
                 async with self._writing:
                     if self._failure is not None:
-                        raise self._failure
+                        raise _EndedWithTheCall(self._failure)
                     self._waiting.append(answer)
                     try:
                         await self._call.write(request)
@@ -199,6 +199,16 @@ class AnswerStream:
 
     def close(self) -> None:
         self._reader.cancel()
+
+
+class _EndedWithTheCall(grpc.aio.AioRpcError):
+    """The failure of a request that waited on a call another one ended: late only if
+    that other one was (never counted as this estimator being late again)."""
+
+    def __init__(self, failure: grpc.aio.AioRpcError) -> None:
+        super().__init__(
+            failure.code(), grpc.aio.Metadata(), grpc.aio.Metadata(), failure.details()
+        )
 
 
 def _failure(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -388,7 +398,9 @@ class EstimatorPool:
             # Given back again with the next call: a release is idempotent.
             self._queue_releases(name, estimator, releases)
             code = error.code()
-            if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+            if isinstance(error, _EndedWithTheCall):
+                pass  # another request's lateness, counted once, with that request
+            elif code is grpc.StatusCode.DEADLINE_EXCEEDED:
                 self._late(name, estimator)
             else:
                 estimator.late_in_a_row = 0

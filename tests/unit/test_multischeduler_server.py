@@ -456,6 +456,24 @@ async def test_an_estimator_late_calls_in_a_row_is_skipped_for_a_while(
     assert "vk-slow" in result["NodeNames"]
 
 
+async def test_one_late_answer_counts_once_whoever_waited_on_the_same_call(
+    federation: Federation,
+) -> None:
+    """The requests waiting on a call one late request ended fail with it; each counted
+    as late, one slow answer with three pods asked at once (the descheduler asks for all
+    its stuck pods together) had the cluster skipped."""
+    await federation.estimator("vk-slow", fits(0.9), delay=1.0)
+    pool = federation.extender.pool
+    query = estimator_pb2.PodQuery(pod=orjson.dumps(POD))
+    first = asyncio.create_task(pool.estimate(["vk-slow"], query, 0.2))
+    await asyncio.sleep(0.05)
+    others = [asyncio.create_task(pool.estimate(["vk-slow"], query, 2.0)) for _ in range(3)]
+    answers = [(await task)["vk-slow"] for task in (first, *others)]
+    assert all(isinstance(answer, EstimatorFailure) for answer in answers)
+    result = await federation.filter("vk-slow")
+    assert "not asked for" not in result["FailedAndUnresolvableNodes"].get("vk-slow", "")
+
+
 async def test_ignore_mode_lets_a_node_with_a_failed_estimator_pass(
     federation: Federation,
 ) -> None:
