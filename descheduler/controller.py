@@ -506,9 +506,10 @@ class Descheduler:
             if original not in live or copy_taken(case.pod):
                 left.append(case)
                 continue
-            log.info("%s: a copy %s never took, %s; deleted", case.key, case.node, case.describe())
             if self.dry_run:
+                print(f"dry run: {case.key}: delete, a copy {case.node} never took", flush=True)
                 continue
+            log.info("%s: a copy %s never took, %s; deleted", case.key, case.node, case.describe())
             try:
                 await self.client.delete_exact(PODS, case.pod)
             except API_ERRORS as error:

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -13,6 +14,7 @@ from kubekit import keys
 from kubekit.client import API_ERRORS, EVENTS, ApiError, KubeClient, is_not_found
 from kubekit.informer import FunctionHandler, Informer, object_key
 from kubekit.ratelimit import ItemBackoff
+from kubekit.timestamps import parse_time
 from kubekit.workqueue import WorkQueue
 from virtual_node.translate import Ownership
 
@@ -117,6 +119,9 @@ EVENT_ATTEMPTS = 12
 # (Scheduled, Pulled, Started) never came up.
 POD_WAITS = 5
 POD_WAIT_SECONDS = 1.0
+# Only an event this recent waits for its pod: listed at a restart, the events of pods
+# long gone (an event lives an hour) would each be looked at again for nothing.
+POD_WAIT_WINDOW = datetime.timedelta(minutes=1)
 
 
 def event_queue(first_retry_seconds: float = 1.0) -> WorkQueue[str]:
@@ -132,6 +137,7 @@ class EventReflector:
         owner: Ownership,
         cluster_id: str,
         queue: WorkQueue[str],
+        clock: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.UTC),
     ) -> None:
         self.upper = upper
         self.lower_events = lower_events
@@ -139,6 +145,7 @@ class EventReflector:
         self.owner = owner
         self.cluster_id = cluster_id
         self.queue = queue
+        self.clock = clock
         self._copied: dict[str, int] = {}  # lower event UID -> fingerprint of its copy
         # Event key -> times it was put off for its pod not in the cache yet.
         self._waiting: dict[str, int] = {}
@@ -154,7 +161,14 @@ class EventReflector:
         self._copied.pop(event["metadata"].get("uid", ""), None)
         self._waiting.pop(object_key(event), None)
 
-    def _wait_for_pod(self, key: str) -> None:
+    def _wait_for_pod(self, key: str, event: Mapping[str, Any]) -> None:
+        made = event["metadata"].get("creationTimestamp")
+        try:
+            old = isinstance(made, str) and parse_time(made) < self.clock() - POD_WAIT_WINDOW
+        except ValueError:
+            old = False
+        if old:
+            return
         tries = self._waiting.get(key, 0)
         if tries >= POD_WAITS:
             del self._waiting[key]
@@ -191,7 +205,7 @@ class EventReflector:
         pod = self.lower_pods.get(f"{involved.get('namespace')}/{involved.get('name')}")
         about = involved.get("uid")
         if pod is None or (about and about != pod["metadata"].get("uid")):
-            self._wait_for_pod(key)  # or the event is about an earlier pod of the name
+            self._wait_for_pod(key, event)  # or it is about an earlier pod of the name
             return
         self._waiting.pop(key, None)
         if not self.owner.owns(pod):

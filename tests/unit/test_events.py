@@ -1,11 +1,13 @@
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
 from kubekit import keys
 from kubekit.client import EVENTS, PODS
 from kubekit.informer import Informer
+from kubekit.timestamps import now_rfc3339
 from tests.unit.fakeapi import FakeClient, status_error
 from virtual_node import events as events_module
 from virtual_node.events import (
@@ -31,6 +33,29 @@ LOWER_POD = {
         },
     }
 }
+
+
+OWNED_POD = {**LOWER_POD, "metadata": {**LOWER_POD["metadata"], "labels": OWNER.labels()}}
+
+
+@contextlib.asynccontextmanager
+async def reflecting(reflector: EventReflector) -> AsyncIterator[None]:
+    """The reflector's worker running."""
+    workers = asyncio.ensure_future(reflector.run(1))
+    try:
+        yield
+    finally:
+        workers.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await workers
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Waits up to 10 s for ``condition``; the caller's assertions say what failed."""
+    for _ in range(2000):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
 
 
 def test_lower_event_becomes_an_event_on_the_upper_pod() -> None:
@@ -133,8 +158,7 @@ async def test_an_event_is_copied_up_after_seconds_of_failed_creates() -> None:
     upper.answer("POST", path, *[status_error(503, "ServiceUnavailable", "restarting")] * 6)
     pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
     events = Informer(client=None, resource=EVENTS)  # type: ignore[arg-type]
-    owned = {**LOWER_POD, "metadata": {**LOWER_POD["metadata"], "labels": OWNER.labels()}}
-    pods.apply({"type": "ADDED", "object": owned})
+    pods.apply({"type": "ADDED", "object": OWNED_POD})
     lower = {
         "metadata": {"name": "web-1.abc", "namespace": "east-shop", "uid": "e-1"},
         "involvedObject": {"kind": "Pod", "name": "web-1", "namespace": "east-shop"},
@@ -146,16 +170,8 @@ async def test_an_event_is_copied_up_after_seconds_of_failed_creates() -> None:
         upper, events, pods, OWNER, "lower-1", event_queue(first_retry_seconds=0.001)
     )
     events.apply({"type": "ADDED", "object": lower})
-    workers = asyncio.ensure_future(reflector.run(1))
-    try:
-        for _ in range(2000):
-            if len(upper.writes("POST")) == 7:
-                break
-            await asyncio.sleep(0.005)
-    finally:
-        workers.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await workers
+    async with reflecting(reflector):
+        await until(lambda: len(upper.writes("POST")) == 7)
     assert len(upper.writes("POST")) == 7
 
 
@@ -182,20 +198,11 @@ async def test_an_event_about_a_pod_not_in_the_cache_yet_is_copied_once_it_is(
     }
     reflector = EventReflector(upper, events, pods, OWNER, "lower-1", event_queue())
     events.apply({"type": "ADDED", "object": lower})
-    workers = asyncio.ensure_future(reflector.run(1))
-    try:
+    async with reflecting(reflector):
         await asyncio.sleep(0.02)
         assert upper.writes("POST") == []
-        owned = {**LOWER_POD, "metadata": {**LOWER_POD["metadata"], "labels": OWNER.labels()}}
-        pods.apply({"type": "ADDED", "object": owned})
-        for _ in range(200):
-            if upper.writes("POST"):
-                break
-            await asyncio.sleep(0.005)
-    finally:
-        workers.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await workers
+        pods.apply({"type": "ADDED", "object": OWNED_POD})
+        await until(lambda: bool(upper.writes("POST")))
     assert upper.writes("POST") == [("POST", "/api/v1/namespaces/shop/events")]
     assert reflector._waiting == {}
 
@@ -208,7 +215,12 @@ async def test_an_event_whose_pod_never_comes_is_let_go() -> None:
     for _ in range(events_module.POD_WAITS + 1):
         await reflector.reconcile("east-shop/web-1.abc")  # not cached: nothing
     lonely = {
-        "metadata": {"name": "web-1.abc", "namespace": "east-shop", "uid": "e-1"},
+        "metadata": {
+            "name": "web-1.abc",
+            "namespace": "east-shop",
+            "uid": "e-1",
+            "creationTimestamp": now_rfc3339(),
+        },
         "involvedObject": {"kind": "Pod", "name": "web-1", "namespace": "east-shop"},
     }
     events.apply({"type": "ADDED", "object": lonely})
@@ -217,4 +229,12 @@ async def test_an_event_whose_pod_never_comes_is_let_go() -> None:
     assert reflector._waiting == {"east-shop/web-1.abc": events_module.POD_WAITS}
     await reflector.reconcile("east-shop/web-1.abc")
     assert reflector._waiting == {}, "no more tries, nothing kept"
+    # One made long ago (listed at a restart, its pod long gone) waits for nothing.
+    old = {
+        **lonely,
+        "metadata": {**lonely["metadata"], "creationTimestamp": "2026-01-01T00:00:00Z"},
+    }
+    events.apply({"type": "MODIFIED", "object": old})
+    await reflector.reconcile("east-shop/web-1.abc")
+    assert reflector._waiting == {}
     queue.shut_down()

@@ -883,6 +883,19 @@ async def test_a_refusal_names_every_subresource_checked() -> None:
     assert reviewed_subresources(client) == ["healthz", "proxy", "proxy"]
 
 
+async def flooded(authorizer: Authorizer) -> list[asyncio.Task[User]]:
+    """Bad tokens enough to fill the reviews' places, waiting; one more is told 429."""
+    flood = [
+        asyncio.create_task(authorizer.authenticate(None, f"Bearer t{n}"))
+        for n in range(MAX_PENDING_REVIEWS)
+    ]
+    await asyncio.sleep(0)
+    with pytest.raises(AuthError) as refused:
+        await authorizer.authenticate(None, "Bearer one-more")
+    assert refused.value.status == 429
+    return flood
+
+
 async def test_reviews_waiting_past_the_limit_are_told_to_come_back() -> None:
     """Tokens sent by the thousand (a denied one is not cached) each wait for a review:
     past the limit a caller gets 429 at once, and once they end, reviews go on."""
@@ -894,14 +907,7 @@ async def test_reviews_waiting_past_the_limit_are_told_to_come_back() -> None:
             return {"status": {"authenticated": False, "error": "invalid"}}
 
     authorizer = Authorizer(SlowApiserver(), "vk-1")
-    waiting = [
-        asyncio.create_task(authorizer.authenticate(None, f"Bearer t{n}"))
-        for n in range(MAX_PENDING_REVIEWS)
-    ]
-    await asyncio.sleep(0)
-    with pytest.raises(AuthError) as refused:
-        await authorizer.authenticate(None, "Bearer one-more")
-    assert refused.value.status == 429
+    waiting = await flooded(authorizer)
     release.set()
     for outcome in await asyncio.gather(*waiting, return_exceptions=True):
         assert isinstance(outcome, AuthError) and outcome.status == 401
@@ -931,14 +937,7 @@ async def test_callers_let_in_before_are_reviewed_again_past_a_flood(
     authorizer = Authorizer(FloodedApiserver(), "vk-1")
     user = await authorizer.authenticate(None, "Bearer good")
     await authorizer.authorize_node_access(user, "get", "estimator")
-    flood = [
-        asyncio.create_task(authorizer.authenticate(None, f"Bearer t{n}"))
-        for n in range(MAX_PENDING_REVIEWS)
-    ]
-    await asyncio.sleep(0)
-    with pytest.raises(AuthError) as refused:
-        await authorizer.authenticate(None, "Bearer one-more")
-    assert refused.value.status == 429
+    flood = await flooded(authorizer)
     # Both answers have lapsed (a TTL of 0): each is asked again, and given.
     assert await authorizer.authenticate(None, "Bearer good") == user
     await authorizer.authorize_node_access(user, "get", "estimator")
