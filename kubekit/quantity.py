@@ -9,6 +9,7 @@ from fractions import Fraction
 
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 _DECIMAL = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+_DECIMAL_SUFFIX = {exponent: suffix for suffix, exponent in _DECIMAL.items()}
 # The exponent is an int32 to the apiserver: longer ones are not quantities. The digits
 # before the point are matched one way only: "\d+\.?\d*" could split them anywhere, and
 # a long run of digits before a bad suffix took quadratic time to refuse.
@@ -56,17 +57,22 @@ def parse_quantity(text: str | int | float) -> Fraction:
 
 
 def format_quantity(value: Fraction, resource: str = "") -> str:
-    """Canonical text for a quantity: whole numbers plain, fractions in milli-units
-    (rounded up, as the apiserver does), memory-like values in the largest exact
-    binary unit."""
+    """A quantity's text as the apiserver writes it back (its canonical form), so that
+    what was sent compares equal to what is read: whole numbers with the largest decimal
+    suffix that keeps them exact ("1k", "13384M"), fractions in milli-units (rounded up,
+    as the apiserver does), memory-like values in the largest exact binary unit."""
     if value < 0:
         raise QuantityError(f"negative quantity {value} for {resource or 'a resource'}")
-    if value.denominator == 1:
-        whole = int(value)
-        if resource in {"memory", "ephemeral-storage"} or resource.startswith("hugepages-"):
-            for suffix in ("Ei", "Pi", "Ti", "Gi", "Mi", "Ki"):
-                if whole and whole % _BINARY[suffix] == 0:
-                    return f"{whole // _BINARY[suffix]}{suffix}"
-        return str(whole)
     milli = -((-value * 1000) // 1)  # ceiling
-    return f"{milli}m"
+    if milli % 1000:
+        return f"{milli}m"
+    whole = milli // 1000
+    if resource in {"memory", "ephemeral-storage"} or resource.startswith("hugepages-"):
+        for suffix in ("Ei", "Pi", "Ti", "Gi", "Mi", "Ki"):
+            if whole and whole % _BINARY[suffix] == 0:
+                return f"{whole // _BINARY[suffix]}{suffix}"
+    exponent = 0
+    while whole and whole % 1000 == 0 and exponent < 18:
+        whole //= 1000
+        exponent += 3
+    return f"{whole}{_DECIMAL_SUFFIX[exponent]}"

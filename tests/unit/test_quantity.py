@@ -52,8 +52,28 @@ def test_format() -> None:
     assert format_quantity(Fraction(3, 2), "cpu") == "1500m"
     assert format_quantity(Fraction(8), "cpu") == "8"
     assert format_quantity(Fraction(64 * 2**30), "memory") == "64Gi"
-    assert format_quantity(Fraction(1000), "memory") == "1000"
     assert format_quantity(Fraction(1, 3000), "cpu") == "1m"
+
+
+@pytest.mark.parametrize(
+    ("value", "resource", "text"),
+    [
+        # What the apiserver writes back for each (its canonical form): a Node status
+        # sent any other way read as changed at every comparison with the stored one.
+        (Fraction(1000), "pods", "1k"),
+        (Fraction(110), "pods", "110"),
+        (Fraction(13_384_000_000), "memory", "13384M"),
+        (Fraction(1000), "memory", "1k"),
+        (Fraction(1500), "memory", "1500"),
+        (Fraction(3 * 2**20), "memory", "3Mi"),
+        (Fraction(4_000_000), "cpu", "4M"),
+        (Fraction(10**21), "nvidia.com/gpu", "1000E"),
+        (Fraction(9999, 10000), "cpu", "1"),
+        (Fraction(0), "cpu", "0"),
+    ],
+)
+def test_format_is_canonical(value: Fraction, resource: str, text: str) -> None:
+    assert format_quantity(value, resource) == text
     with pytest.raises(QuantityError):
         format_quantity(Fraction(-1), "cpu")
 
