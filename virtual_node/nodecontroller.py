@@ -7,6 +7,7 @@ from a NodeProvider; this module only talks to the upper apiserver.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -31,6 +32,7 @@ from virtual_node.node import (
     lease,
     node_labels,
     node_status,
+    recorded_label_keys,
     registration,
     registration_patch,
     report_annotations,
@@ -43,6 +45,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 LEASE_INTERVAL_SECONDS = 10.0
+# An admission webhook's refusal (400 unless it says), a policy's (403, 422).
+REFUSED_STATUSES = frozenset({400, 403, 422})
 # A renewal waits this long at most (the kubelet's heartbeat client: min(10 s, the lease's
 # duration)), and one that failed is tried again this soon: a request hung on a dead
 # connection for the client's usual 60 s would outlast the 40 s Lease, and the upper node
@@ -152,6 +156,27 @@ class NodeController:
     async def _register_once(self) -> None:
         report = self.provider.report(self.reachable)
         try:
+            await self._register_with(report)
+        except ApiError as error:
+            if error.status not in REFUSED_STATUSES or not report.labels:
+                raise
+            # A label of the lower nodes an upper admission policy refuses would keep
+            # the Node from registering at every start; the status update tries the
+            # labels again and goes on without them when refused. The OS and the
+            # architecture stay: defaulted, pods would be placed on a wrong one.
+            log.warning(
+                "node %s not registered with its lower nodes' labels (%s); registering "
+                "without them",
+                self.identity.name,
+                error,
+            )
+            platform = {
+                k: v for k, v in report.labels.items() if k in (keys.OS_LABEL, keys.ARCH_LABEL)
+            }
+            await self._register_with(dataclasses.replace(report, labels=platform))
+
+    async def _register_with(self, report: NodeReport) -> None:
+        try:
             existing = await self.upper.get(NODES, self.identity.name)
         except ApiError as error:
             if not is_not_found(error):
@@ -163,6 +188,7 @@ class NodeController:
             # nor its conditions' transition times.
             self._annotations = {}
             self._last_status = created.get("status") or {}
+            self._labels = node_labels(self.identity, report)
         else:
             patch = registration_patch(existing, self.identity, report)
             if patch:
@@ -170,8 +196,15 @@ class NodeController:
             self._node_uid = existing["metadata"]["uid"]
             self._last_status = existing.get("status") or {}
             self._annotations = dict(existing["metadata"].get("annotations") or {})
+            self._labels = node_labels(self.identity, report)
+            if not report.labels:
+                # Registered while no lower node counted, the labels a former run set
+                # stayed: counted as ours, the next update takes off those the lower
+                # nodes no longer share.
+                have = existing["metadata"].get("labels") or {}
+                kept = recorded_label_keys(existing) & set(have)
+                self._labels = {**{k: have[k] for k in kept}, **self._labels}
         self._status_unknown = False
-        self._labels = node_labels(self.identity, report)
 
     async def _lease_loop(self) -> None:
         lease_failed = False

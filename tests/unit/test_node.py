@@ -473,6 +473,55 @@ async def test_a_refused_label_holds_back_neither_status_nor_annotations() -> No
     assert patch["metadata"]["labels"] == {keys.ARCH_LABEL: "arm64"}, "tried again"
 
 
+@pytest.mark.parametrize("status", [400, 403, 422])
+async def test_a_node_refused_for_a_lower_label_registers_without_it(status: int) -> None:
+    """An upper admission policy refuses a label the lower nodes share: the Node is made
+    without it (the process ended at every start), and the update tries it again."""
+    upper = FakeClient()
+    shared = {"example.com/pool": "gpu", keys.ARCH_LABEL: "arm64"}
+    controller = nodecontroller.NodeController(upper, identity(), LabelledLowerCluster(**shared))
+    controller.reachable = True
+    upper.answer("POST", "/api/v1/nodes", status_error(status, "Forbidden", "policy"))
+    await controller.register()
+    created = [r.body for r in upper.requests if (r.method, r.path) == ("POST", "/api/v1/nodes")]
+    assert len(created) == 2
+    assert "example.com/pool" in created[0]["metadata"]["labels"]
+    assert "example.com/pool" not in created[1]["metadata"]["labels"]
+    (patch,) = [r.body for r in upper.requests if r.method == "PATCH" and r.path.endswith("-1")]
+    assert patch["metadata"]["labels"] == {"example.com/pool": "gpu"}, "tried again"
+
+
+async def test_a_node_refused_for_another_reason_is_not_registered_again() -> None:
+    upper = FakeClient()
+    controller = nodecontroller.NodeController(upper, identity(), FlakyLowerCluster(True))
+    controller.reachable = True
+    upper.answer("POST", "/api/v1/nodes", status_error(403, "Forbidden", "no create"))
+    with pytest.raises(ApiError):
+        await controller.register()
+
+
+async def test_a_label_kept_at_a_registration_without_lower_nodes_goes_once_they_differ() -> None:
+    """Restarted while no lower node counted, the labels a former run set stayed; when
+    the nodes count again without sharing one, it goes, and later runs forget it."""
+    region = "topology.kubernetes.io/region"
+    upper = FakeClient()
+    node = registration(identity(), dataclasses.replace(REPORT, labels={region: "a"}))
+    node["metadata"] |= {"uid": "uid-1", "resourceVersion": "7"}
+    upper.answer("GET", "/api/v1/nodes/vk-lower-1", node)
+    lower = LabelledLowerCluster()
+    restarted = nodecontroller.NodeController(upper, identity(), lower)
+    restarted.reachable = True
+    await restarted.register()
+    assert not [r for r in upper.requests if r.path == "/api/v1/nodes/vk-lower-1" and r.body]
+    upper.requests.clear()
+    lower.labels = {keys.ARCH_LABEL: "amd64"}
+    await restarted.update_status(force=False)
+    (patch,) = [r.body for r in upper.requests if r.path == "/api/v1/nodes/vk-lower-1"]
+    assert patch["metadata"]["labels"] == {region: None}
+    record = json.loads(patch["metadata"]["annotations"][keys.NODE_LABEL_KEYS_ANNOTATION])
+    assert region not in record
+
+
 async def test_a_lease_renewed_again_after_failing_has_the_status_sent(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
