@@ -512,7 +512,7 @@ def test_a_restarted_container_and_a_pod_made_again_count_anew() -> None:
     p = P._replace(container_starts=(("app", 1000.0),))
     prometheus_text(LOWER_METRICS, {"lower-default/p": p}, counters, now=at)
     before = _samples(prometheus_text(LOWER_METRICS, {"lower-default/p": p}, counters, now=at + 10))
-    assert before[APP] == pytest.approx(0.25 * 4010)
+    assert before[APP] == pytest.approx(0.25 * 10), "counted from the first reading"
     restarted = p._replace(container_starts=(("app", at + 600.0),))
     after = _samples(
         prometheus_text(LOWER_METRICS, {"lower-default/p": restarted}, counters, now=at + 620)
@@ -526,6 +526,30 @@ def test_a_restarted_container_and_a_pod_made_again_count_anew() -> None:
     )
     assert again[pod_p] == pytest.approx(COUNTER_START_SECONDS)
     assert again[APP] == pytest.approx(0.25 * 30)
+
+
+def test_a_restarted_virtual_node_reports_no_cpu_spike() -> None:
+    """metrics-server holds the last process's sample of a container that ran at 0.25
+    core for a day, then at 1 core; the new process's first samples give a rate no
+    higher than the container's own (counted from its start at 1 core, they read a
+    day's history at 1 core over one scrape's interval: thousands of cores)."""
+    start, restart = 1000.0, 1000.0 + 86_400
+    p = P._replace(container_starts=(("app", start),))
+    old_sample = 0.25 * (restart - start)
+    busy = [
+        {
+            **item,
+            "containers": [{**c, "usage": {**c["usage"], "cpu": "1"}} for c in item["containers"]],
+        }
+        if item["metadata"]["name"] == "p"
+        else item
+        for item in LOWER_METRICS
+    ]
+    counters = CpuCounters()
+    for now in (restart + 5, restart + 20):
+        sample = _samples(prometheus_text(busy, {"lower-default/p": p}, counters, now=now))[APP]
+        rate = (sample - old_sample) / (now - restart)
+        assert rate <= 1.0
 
 
 def test_a_pod_left_out_of_one_lower_listing_keeps_its_counters() -> None:

@@ -58,6 +58,11 @@ class CpuCounters:
     def __init__(self) -> None:
         # key -> (what it counts, when last advanced, total)
         self._seen: dict[str, tuple[object, float, float]] = {}
+        # The first reading's time: a container that started before it counts from it.
+        # Counted from its start at today's rate, it read a restarted virtual node's
+        # whole history at that rate, and metrics-server, holding the last process's
+        # sample, saw a container at 0.1 core for days and 1 core now use 50,000 cores.
+        self._first_reading: float | None = None
 
     def advance(
         self,
@@ -70,13 +75,20 @@ class CpuCounters:
         """The counter of ``key`` advanced to ``now`` at ``cores``. ``counted`` names what
         it counts (a container's pod UID and start): another under the same key (the
         container restarted, its pod made again under its name) starts a counter of its
-        own, as a cgroup's, as if it had run at ``cores`` ``since`` it started. Carried
+        own, as a cgroup's, as if it had run at ``cores`` ``since`` it started (or
+        since this counter set's first reading, when it started before). Carried
         on, it read as a CPU spike: metrics-server takes a container started lately
         to have counted from 0 at its start (a restart at 1 core scraped 20 s after read
         as 181 cores)."""
+        if self._first_reading is None:
+            self._first_reading = now
         seen = self._seen.get(key)
         if seen is None or seen[0] != counted:
-            ran = cores * max(0.0, now - since) if since is not None else 0.0
+            ran = (
+                cores * max(0.0, now - max(since, self._first_reading))
+                if since is not None
+                else 0.0
+            )
             seen = (counted, now, COUNTER_START_SECONDS + ran)
         _, last_time, total = seen
         total += cores * max(0.0, now - last_time)
