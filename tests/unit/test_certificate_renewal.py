@@ -71,8 +71,10 @@ async def test_a_due_certificate_is_renewed_and_a_failed_request_tried_again(
         renewing.cancel()
 
 
-def test_a_kept_certificate_is_served_again_until_it_is_due(tmp_path: Path) -> None:
-    """A virtual node that starts again serves the certificate its last CSR got."""
+def test_a_kept_certificate_is_served_again_until_it_expires(tmp_path: Path) -> None:
+    """A virtual node that starts again serves the certificate its last CSR got, due
+    for renewal or not (renewed at once then: a CSR failing a moment replaced a good
+    certificate with a self-signed one)."""
     ca = pki.create_ca(tmp_path, "test")
     names = ("127.0.0.1",)
     assert (
@@ -82,7 +84,9 @@ def test_a_kept_certificate_is_served_again_until_it_is_due(tmp_path: Path) -> N
     kept = pki.issue(ca, tmp_path / "kubelet-serving", "system:node:vk-1", server_names=names)
     begins, life = lifetime(kept)
     assert certificates.kept_certificate(tmp_path, "vk-1", names, begins + life / 2) == kept
-    assert certificates.kept_certificate(tmp_path, "vk-1", names, begins + life * 0.9) is None
+    assert certificates.kept_certificate(tmp_path, "vk-1", names, begins + life * 0.9) == kept
+    assert certificates.renewal_delay(kept.cert_path.read_bytes(), begins + life * 0.9) == 0
+    assert certificates.kept_certificate(tmp_path, "vk-1", names, begins + life * 1.01) is None
     assert certificates.kept_certificate(tmp_path, "vk-2", names, begins) is None
     assert certificates.kept_certificate(tmp_path, "vk-1", ("10.0.0.1",), begins) is None
 

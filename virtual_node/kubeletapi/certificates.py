@@ -140,9 +140,11 @@ def kept_certificate(
     directory: Path, node_name: str, names: Collection[str], now: datetime.datetime
 ) -> pki.KeyPair | None:
     """A certificate an earlier CSR of this node got, still in ``directory``, for the same
-    names and not yet due for renewal: a virtual node that starts again (a restart, or
-    leading again after its apiserver was away) serves it, as a kubelet keeps its
-    certificate, rather than waiting on a new CSR that a signer just back may not sign."""
+    names and not expired: a virtual node that starts again (a restart, or leading again
+    after its apiserver was away) serves it, as a kubelet keeps its certificate, rather
+    than waiting on a new CSR that a signer just back may not sign. One due for renewal
+    is renewed at once; refused at its due time, a CSR failing a moment put a
+    self-signed pair over a certificate good for days."""
     pair = _issued_pair(directory)
     try:
         cert_pem = pair.cert_path.read_bytes()
@@ -155,7 +157,7 @@ def kept_certificate(
     common = [a.value for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
     if common != [f"system:node:{node_name}"] or {str(n.value) for n in san} != set(names):
         return None
-    return pair if renewal_delay(cert_pem, now) > 0 else None
+    return pair if cert.not_valid_after_utc > now else None
 
 
 def _matches(pair: pki.KeyPair) -> bool:
