@@ -604,11 +604,12 @@ async def _sweep_orphans(
     reflector: Reflector,
 ) -> None:
     """Lower pods and copies nobody above wants any more: at start, then periodically,
-    for whatever the event handlers could not see (deleted while we were down)."""
+    for whatever the event handlers could not see (deleted while we were down); and the
+    copies a namesake below held back, whose name may be free now."""
     while True:
         for key in backend.orphan_keys(set(upper_keys())):
             queue.add(key)
-        for copy_key in reflector.orphan_keys():
+        for copy_key in (*reflector.orphan_keys(), *reflector.taken_keys()):
             reflector.queue.add(copy_key)
         await asyncio.sleep(ORPHAN_SWEEP_SECONDS)
 

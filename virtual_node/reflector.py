@@ -409,6 +409,12 @@ class Reflector:
                     found.append(key)
         return found
 
+    def taken_keys(self) -> list[Key]:
+        """Keys whose name below an object not ours holds (for the periodic sweep): the
+        watch of our copies never sees that object go, and a Service, or what a
+        namespace's quota slices bring, was copied only once its upper object changed."""
+        return list(self._taken)
+
     async def ensure_for_pod(self, pod: Mapping[str, Any]) -> None:
         """Brings the copies a pod needs up to date now, before the pod is created below:
         through the queue, so no worker reconciles the same key meanwhile."""

@@ -4,8 +4,10 @@ selector decides which pods need it."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
@@ -14,7 +16,8 @@ from kubekit.client import PODS
 from kubekit.informer import Informer
 from kubekit.workqueue import WorkQueue
 from tests.unit.fakeapi import FakeClient, status_error
-from virtual_node.lower import NameTaken
+from virtual_node.lower import LowerCluster, NameTaken
+from virtual_node.main import _sweep_orphans
 from virtual_node.naming import NamespaceMapping
 from virtual_node.references import Kind
 from virtual_node.reflector import RESOURCES, Key, Reflector
@@ -584,6 +587,27 @@ async def test_endpoint_slices_go_below_only_beside_our_own_copy_of_their_servic
     r.below("services", {**copy, "metadata": {**copy["metadata"], "uid": "lower-svc"}})
     await r.drain()
     assert [body["metadata"]["name"] for body in r.created(slices)] == ["front-abc"]
+
+
+async def test_a_service_a_namesake_held_back_is_copied_once_the_name_is_free() -> None:
+    """The lower cluster's own Service of that name goes: the sweep finds the key again
+    (our copies' watch never saw theirs go, and nothing above changed)."""
+    r = reflecting()
+    r.above(None, pod("web-1", {"app": "web"}))
+    r.above("services", named("Service", "front", spec={"selector": {"app": "web"}}))
+    services = "/api/v1/namespaces/shop/services"
+    theirs = {"metadata": {"name": "front", "namespace": "shop", "labels": {}}}
+    taken(services, f"{services}/front", theirs, r)
+    await r.drain()
+    assert r.reflector.taken_keys() == [("services", "shop", "front")]
+    no_pods = cast(LowerCluster, SimpleNamespace(orphan_keys=lambda upper_keys: []))
+    sweeping = asyncio.create_task(_sweep_orphans(no_pods, list, WorkQueue(), r.reflector))
+    await asyncio.sleep(0)
+    sweeping.cancel()
+    await r.drain()
+    (copy,) = r.created(services)[1:]
+    assert copy["metadata"]["labels"] == OWNER.labels()
+    assert r.reflector.taken_keys() == []
 
 
 async def test_an_endpoint_slice_deleted_above_goes_below_at_once() -> None:
