@@ -395,11 +395,20 @@ class LowerCluster:
                 f"pod {namespace}/{name} is being deleted in lower cluster {self.owner.cluster_id}",
             )
         refusals = []
+        retry = False
         debug = ephemeral_containers_patch(upper, lower)
         if debug is not None and (refused := self._refused_host_access(upper, debug)):
             refusals.append(f"ephemeral containers not added below: {refused.message}")
             debug = None
-        retry = False
+        if debug is not None and self.dependencies is not None:
+            # What a debug container refers to is copied first, as for the pod: with a
+            # namesake below not ours, the container would read someone else's Secret.
+            try:
+                await self.dependencies.ensure_for_pod(upper)
+            except NameTaken as error:
+                refusals.append(f"ephemeral containers not added below: {error}")
+                retry = True
+                debug = None
         resize = resize_patch(lower, desired)
         for patch, subresource in (
             (lower_pod_patch(lower, desired, resize_pending=resize is not None), ""),

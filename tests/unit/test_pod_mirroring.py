@@ -357,6 +357,26 @@ async def test_a_pod_whose_objects_names_are_taken_below_waits_and_says_why(
     assert (scheduled["status"], scheduled["reason"]) == ("False", "LowerNameTaken")
 
 
+async def test_a_debug_container_naming_a_secret_taken_below_is_not_added(
+    mirroring: Mirroring,
+) -> None:
+    """`kubectl debug` with a Secret the upper namespace lacks and the lower one has
+    (the lower cluster's, another tenant's): the container would read theirs."""
+    backend = mirroring.controller.backend
+    assert isinstance(backend, LowerCluster)
+    backend.dependencies = TakenBelow()
+    pod = upper_pod()
+    secret_env = {"name": "P", "valueFrom": {"secretKeyRef": {"name": "db", "key": "p"}}}
+    pod["spec"]["ephemeralContainers"] = [{"name": "debugger", "image": "b", "env": [secret_env]}]
+    mirroring.above(pod)
+    mirroring.below(lower_pod(phase="Running"))
+    with pytest.raises(RetryLater):
+        await mirroring.controller.reconcile("shop/web")
+    assert mirroring.lower.writes() == []
+    assert mirroring.upper_event_reasons() == ["LowerUpdateRefused"]
+    assert mirroring.upper_statuses()[0]["phase"] == "Running"
+
+
 class FailingCopies:
     """Dependencies whose copies the lower apiserver refuses with ``errors``, in turn."""
 
