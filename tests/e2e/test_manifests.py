@@ -75,6 +75,20 @@ def test_the_upper_manifests_are_accepted_as_they_are(federation: Federation) ->
         # The webhook's rights are all in its namespace (the record of moves).
         role = "Role" if component == "webhook" else "ClusterRole"
         assert (role, f"kubestrata-{component}") in kinds
+    # upper/ is all of it but the virtual node, for one overlay per lower cluster beside.
+    without_virtual_node = {
+        (o["kind"], o["metadata"]["name"]) for o in rendered(federation.upper, "upper")
+    }
+    assert kinds - without_virtual_node == {
+        ("Deployment", "kubestrata-virtual-node"),
+        ("PodDisruptionBudget", "kubestrata-virtual-node"),
+    }
+    (deployment,) = [
+        o
+        for o in objects
+        if (o["kind"], o["metadata"]["name"]) == ("Deployment", "kubestrata-virtual-node")
+    ]
+    assert deployment["spec"]["selector"]["matchLabels"][keys.CLUSTER_ID_LABEL] == "lower"
 
 
 def test_the_two_cluster_example_makes_two_virtual_nodes(federation: Federation) -> None:
