@@ -35,6 +35,7 @@ from harness.state import (
     COMPONENTS,
     STATE_FILE,
     UPPER,
+    is_process_record,
     read_state,
 )
 from harness.supervisor import RestartPolicy
@@ -195,7 +196,7 @@ def supervising_process(name: str) -> ProcessRecord:
 
 def _records(cluster_state: dict[str, object]) -> list[ProcessRecord]:
     raw = cluster_state.get("processes", [])
-    assert isinstance(raw, list)
+    assert isinstance(raw, list), "read_state checked it"
     return [ProcessRecord(r["name"], r["pid"], r["start_ticks"]) for r in raw]
 
 
@@ -216,9 +217,10 @@ def supervisor_of(state_dir: Path) -> ProcessRecord | None:
         raw = json.loads((state_dir / STATE_FILE).read_text()).get("supervisor")
     except (OSError, ValueError, AttributeError):
         return None
-    if not isinstance(raw, dict):
+    if not is_process_record(raw):
         return None
-    record = ProcessRecord(str(raw["name"]), int(raw["pid"]), int(raw["start_ticks"]))
+    assert isinstance(raw, dict)
+    record = ProcessRecord(raw["name"], raw["pid"], raw["start_ticks"])
     return record if record.alive() else None
 
 

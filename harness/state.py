@@ -28,14 +28,50 @@ def read_state(state_dir: Path) -> dict[str, dict[str, object]]:
     path = state_dir / STATE_FILE
     try:
         payload = json.loads(path.read_text())
-        state: dict[str, dict[str, object]] = payload["clusters"]
-        if payload.get("components"):
-            state = {**state, COMPONENTS: {"processes": payload["components"]}}
     except FileNotFoundError:
         raise ClusterError(f"no federation in {state_dir} (no {STATE_FILE})") from None
-    except (ValueError, KeyError) as error:
+    except ValueError as error:
         raise ClusterError(f"{path} is not a kubestrata state file: {error}") from error
+    problem = _state_problem(payload)
+    if problem:
+        raise ClusterError(
+            f"{path} is not a kubestrata state file ({problem}); stop what it started by "
+            "hand and remove the directory"
+        )
+    state: dict[str, dict[str, object]] = payload["clusters"]
+    if payload.get(COMPONENTS):
+        state = {**state, COMPONENTS: {"processes": payload[COMPONENTS]}}
     return state
+
+
+def _state_problem(payload: object) -> str:
+    """What is wrong with a state file's content, or ""."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("clusters"), dict):
+        return "no clusters"
+    for name, cluster in payload["clusters"].items():
+        if not isinstance(cluster, dict) or not isinstance(cluster.get("kubeconfig"), str):
+            return f"cluster {name!r} has no kubeconfig"
+        if problem := _processes_problem(cluster.get("processes", [])):
+            return f"cluster {name!r}: {problem}"
+    return _processes_problem(payload.get(COMPONENTS) or [])
+
+
+def _processes_problem(processes: object) -> str:
+    if not isinstance(processes, list) or not all(is_process_record(p) for p in processes):
+        return "a process without its name, pid and start time"
+    return ""
+
+
+def is_process_record(raw: object) -> bool:
+    """Whether ``raw`` is a recorded process: its name, pid and start time."""
+    return (
+        isinstance(raw, dict)
+        and isinstance(raw.get("name"), str)
+        and all(
+            isinstance(raw.get(k), int) and not isinstance(raw.get(k), bool)
+            for k in ("pid", "start_ticks")
+        )
+    )
 
 
 def kubeconfig_path(state_dir: Path, cluster: str = UPPER) -> Path:

@@ -250,6 +250,33 @@ def test_down_refuses_a_directory_that_is_not_ours(
     assert "not a kubestrata state directory" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "content",
+    [
+        [],
+        {"clusters": {"upper": {}}},
+        {"clusters": {"upper": {"kubeconfig": "k", "processes": {}}}},
+        {"clusters": {"upper": {"kubeconfig": "k", "processes": [{"name": "etcd"}]}}},
+        {"clusters": {"upper": {"kubeconfig": "k"}}, "components": [{"pid": "1"}]},
+    ],
+)
+@pytest.mark.parametrize("command", ["down", "kubeconfig", "status"])
+def test_a_state_file_of_another_shape_is_said_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: object, command: str
+) -> None:
+    (tmp_path / STATE_FILE).write_text(json.dumps(content))
+    assert cli_main([command, "--state-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"kubestrata {command}: ") and "not a kubestrata state file" in err
+    assert "Traceback" not in err
+
+
+def test_a_supervisor_record_of_another_shape_is_no_supervisor(tmp_path: Path) -> None:
+    state = {"clusters": {"upper": {"kubeconfig": "k"}}, "supervisor": {"name": "x"}}
+    (tmp_path / STATE_FILE).write_text(json.dumps(state))
+    assert supervisor_of(tmp_path) is None
+
+
 def test_status_with_a_kubeconfig_that_is_not_yaml_says_so_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
