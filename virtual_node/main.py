@@ -466,6 +466,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             lower_informers.resume()
             lower_event_informers.resume()
             pods.resync()
+            reflector.resync()
 
         nodes = NodeController(
             upper_heartbeat, identity, backend, on_reachable=lower_reachable_again

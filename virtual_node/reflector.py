@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from kubekit import keys
@@ -286,10 +286,8 @@ class Reflector:
         synced = frozenset(namespaces)
         changed, self._synced = synced ^ self._synced, synced
         for namespace in changed:
-            for kind, informer in self.upper_objects.items():
-                if RESOURCES[kind].namespaced:
-                    for obj in informer.items(namespace):
-                        self.queue.add((kind, namespace, obj["metadata"]["name"]))
+            for key in self._upper_keys_of(namespace):
+                self.queue.add(key)
             try:
                 lower_namespace = self.mapping.lower(namespace)
             except NamingError:
@@ -297,6 +295,23 @@ class Reflector:
             for kind, informer in self.lower_copies.items():
                 for copy in informer.items(lower_namespace) if RESOURCES[kind].namespaced else ():
                     self._lower_changed(kind, copy)
+
+    def _upper_keys_of(self, namespace: str) -> Iterator[Key]:
+        for kind, informer in self.upper_objects.items():
+            if RESOURCES[kind].namespaced:
+                for obj in informer.items(namespace):
+                    yield (kind, namespace, obj["metadata"]["name"])
+
+    def resync(self) -> None:
+        """Every copy wanted reconciled again now, its backoff forgotten: after the lower
+        cluster was unreachable, one whose update failed meanwhile (a Secret rotated
+        above) waited out its retry delay, up to 5 minutes, with nothing else to wake it."""
+        wanted = {*self._users, *self._taken}
+        for namespace in self._synced:
+            wanted.update(self._upper_keys_of(namespace))
+        for key in wanted:
+            self.queue.forget(key)
+            self.queue.add(key)
 
     def _wanted(self, key: Key) -> bool:
         kind, namespace, name = key

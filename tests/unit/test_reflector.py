@@ -610,6 +610,26 @@ async def test_a_service_a_namesake_held_back_is_copied_once_the_name_is_free() 
     assert r.reflector.taken_keys() == []
 
 
+async def test_a_copy_that_failed_while_the_lower_cluster_was_away_is_made_when_it_is_back() -> (
+    None
+):
+    """Its retries backed off for minutes during the outage; the cluster back, every
+    copy wanted is reconciled at once, its backoff forgotten."""
+    r = reflecting()
+    r.above("serviceaccounts", account())
+    r.above(None, pod(serviceAccountName="builder"))
+    key: Key = ("serviceaccounts", "shop", "builder")
+    for _ in range(12):
+        r.queue.add_rate_limited(key)
+    assert r.queue.retries(key) == 12
+    await r.drain()
+    r.lower.requests.clear()
+    r.reflector.resync()
+    assert r.queue.retries(key) == 0
+    await r.drain()
+    assert r.lower.writes() == [("POST", ACCOUNTS)]
+
+
 async def test_an_endpoint_slice_deleted_above_goes_below_at_once() -> None:
     """Its wanting asks for the upper slice, gone with the delete: the copy is what
     queues it, not the 60 s orphan sweep (clients below would route to dead pods)."""
