@@ -56,7 +56,7 @@ from virtual_node.translate import (
     host_access_refusal,
     pinned_node,
 )
-from virtual_node.volumes import unbound_class, volume_refusal
+from virtual_node.volumes import has_data_source, unbound_class, volume_refusal
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,8 @@ class FitEstimator:
         # {namespace/claim: class} of the upper claims still waiting for a volume, and the
         # lower cluster's StorageClasses (both empty until their caches are watched).
         self._waiting_claims: dict[str, str] = {}
+        # ... of those, the ones to be filled from a snapshot or another claim.
+        self._sourced_claims: set[str] = set()
         self._storage_classes: set[str] = set()
         # The lower cluster's RuntimeClasses: a pod of a class it lacks fits nowhere here,
         # and takes its class's overhead and scheduling.
@@ -249,15 +251,21 @@ class FitEstimator:
 
     @_exclusive
     def _claim_changed(self, claim: JSON) -> None:
+        key = object_key(claim)
         wanted = unbound_class(claim)
         if wanted is None:
-            self._waiting_claims.pop(object_key(claim), None)
+            self._waiting_claims.pop(key, None)
         else:
-            self._waiting_claims[object_key(claim)] = wanted
+            self._waiting_claims[key] = wanted
+        if wanted is not None and has_data_source(claim.get("spec") or {}):
+            self._sourced_claims.add(key)
+        else:
+            self._sourced_claims.discard(key)
 
     @_exclusive
     def _claim_deleted(self, claim: JSON) -> None:
         self._waiting_claims.pop(object_key(claim), None)
+        self._sourced_claims.discard(object_key(claim))
 
     @_exclusive
     def _class_changed(self, storage_class: JSON) -> None:
@@ -296,7 +304,12 @@ class FitEstimator:
             keys.UPPER_NAMESPACE_ANNOTATION, ""
         )
         return volume_refusal(
-            lower, namespace, self._waiting_claims, self._storage_classes, self.owner.cluster_id
+            lower,
+            namespace,
+            self._waiting_claims,
+            self._storage_classes,
+            self.owner.cluster_id,
+            self._sourced_claims,
         )
 
     @_exclusive

@@ -46,6 +46,7 @@ def provisioned_volume(claim: Mapping[str, Any], owner: Ownership) -> JSON | Non
         or annotations.get(keys.SELECTED_NODE_ANNOTATION) != owner.node_name
         or spec.get("volumeName")
         or metadata.get("deletionTimestamp")
+        or has_data_source(spec)
     ):
         return None
     storage = ((spec.get("resources") or {}).get("requests") or {}).get("storage")
@@ -97,11 +98,23 @@ def provisioned_volume(claim: Mapping[str, Any], owner: Ownership) -> JSON | Non
     }
 
 
+def has_data_source(claim_spec: Mapping[str, Any]) -> bool:
+    """Whether a claim is to be filled from a snapshot or another claim: below, its copy
+    would wait for ever for a source the lower cluster does not have."""
+    return bool(claim_spec.get("dataSource") or claim_spec.get("dataSourceRef"))
+
+
 def unbound_class(claim: Mapping[str, Any]) -> str | None:
     """The storage class a claim still waits for a volume of, or None: bound, or of no
     class (a claim for a volume made by hand)."""
     spec = claim.get("spec") or {}
     return None if spec.get("volumeName") else spec.get("storageClassName") or None
+
+
+_SOURCE_REFUSAL = (
+    "lower cluster {cluster_id} cannot fill {what} from its data source (a snapshot or "
+    "another claim of the upper cluster, which the lower cluster does not have)"
+)
 
 
 def volume_refusal(
@@ -110,19 +123,26 @@ def volume_refusal(
     waiting_for: Mapping[str, str],
     classes: Collection[str],
     cluster_id: str,
+    sourced: Collection[str] = (),
 ) -> str | None:
     """Why a lower cluster cannot make a volume the pod still waits for (pure), or None:
     a claim of the pod's (in ``namespace`` above) waits for a volume of a class the lower
-    cluster has no StorageClass of. ``waiting_for``: {namespace/claim: class} of the
-    unbound claims above. A claim bound above decides nothing here: its volume, if it is
-    one of ours, holds the pod to its cluster already."""
+    cluster has no StorageClass of, or to be filled from a data source (``sourced``:
+    namespace/claim). ``waiting_for``: {namespace/claim: class} of the unbound claims
+    above. A claim bound above decides nothing here: its volume, if it is one of ours,
+    holds the pod to its cluster already."""
     for volume in (pod.get("spec") or {}).get("volumes") or []:
         name = (volume.get("persistentVolumeClaim") or {}).get("claimName")
         wanted = waiting_for.get(f"{namespace}/{name}") if name else None
         if wanted is not None and wanted not in classes:
             return f"lower cluster {cluster_id} has no storage class {wanted} (claim {name})"
+        if name and f"{namespace}/{name}" in sourced:
+            return _SOURCE_REFUSAL.format(cluster_id=cluster_id, what=f"claim {name}")
         # A generic ephemeral volume's claim is made below from the pod's template.
         template = ((volume.get("ephemeral") or {}).get("volumeClaimTemplate") or {}).get("spec")
+        if template and has_data_source(template):
+            what = f"ephemeral volume {volume.get('name')}"
+            return _SOURCE_REFUSAL.format(cluster_id=cluster_id, what=what)
         wanted = (template or {}).get("storageClassName")
         if wanted and wanted not in classes:
             return (

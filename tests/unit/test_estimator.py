@@ -636,6 +636,28 @@ def test_an_unreadable_ledger_entry_holds_its_namespace_to_nothing() -> None:
     assert answer.refusal == "the slice ledger's entry for ns here cannot be read"
 
 
+def test_a_pod_whose_claim_is_filled_from_a_snapshot_fits_nowhere_here() -> None:
+    """Below, the claim's copy would wait for ever for a source the lower cluster lacks."""
+    cluster = Cluster()
+    claims = Informer(client=None, resource=PERSISTENTVOLUMECLAIMS)  # type: ignore[arg-type]
+    classes = Informer(client=None, resource=STORAGECLASSES)  # type: ignore[arg-type]
+    cluster.estimator.watch_volumes(claims, classes)
+    classes.apply({"type": "ADDED", "object": {"metadata": {"name": "fast"}}})
+    source = {"apiGroup": "snapshot.storage.k8s.io", "kind": "VolumeSnapshot", "name": "s"}
+    claim: dict[str, Any] = {
+        "metadata": {"name": "data", "namespace": "ns"},
+        "spec": {"storageClassName": "fast", "dataSourceRef": source},
+    }
+    claims.apply({"type": "ADDED", "object": claim})
+    pod = upper_pod("restored", "1")
+    pod["spec"]["volumes"] = [{"name": "d", "persistentVolumeClaim": {"claimName": "data"}}]
+    answer = cluster.estimator.answer(orjson.dumps(pod))
+    assert answer.estimate.max_replicas == 0
+    assert answer.refusal is not None and "claim data from its data source" in answer.refusal
+    claims.apply({"type": "DELETED", "object": claim})
+    assert cluster.estimator.answer(orjson.dumps(pod)).estimate.max_replicas == 1
+
+
 def test_a_pod_whose_claim_waits_for_a_class_the_cluster_lacks_fits_nowhere_here() -> None:
     cluster = Cluster()
     claims = Informer(client=None, resource=PERSISTENTVOLUMECLAIMS)  # type: ignore[arg-type]

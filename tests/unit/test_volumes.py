@@ -83,6 +83,12 @@ def test_only_claims_of_our_provisioner_placed_here_and_unbound_get_one() -> Non
     going = claim()
     going["metadata"]["deletionTimestamp"] = "2026-11-26T00:00:00Z"
     assert provisioned_volume(going, OWNER) is None
+    # Filled from a snapshot or a claim the lower cluster lacks: bound above, the pod
+    # went below and waited there for ever.
+    assert (
+        provisioned_volume(claim(dataSource={"kind": "PersistentVolumeClaim", "name": "g"}), OWNER)
+        is None
+    )
 
 
 def test_a_volume_outlives_its_claim_when_the_claim_is_gone_or_made_again() -> None:
@@ -171,6 +177,26 @@ def test_an_ephemeral_volume_of_a_class_the_cluster_lacks_is_refused() -> None:
     # No class named: the lower cluster's default class makes it.
     template["spec"].pop("storageClassName")
     assert volume_refusal(pod, "db", {}, set(), "lower-1") is None
+
+
+def test_a_claim_or_ephemeral_volume_filled_from_a_data_source_is_refused() -> None:
+    source = {"kind": "PersistentVolumeClaim", "name": "golden"}
+    template = {"spec": {"accessModes": ["ReadWriteOnce"], "dataSource": source}}
+    pod = {
+        "spec": {
+            "volumes": [
+                {"name": "d", "persistentVolumeClaim": {"claimName": "data"}},
+                {"name": "e", "ephemeral": {"volumeClaimTemplate": template}},
+            ]
+        }
+    }
+    waiting = {"db/data": "fast"}
+    refusal = volume_refusal(pod, "db", waiting, {"fast"}, "lower-1", {"db/data"})
+    assert refusal is not None and refusal.startswith(
+        "lower cluster lower-1 cannot fill claim data"
+    )
+    refusal = volume_refusal(pod, "db", waiting, {"fast"}, "lower-1")
+    assert refusal is not None and "ephemeral volume e" in refusal
 
 
 async def test_a_claim_event_reads_only_the_volumes_made_for_that_claim() -> None:
