@@ -5,7 +5,6 @@ pods/attach and pods/portforward over WebSocket, so stdin EOF reaches the proces
 from __future__ import annotations
 
 import contextlib
-import datetime
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
@@ -316,9 +315,11 @@ class LowerKubelet:
         return items
 
     async def stats_summary(self) -> JSON:
-        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         return metrics.summary(
-            self.node_name, await self._metrics("pods"), self._mirrored_by_lower_key(), now
+            self.node_name,
+            await self._metrics("pods"),
+            self._mirrored_by_lower_key(),
+            self._cpu_counters,
         )
 
     async def resource_metrics(self) -> str:

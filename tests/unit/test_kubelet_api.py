@@ -37,6 +37,7 @@ from virtual_node.kubeletapi.auth import (
 from virtual_node.kubeletapi.certificates import SIGNER, USAGES, approvable, signing_request
 from virtual_node.kubeletapi.metrics import (
     COUNTER_START_SECONDS,
+    NODE_MEMORY_FLOOR_BYTES,
     CpuCounters,
     UpperPod,
     cadvisor_text,
@@ -351,14 +352,20 @@ def test_mirrored_pod_metrics_maps_lower_keys_to_upper_pods() -> None:
     assert mirrored_pod_metrics(LOWER_METRICS, {"default/p": P}) == []
 
 
+SUMMARY_AT = 1714558830.0  # 2024-05-01T10:20:30Z
+
+
 def test_summary_sums_containers_into_pods_and_mirrored_pods_into_the_node() -> None:
-    result = summary("vn-1", LOWER_METRICS, MIRRORED, "2024-05-01T10:20:30Z")
+    counters = CpuCounters()
+    summary("vn-1", LOWER_METRICS, MIRRORED, counters, SUMMARY_AT - 10)
+    result = summary("vn-1", LOWER_METRICS, MIRRORED, counters, SUMMARY_AT)
     stamp = "2024-05-01T10:20:30Z"
-    assert result["node"] == {
-        "nodeName": "vn-1",
-        "cpu": {"time": stamp, "usageNanoCores": 1_375_000_000},
-        "memory": {"time": stamp, "workingSetBytes": 64 * 2**20 + 1024 + 2**30},
-    }
+    node = result["node"]
+    assert (node["nodeName"], node["startTime"]) == ("vn-1", "2024-05-01T10:20:20Z")
+    assert node["memory"] == {"time": stamp, "workingSetBytes": 64 * 2**20 + 1024 + 2**30}
+    assert node["cpu"]["usageNanoCores"] == 1_375_000_000
+    # The counters the other endpoints advance: 10 s at 1.375 cores.
+    assert node["cpu"]["usageCoreNanoSeconds"] == pytest.approx(13_750_000_000, abs=2)
     # As a kubelet writes it: consumers match pods on the uid.
     assert [p["podRef"] for p in result["pods"]] == [
         {"name": "p", "namespace": "default", "uid": "uid-p"},
@@ -366,28 +373,29 @@ def test_summary_sums_containers_into_pods_and_mirrored_pods_into_the_node() -> 
     ]
     pods = {(p["podRef"]["namespace"], p["podRef"]["name"]): p for p in result["pods"]}
     p = pods["default", "p"]
-    assert p["cpu"] == {"time": stamp, "usageNanoCores": 375_000_000}
+    assert p["startTime"] == "2025-11-24T16:00:00Z"
+    assert p["cpu"]["usageNanoCores"] == 375_000_000
     assert p["memory"] == {"time": stamp, "workingSetBytes": 64 * 2**20 + 1024}
-    assert p["containers"] == [
-        {
-            "name": "app",
-            "cpu": {"time": stamp, "usageNanoCores": 250_000_000},
-            "memory": {"time": stamp, "workingSetBytes": 64 * 2**20},
-        },
-        {
-            "name": "side",
-            "cpu": {"time": stamp, "usageNanoCores": 125_000_000},
-            "memory": {"time": stamp, "workingSetBytes": 1024},
-        },
-    ]
+    app, side = p["containers"]
+    assert (app["name"], app["startTime"], side["name"]) == ("app", p["startTime"], "side")
+    assert "startTime" not in side, "no start in the pod's status"
+    assert (app["cpu"]["usageNanoCores"], side["cpu"]["usageNanoCores"]) == (
+        250_000_000,
+        125_000_000,
+    )
+    assert app["cpu"]["usageCoreNanoSeconds"] == pytest.approx(2_500_000_000, abs=2)
+    assert app["memory"] == {"time": stamp, "workingSetBytes": 64 * 2**20}
+    assert side["memory"] == {"time": stamp, "workingSetBytes": 1024}
     assert pods["team", "q"]["cpu"]["usageNanoCores"] == 1_000_000_000
+    assert "startTime" not in pods["team", "q"]
 
 
 def test_summary_of_no_mirrored_pods_is_an_idle_node() -> None:
-    result = summary("vn-1", LOWER_METRICS, {}, "t")
+    result = summary("vn-1", LOWER_METRICS, {}, CpuCounters(), SUMMARY_AT)
     assert result["pods"] == []
     assert result["node"]["cpu"]["usageNanoCores"] == 0
-    assert result["node"]["memory"]["workingSetBytes"] == 0
+    # As /metrics/resource: metrics-server drops a node whose working set reads 0.
+    assert result["node"]["memory"]["workingSetBytes"] == NODE_MEMORY_FLOOR_BYTES
 
 
 @pytest.mark.parametrize(("cpu", "nanocores"), [("1001m", 1_001_000_000), ("131071n", 131_071)])
@@ -396,7 +404,7 @@ def test_summary_nanocores_are_exact(cpu: str, nanocores: int) -> None:
         "metadata": {"name": "p", "namespace": "lower-default"},
         "containers": [{"name": "app", "usage": {"cpu": cpu, "memory": "0"}}],
     }
-    result = summary("vn-1", [item], MIRRORED, "t")
+    result = summary("vn-1", [item], MIRRORED, CpuCounters(), SUMMARY_AT)
     assert result["pods"][0]["containers"][0]["cpu"]["usageNanoCores"] == nanocores
 
 

@@ -95,6 +95,10 @@ class CpuCounters:
         self._seen[key] = (counted, now, total)
         return total
 
+    @property
+    def first_reading(self) -> float | None:
+        return self._first_reading
+
     def forget_pods_except(self, pods: Iterable[str]) -> None:
         """Drops the counters of pods (``namespace/name``) other than ``pods``, and of
         their containers; the node's stays. A pod a listing of the lower metrics left out
@@ -190,37 +194,65 @@ def node_usage(
     return node
 
 
+def _rfc3339(epoch: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
+
+
 def summary(
     node_name: str,
     pod_metrics: Iterable[JSON],
     mirrored: Mapping[str, UpperPod],
-    timestamp: str,
+    counters: CpuCounters,
+    now: float | None = None,
 ) -> JSON:
-    """A kubelet Summary: the node is what our mirrored pods use."""
+    """A kubelet Summary: the node is what our mirrored pods use. The CPU counters are
+    those the other endpoints advance, and every figure a Summary reader requires is
+    there (without a counter or a start time, metrics-server up to v0.5 dropped them)."""
+    now = time.time() if now is None else now
+    timestamp = _rfc3339(now)
+    usage = node_usage(pod_metrics, mirrored, counters, now)
 
-    def figures(cores: Fraction, memory: int) -> JSON:
+    def figures(cores: Fraction, memory: int, cpu_seconds: float) -> JSON:
         return {
-            "cpu": {"time": timestamp, "usageNanoCores": _nanocores(cores)},
+            "cpu": {
+                "time": timestamp,
+                "usageNanoCores": _nanocores(cores),
+                "usageCoreNanoSeconds": int(cpu_seconds * 1_000_000_000),
+            },
             "memory": {"time": timestamp, "workingSetBytes": memory},
         }
 
-    usage = node_usage(pod_metrics, mirrored)
-    return {
-        "node": {"nodeName": node_name, **figures(usage.cores, usage.memory)},
-        "pods": [
+    pods = []
+    for pod in usage.pods:
+        starts = dict(pod.upper.container_starts)
+        containers = []
+        for c in pod.containers:
+            started = starts.get(c.name)
+            start = {"startTime": _rfc3339(started)} if started is not None else {}
+            containers.append(
+                {"name": c.name, **start, **figures(c.cores, c.memory, c.cpu_seconds)}
+            )
+        first = min(starts.values(), default=None)
+        pods.append(
             {
                 "podRef": {
-                    "name": p.upper.name,
-                    "namespace": p.upper.namespace,
-                    "uid": p.upper.uid,
+                    "name": pod.upper.name,
+                    "namespace": pod.upper.namespace,
+                    "uid": pod.upper.uid,
                 },
-                "containers": [
-                    {"name": c.name, **figures(c.cores, c.memory)} for c in p.containers
-                ],
-                **figures(p.cores, p.memory),
+                **({"startTime": _rfc3339(first)} if first is not None else {}),
+                "containers": containers,
+                **figures(pod.cores, pod.memory, pod.cpu_seconds),
             }
-            for p in usage.pods
-        ],
+        )
+    node_memory = max(usage.memory, NODE_MEMORY_FLOOR_BYTES)
+    return {
+        "node": {
+            "nodeName": node_name,
+            "startTime": _rfc3339(counters.first_reading or now),
+            **figures(usage.cores, node_memory, usage.cpu_seconds),
+        },
+        "pods": pods,
     }
 
 
