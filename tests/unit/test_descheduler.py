@@ -1598,7 +1598,9 @@ def test_rbac_grants_exactly_what_the_descheduler_uses() -> None:
     account, role, binding, lease_role, lease_binding = documents("rbac.yaml")
     assert account["metadata"]["name"] == "kubestrata-descheduler"
     watch = {"get", "list", "watch"}
-    assert core_grants(role) == {("nodes", v) for v in watch} | {("pods", v) for v in watch} | {
+    assert core_grants(role) == {("nodes", "list"), ("nodes", "watch")} | {
+        ("pods", v) for v in watch
+    } | {
         ("pods", "create"),
         ("pods", "patch"),
         ("pods", "delete"),
