@@ -171,12 +171,19 @@ def registration_patch(
     want_labels = node_labels(identity, report)
     have_labels = existing["metadata"].get("labels") or {}
     patch: JSON = {}
+    # No lower node counting (all NotReady a moment, an upgrade) says nothing of the
+    # labels: those set before stay, and so does their record; the OS and architecture
+    # are defaulted only where the Node has none (an arm64 cluster's Node read amd64).
+    keep_labels = not report.labels
+    if keep_labels:
+        want_labels = {
+            k: v
+            for k, v in want_labels.items()
+            if k not in (keys.OS_LABEL, keys.ARCH_LABEL) or k not in have_labels
+        }
     label_change: dict[str, str | None] = {
         k: v for k, v in want_labels.items() if have_labels.get(k) != v
     }
-    # No lower node counting (all NotReady a moment, an upgrade) says nothing of the
-    # labels: those set before stay, and so does their record.
-    keep_labels = not report.labels
     if not keep_labels:
         label_change.update(
             dict.fromkeys((recorded_label_keys(existing) - set(want_labels)) & set(have_labels))

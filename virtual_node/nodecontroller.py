@@ -162,8 +162,10 @@ class NodeController:
                 raise
             # A label of the lower nodes an upper admission policy refuses would keep
             # the Node from registering at every start; the status update tries the
-            # labels again and goes on without them when refused. The OS and the
-            # architecture stay: defaulted, pods would be placed on a wrong one.
+            # labels again and goes on without them when refused. A new Node gets the
+            # OS and the architecture (defaulted, pods would be placed on a wrong one),
+            # one there keeps the labels it has (taken off, the shared ones the refusal
+            # held back would stay off).
             log.warning(
                 "node %s not registered with its lower nodes' labels (%s); registering "
                 "without them",
@@ -173,9 +175,9 @@ class NodeController:
             platform = {
                 k: v for k, v in report.labels.items() if k in (keys.OS_LABEL, keys.ARCH_LABEL)
             }
-            await self._register_with(dataclasses.replace(report, labels=platform))
+            await self._register_with(dataclasses.replace(report, labels=platform), True)
 
-    async def _register_with(self, report: NodeReport) -> None:
+    async def _register_with(self, report: NodeReport, keep_labels: bool = False) -> None:
         try:
             existing = await self.upper.get(NODES, self.identity.name)
         except ApiError as error:
@@ -190,6 +192,8 @@ class NodeController:
             self._last_status = created.get("status") or {}
             self._labels = node_labels(self.identity, report)
         else:
+            if keep_labels:
+                report = dataclasses.replace(report, labels={})
             patch = registration_patch(existing, self.identity, report)
             if patch:
                 existing = await self.upper.patch(NODES, self.identity.name, patch)
@@ -203,7 +207,7 @@ class NodeController:
                 # nodes no longer share.
                 have = existing["metadata"].get("labels") or {}
                 kept = recorded_label_keys(existing) & set(have)
-                self._labels = {**{k: have[k] for k in kept}, **self._labels}
+                self._labels = {**self._labels, **{k: have[k] for k in kept}}
         self._status_unknown = False
 
     async def _lease_loop(self) -> None:

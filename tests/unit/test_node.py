@@ -65,6 +65,11 @@ def test_a_label_set_before_that_the_lower_nodes_no_longer_share_goes_at_registr
     # No lower node counts at the moment (all NotReady, an upgrade): that says nothing of
     # the labels, which stay, recorded still.
     assert registration_patch(existing, identity(), dataclasses.replace(zoned, labels={})) is None
+    arm = registration(identity(), dataclasses.replace(REPORT, labels={keys.ARCH_LABEL: "arm64"}))
+    arm["metadata"]["resourceVersion"] = "8"
+    assert registration_patch(arm, identity(), dataclasses.replace(REPORT, labels={})) is None, (
+        "the architecture is not defaulted over the Node's"
+    )
     # A Node of a run that kept no record: nothing is taken off.
     unrecorded = registration(identity(), zoned)
     del unrecorded["metadata"]["annotations"][keys.NODE_LABEL_KEYS_ANNOTATION]
@@ -489,6 +494,28 @@ async def test_a_node_refused_for_a_lower_label_registers_without_it(status: int
     assert "example.com/pool" not in created[1]["metadata"]["labels"]
     (patch,) = [r.body for r in upper.requests if r.method == "PATCH" and r.path.endswith("-1")]
     assert patch["metadata"]["labels"] == {"example.com/pool": "gpu"}, "tried again"
+
+
+async def test_a_node_there_refused_a_lower_label_keeps_the_labels_it_has() -> None:
+    """Registered again after a restart, the patch bringing a new shared label refused:
+    the Node keeps its region and architecture (taken off, the label update, refused
+    for the same label, would never put them back)."""
+    region = "topology.kubernetes.io/region"
+    upper = FakeClient()
+    had = {region: "eu", keys.ARCH_LABEL: "arm64"}
+    node = registration(identity(), dataclasses.replace(REPORT, labels=had))
+    node["metadata"] |= {"uid": "uid-1", "resourceVersion": "7"}
+    path = "/api/v1/nodes/vk-lower-1"
+    upper.answer("GET", path, node, node)
+    upper.answer("PATCH", path, status_error(403, "Forbidden", "policy"))
+    lower = LabelledLowerCluster(**had, **{"example.com/pool": "gpu"})
+    controller = nodecontroller.NodeController(upper, identity(), lower)
+    controller.reachable = True
+    await controller.register()
+    patches = [r.body for r in upper.requests if (r.method, r.path) == ("PATCH", path)]
+    assert patches[0]["metadata"]["labels"] == {"example.com/pool": "gpu"}
+    for patch in patches[1:]:
+        assert patch["metadata"].get("labels") in (None, {"example.com/pool": "gpu"})
 
 
 async def test_a_node_refused_for_another_reason_is_not_registered_again() -> None:
