@@ -409,6 +409,17 @@ class LowerCluster:
                 refusals.append(f"ephemeral containers not added below: {error}")
                 retry = True
                 debug = None
+            except ApiError as error:
+                # A quota or policy below refusing a copy holds back the container
+                # (tried again later), not the pod's status.
+                if error.status != 403:
+                    raise
+                refusals.append(
+                    f"ephemeral containers not added below: lower cluster "
+                    f"{self.owner.cluster_id} refused what they need: {error.message}"
+                )
+                retry = True
+                debug = None
         resize = resize_patch(lower, desired)
         for patch, subresource in (
             (lower_pod_patch(lower, desired, resize_pending=resize is not None), ""),

@@ -377,6 +377,22 @@ async def test_a_debug_container_naming_a_secret_taken_below_is_not_added(
     assert mirroring.upper_statuses()[0]["phase"] == "Running"
 
 
+async def test_a_debug_container_whose_copies_are_refused_holds_back_no_status(
+    mirroring: Mirroring,
+) -> None:
+    backend = mirroring.controller.backend
+    assert isinstance(backend, LowerCluster)
+    backend.dependencies = FailingCopies(status_error(403, "Forbidden", "exceeded quota"))
+    pod = upper_pod()
+    pod["spec"]["ephemeralContainers"] = [{"name": "debugger", "image": "busybox"}]
+    mirroring.above(pod)
+    mirroring.below(lower_pod(phase="Running"))
+    with pytest.raises(RetryLater, match="exceeded quota"):
+        await mirroring.controller.reconcile("shop/web")
+    assert mirroring.lower.writes() == []
+    assert mirroring.upper_statuses()[0]["phase"] == "Running"
+
+
 class FailingCopies:
     """Dependencies whose copies the lower apiserver refuses with ``errors``, in turn."""
 
