@@ -342,7 +342,9 @@ class Decisions:
             # A second filter of the same pod (a nominated node first, then all) adds to
             # what the first one reserved.
             estimates = {**earlier.estimates, **estimates}
-            reserved |= earlier.reserved
+            # Less what this filter gave back: kept, bind would take the pod for held
+            # there and bind it without room.
+            reserved |= earlier.reserved - set(released)
         self._by_uid[uid] = _Decision(now, estimates, reserved, pod)
         return set()
 

@@ -55,6 +55,10 @@ LOOKUP_TIMEOUT = 2.0
 # (past it the scheduler fails the pod's whole attempt, every node with it): the second
 # round, for estimators restarted meanwhile, is asked only if it fits.
 FILTER_BUDGET = 4.5
+# The same for a bind, the hold of room before the binding included (the binding's own
+# 4 s after a hold of up to 2 s ran past the scheduler's 5 s, which took the bind for
+# failed while the Binding was still being made).
+BIND_BUDGET = 4.5
 
 
 @dataclass
@@ -198,6 +202,7 @@ class Extender:
             return await self._bind(args)
 
     async def _bind(self, args: BindingArgs) -> JSON:
+        began = self.clock()
         pod = self.decisions.pod(args.pod_uid)
         reserved = self.decisions.take_reserved(args.pod_uid, self.clock())
         if pod and self.pool.is_virtual(args.node) and args.node not in reserved:
@@ -211,7 +216,8 @@ class Extender:
                 return {"Error": refusal}
             reserved.add(args.node)
         try:
-            await self.binder(args)
+            async with asyncio.timeout(BIND_BUDGET - (self.clock() - began)):
+                await self.binder(args)
         except Exception as error:
             # Whatever went wrong, the scheduler retries the pod from filter, which reserves
             # again: every room held now would only be in the way.

@@ -298,6 +298,15 @@ def test_a_second_filter_of_a_pod_adds_to_the_first() -> None:
     assert decisions.take_reserved("u1", now=1) == {"vk-a", "vk-b"}
 
 
+def test_a_second_filter_that_gave_back_the_first_s_room_does_not_count_it_held() -> None:
+    """The first filter held room on vk-a; the second's call to vk-a failed and gave it
+    back: bind, choosing vk-a (estimator errors ignored), must hold room there anew."""
+    decisions = Decisions()
+    decisions.remember("u1", {"vk-a": fitting(reserved_node="n")}, now=0)
+    decisions.remember("u1", {"vk-b": fitting(reserved_node="m")}, now=1, released=["vk-a"])
+    assert decisions.take_reserved("u1", now=1) == {"vk-b"}
+
+
 def test_decisions_are_forgotten_after_a_while() -> None:
     decisions = Decisions(reservations_for=60)
     decisions.remember("old", {"vk-a": fitting(reserved_node="n")}, now=0)

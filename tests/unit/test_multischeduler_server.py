@@ -198,6 +198,7 @@ class Federation:
     servers: list[grpc.aio.Server] = field(default_factory=list)
     bindings: list[BindingArgs] = field(default_factory=list)
     bind_error: Exception | None = None
+    bind_seconds: float = 0.0
     # The upper pods the extender reads (namespace, name), and the reads it made.
     upper_pods: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     lookup_error: Exception | None = None
@@ -317,6 +318,7 @@ async def federation(tmp_path: Path) -> AsyncIterator[Federation]:
     async def bind(args: BindingArgs) -> None:
         if world.bind_error is not None:
             raise world.bind_error
+        await asyncio.sleep(world.bind_seconds)
         world.bindings.append(args)
 
     async def lookup(resource: Resource, namespace: str | None, name: str) -> dict[str, Any] | None:
@@ -912,6 +914,22 @@ async def test_a_failed_binding_is_reported_and_releases_everything(
     estimators = federation.estimators
     await eventually(lambda: bool(estimators["vk-a"].releases and estimators["vk-b"].releases))
     assert sample(federation, "kubestrata_extender_bind_errors_total") == 1
+
+
+async def test_a_bind_whose_hold_and_binding_outlast_the_budget_fails_in_time(
+    federation: Federation, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hold of room on a cluster filter kept none on counts toward the bind's
+    budget: the binding's own timeout after it ran past the scheduler's 5 s."""
+    monkeypatch.setattr(extender_server, "BIND_BUDGET", 0.5)
+    await federation.estimator("vk-a", fits(0.9))
+    await federation.estimator("vk-b", fits(0.5), delay=0.2)
+    await federation.filter("vk-a", "vk-b")
+    federation.bind_seconds = 0.4
+    answer = await federation.post("bind", binding("vk-b"))
+    assert answer["Error"].startswith("binding pod ns/p to vk-b: ")
+    assert federation.bindings == []
+    assert federation.estimators["vk-b"].estimates[-1].pods[0].reserve, "held at bind"
 
 
 async def test_pods_for_ordinary_nodes_are_bound_too(federation: Federation) -> None:
