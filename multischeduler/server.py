@@ -59,6 +59,8 @@ FILTER_BUDGET = 4.5
 # 4 s after a hold of up to 2 s ran past the scheduler's 5 s, which took the bind for
 # failed while the Binding was still being made).
 BIND_BUDGET = 4.5
+# How often at most the Node of an estimator that keeps failing is read again.
+READ_AGAIN_INTERVAL = 5.0
 
 
 @dataclass
@@ -75,6 +77,8 @@ class Extender:
     metrics: Metrics = field(default_factory=Metrics)
     clock: Callable[[], float] = time.monotonic
     _giving_back: Background = field(default_factory=Background, init=False)
+    # When a failed estimator's Node was last read again and told of no restart.
+    _read_again_at: dict[str, float] = field(default_factory=dict, init=False)
 
     async def _estimate(
         self, names: list[str], pod: bytes, pod_key: str, reserve: bool
@@ -162,7 +166,15 @@ class Extender:
         reach it before this process's watch: asked through the old channel, the new
         estimator would fail them, and no further change would bring them back for
         minutes."""
-        failed = [n for n, a in answers.items() if isinstance(a, EstimatorFailure)]
+        now = self.clock()
+        # A Node read again lately with nothing new is not read at every decision: with
+        # one virtual node down, each pod's filter waited on a read of it.
+        failed = [
+            n
+            for n, a in answers.items()
+            if isinstance(a, EstimatorFailure)
+            and now - self._read_again_at.get(n, -READ_AGAIN_INTERVAL) >= READ_AGAIN_INTERVAL
+        ]
         if not failed:
             return {}
         if self.clock() - began + LOOKUP_TIMEOUT + self.estimator_timeout > FILTER_BUDGET:
@@ -178,6 +190,9 @@ class Extender:
             current = self.pool.estimator_of(name)
             if current is not None and current != asked.get(name):
                 restarted.append(name)
+                self._read_again_at.pop(name, None)
+            else:
+                self._read_again_at[name] = now
         if not restarted:
             return {}
         return await self._estimate(restarted, pod, pod_key, reserve=True)

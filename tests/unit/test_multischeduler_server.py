@@ -205,6 +205,7 @@ class Federation:
     lookups: list[tuple[str, str]] = field(default_factory=list)
     # The virtual Nodes as the upper apiserver has them, ahead of the Node cache.
     upper_nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    node_reads: list[str] = field(default_factory=list)
 
     async def serve(self, servicer: FakeEstimator, older: bool = False) -> str:
         """Starts an estimator on a free port; returns its address."""
@@ -323,6 +324,7 @@ async def federation(tmp_path: Path) -> AsyncIterator[Federation]:
 
     async def lookup(resource: Resource, namespace: str | None, name: str) -> dict[str, Any] | None:
         if resource is NODES:
+            world.node_reads.append(name)
             return world.upper_nodes.get(name)
         assert resource is PODS and namespace is not None
         world.lookups.append((namespace, name))
@@ -754,6 +756,11 @@ async def test_an_estimator_restarted_before_the_node_cache_heard_is_asked_again
     failed = {**result["FailedNodes"], **result["FailedAndUnresolvableNodes"]}
     # gRPC says UNAVAILABLE or, when the server goes with the stream open, INTERNAL.
     assert failed["vk-a"].startswith("vk-a: estimator unavailable: "), result
+    # Read again and found unchanged, its Node is not read at the next decisions (each
+    # pod's filter waited on that read while the virtual node was down).
+    reads = len(federation.node_reads)
+    await federation.filter("vk-a", pod=named("q", "u2"))
+    assert len(federation.node_reads) == reads
 
 
 async def filtered_while_restarting(
