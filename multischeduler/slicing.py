@@ -206,19 +206,23 @@ class SliceController:
 
     async def sweep(self) -> None:
         """Finds the namespaces the lower clusters hold slices for that no longer exist
-        above or have no quota (deleted or unsliced while this process was away): their
-        reconcile takes the slices back."""
+        above or have no quota (deleted or unsliced while this process was away), or
+        whose placement leaves that cluster out: their reconcile takes the slices back."""
         clusters = self._nodes_by_cluster()
         answers = await asyncio.gather(
             *(self.pool.sliced_namespaces(node, self.timeout) for node in clusters.values())
         )
-        for answer in answers:
+        for cluster, answer in zip(clusters, answers, strict=True):
             if isinstance(answer, EstimatorFailure):
                 continue
             for name in answer.namespaces:
                 gone = self.namespaces.get(name) is None
                 if gone or not namespace_quota(self.quotas.items(name)):
                     self._suspects.add(name)
+                    self.queue.add(name)
+                elif cluster not in (self.placement_of(name) or {}):
+                    # Placed elsewhere while this cluster was away (its Node gone a
+                    # while): what it still promises is taken back, not held for good.
                     self.queue.add(name)
 
     # -- one namespace ---------------------------------------------------------------------

@@ -440,6 +440,8 @@ async def test_namespaces_deleted_or_unsliced_while_away_are_found_and_taken_bac
     w.put(w.quotas, quota("2"))
     w.put(w.namespaces, namespace("unsliced"))
     await w.drain()  # the informers' adds
+    w.sync_namespace()  # placed on a: the cluster whose ledger has it is in its placement
+    await w.drain()
     w.pool.clusters["a"].promises.clear()
     await w.controller.sweep()
     assert sorted(await w.drain()) == ["gone", "unsliced"]
@@ -447,6 +449,27 @@ async def test_namespaces_deleted_or_unsliced_while_away_are_found_and_taken_bac
     assert taken_back == {("gone", 0), ("unsliced", 0)}
     assert w.pool.clusters["a"].ledger == {"team": held}
     assert w.pool.clusters["b"].ledger == {}
+
+
+async def test_a_cluster_back_after_the_namespace_was_placed_elsewhere_gives_its_slices_back() -> (
+    None
+):
+    """Its Node was gone while a reconcile placed the namespace on b alone; back, a still
+    promises its slice, which nothing else would queue the namespace to take back."""
+    w = world(
+        a=Cluster((8,), ledger={"team": (1, 2 * CPU)}),
+        b=Cluster((8,), ledger={"team": (1, 2 * CPU)}),
+    )
+    away = w.pool.nodes.pop("vk-a")
+    w.put(w.namespaces, recorded(Applied(Amount(cpu=2 * CPU), {"b": 1})))
+    w.put(w.quotas, quota("2"))
+    await w.drain()  # the informers' adds, a's Node gone
+    assert w.pool.clusters["a"].ledger == {"team": (1, 2 * CPU)}
+    w.pool.nodes["vk-a"] = away
+    await w.controller.sweep()
+    assert await w.drain() == ["team"]
+    assert w.pool.clusters["a"].ledger == {}
+    assert w.pool.clusters["b"].ledger == {"team": (1, 2 * CPU)}
 
 
 async def test_a_slice_size_change_is_refused_while_pods_run_and_reslices_otherwise() -> None:
