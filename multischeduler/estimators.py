@@ -273,12 +273,30 @@ class EstimatorPool:
         # Every Node the watch has shown, virtual or not: a name the scheduler sends that
         # is not here may be a virtual node the watch has not shown yet.
         self.known: set[str] = set()
+        # How many times the watch told of each Node: a Node read afresh is taken only if
+        # the watch told nothing of it during the read (a read's older version put after
+        # the watch's newer one closed the new estimator's channel).
+        self._watched: dict[str, int] = {}
         self._estimators: dict[str, _Estimator] = {}
         # Fire-and-forget calls and channel closes.
         self._background = Background()
 
     def handler(self) -> FunctionHandler:
-        return FunctionHandler(add=self.put, update=self.put, delete=self.remove)
+        return FunctionHandler(add=self._told, update=self._told, delete=self.remove)
+
+    def _told(self, obj: JSON) -> None:
+        name = str(obj["metadata"]["name"])
+        self._watched[name] = self._watched.get(name, 0) + 1
+        self.put(obj)
+
+    def watched(self, name: str) -> int:
+        """A count that moves whenever the watch tells of Node ``name``."""
+        return self._watched.get(name, 0)
+
+    def put_read(self, obj: JSON, watched: int) -> None:
+        """Takes a Node read afresh, unless the watch told of it since ``watched``."""
+        if self.watched(str(obj["metadata"]["name"])) == watched:
+            self.put(obj)
 
     def is_virtual(self, name: str) -> bool:
         return name in self.nodes
@@ -324,6 +342,7 @@ class EstimatorPool:
 
     def remove(self, obj: JSON) -> None:
         name = str(obj["metadata"]["name"])
+        self._watched[name] = self._watched.get(name, 0) + 1
         self.known.discard(name)
         self._forget(name)
 

@@ -136,19 +136,21 @@ class Extender:
             if isinstance(node, BaseException) or node is None:
                 why = node or "not found"
                 refused[name] = PodEstimate(message=f"Node not known yet ({why})")
-            else:
-                self.pool.put(node)
         return refused
 
     async def _read_nodes(self, names: Sequence[str]) -> list[JSON | BaseException | None]:
         """The Nodes of ``names`` read afresh, all at once (the scheduler gives the whole
-        call 5 s): each a Node, None when gone, or the API error its read met."""
+        call 5 s): each a Node, None when gone, or the API error its read met. The Nodes
+        read go to the pool, unless its watch told of them meanwhile."""
+        watched = [self.pool.watched(name) for name in names]
         reads = await asyncio.gather(
             *(self.lookup(NODES, None, name) for name in names), return_exceptions=True
         )
-        for read in reads:
+        for read, seen in zip(reads, watched, strict=True):
             if isinstance(read, BaseException) and not isinstance(read, API_ERRORS):
                 raise read
+            if isinstance(read, dict):
+                self.pool.put_read(read, seen)
         return reads
 
     async def _ask_restarted(
@@ -185,8 +187,6 @@ class Extender:
             if isinstance(node, BaseException):
                 log.warning("%s: not read again (%s)", name, node)
                 continue
-            if node is not None:
-                self.pool.put(node)
             current = self.pool.estimator_of(name)
             if current is not None and current != asked.get(name):
                 restarted.append(name)

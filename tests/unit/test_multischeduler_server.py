@@ -980,6 +980,28 @@ async def test_a_restarted_estimator_gets_a_fresh_channel(tmp_path: Path) -> Non
         await pool.close()
 
 
+async def test_a_node_read_while_the_watch_told_of_a_newer_one_is_not_taken(
+    tmp_path: Path,
+) -> None:
+    """A read begun before the watch's news of a restarted estimator, answered after it,
+    put the older Node back: the new estimator's channel closed, every pod failed there."""
+    pool = EstimatorPool(channel_credentials(pki.ca_path(serving_pair(tmp_path))))
+    informer = Informer(client=None, resource=NODES)  # type: ignore[arg-type]
+    informer.add_handler(pool.handler())
+    try:
+        read_began = pool.watched("vk-a")
+        informer.apply(
+            {"type": "ADDED", "object": virtual_node_object("vk-a", "127.0.0.1:2", "t2")}
+        )
+        pool.put_read(virtual_node_object("vk-a", "127.0.0.1:1", "t1"), read_began)
+        assert pool.estimator_of("vk-a") == ("127.0.0.1:2", "t2")
+        # A read the watch said nothing during is taken.
+        pool.put_read(virtual_node_object("vk-a", "127.0.0.1:3", "t3"), pool.watched("vk-a"))
+        assert pool.estimator_of("vk-a") == ("127.0.0.1:3", "t3")
+    finally:
+        await pool.close()
+
+
 async def test_the_pool_asks_for_plans_fits_and_holds_and_reports_failures(
     federation: Federation,
 ) -> None:
