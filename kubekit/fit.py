@@ -16,8 +16,8 @@ do not tolerate ``node.kubernetes.io/not-ready:NoSchedule`` (the taint the node 
 controller adds), as part of TaintToleration.
 
 Not modelled: volumes (VolumeRestrictions, NodeVolumeLimits, VolumeBinding, VolumeZone),
-dynamic resource allocation, NodeDeclaredFeatures, pod-level ``spec.resources`` and
-in-place resize (requests come from the containers), the scheduler's ignored extended
+dynamic resource allocation, NodeDeclaredFeatures, in-place resize, the lower
+cluster's LimitRange defaults (admission's, not a filter's), the scheduler's ignored extended
 resources, the comparison operators of tolerations (alpha, off by default), and the
 NodeAffinity PreFilter's narrowing to the nodes named by ``matchFields`` (the scheduler
 reports the other nodes as "didn't satisfy plugin(s) [NodeAffinity]", here they get the

@@ -49,12 +49,12 @@ from virtual_node.translate import (
     desired_lower_pod,
     ephemeral_containers_patch,
     host_access_refusal,
+    left_unpinned,
     lower_pod_patch,
     pinned_to,
     resize_patch,
     resources_record_patch,
     upper_status,
-    uses_unmodelled_filters,
 )
 
 log = logging.getLogger(__name__)
@@ -516,7 +516,7 @@ class LowerCluster:
                     f"{error.message}",
                 )
             raise
-        if self.held_node is not None and not uses_unmodelled_filters(desired["spec"]):
+        if self.held_node is not None and not left_unpinned(desired["spec"]):
             node = self.held_node(upper["metadata"]["uid"])
             if node is not None:
                 desired = pinned_to(desired, node)

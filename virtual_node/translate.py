@@ -255,11 +255,24 @@ def host_access_refusal(
     )
 
 
-def uses_unmodelled_filters(spec: Mapping[str, Any]) -> bool:
-    """Volumes bound to zones and claimed devices are not in the fit estimator's model."""
-    return bool(spec.get("resourceClaims")) or any(
-        "persistentVolumeClaim" in volume or "ephemeral" in volume
-        for volume in spec.get("volumes") or []
+def left_unpinned(spec: Mapping[str, Any]) -> bool:
+    """Whether the lower pod goes without the pin to the node the estimator held room on:
+    volumes bound to zones and claimed devices are not in the estimator's model, and a
+    spread constraint with ``minDomains`` that honours node affinity would count only the
+    pinned node's domain (too few: the lower scheduler refused the pod for good)."""
+    return (
+        bool(spec.get("resourceClaims"))
+        or any(
+            "persistentVolumeClaim" in volume or "ephemeral" in volume
+            for volume in spec.get("volumes") or []
+        )
+        or any(
+            constraint.get("whenUnsatisfiable") == "DoNotSchedule"
+            and isinstance(constraint.get("minDomains"), int)
+            and constraint["minDomains"] > 1
+            and constraint.get("nodeAffinityPolicy", "Honor") != "Ignore"
+            for constraint in spec.get("topologySpreadConstraints") or []
+        )
     )
 
 

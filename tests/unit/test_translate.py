@@ -16,6 +16,7 @@ from virtual_node.translate import (
     desired_lower_pod,
     ephemeral_containers_patch,
     host_access,
+    left_unpinned,
     lower_pod_patch,
     pinned_node,
     pinned_to,
@@ -25,7 +26,6 @@ from virtual_node.translate import (
     terminated_status,
     updated_tolerations,
     upper_status,
-    uses_unmodelled_filters,
 )
 
 OWNER = Ownership(origin="upper-uid-0", node_name="vk-lower-1", cluster_id="lower-1")
@@ -630,6 +630,16 @@ def test_a_pin_is_added_to_every_required_term_of_the_pod() -> None:
     }
 
 
+def spread(**fields: Any) -> dict[str, Any]:
+    return {
+        "maxSkew": 1,
+        "topologyKey": "topology.kubernetes.io/zone",
+        "whenUnsatisfiable": "DoNotSchedule",
+        "labelSelector": {"matchLabels": {"app": "w"}},
+        **fields,
+    }
+
+
 @pytest.mark.parametrize(
     ("spec", "unmodelled"),
     [
@@ -638,12 +648,18 @@ def test_a_pin_is_added_to_every_required_term_of_the_pod() -> None:
         ({"volumes": [{"name": "v", "ephemeral": {"volumeClaimTemplate": {}}}]}, True),
         ({"resourceClaims": [{"name": "gpu", "resourceClaimName": "c"}]}, True),
         ({}, False),
+        # Pinned, only the node's own domain would be eligible: fewer than minDomains,
+        # and the lower scheduler refuses the pod for good.
+        ({"topologySpreadConstraints": [spread(minDomains=3)]}, True),
+        ({"topologySpreadConstraints": [spread(minDomains=3, nodeAffinityPolicy="Ignore")]}, False),
+        ({"topologySpreadConstraints": [spread(minDomains=1)]}, False),
+        ({"topologySpreadConstraints": [spread(whenUnsatisfiable="ScheduleAnyway")]}, False),
     ],
 )
-def test_pods_with_volumes_or_devices_the_estimator_cannot_judge_are_not_pinned(
+def test_pods_the_estimator_cannot_judge_pinned_are_not_pinned(
     spec: dict[str, Any], unmodelled: bool
 ) -> None:
-    assert uses_unmodelled_filters(spec) is unmodelled
+    assert left_unpinned(spec) is unmodelled
 
 
 def debugger(name: str, image: str = "busybox") -> dict[str, Any]:
