@@ -403,21 +403,21 @@ class LowerCluster:
         if debug is not None and self.dependencies is not None:
             # What a debug container refers to is copied first, as for the pod: with a
             # namesake below not ours, the container would read someone else's Secret.
+            # A quota or policy below refusing a copy holds back the container (tried
+            # again later), not the pod's status.
+            why = None
             try:
                 await self.dependencies.ensure_for_pod(upper)
             except NameTaken as error:
-                refusals.append(f"ephemeral containers not added below: {error}")
-                retry = True
-                debug = None
+                why = str(error)
             except ApiError as error:
-                # A quota or policy below refusing a copy holds back the container
-                # (tried again later), not the pod's status.
                 if error.status != 403:
                     raise
-                refusals.append(
-                    f"ephemeral containers not added below: lower cluster "
-                    f"{self.owner.cluster_id} refused what they need: {error.message}"
+                why = (
+                    f"lower cluster {self.owner.cluster_id} refused what they need: {error.message}"
                 )
+            if why is not None:
+                refusals.append(f"ephemeral containers not added below: {why}")
                 retry = True
                 debug = None
         resize = resize_patch(lower, desired)
