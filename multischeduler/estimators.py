@@ -626,10 +626,15 @@ class EstimatorPool:
             )
         except (grpc.aio.AioRpcError, OSError) as error:
             log.warning("%s: releasing the room of pods %s: %s", name, ", ".join(uids), error)
+            # Given back with the next call, which is the one that would find the room
+            # held (a release is idempotent); a call of their own again at once would
+            # only fail the same way while the estimator is down.
+            estimator.releases.update(uids)
+            return
         finally:
             estimator.flushing = None
-            if estimator.releases:
-                self._flush(name, estimator)
+        if estimator.releases:
+            self._flush(name, estimator)
 
     async def close(self) -> None:
         """Gives back the room still waiting for its call first: left held, it would lapse

@@ -79,6 +79,8 @@ class FakeEstimator(estimator_pb2_grpc.EstimatorServicer):
         # How long a Release call takes, and those that ended.
         self.release_delay = 0.0
         self.releases_ended = 0
+        # Release calls still to be refused (UNAVAILABLE), as a restarting estimator would.
+        self.releases_refused = 0
         self.authorization: list[str] = []
 
     def _caller(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
@@ -117,6 +119,9 @@ class FakeEstimator(estimator_pb2_grpc.EstimatorServicer):
     ) -> ReleaseResponse:
         self._caller(context)
         self.releases.append(list(request.pod_uids))
+        if self.releases_refused:
+            self.releases_refused -= 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "restarting")
         await asyncio.sleep(self.release_delay)
         self.releases_ended += 1
         return ReleaseResponse(released=len(request.pod_uids))
@@ -717,6 +722,23 @@ async def test_releases_of_a_failed_call_are_sent_again(federation: Federation) 
     assert list(sent.release_pod_uids) == ["u1", "u2"]
     # The late answer ended the call it was due on: answers behind it would be as late.
     assert federation.estimators["vk-b"].streams == 2
+
+
+async def test_releases_of_a_failed_release_call_ride_on_the_next_call(
+    federation: Federation,
+) -> None:
+    """Dropped, the room stayed held until it lapsed, keeping pods off the cluster."""
+    estimators = federation.estimators
+    await federation.estimator("vk-a", fits(0.9))
+    await federation.estimator("vk-b", fits(0.5))
+    estimators["vk-b"].releases_refused = 1
+    federation.extender.pool.release_delay = 0.01
+    await federation.filter("vk-a", "vk-b")
+    await eventually(lambda: estimators["vk-b"].releases == [["u1"]])
+    await asyncio.sleep(0.1)
+    assert estimators["vk-b"].releases == [["u1"]], "not called again at once"
+    (sent,) = await next_call(federation, "vk-b")
+    assert list(sent.release_pod_uids) == ["u1"]
 
 
 async def test_bind_elsewhere_releases_the_room_kept_for_the_pod(federation: Federation) -> None:
