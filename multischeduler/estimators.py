@@ -80,7 +80,8 @@ RELEASE_DELAY = 0.25
 LATE_IN_A_ROW_TO_SKIP = 3
 SKIP_LATE_SECONDS = 5.0
 
-# Codes that mean the estimator did not act on the request, so holds no room for it.
+# Codes that mean the estimator did not act on the request, so holds no room for it (but
+# see _EndedWithTheCall.reached).
 _NOT_ACTED_ON = frozenset(
     {
         grpc.StatusCode.UNAVAILABLE,
@@ -164,7 +165,7 @@ class AnswerStream:
         while self._waiting:
             waiting = self._waiting.popleft()
             if not waiting.done():
-                waiting.set_exception(_EndedWithTheCall(self._failure))
+                waiting.set_exception(_EndedWithTheCall(self._failure, reached=True))
 
     async def ask(self, request: EstimateRequest, timeout: float) -> EstimateResponse:
         """The answer to ``request``; raises the call's failure as a unary call would."""
@@ -173,7 +174,7 @@ class AnswerStream:
             async with asyncio.timeout(timeout):
                 async with self._writing:
                     if self._failure is not None:
-                        raise _EndedWithTheCall(self._failure)
+                        raise _EndedWithTheCall(self._failure, reached=False)
                     self._waiting.append(answer)
                     try:
                         await self._call.write(request)
@@ -203,12 +204,15 @@ class AnswerStream:
 
 class _EndedWithTheCall(grpc.aio.AioRpcError):
     """The failure of a request that waited on a call another one ended: late only if
-    that other one was (never counted as this estimator being late again)."""
+    that other one was (never counted as this estimator being late again). ``reached``:
+    the request was going out or gone when the call ended, so the estimator may have
+    acted on it whatever the call's code (a stream broken after it says UNAVAILABLE)."""
 
-    def __init__(self, failure: grpc.aio.AioRpcError) -> None:
+    def __init__(self, failure: grpc.aio.AioRpcError, reached: bool) -> None:
         super().__init__(
             failure.code(), grpc.aio.Metadata(), grpc.aio.Metadata(), failure.details()
         )
+        self.reached = reached
 
 
 def _failure(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -425,7 +429,8 @@ class EstimatorPool:
                 estimator.late_in_a_row = 0
             return EstimatorFailure(
                 f"{estimator.address}: {code.name}: {error.details()}",
-                maybe_reserved=code not in _NOT_ACTED_ON,
+                maybe_reserved=code not in _NOT_ACTED_ON
+                or (isinstance(error, _EndedWithTheCall) and error.reached),
             )
         estimator.late_in_a_row = 0
         if len(response.estimates) != 1:

@@ -75,6 +75,8 @@ class FakeEstimator(estimator_pb2_grpc.EstimatorServicer):
         self.unary_estimates = 0
         # Answers after which it ends an EstimateStream call.
         self.answers_per_call: int | None = None
+        # Requests on an EstimateStream after which it breaks the call (UNAVAILABLE).
+        self.breaks_after_reading: int | None = None
         self.releases: list[list[str]] = []
         # How long a Release call takes, and those that ended.
         self.release_delay = 0.0
@@ -109,6 +111,12 @@ class FakeEstimator(estimator_pb2_grpc.EstimatorServicer):
         self.streams += 1
         answered = 0
         async for request in requests:
+            if self.breaks_after_reading is not None:
+                self.breaks_after_reading -= 1
+                if self.breaks_after_reading < 0:
+                    self.breaks_after_reading = None
+                    self.estimates.append(request)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset")
             yield await self._estimate(request, context)
             answered += 1
             if answered == self.answers_per_call:
@@ -737,6 +745,19 @@ async def test_releases_of_a_failed_release_call_ride_on_the_next_call(
     await eventually(lambda: estimators["vk-b"].releases == [["u1"]])
     await asyncio.sleep(0.1)
     assert estimators["vk-b"].releases == [["u1"]], "not called again at once"
+    (sent,) = await next_call(federation, "vk-b")
+    assert list(sent.release_pod_uids) == ["u1"]
+
+
+async def test_a_stream_broken_after_the_request_may_hold_room_for_the_pod(
+    federation: Federation,
+) -> None:
+    """UNAVAILABLE says nothing of a request already sent: its room was never given back."""
+    await federation.estimator("vk-a", fits(0.9))
+    await federation.estimator("vk-b", fits(0.5))
+    federation.estimators["vk-b"].breaks_after_reading = 0
+    result = await federation.filter("vk-a", "vk-b")
+    assert "UNAVAILABLE" in result["FailedAndUnresolvableNodes"]["vk-b"]
     (sent,) = await next_call(federation, "vk-b")
     assert list(sent.release_pod_uids) == ["u1"]
 
