@@ -180,6 +180,22 @@ class ClusterState:
         self._place((True, key), node_name, facts)
         return node_name
 
+    def reassume(self, key: str) -> str | None:
+        """Checks an assumption again: kept on its node if the node still takes the pod,
+        else moved to the node it would take now (its node cordoned, gone, or filled by
+        pods seen since). Returns its node, None when none takes it (then nothing is
+        assumed) or when nothing was."""
+        placed = self._placed.get((True, key))
+        if placed is None:
+            return None
+        node_name, facts = placed
+        self.forget(key)
+        scores = self._evaluate(facts).scores
+        chosen = node_name if node_name in scores else _roomiest(scores)
+        if chosen is not None:
+            self._place((True, key), chosen, facts)
+        return chosen
+
     def forget(self, key: str) -> str | None:
         """Drops an assumption; returns the node it held room on."""
         return self._unplace((True, key))

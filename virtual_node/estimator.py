@@ -431,8 +431,35 @@ class FitEstimator:
     def held_node(self, uid: str) -> str | None:
         """The lower node room is held on for a pod bound here: the lower pod is pinned
         there, since room assumed on one node while the lower scheduler takes another
-        would be counted twice and leave a later pod without the room it was promised."""
-        return self.state.assumed_node(uid) if uid in self._in_flight else None
+        would be counted twice and leave a later pod without the room it was promised.
+        Checked again first: pinned to a node cordoned, gone or filled since, the copy
+        would wait there for good."""
+        return self.state.reassume(uid) if uid in self._in_flight else None
+
+    @_exclusive
+    def settle(self) -> None:
+        """Assumes again, one after another in the order they were made, the pods in
+        flight that have no lower copy: once the caches are whole. At a start each was
+        assumed as it was listed, maybe before the lower nodes (on no node) or the pods
+        filling a node (on that node)."""
+        if self._upper_pods is None:
+            return
+        waiting: list[tuple[str, str, str, JSON]] = []
+        for uid in self._in_flight:
+            key = self._upper_keys.get(uid)
+            if uid in self._lower_keys or key is None:
+                continue
+            self.state.forget(uid)
+            pod = self._upper_pods.get(key)
+            if pod is not None:
+                waiting.append((pod["metadata"].get("creationTimestamp") or "", key, uid, pod))
+        for _created, key, uid, pod in sorted(waiting, key=lambda w: w[:2]):
+            try:
+                _lower, facts = self._lower_form(pod)
+            except QueryError as error:
+                log.debug("pod %s not assumed: %s", key, error)
+                continue
+            self.state.assume(uid, facts)
 
     @_exclusive
     def largest_free_slot(self) -> tuple[str, dict[str, int]] | None:

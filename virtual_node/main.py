@@ -540,6 +540,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
         )
         health.mark_ready()
         if config.estimator_port:
+            estimator.settle()
             # Served once the caches are whole: an empty cluster would refuse every pod.
             estimator_server = await serve_estimator(
                 EstimatorService(

@@ -365,6 +365,67 @@ class Context:
         return (("authorization", "Bearer t"),)
 
 
+def filler(node_name: str, cpu: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": f"filler-{node_name}", "namespace": "default"},
+        "spec": {
+            "nodeName": node_name,
+            "containers": [{"name": "c", "resources": {"requests": {"cpu": cpu}}}],
+        },
+        "status": {"phase": "Running"},
+    }
+
+
+def test_a_pin_is_checked_again_when_the_lower_copy_is_made() -> None:
+    """Pinned to a node cordoned, gone or filled since its room was assumed, the copy
+    waited there for good."""
+    cluster = Cluster()
+    cluster.upper_pods.apply({"type": "ADDED", "object": upper_pod("web", "1")})
+    assert cluster.estimator.held_node("uid-web") == "big"
+    cordoned = node("big", "4")
+    cordoned["spec"]["unschedulable"] = True
+    cluster.lower_nodes.apply({"type": "MODIFIED", "object": cordoned})
+    assert cluster.estimator.held_node("uid-web") == "small"
+    cluster.lower_nodes.apply({"type": "MODIFIED", "object": node("big", "4")})
+    assert cluster.estimator.held_node("uid-web") == "small", "kept where it still fits"
+    cluster.lower_pods.apply({"type": "ADDED", "object": filler("small", "2")})
+    assert cluster.estimator.held_node("uid-web") == "big"
+    cluster.lower_nodes.apply({"type": "DELETED", "object": node("big", "4")})
+    assert cluster.estimator.held_node("uid-web") is None, "no node takes it: not pinned"
+    assert cluster.fits("1") == 0
+
+
+@pytest.mark.parametrize("upper_before_nodes", [True, False])
+def test_a_start_assumes_the_pods_in_flight_once_the_lower_cluster_is_known(
+    upper_before_nodes: bool,
+) -> None:
+    """A restart lists the upper pods before the lower nodes (nothing assumed) or before
+    the pods filling a node (assumed there)."""
+    estimator = FitEstimator(ClusterState(), NamespaceMapping(), OWNER, Clock())
+    lower_nodes = Informer(client=None, resource=NODES)  # type: ignore[arg-type]
+    lower_pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
+    upper_pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
+    estimator.watch(lower_nodes, lower_pods, upper_pods)
+
+    def list_nodes() -> None:
+        for name, cpu in (("big", "4"), ("small", "2")):
+            lower_nodes.apply({"type": "ADDED", "object": node(name, cpu)})
+
+    if not upper_before_nodes:
+        list_nodes()
+    for i in range(2):
+        pod = upper_pod(f"p{i}", "1")
+        pod["metadata"]["creationTimestamp"] = f"2026-11-28T10:00:0{i}Z"
+        upper_pods.apply({"type": "ADDED", "object": pod})
+    if upper_before_nodes:
+        list_nodes()
+    lower_pods.apply({"type": "ADDED", "object": filler("big", "3")})
+    estimator.settle()
+    assert [estimator.held_node(f"uid-p{i}") for i in range(2)] == ["small", "big"]
+    query = orjson.dumps(upper_pod("query", "1"))
+    assert estimator.answer(query, 10).estimate.max_replicas == 1
+
+
 async def test_releases_sent_with_a_call_are_given_back_before_its_pods_are_judged() -> None:
     cluster = Cluster()
     service = EstimatorService(cluster.estimator, Admitting(), "lower-1")
