@@ -516,7 +516,12 @@ class FitEstimator:
             raise QueryError(f"the pod's resources are not what they should be: {error}") from error
         if negative is not None:
             raise QueryError(negative)
-        return str(upper["metadata"].get("uid") or ""), lower, facts
+        uid = str(upper["metadata"].get("uid") or "")
+        if "\0" in uid:
+            # The state keys its simulations' assumptions so: a hold under such a UID
+            # would be taken for one and its room never given back.
+            raise QueryError("the pod's uid has a NUL character in it")
+        return uid, lower, facts
 
     @_exclusive
     def answer(self, pod_json: bytes, replicas: int = 1, reserve: bool = False) -> Answer:

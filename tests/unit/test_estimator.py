@@ -303,6 +303,10 @@ def test_the_stash_is_restored_before_the_pod_is_judged() -> None:
             ),
             "resources are not what they should be",
         ),
+        (
+            orjson.dumps(upper_pod("x", "1", uid="\u00000")),
+            "NUL character",
+        ),
     ],
 )
 def test_a_pod_that_cannot_be_read_is_a_clear_error(body: bytes, complaint: str) -> None:
