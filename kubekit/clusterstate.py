@@ -227,14 +227,18 @@ class ClusterState:
             roomiest=_roomiest(scores),
         )
 
-    def largest_free_slot(self) -> tuple[str, dict[str, int]] | None:
+    def largest_free_slot(
+        self, counted_taint_keys: Collection[str] = ()
+    ) -> tuple[str, dict[str, int]] | None:
         """The schedulable Ready node with the most cpu left (then memory, then the first
         name) and what it has left in milli-units, pods in flight counted: the biggest pod
-        the cluster could still take, whatever its total says. None without such a node."""
+        the cluster could still take, whatever its total says. None without such a node.
+        A node with a NoSchedule or NoExecute taint keyed outside ``counted_taint_keys``
+        is left out, as from the capacity (``capacity.node_counts``)."""
         usable = [
             headroom
             for name, headroom in self._headroom.items()
-            if self._nodes[name].barriers.ready and not self._nodes[name].barriers.unschedulable
+            if _usable(self._nodes[name].barriers, counted_taint_keys)
         ]
         if not usable:
             return None
@@ -621,6 +625,14 @@ def _best(scores: Mapping[str, float]) -> str | None:
 def facts_of(pod: JSON | PodFacts) -> PodFacts:
     """What the fit needs of a pod, read once by a caller that asks several questions."""
     return pod if isinstance(pod, PodFacts) else PodFacts.of(pod)
+
+
+def _usable(barriers: Barriers, counted_taint_keys: Collection[str]) -> bool:
+    return (
+        barriers.ready
+        and not barriers.unschedulable
+        and all(taint.key in counted_taint_keys for taint in barriers.taints)
+    )
 
 
 def _roomiest(scores: Mapping[str, float]) -> str | None:

@@ -17,7 +17,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
@@ -462,10 +462,12 @@ class FitEstimator:
             self.state.assume(uid, facts)
 
     @_exclusive
-    def largest_free_slot(self) -> tuple[str, dict[str, int]] | None:
+    def largest_free_slot(
+        self, counted_taint_keys: Collection[str] = ()
+    ) -> tuple[str, dict[str, int]] | None:
         # The Node's status asks this when no query comes: a lapsed hold is not room.
         self.expire()
-        return self.state.largest_free_slot()
+        return self.state.largest_free_slot(counted_taint_keys)
 
     def _lower_form(self, upper: Mapping[str, Any]) -> tuple[JSON, PodFacts]:
         """The lower pod the upper one becomes and what the fit reads of it: read here,

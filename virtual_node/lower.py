@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any, Protocol
 
 from kubekit import keys, metrics
@@ -127,7 +127,8 @@ class LowerCluster:
         host_ip: str,
         dependencies: PodDependencies | None = None,
         held_node: Callable[[str], str | None] | None = None,
-        largest_free_slot: Callable[[], tuple[str, Mapping[str, int]] | None] | None = None,
+        largest_free_slot: Callable[[Collection[str]], tuple[str, Mapping[str, int]] | None]
+        | None = None,
         counted_taint_keys: frozenset[str] = frozenset(),
         host_access_namespaces: frozenset[str] = frozenset(),
         heartbeat: KubeClient | None = None,
@@ -303,7 +304,11 @@ class LowerCluster:
     def report(self, reachable: bool) -> NodeReport:
         nodes = list(self.nodes.items())
         free = free_capacity(nodes, self._usage.values(), self.counted_taint_keys)
-        slot = self.largest_free_slot() if self.largest_free_slot is not None else None
+        slot = (
+            self.largest_free_slot(self.counted_taint_keys)
+            if self.largest_free_slot is not None
+            else None
+        )
         return NodeReport(
             ready=reachable,
             allocatable=as_resource_list(free),

@@ -334,6 +334,21 @@ def test_the_report_names_the_roomiest_lower_node_with_our_own_pods_counted() ->
     }
 
 
+def test_the_slot_leaves_out_a_node_tainted_against_federated_pods() -> None:
+    """A control-plane node's room is no slot for them: reported, it was larger than the
+    cluster's whole capacity above."""
+    lower, _, nodes = lower_cluster(ClusterState(), counted_taint_keys=frozenset({"gpu"}))
+    control_plane = node(
+        "control-plane", cpu="16", taints=(("node-role.kubernetes.io/control-plane", "NoSchedule"),)
+    )
+    gpu = node("gpu", cpu="8", taints=(("gpu", "NoExecute"),))
+    for each in (control_plane, gpu, node("worker", cpu="4")):
+        nodes.apply({"type": "ADDED", "object": each})
+    report = lower.report(True)
+    assert report.allocatable["cpu"] == "12"
+    assert report.largest_free_slot["node"] == "gpu"
+
+
 def test_without_an_estimator_no_slot_is_reported() -> None:
     lower, _, nodes = lower_cluster()
     nodes.apply({"type": "ADDED", "object": node("a", cpu="8")})
