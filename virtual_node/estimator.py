@@ -401,9 +401,12 @@ class FitEstimator:
 
     @_exclusive
     def ledger_changed(self, ledger: JSON) -> None:
-        """The slices ledger changed: the pods bound here of a namespace newly held to
-        slices count against them from now on."""
+        """The slices ledger changed: the pods holding room or bound here of a namespace
+        newly held to slices count against them from now on."""
         for namespace in self.budgets.ledger_changed(ledger):
+            for uid, held in self._reserved.items():
+                if held.lower["metadata"]["namespace"] == namespace:
+                    self.budgets.count(uid, namespace, requested(held.lower))
             upper_namespace = self.mapping.upper(namespace)
             if upper_namespace is None or self._upper_pods is None:
                 continue

@@ -602,6 +602,16 @@ def test_pods_bound_before_the_ledger_names_their_namespace_count_once_it_does()
     assert cluster.fits("2") == 1
 
 
+def test_pods_holding_room_when_the_ledger_names_their_namespace_count_at_once() -> None:
+    """Until they were bound, their namespace went past its slices here."""
+    cluster = Cluster()
+    cluster.estimator.answer(orjson.dumps(upper_pod("held", "1")), reserve=True)
+    cluster.estimator.ledger_changed(ledger_map(("ns", 2, Amount(cpu=1000))))
+    assert (cluster.fits("1"), cluster.fits("1500m")) == (1, 0)
+    cluster.upper_pods.apply({"type": "ADDED", "object": upper_pod("held", "1")})
+    assert (cluster.fits("1"), cluster.fits("1500m")) == (1, 0), "bound, counted once"
+
+
 def test_a_hold_past_the_namespace_s_slices_is_refused() -> None:
     cluster = Cluster()
     cluster.estimator.ledger_changed(ledger_map(("ns", 1, Amount(cpu=1000))))
