@@ -272,7 +272,14 @@ def taint_deletion_at(pod: Mapping[str, Any], node: Mapping[str, Any]) -> dateti
             if isinstance(seconds, int | float) and not isinstance(seconds, bool):
                 seconds = max(0.0, float(seconds))
                 shortest = seconds if shortest is None else min(shortest, seconds)
-    return None if shortest is None else added + timedelta(seconds=shortest)
+    if shortest is None:
+        return None
+    try:
+        return added + timedelta(seconds=shortest)
+    except OverflowError:
+        # Past the last moment there is (tolerationSeconds of a trillion, to say "for
+        # ever"): it raised out of every look while a cluster was down.
+        return None
 
 
 def _tainted_down(node: Mapping[str, Any]) -> bool:

@@ -19,10 +19,17 @@ def now_micro() -> str:
 
 
 def parse_time(text: str) -> datetime.datetime:
-    """Either format, as an aware datetime; ValueError for text that is neither, or has
+    """Either format, as an aware datetime; ValueError for what is not such text, or has
     no zone (the API always writes one; a hand-edited record may not, and compared with
-    an aware moment it would fail as a TypeError)."""
+    an aware moment it would fail as a TypeError), or has no UTC form (the last day of
+    year 9999 west of Greenwich: written back, it failed as an OverflowError)."""
+    if not isinstance(text, str):
+        raise ValueError(f"{text!r} is not a time")
     moment = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
     if moment.tzinfo is None:
         raise ValueError(f"{text!r} has no time zone")
+    try:
+        moment.astimezone(datetime.UTC)
+    except OverflowError:
+        raise ValueError(f"{text!r} is past the last moment there is") from None
     return moment

@@ -278,6 +278,10 @@ def tolerating(seconds: int | None, **toleration: Any) -> dict[str, Any]:
         (None, 299, False),
         (None, 301, False),
         (None, 3600, False),
+        # "For ever" written as a number past the last moment there is: it raised out of
+        # every look while the cluster was down.
+        (10**12, 3600, False),
+        (2**63 - 1, 3600, False),
     ],
 )
 def test_a_pod_of_a_cluster_down_moves_before_the_taint_eviction_would_delete_it(
@@ -1056,7 +1060,16 @@ async def test_a_bare_pod_is_not_copied_back_to_a_cluster_it_left_within_return_
 
 @pytest.mark.parametrize(
     "written",
-    ["", "[", "[1]", '{"vk-1": 5}', '{"vk-1": "soon"}', '{"vk-1": "2026-11-23T10:00:00"}'],
+    [
+        "",
+        "[",
+        "[1]",
+        '{"vk-1": 5}',
+        '{"vk-1": "soon"}',
+        '{"vk-1": "2026-11-23T10:00:00"}',
+        # No UTC form: written back on the pod's copy, it raised out of every look.
+        '{"vk-1": "9999-12-31T23:59:59-12:00"}',
+    ],
 )
 def test_an_unreadable_left_until_entry_keeps_the_pod_off_nothing(written: str) -> None:
     solo = pod("solo", owned=False, annotations={keys.LEFT_UNTIL_ANNOTATION: written})
@@ -1802,7 +1815,16 @@ async def test_a_stuck_pod_goes_only_where_its_node_selector_admits_it() -> None
 
 
 @pytest.mark.parametrize(
-    "written", ["", "{", "[]", '{"plans": 0, "at": "2026-11-23T12:00:00Z"}', '{"plans": 2}']
+    "written",
+    [
+        "",
+        "{",
+        "[]",
+        '{"plans": 0, "at": "2026-11-23T12:00:00Z"}',
+        '{"plans": 2}',
+        # Raised out of every look (AttributeError), any pod creator may write it.
+        '{"plans": 1, "at": null}',
+    ],
 )
 def test_a_defragmentation_record_that_cannot_be_read_is_none(written: str) -> None:
     waiting = federated("big")
