@@ -45,6 +45,7 @@ from descheduler.rescue import (
     is_copy_of,
     job_lost_by_eviction,
     kept_off,
+    left_until_text,
     pod_copy,
     stuck_pods,
     unfinished_moves,
@@ -495,15 +496,15 @@ class Descheduler:
         again (that copy going), ran beside the copy's copy once its cluster was back.
         The original, stuck still, is copied afresh at a later look."""
         live = {
-            str(p["metadata"].get("uid"))
-            for p in pods
-            if not p["metadata"].get("deletionTimestamp")
+            str(pod["metadata"].get("uid")): pod
+            for pod in pods
+            if not pod["metadata"].get("deletionTimestamp")
         }
         left = []
         for case in stuck:
             annotations = case.pod["metadata"].get("annotations") or {}
-            original = annotations.get(keys.COPY_OF_ANNOTATION)
-            if original not in live or copy_taken(case.pod):
+            original = live.get(str(annotations.get(keys.COPY_OF_ANNOTATION)))
+            if original is None or copy_taken(case.pod):
                 left.append(case)
                 continue
             if self.dry_run:
@@ -511,10 +512,23 @@ class Descheduler:
                 continue
             log.info("%s: a copy %s never took, %s; deleted", case.key, case.node, case.describe())
             try:
+                await self._keep_off(original, case.node)
                 await self.client.delete_exact(PODS, case.pod)
             except API_ERRORS as error:
                 log.warning("%s: untaken copy not deleted: %s", case.key, error)
         return left
+
+    async def _keep_off(self, original: JSON, node: str) -> None:
+        """Keeps the original's next copy off the virtual node that never took this one
+        for ``returnAfter``: a cluster refusing it (a policy below the estimators do not
+        model) ranked first again, and it was copied there at every other look."""
+        metadata = original["metadata"]
+        text = left_until_text(original, node, self.now(), self.policy.return_after)
+        # The uid makes the patch fail on a namesake made since (it is immutable).
+        patch = {
+            "metadata": {"uid": metadata["uid"], "annotations": {keys.LEFT_UNTIL_ANNOTATION: text}}
+        }
+        await self.client.patch(PODS, metadata["name"], patch, metadata["namespace"])
 
     async def _finish_move(self, original: JSON, copy: JSON) -> None:
         where = f"pod {copy['metadata']['name']} on {copy['spec'].get('nodeName')}"

@@ -422,6 +422,17 @@ def kept_off(pod: Mapping[str, Any], now: datetime) -> set[str]:
     return {name for name, until in left_until(pod).items() if until > now}
 
 
+def left_until_text(
+    pod: Mapping[str, Any], leaving: str, now: datetime, return_after: float
+) -> str:
+    """The pod's virtual nodes to keep off, as written: those it is kept off now, and
+    ``leaving`` (none if empty) for ``return_after`` seconds more."""
+    left = {name: rfc3339(until) for name, until in left_until(pod).items() if until > now}
+    if leaving:
+        left[leaving] = rfc3339(now + timedelta(seconds=return_after))
+    return json.dumps(left, sort_keys=True)
+
+
 def pod_copy(pod: Mapping[str, Any], to: str, now: datetime, return_after: float) -> JSON:
     """A bare pod re-created on virtual node ``to``: what its creator wrote (metadata the
     apiserver sets, status, the old binding and ephemeral containers dropped), marked with
@@ -430,11 +441,8 @@ def pod_copy(pod: Mapping[str, Any], to: str, now: datetime, return_after: float
     metadata = pod["metadata"]
     annotations = dict(metadata.get("annotations") or {})
     annotations[keys.COPY_OF_ANNOTATION] = str(metadata["uid"])
-    left = {name: rfc3339(until) for name, until in left_until(pod).items() if until > now}
     leaving = str((pod.get("spec") or {}).get("nodeName") or "")
-    if leaving:
-        left[leaving] = rfc3339(now + timedelta(seconds=return_after))
-    annotations[keys.LEFT_UNTIL_ANNOTATION] = json.dumps(left, sort_keys=True)
+    annotations[keys.LEFT_UNTIL_ANNOTATION] = left_until_text(pod, leaving, now, return_after)
     spec = json_copy(dict(pod.get("spec") or {}))
     spec["nodeName"] = to
     # Added by `kubectl debug` through their own subresource; a create refuses them.

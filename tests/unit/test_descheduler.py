@@ -1095,6 +1095,32 @@ async def test_a_copy_its_cluster_never_took_is_withdrawn_not_copied_in_turn() -
     assert ("delete", "apps/solo") not in world.client.calls
 
 
+async def test_a_cluster_that_refused_a_copy_is_not_given_the_next_one() -> None:
+    """Ranked first again, the cluster refusing it (a policy below the estimators do not
+    model) got a copy at every other look, and the one that would run it never did."""
+    world = World({"vk-lower-2": fits(0.9), "vk-lower-3": fits(0.3)})
+    solo = pod("solo", owned=False)
+    world.add(solo)
+    await world.descheduler.cycle()
+    name = copy_name(solo)
+    made = world.client.created.pop(name)
+    assert made["spec"]["nodeName"] == "vk-lower-2"
+    made["status"] = {
+        **refused_status(made, "LowerClusterRefused", "denied", stamp(0)),
+        "phase": "Pending",
+    }
+    world.add(made)
+    world.moment += Policy().pending_timeout + 1
+    await world.descheduler.cycle()
+    assert ("delete", f"apps/{name}") in world.client.calls
+    kept = world.pods.get("apps/solo")
+    assert kept is not None and set(kept_off(kept, NOW)) == {"vk-lower-2"}
+    assert world.client.patches[-1][1]["metadata"]["uid"] == "uid-solo", "this pod, no other"
+    world.pods.apply({"type": "DELETED", "object": made})
+    await world.descheduler.cycle()
+    assert world.client.created[name]["spec"]["nodeName"] == "vk-lower-3"
+
+
 async def test_a_copy_made_before_a_crash_is_found_and_only_the_original_deleted() -> None:
     world = World(ROOM_IN_2)
     solo = pod("solo", owned=False)
