@@ -33,6 +33,7 @@ from descheduler.defrag import (
 from descheduler.policy import Limits, Policy
 from descheduler.rescue import (
     JOB,
+    STATEFUL_SET,
     Move,
     Stay,
     Stuck,
@@ -44,6 +45,7 @@ from descheduler.rescue import (
     down_for,
     is_copy_of,
     job_lost_by_eviction,
+    kept_for_its_controller,
     kept_off,
     left_until_text,
     pod_copy,
@@ -198,13 +200,17 @@ class Descheduler:
             for s in stuck
             if s.uid in copied
         ]
-        losing = await self._jobs_losing([s for s in stuck if s.uid not in copied])
+        # Pods their moves would lose, or leave with nothing made again for them.
+        kept = await self._jobs_losing([s for s in stuck if s.uid not in copied])
+        for case in stuck:
+            if controller_kind(case.pod) == STATEFUL_SET and (why := kept_for_its_controller(case)):
+                kept[case.uid] = why
         decisions += await asyncio.gather(
             *(
                 self._destination(
                     s,
                     admitting(s.pod, virtual_nodes, self._receivers(s, virtual_nodes, now)),
-                    losing.get(s.uid),
+                    kept.get(s.uid),
                 )
                 for s in stuck
                 if s.uid not in copied
@@ -298,7 +304,8 @@ class Descheduler:
 
     async def _jobs_losing(self, stuck: list[Stuck]) -> dict[str, str]:
         """Of the stuck pods of Jobs, those whose eviction would lose them (the Job
-        would fail, or the pod's index, rather than make the pod again), by UID, and
+        would fail, or the pod's index, rather than make the pod again) or leave nothing
+        made again for them (``kept_for_its_controller``), by UID, and
         why. In key order, each pod let go counts as one failure more for the next pod of
         its Job. Jobs are read afresh: their failures change between cycles, and only
         their stuck pods need them."""
@@ -320,7 +327,9 @@ class Descheduler:
                 losing[each.uid] = job
             elif (job.get("metadata") or {}).get("uid") != reference.get("uid"):
                 losing[each.uid] = "its Job is gone"
-            elif (why := job_lost_by_eviction(job, each.pod, let_go[key])) is not None:
+            elif why := kept_for_its_controller(each, job) or job_lost_by_eviction(
+                job, each.pod, let_go[key]
+            ):
                 losing[each.uid] = why
             else:
                 let_go[key] += 1

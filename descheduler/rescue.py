@@ -60,6 +60,7 @@ REPLACING_CONTROLLERS = frozenset(
     {("apps", "ReplicaSet"), ("apps", "StatefulSet"), ("", "ReplicationController")}
 )
 JOB = ("batch", "Job")
+STATEFUL_SET = ("apps", "StatefulSet")
 
 
 def owned(pod: Mapping[str, Any]) -> bool:
@@ -221,6 +222,32 @@ class Stuck(PodCase):
         if self.why is Why.CLUSTER_DOWN:
             return f"{self.node} NotReady for {self.seconds:.0f} s"
         return f"unschedulable in {self.node} for {self.seconds:.0f} s: {self.detail}"
+
+
+def made_again_only_once_gone(job: Mapping[str, Any] | None) -> bool:
+    """Whether the pod's controller makes its new pod only once the old one is gone or
+    failed: a StatefulSet (``job`` None), or a Job replacing pods only once failed
+    (``podReplacementPolicy: Failed``, the default with a podFailurePolicy). Evicted off
+    a cluster that is down, such a pod stays Terminating, nothing making it again, until
+    that cluster comes back."""
+    if job is None:
+        return True
+    spec = job.get("spec") or {}
+    policy = spec.get("podReplacementPolicy")
+    return policy == "Failed" or (policy is None and bool(spec.get("podFailurePolicy")))
+
+
+def kept_for_its_controller(stuck: Stuck, job: Mapping[str, Any] | None = None) -> str | None:
+    """Why a pod of a cluster that is down stays where it is when its controller makes
+    no new pod for it until it is gone (None: evicted, it is made again)."""
+    if stuck.why is not Why.CLUSTER_DOWN or not made_again_only_once_gone(job):
+        return None
+    kind = "Job" if job is not None else "StatefulSet"
+    return (
+        f"its {kind} makes no new pod until this one is gone, which {stuck.node}, down, "
+        "cannot confirm: delete it with --force, or taint the node "
+        "node.kubernetes.io/out-of-service=nodeshutdown:NoExecute, to have it made again"
+    )
 
 
 def condition(conditions: Iterable[Mapping[str, Any]], kind: str) -> Mapping[str, Any] | None:

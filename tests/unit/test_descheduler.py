@@ -456,6 +456,49 @@ async def test_a_stuck_job_pod_whose_job_would_fail_stays_and_says_why() -> None
     assert world.client.evictions() == 1
 
 
+STATEFUL_SET_OWNER = {
+    "apiVersion": "apps/v1",
+    "kind": "StatefulSet",
+    "name": "db",
+    "uid": "sts",
+    "controller": True,
+}
+
+
+@pytest.mark.parametrize(
+    ("owner", "job_spec", "kept"),
+    [
+        (STATEFUL_SET_OWNER, None, True),
+        (JOB_OWNER, {"podFailurePolicy": {"rules": []}}, True),
+        (JOB_OWNER, {"podReplacementPolicy": "Failed"}, True),
+        (
+            JOB_OWNER,
+            {"podFailurePolicy": {"rules": []}, "podReplacementPolicy": "TerminatingOrFailed"},
+            False,
+        ),
+        (JOB_OWNER, {}, False),
+        (None, None, False),
+    ],
+)
+async def test_a_pod_its_controller_makes_again_only_once_gone_stays_on_a_cluster_down(
+    owner: dict[str, Any] | None, job_spec: dict[str, Any] | None, kept: bool
+) -> None:
+    """Evicted, it stayed Terminating while its cluster was down (nothing below can let it
+    go), and its controller made no new pod: the move said it did."""
+    world = World(ROOM_IN_2)
+    world.nodes.apply({"type": "MODIFIED", "object": virtual("vk-lower-1", down_for=400)})
+    if job_spec is not None:
+        world.client.jobs["j"] = job(**job_spec)
+    owners = [owner] if owner is not None else [pod("x")["metadata"]["ownerReferences"][0]]
+    world.add(pod("db-0", unschedulable_for=None, phase="Running", ownerReferences=owners))
+    (decision,) = await world.descheduler.cycle()
+    if kept:
+        assert isinstance(decision, Stay) and "--force" in decision.message
+        assert world.client.evictions() == 0 and world.reasons() == ["NotRescheduled"]
+    else:
+        assert isinstance(decision, Move) and world.client.evictions() == 1
+
+
 def test_each_pod_of_a_job_evicted_before_counts_as_a_failure() -> None:
     batch = pod("batch", ownerReferences=[JOB_OWNER])
     assert job_lost_by_eviction(job(failed=4), batch, evicted_before=1) is None
