@@ -395,6 +395,16 @@ async def run_leading(
         await keep_working(work, backoff)
         return
     async with await KubeClient.connect(ClientSettings(kubeconfig)) as client:
-        health.mark_ready()
         elector = LeaderElector(client, settings)
-        await keep_working(lambda: elector.run(work), backoff)
+        await keep_working(lambda: stand(elector, health, work), backoff)
+
+
+async def stand(
+    elector: LeaderElector, health: Health, work: Callable[[], Awaitable[None]]
+) -> None:
+    """One stand for the Lease, and ``work`` while it is held. Ready again first,
+    whatever the work last said (a start cut short by a lost Lease or an API error left
+    "starting"): a standby left not ready for good held its PodDisruptionBudget at no
+    disruption allowed, and drains of its node stopped."""
+    health.mark_ready()
+    await elector.run(work)

@@ -4,8 +4,10 @@ import copy
 from typing import Any
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 
 from kubekit.client import LEASES, ApiError, Resource
+from kubekit.health import Health
 from kubekit.leader import (
     ElectionSettings,
     LeaderElector,
@@ -15,6 +17,7 @@ from kubekit.leader import (
     claim,
     keep_working,
     released,
+    stand,
 )
 from kubekit.ratelimit import Backoff
 
@@ -452,3 +455,38 @@ async def test_a_renewal_that_meets_its_own_late_write_leads_on() -> None:
     run.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await run
+
+
+async def test_a_replica_whose_start_failed_stands_by_ready() -> None:
+    """Its work said "starting" and then failed (an API error, a lost Lease): left not
+    ready as a standby, it held its PodDisruptionBudget at no disruption allowed."""
+    store = LeaseStore()
+    first, second = (LeaderElector(store, settings(n, **FAST)) for n in "ab")  # type: ignore[arg-type]
+    health = Health()
+    started = asyncio.Event()
+
+    async def failing_start() -> None:
+        health.mark_not_ready("starting")
+        started.set()
+        raise ApiError(503, {"reason": "ServiceUnavailable"})
+
+    async def work() -> None:
+        await asyncio.Event().wait()
+
+    backoff = Backoff(initial=0.05, jitter=0)
+    standing = asyncio.create_task(
+        keep_working(lambda: stand(first, health, failing_start), backoff)
+    )
+    await asyncio.wait_for(started.wait(), 1)
+    leading = asyncio.create_task(second.run(work))
+    async with TestClient(TestServer(health.app())) as client:
+        for _ in range(50):
+            await asyncio.sleep(0.02)
+            if store.holder() == "b" and (await client.get("/readyz")).status == 200:
+                break
+        assert store.holder() == "b"
+        assert (await client.get("/readyz")).status == 200
+    for task in (standing, leading):
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
