@@ -1,6 +1,7 @@
 """Kubernetes API access for every component, on top of ``kubernetes_asyncio``.
 
-``kubernetes_asyncio`` loads kubeconfig and in-cluster credentials (and refreshes them);
+``kubernetes_asyncio`` loads kubeconfig and in-cluster credentials (refreshed as client-go
+does: ``KubeconfigCredentials``);
 this module sends plain-JSON requests with them on its own aiohttp session and adds
 client-side rate limits (QPS and burst, as client-go has). Controllers keep objects as
 dicts: deserialising every watched object into generated model classes would cost more
@@ -76,6 +77,8 @@ log = logging.getLogger(__name__)
 
 # client-go's REST client: as many retries of a request the server said to send again.
 RETRIES_WHEN_TOLD = 10
+# How often a kubeconfig's credentials are read again.
+CREDENTIALS_REFRESH_SECONDS = 60.0
 # A Retry-After beyond this is waited this long (the apiserver names 1 to 10 seconds).
 LONGEST_WAIT_WHEN_TOLD = 10.0
 
@@ -176,6 +179,35 @@ class ClientSettings:
     connections: int = 100
 
 
+class KubeconfigCredentials:
+    """Reads a kubeconfig's token again every CREDENTIALS_REFRESH_SECONDS, as client-go
+    does: a ``tokenFile`` (a projected token its kubelet rotates), an exec plugin's (run
+    again once its token is within five minutes of expiring; EKS's last 15 minutes) or an
+    auth provider's. Read once only, it expired and every call was refused for good (the
+    lower cluster taken for unreachable, its pods evicted). The client certificate and the
+    TLS context stay as they were at the start."""
+
+    def __init__(self, loader: k8s_config.kube_config.KubeConfigLoader) -> None:
+        self.loader = loader
+        self._read_at = time.monotonic()
+        self._reading = asyncio.Lock()
+
+    async def refresh(self, configuration: k8s_client.Configuration) -> None:
+        """The library's hook before each request's token is taken."""
+        if time.monotonic() - self._read_at < CREDENTIALS_REFRESH_SECONDS:
+            return
+        async with self._reading:
+            if time.monotonic() - self._read_at < CREDENTIALS_REFRESH_SECONDS:
+                return  # read by the request that held the lock
+            try:
+                await self.loader.load_and_set(configuration)
+            # A plugin may fail any way it likes (its cloud out of reach): the token held
+            # may still do, and the request says if it does not.
+            except Exception as error:
+                log.warning("credentials not read again, kept: %s", error or type(error).__name__)
+            self._read_at = time.monotonic()
+
+
 class KubeClient:
     """JSON requests to one apiserver, paced by a token bucket. Watches are not paced
     beyond their opening request, as in client-go."""
@@ -206,11 +238,12 @@ class KubeClient:
             if settings.kubeconfig is None:
                 k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
             else:
-                await k8s_config.load_kube_config(
+                loader = await k8s_config.load_kube_config(
                     config_file=settings.kubeconfig,
                     context=settings.context,
                     client_configuration=configuration,
                 )
+                configuration.refresh_api_key_hook = KubeconfigCredentials(loader).refresh
             context = _ssl_context(configuration)
         # The library checks little of a file's shape: a list or an empty file fails as a
         # TypeError, bytes not UTF-8 as a ValueError. A missing certificate file fails as
