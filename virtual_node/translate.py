@@ -190,20 +190,47 @@ BASELINE_CAPABILITIES = frozenset(
 )
 
 
+# The SELinux types and sysctls the baseline allows: any other type (spc_t) turns
+# confinement off, and any other sysctl is not isolated from the node's other pods.
+BASELINE_SELINUX_TYPES = frozenset(
+    {"", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"}
+)
+BASELINE_SYSCTLS = frozenset(
+    {
+        "kernel.shm_rmid_forced",
+        "net.ipv4.ip_local_port_range",
+        "net.ipv4.ip_unprivileged_port_start",
+        "net.ipv4.tcp_syncookies",
+        "net.ipv4.ping_group_range",
+        "net.ipv4.ip_local_reserved_ports",
+        "net.ipv4.tcp_keepalive_time",
+        "net.ipv4.tcp_fin_timeout",
+        "net.ipv4.tcp_keepalive_intvl",
+        "net.ipv4.tcp_keepalive_probes",
+    }
+)
+
+
 def _unconfined(context: Mapping[str, Any], owner: str) -> list[str]:
     """The confinement a pod's or container's securityContext switches off."""
-    return [
+    found = [
         f"{field} Unconfined of {owner}"
         for field in ("seccompProfile", "appArmorProfile")
         if (context.get(field) or {}).get("type") == "Unconfined"
     ]
+    selinux = context.get("seLinuxOptions") or {}
+    if str(selinux.get("type") or "") not in BASELINE_SELINUX_TYPES:
+        found.append(f"SELinux type {selinux['type']} of {owner}")
+    found += [f"SELinux {field} of {owner}" for field in ("user", "role") if selinux.get(field)]
+    return found
 
 
 def host_access(spec: Mapping[str, Any]) -> list[str]:
     """What of the lower node's host a pod spec asks for, as the Pod Security Standards'
     baseline sees it: privileged containers, the host's network, PID or IPC namespace,
     hostPath volumes, host ports, added capabilities beyond the baseline's, seccomp or
-    AppArmor switched off, an unmasked /proc, Windows host processes (empty: none)."""
+    AppArmor switched off, SELinux types, users or roles and sysctls beyond the
+    baseline's, an unmasked /proc, Windows host processes (empty: none)."""
     found = [f"spec.{field}" for field in ("hostNetwork", "hostPID", "hostIPC") if spec.get(field)]
     found += [
         f"hostPath volume {volume.get('name')!r}"
@@ -212,6 +239,12 @@ def host_access(spec: Mapping[str, Any]) -> list[str]:
     ]
     pod_context = spec.get("securityContext") or {}
     found += _unconfined(pod_context, "the pod")
+    found += [
+        f"sysctl {name}"
+        for sysctl in pod_context.get("sysctls") or []
+        # The API takes either separator: net/ipv4/tcp_syncookies is the same sysctl.
+        if (name := str(sysctl.get("name", ""))).replace("/", ".") not in BASELINE_SYSCTLS
+    ]
     if (pod_context.get("windowsOptions") or {}).get("hostProcess") is True:
         found.append("a Windows host process pod")
     for kind in ("initContainers", "containers", "ephemeralContainers"):

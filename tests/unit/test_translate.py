@@ -16,6 +16,7 @@ from virtual_node.translate import (
     desired_lower_pod,
     ephemeral_containers_patch,
     host_access,
+    host_access_refusal,
     left_unpinned,
     lower_pod_patch,
     pinned_node,
@@ -1052,6 +1053,33 @@ def test_host_access_names_the_ways_out_of_the_baseline_too() -> None:
         "appArmorProfile Unconfined of container 'escape'",
         "unmasked /proc of container 'escape'",
     ]
+
+
+def test_host_access_names_selinux_and_sysctls_beyond_the_baseline() -> None:
+    """spc_t turns SELinux confinement off on an enforcing node; a sysctl outside the
+    baseline's safe set is not isolated from the node's other pods."""
+    spec = {
+        "securityContext": {
+            "seLinuxOptions": {"type": "spc_t", "level": "s0:c1,c2"},
+            "sysctls": [
+                {"name": "kernel.msgmax", "value": "1"},
+                {"name": "net/ipv4/tcp_syncookies", "value": "1"},
+                {"name": "net.ipv4.ip_local_port_range", "value": "1024 65535"},
+            ],
+        },
+        "containers": [
+            {"name": "odd", "securityContext": {"seLinuxOptions": {"user": "system_u"}}},
+            {"name": "fine", "securityContext": {"seLinuxOptions": {"type": "container_t"}}},
+        ],
+    }
+    assert host_access(spec) == [
+        "SELinux type spc_t of the pod",
+        "sysctl kernel.msgmax",
+        "SELinux user of container 'odd'",
+    ]
+    refusal = host_access_refusal(spec, "apps", (), "lower-1")
+    assert refusal is not None and "sysctl kernel.msgmax" in refusal
+    assert host_access_refusal(spec, "apps", ("apps",), "lower-1") is None
 
 
 def test_a_deleted_pod_ends_as_a_kubelet_ends_it() -> None:
