@@ -145,6 +145,7 @@ def desired_lower_pod(
     upper_labels = metadata.get("labels") or {}
     _drop_merged_label_keys(spec, upper_labels)
     _lower_term_namespaces(spec, mapping)
+    _own_pods_only(spec, owner.origin)
 
     annotations[keys.UPPER_KEYS_ANNOTATION] = orjson.dumps(
         {"labels": sorted(upper_labels), "annotations": sorted(annotations)}
@@ -454,6 +455,20 @@ def _lower_term_namespaces(spec: JSON, mapping: NamespaceMapping) -> None:
     for term in _pod_affinity_terms(spec):
         if term.get("namespaces"):
             term["namespaces"] = [mapping.lower(str(name)) for name in term["namespaces"]]
+
+
+def _own_pods_only(spec: JSON, origin: str) -> None:
+    """A pod (anti-)affinity term selects only this upper cluster's pods below, as it
+    did above: a lower cluster also runs other tenants' pods and its own, which the
+    upper cluster never sees. Left as written, a term over every namespace
+    (``namespaceSelector: {}``) kept other tenants' pods off its node (a required
+    anti-affinity repels both ways), and past an upper quota that forbids such terms,
+    which never sees a stashed one."""
+    own = {"key": keys.ORIGIN_LABEL, "operator": "In", "values": [origin]}
+    for term in _pod_affinity_terms(spec):
+        selector = term.get("labelSelector")
+        if isinstance(selector, dict):  # none selects no pod, as it is
+            selector["matchExpressions"] = [*(selector.get("matchExpressions") or []), own]
 
 
 def _drop_merged_label_keys(spec: JSON, labels: Mapping[str, str]) -> None:

@@ -193,7 +193,44 @@ def test_pod_affinity_terms_name_their_namespaces_as_they_are_below() -> None:
     assert preferred["podAffinityTerm"]["namespaces"] == ["east-shop", "east-web"]
     assert upper["spec"]["affinity"] == affinity, "the upper pod is left as it is"
     same = desired_lower_pod(upper, NamespaceMapping(), OWNER)
-    assert same["spec"]["affinity"] == affinity
+    same_terms = same["spec"]["affinity"]["podAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert [t.get("namespaces") for t in same_terms] == [["cache"], None]
+
+
+OWN_PODS = {"key": keys.ORIGIN_LABEL, "operator": "In", "values": [OWNER.origin]}
+
+
+def test_pod_affinity_terms_select_only_this_upper_cluster_s_pods_below() -> None:
+    """Other tenants' pods and the lower cluster's own are not in the upper cluster: a
+    term over every namespace repelled them from its node (anti-affinity goes both ways)."""
+    everywhere = {
+        "labelSelector": {"matchExpressions": [{"key": "app", "operator": "Exists"}]},
+        "namespaceSelector": {},
+        "topologyKey": "kubernetes.io/hostname",
+    }
+    nothing = {"topologyKey": "kubernetes.io/hostname"}
+    affinity = {
+        "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [everywhere]},
+        "podAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 1, "podAffinityTerm": nothing}
+            ]
+        },
+    }
+    upper = upper_pod(affinity=affinity)
+    lowered = desired_lower_pod(upper, NamespaceMapping(), OWNER)["spec"]["affinity"]
+    (anti,) = lowered["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert anti["labelSelector"]["matchExpressions"] == [
+        {"key": "app", "operator": "Exists"},
+        OWN_PODS,
+    ]
+    assert anti["namespaceSelector"] == {}
+    (preferred,) = lowered["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert "labelSelector" not in preferred["podAffinityTerm"], "no selector selects no pod"
+    assert upper["spec"]["affinity"] == affinity, "the upper pod is left as it is"
+    assert OWNER.labels()[keys.ORIGIN_LABEL] == OWNER.origin, "which its lower pods carry"
 
 
 def test_patch_pushes_down_mutable_fields_only() -> None:
@@ -920,8 +957,12 @@ def test_pod_affinity_and_spread_across_clusters_stay_above() -> None:
         ],
     )
     spec = desired_lower_pod(pod, NamespaceMapping(), OWNER)["spec"]
+    own_across_zones = {
+        **across_zones,
+        "labelSelector": {"matchLabels": {"app": "web"}, "matchExpressions": [OWN_PODS]},
+    }
     assert spec["affinity"] == {
-        "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [across_zones]}
+        "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [own_across_zones]}
     }
     assert spec["topologySpreadConstraints"] == [{**spread, "topologyKey": ZONE}]
 
@@ -1229,7 +1270,7 @@ def test_label_keys_the_upper_apiserver_merged_are_not_merged_again_below() -> N
         "requiredDuringSchedulingIgnoredDuringExecution"
     ]
     assert "mismatchLabelKeys" not in lower_anti
-    assert lower_anti["labelSelector"] == anti["labelSelector"]
+    assert lower_anti["labelSelector"]["matchExpressions"] == [other, OWN_PODS]
     assert upper["spec"]["topologySpreadConstraints"][0]["matchLabelKeys"] == [
         "pod-template-hash",
         "unlabelled",
