@@ -68,8 +68,8 @@ def is_daemon_pod(pod: Mapping[str, Any]) -> bool:
 
 
 def controller_uid(pod: Mapping[str, Any]) -> str | None:
-    reference = controller_reference(pod)
-    return None if reference is None else str(reference["uid"])
+    uid = (controller_reference(pod) or {}).get("uid")
+    return str(uid) if uid else None
 
 
 def kept_off(moves: Moves, pod: Mapping[str, Any], now: datetime) -> list[str]:

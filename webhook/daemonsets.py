@@ -56,8 +56,11 @@ def off_virtual_nodes(template_spec: Mapping[str, Any]) -> JSON | None:
     ):
         return None
     affinity: JSON = json_copy(dict(template_spec.get("affinity") or {}))
-    node_affinity = affinity.setdefault("nodeAffinity", {})
-    required = node_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    # Each level may be null (the API drops it): set as a mapping, not read as one.
+    node_affinity = affinity["nodeAffinity"] = dict(affinity.get("nodeAffinity") or {})
+    required = node_affinity["requiredDuringSchedulingIgnoredDuringExecution"] = dict(
+        node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {}
+    )
     terms = required.get("nodeSelectorTerms") or [{}]
     if any(
         _means_virtual_nodes(expression)

@@ -18,7 +18,7 @@ from kubekit import keys, stash
 from tests.unit.jsonfuzz import edited, json_values
 from tests.unit.test_stash import specs
 from tests.unit.test_webhook import daemonset_review, pod, review
-from webhook.server import MAX_BODY, make_app
+from webhook.server import MAX_BODY, MovesFollower, make_app
 
 # One server across all examples: a fixture shared by examples is the intent.
 FUZZ = settings(
@@ -69,7 +69,10 @@ raw_bodies = st.one_of(
 
 @pytest.fixture
 async def webhook() -> AsyncIterator[TestClient[Any, Any]]:
-    async with TestClient(TestServer(make_app(stash.DEFAULT_KEEP_KEYS))) as client:
+    # Following a move of owner "o", so that reviews of its pods are kept off it too.
+    follower = MovesFollower()
+    follower.on_add({"data": {"o": '{"vk-1": "2999-01-01T00:00:00Z"}'}})
+    async with TestClient(TestServer(make_app(stash.DEFAULT_KEEP_KEYS, follower))) as client:
         yield client
 
 
@@ -117,6 +120,24 @@ async def still_answers(client: TestClient[Any, Any]) -> None:
     )
 ).via("a null term: 500")
 @example(document=review(pod({}, {keys.STASH_ANNOTATION: "[" * 100_000}))).via("RecursionError")
+@example(
+    document=daemonset_review(
+        {"tolerations": [{"operator": "Exists"}], "affinity": {"nodeAffinity": None}}
+    )
+).via("a null node affinity of a node agent: 500")
+@example(
+    document=daemonset_review(
+        {
+            "tolerations": [{"operator": "Exists"}],
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": None}},
+        }
+    )
+).via("a null required node affinity of a node agent: 500")
+@example(
+    document=review(
+        {**pod({}), "metadata": {**pod({})["metadata"], "ownerReferences": [{"controller": True}]}}
+    )
+).via("a controller reference without a uid, moves followed: 500")
 async def test_any_json_body_gets_a_review_or_a_400(
     webhook: TestClient[Any, Any], document: Any
 ) -> None:
