@@ -152,7 +152,7 @@ def daemonsets_webhook(client_config: JSON) -> JSON:
         "matchPolicy": "Equivalent",
         "sideEffects": "None",
         "timeoutSeconds": TIMEOUT_SECONDS,
-        "reinvocationPolicy": "Never",
+        "reinvocationPolicy": "IfNeeded",
     }
 
 
@@ -186,7 +186,7 @@ def tolerating_pods_webhook(client_config: JSON) -> JSON:
         "matchPolicy": "Equivalent",
         "sideEffects": "None",
         "timeoutSeconds": TIMEOUT_SECONDS,
-        "reinvocationPolicy": "Never",
+        "reinvocationPolicy": "IfNeeded",
     }
 
 

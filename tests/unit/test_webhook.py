@@ -441,6 +441,9 @@ def test_the_manifest_configuration_has_the_same_rules_as_the_code() -> None:
         assert webhook["clientConfig"]["service"]["path"] == PATH
     assert tolerating["clientConfig"]["service"]["path"] == KEEP_OFF_PATH
     assert local["webhooks"][2]["clientConfig"]["url"] == "https://127.0.0.1:1" + KEEP_OFF_PATH
+    # Each is called again after a later webhook's change (a toleration of every taint
+    # added to a node agent); each of their patches is made once.
+    assert {w["reinvocationPolicy"] for w in local["webhooks"]} == {"IfNeeded"}
 
 
 def test_a_serving_pair_is_reused_while_it_covers_the_names(tmp_path: Path) -> None:
