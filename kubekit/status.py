@@ -23,7 +23,7 @@ from kubekit.client import (
     KubeconfigError,
     is_not_found,
 )
-from kubekit.quantity import format_quantity, parse_quantity
+from kubekit.quantity import QuantityError, format_quantity, parse_quantity
 from kubekit.timestamps import parse_time
 
 JSON = dict[str, Any]
@@ -71,7 +71,19 @@ def _slot(node: Mapping[str, Any]) -> dict[str, str]:
         slot = json.loads(text)
     except ValueError:
         return {}
-    return {str(k): str(v) for k, v in slot.items()} if isinstance(slot, dict) else {}
+    if not isinstance(slot, dict):
+        return {}
+    # A quantity that does not read (a hand edit, another version) is left out: the
+    # table sums the GPUs, and it raised out of `kubestrata status`.
+    return {str(k): str(v) for k, v in slot.items() if k == "node" or _is_quantity(v)}
+
+
+def _is_quantity(value: Any) -> bool:
+    try:
+        parse_quantity(str(value))
+    except QuantityError:
+        return False
+    return True
 
 
 def statuses(

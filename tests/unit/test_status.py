@@ -91,6 +91,14 @@ def test_a_slot_annotation_that_is_not_json_reads_as_none() -> None:
     assert row.largest_free_slot == {}
 
 
+def test_a_slot_quantity_that_does_not_read_is_left_out() -> None:
+    """The table sums the GPUs: it raised out of `kubestrata status`."""
+    slot = '{"node": "n1", "cpu": "2", "nvidia.com/gpu": "two", "memory": [1]}'
+    rows = statuses([virtual_node("vk-a", "a", slot=slot)], {}, {}, NOW)
+    assert rows[0].largest_free_slot == {"node": "n1", "cpu": "2"}
+    assert "2 cpu, 0 on n1" in table(rows)
+
+
 def test_long_lease_ages_read_in_minutes_and_hours() -> None:
     nodes = [virtual_node(f"vk-{n}", n) for n in "abc"]
     leases = {
