@@ -193,12 +193,18 @@ class PodController:
                 await self._set_status(upper, ending)
                 return
             # Gone below. A kubelet's last word on a deleted pod is a terminal phase,
-            # which a Job's finalizer waits for; only then does the pod go.
+            # which a Job's finalizer waits for; only then does the pod go. Said once: a
+            # pod a finalizer holds had it made again, with new times, at each reconcile.
+            ended = (upper.get("status") or {}).get("phase") in FINISHED
             last_seen = (
-                upper if ending.last_status is None else {**upper, "status": ending.last_status}
+                upper
+                if ending.last_status is None or ended
+                else {**upper, "status": ending.last_status}
             )
             terminated = terminated_status(last_seen, now_rfc3339())
-            if await self._set_status(upper, terminated) is not None:
+            if await self._set_status(upper, terminated) is not None and (
+                upper["metadata"].get("deletionGracePeriodSeconds") != 0
+            ):
                 await self.upper.delete_exact(PODS, upper, grace_period_seconds=0)
             return
         result = await self.backend.sync(upper)

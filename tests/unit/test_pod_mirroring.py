@@ -19,6 +19,7 @@ from kubekit.informer import Informer
 from kubekit.workqueue import WorkQueue
 from tests.unit.fakeapi import FakeClient, not_found, status_error
 from virtual_node import lower as lower_module
+from virtual_node import podcontroller
 from virtual_node.lower import LowerCluster, NameTaken
 from virtual_node.naming import NamespaceMapping
 from virtual_node.podcontroller import PodController, RetryLater, SyncResult
@@ -788,6 +789,28 @@ async def test_a_pod_whose_lower_copy_went_unseen_ends_failed_with_its_container
     terminated = container["state"]["terminated"]
     assert (terminated["reason"], terminated["exitCode"]) == ("ContainerStatusUnknown", 137)
     assert not container["ready"]
+    assert mirroring.upper.writes("DELETE") == [("DELETE", "/api/v1/namespaces/shop/pods/web")]
+
+
+async def test_a_pod_a_finalizer_holds_gets_its_last_status_once(
+    mirroring: Mirroring, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Job's pod stays until its finalizer goes: its terminal status was made again,
+    with new times, and the pod deleted again, at each of its reconciles."""
+    mirroring.above(deleting(30, phase="Running", containerStatuses=[RUNNING_CONTAINER]))
+    # Removed below while still running (force-deleted there): its last status is known.
+    running_below = lower_pod(phase="Running", containerStatuses=[RUNNING_CONTAINER])
+    mirroring.below(running_below)
+    mirroring.below(running_below, "DELETED")
+    mirroring.lower.answer("GET", f"{LOWER_POD_PATH}/web", *[not_found("pods", "web")] * 2)
+    await mirroring.controller.reconcile("shop/web")
+    (last,) = mirroring.upper_statuses()
+    held = deleting(0, **last)
+    held["metadata"] |= {"finalizers": ["batch.kubernetes.io/job-tracking"], "resourceVersion": "9"}
+    mirroring.above(held, "MODIFIED")
+    monkeypatch.setattr(podcontroller, "now_rfc3339", lambda: "2999-01-01T00:00:00Z")
+    await mirroring.controller.reconcile("shop/web")
+    assert mirroring.upper_statuses() == [last]
     assert mirroring.upper.writes("DELETE") == [("DELETE", "/api/v1/namespaces/shop/pods/web")]
 
 
