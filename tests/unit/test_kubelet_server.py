@@ -693,20 +693,28 @@ async def test_an_idle_session_whose_client_reads_nothing_is_dropped(
 
 
 class QuietProvider(FakeProvider):
-    """A followed log that writes one line, then no more."""
+    """A followed log that writes one line, then no more; says when its stream ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed = asyncio.Event()
 
     async def container_logs(
         self, pod: Mapping[str, Any], container: str, options: LogOptions
     ) -> AsyncGenerator[bytes, None]:
-        yield LOG_CHUNKS[0]
-        await asyncio.Event().wait()
+        try:
+            yield LOG_CHUNKS[0]
+            await asyncio.Event().wait()
+        finally:
+            self.closed.set()
 
 
 async def test_a_stopping_server_ends_the_streams_still_open_within_its_grace(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """aiohttp waits 60 s for open handlers by default: past a pod's 30 s grace, so the
-    process would be killed before it let go of its leader Lease."""
+    process would be killed before it let go of its leader Lease. The lower log stream
+    ends with the handler (it was left open, and the handler failed closing it)."""
     ca = pki.create_ca(tmp_path, "test")
     pair = pki.issue(ca, tmp_path / "server", "server", server_names=("127.0.0.1",))
     with socket.socket() as probe:
@@ -715,9 +723,10 @@ async def test_a_stopping_server_ends_the_streams_still_open_within_its_grace(
     config = VirtualNodeConfig(
         "l", "c", client_ca_file=str(ca.cert_path), address="127.0.0.1", kubelet_port=port
     )
+    provider = QuietProvider()
     runner, reloading = await serve_kubelet_api(
         config,
-        QuietProvider(),  # type: ignore[arg-type]
+        provider,  # type: ignore[arg-type]
         FakeAuthorizer(),
         pair,
     )
@@ -733,5 +742,7 @@ async def test_a_stopping_server_ends_the_streams_still_open_within_its_grace(
             assert KUBELET_API_SHUTDOWN_SECONDS < 10
             async with asyncio.timeout(20):
                 await runner.cleanup()
+            assert provider.closed.is_set()
+            assert "Error handling request" not in caplog.text
     finally:
         reloading.cancel()

@@ -632,15 +632,20 @@ async def _next_while_connected(request: web.Request, chunks: AsyncIterator[byte
     until the container wrote again (for ever, maybe): the client is looked at every
     ``CLIENT_CHECK_SECONDS`` meanwhile. Raises ConnectionResetError once it is gone."""
     step = asyncio.ensure_future(anext(chunks, b""))
-    while True:
-        done, _ = await asyncio.wait({step}, timeout=CLIENT_CHECK_SECONDS)
-        if done:
-            return step.result()
-        transport = request.transport
-        if transport is None or transport.is_closing():
+    try:
+        while True:
+            done, _ = await asyncio.wait({step}, timeout=CLIENT_CHECK_SECONDS)
+            if done:
+                return step.result()
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                raise ConnectionResetError("the client left")
+    finally:
+        # Also when the handler is cancelled (the server stopping): left running, the
+        # step kept the lower stream open, and closing the chunks under it failed.
+        if not step.done():
             step.cancel()
             await asyncio.wait({step})
-            raise ConnectionResetError("the client left")
 
 
 async def _pump_to_pod(read: Any, connection: PortConnection) -> None:
