@@ -43,18 +43,11 @@ def _means_virtual_nodes(expression: Mapping[str, Any]) -> bool:
 
 def off_virtual_nodes(template_spec: Mapping[str, Any]) -> JSON | None:
     """The affinity of a DaemonSet's pod template with every required term kept off
-    virtual nodes, or None when the template is left as it is (it is already kept off,
-    or its pods never land on virtual nodes, or it means them)."""
+    virtual nodes, or, for one that means them, without the expression it was given
+    when it did not (edited since: kept, no node at all took its pods); None when the
+    template is left as it is (it is already as it should be, or its pods never land on
+    virtual nodes)."""
     tolerations = template_spec.get("tolerations") or []
-    if not any(tolerates_every_taint(t) for t in tolerations) or any(
-        tolerates_provider_taint(t) for t in tolerations
-    ):
-        return None
-    selector = template_spec.get("nodeSelector") or {}
-    if keys.CLUSTER_ID_LABEL in selector or any(
-        selector.get(key) == value for key, value in VIRTUAL_NODE_LABELS.items()
-    ):
-        return None
     affinity: JSON = json_copy(dict(template_spec.get("affinity") or {}))
     # Each level may be null (the API drops it): set as a mapping, not read as one.
     node_affinity = affinity["nodeAffinity"] = dict(affinity.get("nodeAffinity") or {})
@@ -62,11 +55,19 @@ def off_virtual_nodes(template_spec: Mapping[str, Any]) -> JSON | None:
         node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {}
     )
     terms = required.get("nodeSelectorTerms") or [{}]
-    if any(
-        _means_virtual_nodes(expression)
-        for term in terms
-        for expression in term.get("matchExpressions") or []
+    selector = template_spec.get("nodeSelector") or {}
+    if (
+        any(tolerates_provider_taint(t) for t in tolerations)
+        or keys.CLUSTER_ID_LABEL in selector
+        or any(selector.get(key) == value for key, value in VIRTUAL_NODE_LABELS.items())
+        or any(
+            _means_virtual_nodes(expression)
+            for term in terms
+            for expression in term.get("matchExpressions") or []
+        )
     ):
+        return _without_ours(affinity, node_affinity, required, terms)
+    if not any(tolerates_every_taint(t) for t in tolerations):
         return None
     # Terms are ORed: each one must keep off virtual nodes.
     kept_off = [
@@ -81,4 +82,31 @@ def off_virtual_nodes(template_spec: Mapping[str, Any]) -> JSON | None:
     if kept_off == terms:
         return None
     required["nodeSelectorTerms"] = kept_off
+    return affinity
+
+
+def _without_ours(
+    affinity: JSON, node_affinity: JSON, required: JSON, terms: list[JSON]
+) -> JSON | None:
+    """The affinity without the expression ``off_virtual_nodes`` adds (None: it has
+    none). A term left with no requirement goes (an empty term selects no node), and so
+    does what is left empty above it."""
+    if not any(OFF_VIRTUAL_NODES in (term.get("matchExpressions") or []) for term in terms):
+        return None
+    kept = []
+    for term in terms:
+        expressions = [e for e in term.get("matchExpressions") or [] if e != OFF_VIRTUAL_NODES]
+        term = (
+            {**term, "matchExpressions": expressions}
+            if expressions
+            else {k: v for k, v in term.items() if k != "matchExpressions"}
+        )
+        if term.get("matchExpressions") or term.get("matchFields"):
+            kept.append(term)
+    if kept:
+        required["nodeSelectorTerms"] = kept
+    else:
+        del node_affinity["requiredDuringSchedulingIgnoredDuringExecution"]
+        if not node_affinity:
+            del affinity["nodeAffinity"]
     return affinity

@@ -379,6 +379,32 @@ def test_a_daemonset_is_kept_off_when_made_and_when_its_template_changes_only() 
     assert "patch" not in answer(daemonset_review(with_affinity))
 
 
+def test_a_daemonset_edited_to_mean_virtual_nodes_loses_the_expression_it_was_given() -> None:
+    """Kept (an edit or a client-side apply keeps the live affinity), the expression and
+    the virtual nodes' selector left no node for its pods."""
+    agent = {"tolerations": EVERY_TAINT, "containers": [{"name": "a", "image": "i"}]}
+    made = daemonset_review(agent)
+    kept_off = patched(made["request"]["object"], answer(made))["spec"]["template"]["spec"]
+    provider = {"key": keys.PROVIDER_TAINT_KEY, "operator": "Exists"}
+    meaning = {**kept_off, "tolerations": [*EVERY_TAINT, provider]}
+    edited = daemonset_review(meaning, kept_off)
+    assert (
+        patched(edited["request"]["object"], answer(edited))["spec"]["template"]["spec"]["affinity"]
+        == {}
+    )
+    disk = {"key": "disk", "operator": "In", "values": ["ssd"]}
+    by_name = {"key": "metadata.name", "operator": "In", "values": ["n"]}
+    selecting = {
+        "nodeSelector": {keys.VIRTUAL_NODE_LABEL: "true"},
+        "affinity": required(
+            {"matchExpressions": [disk, OFF]}, {"matchFields": [by_name], "matchExpressions": [OFF]}
+        ),
+    }
+    assert off_virtual_nodes(selecting) == required(
+        {"matchExpressions": [disk]}, {"matchFields": [by_name]}
+    )
+
+
 def moves_config_map(data: dict[str, str]) -> dict[str, Any]:
     metadata = {"name": keys.MOVES_CONFIGMAP, "namespace": keys.SYSTEM_NAMESPACE}
     return {"metadata": {**metadata, "resourceVersion": "1"}, "data": data}
