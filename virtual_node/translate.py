@@ -109,6 +109,8 @@ def desired_lower_pod(
         spec = restore_scheduling(upper["spec"], stash)  # a copy of our own from here
     except StashError as error:
         raise TranslationError(f"annotation {keys.STASH_ANNOTATION}: {error}") from error
+    if stash is not None:
+        _without_decided_above(spec, upper["spec"])
     for field in (*_UPPER_ONLY, *_ADMISSION_COMPUTED):
         spec.pop(field, None)
 
@@ -433,6 +435,41 @@ def _without_virtual_node_terms(
         _set_or_drop(affinity, kind, pod_affinity)
     _set_or_drop(spec, "affinity", affinity)
     return spec
+
+
+def _without_decided_above(spec: JSON, upper_spec: Mapping[str, Any]) -> None:
+    """Drops from a stashed pod's restored spec what the upper scheduler decided over the
+    virtual nodes: its DoNotSchedule spread constraints and required pod affinity terms
+    on the keys kept above (a region, a kept zone), which the upper pod still carries. A
+    virtual node has such a label only when every node of its cluster shares the value,
+    and a node without the label passes neither, so below there is one domain: the
+    spread refused every pod past maxSkew when its minDomains was above 1 (fewer
+    domains than that count the smallest as 0), and the affinity to a pod that runs in
+    another cluster of the region was never met."""
+    spread_keys = {
+        c.get("topologyKey")
+        for c in upper_spec.get("topologySpreadConstraints") or []
+        if c.get("whenUnsatisfiable") == "DoNotSchedule"
+    }
+    kept = [
+        c
+        for c in spec.get("topologySpreadConstraints") or []
+        if not (
+            c.get("whenUnsatisfiable") == "DoNotSchedule" and c.get("topologyKey") in spread_keys
+        )
+    ]
+    _set_or_drop(spec, "topologySpreadConstraints", kept)
+    field = "requiredDuringSchedulingIgnoredDuringExecution"
+    above = ((upper_spec.get("affinity") or {}).get("podAffinity") or {}).get(field) or []
+    affinity_keys = {t.get("topologyKey") for t in above}
+    pod_affinity = (spec.get("affinity") or {}).get("podAffinity")
+    if affinity_keys and pod_affinity:
+        terms = [
+            t for t in pod_affinity.get(field) or [] if t.get("topologyKey") not in affinity_keys
+        ]
+        _set_or_drop(pod_affinity, field, terms)
+        _set_or_drop(spec["affinity"], "podAffinity", pod_affinity)
+        _set_or_drop(spec, "affinity", spec["affinity"])
 
 
 def _pod_affinity_terms(spec: JSON) -> list[JSON]:

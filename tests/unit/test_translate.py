@@ -233,6 +233,45 @@ def test_pod_affinity_terms_select_only_this_upper_cluster_s_pods_below() -> Non
     assert OWNER.labels()[keys.ORIGIN_LABEL] == OWNER.origin, "which its lower pods carry"
 
 
+def test_what_the_upper_scheduler_decided_on_a_kept_key_is_not_asked_again_below() -> None:
+    """Below, a region is one domain: a spread with minDomains 3 let one pod per cluster
+    run, and an affinity to a pod in another cluster of the region was never met."""
+    region, host = "topology.kubernetes.io/region", "kubernetes.io/hostname"
+    web = {"matchLabels": {"app": "web"}}
+    spread = {"maxSkew": 1, "whenUnsatisfiable": "DoNotSchedule", "labelSelector": web}
+    soft = {**spread, "whenUnsatisfiable": "ScheduleAnyway", "topologyKey": region}
+    cache = {"labelSelector": {"matchLabels": {"app": "cache"}}}
+    pod = upper_pod(
+        topologySpreadConstraints=[
+            {**spread, "topologyKey": region, "minDomains": 3},
+            {**spread, "topologyKey": host},
+            soft,
+        ],
+        affinity={
+            "podAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": [
+                    {**cache, "topologyKey": region},
+                    {**cache, "topologyKey": host},
+                ]
+            }
+        },
+    )
+    pod["spec"], pod["metadata"]["annotations"] = stash_scheduling(
+        pod["spec"], pod["metadata"]["annotations"]
+    )
+    assert [c["topologyKey"] for c in pod["spec"]["topologySpreadConstraints"]] == [region, region]
+    lower = desired_lower_pod(pod, NamespaceMapping(), OWNER)["spec"]
+    assert lower["topologySpreadConstraints"] == [{**spread, "topologyKey": host}, soft]
+    (term,) = lower["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == host
+    unstashed = desired_lower_pod(
+        upper_pod(topologySpreadConstraints=[{**spread, "topologyKey": region, "minDomains": 3}]),
+        NamespaceMapping(),
+        OWNER,
+    )
+    assert unstashed["spec"]["topologySpreadConstraints"][0]["minDomains"] == 3, "not ours to judge"
+
+
 def test_patch_pushes_down_mutable_fields_only() -> None:
     current = desired_lower_pod(upper_pod(), NamespaceMapping(), OWNER)
     assert lower_pod_patch(current, current) is None
