@@ -303,9 +303,15 @@ class KubeClient:
         with Retry-After is retried for a GET only: a write it answers may have been
         stored (etcd slow to confirm a create), and a create with generateName would be
         made twice. A caller with a retry or a deadline of its own for such an answer (an
-        eviction a disruption budget refused, a call the scheduler times) says so."""
+        eviction a disruption budget refused, a call the scheduler times) says so.
+
+        A ``timeout`` in seconds bounds the whole call, retries and waits included, as
+        client-go's request timeout does: a Lease renewal said to wait 10 s at most took
+        eleven times (the timeout and the wait) under an apiserver shedding load."""
         if not (body is None or isinstance(body, str | bytes)):
             body = orjson.dumps(body)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout if isinstance(timeout, int | float) else None
         retries = 0
         while True:
             try:
@@ -317,9 +323,15 @@ class KubeClient:
                     retries == RETRIES_WHEN_TOLD
                 ):
                     raise
+                wait = min(wait, LONGEST_WAIT_WHEN_TOLD)
+                if deadline is not None:
+                    left = deadline - loop.time() - wait
+                    if left <= 0:
+                        raise
+                    timeout = left
                 retries += 1
                 log.info("%s %s: %s; again in %g s", method, path, error, wait)
-                await asyncio.sleep(min(wait, LONGEST_WAIT_WHEN_TOLD))
+                await asyncio.sleep(wait)
 
     async def _send(
         self,

@@ -92,3 +92,16 @@ async def test_a_server_that_keeps_saying_later_is_asked_ten_more_times(tmp_path
     answer, bodies = await create_through(tmp_path, [(429, {"Retry-After": "0"})] * 20)
     assert isinstance(answer, ApiError) and answer.status == 429
     assert len(bodies) == 1 + RETRIES_WHEN_TOLD == 11
+
+
+async def test_a_timeout_bounds_the_call_with_its_retries(tmp_path: Path) -> None:
+    """A Lease renewal said to wait 10 s at most took 11 x (10 s + the wait) under an
+    apiserver shedding load: no retry starts whose wait would end past the timeout."""
+    app, bodies = refusing([(429, {"Retry-After": "1"})] * 20)
+    async with serving_over_tls(tmp_path, app) as server:
+        settings = ClientSettings(str(server.kubeconfig(tmp_path)))
+        async with await KubeClient.connect(settings) as client:
+            with pytest.raises(ApiError) as refused:
+                await client.create(CONFIGMAPS, {"metadata": {"name": "a"}}, "ns", timeout=2.5)
+    assert refused.value.status == 429
+    assert len(bodies) == 3, "sent at 0, 1 and 2 s; a fourth would start at 3 s"
