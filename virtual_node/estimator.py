@@ -719,14 +719,21 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
     async def _at_home(self, work: Coroutine[Any, Any, T]) -> T:
         return await on_loop(self.home, work)
 
-    async def _check_caller(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+    async def _check_caller(
+        self, context: grpc.aio.ServicerContext[Any, Any], verb: str = "get"
+    ) -> None:
+        """The caller may ``verb`` this node's ``nodes/estimator``: ``get`` to ask,
+        ``create`` to change what others are told (hold or give back room, promise
+        slices), as a kubelet asks ``create`` for what acts on its pods. With ``get``
+        alone, any reader could hold a cluster's room for an hour or give back the room
+        held for other pods."""
         metadata = {key: value for key, value in context.invocation_metadata() or ()}
         authorization = metadata.get("authorization", "")
         try:
             user = await self.authorizer.authenticate(
                 None, authorization if isinstance(authorization, str) else ""
             )
-            await self.authorizer.authorize_node_access(user, "get", "estimator")
+            await self.authorizer.authorize_node_access(user, verb, "estimator")
         except AuthError as error:
             await context.abort(
                 _AUTH_CODES.get(error.status, grpc.StatusCode.UNAVAILABLE), error.message
@@ -738,7 +745,7 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
         request: estimator_pb2.EstimateRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> estimator_pb2.EstimateResponse:
-        await self._check_caller(context)
+        await self._check_caller(context, _verb(request))
         return self._estimates(request)
 
     async def EstimateStream(
@@ -750,7 +757,7 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
             with _STREAMED.time():
                 # The token the call was opened with may have expired, or the caller lost
                 # its permission, since the last request: both are cached for a while.
-                await self._check_caller(context)
+                await self._check_caller(context, _verb(request))
                 response = self._estimates(request)
             yield response
 
@@ -772,7 +779,7 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
         request: estimator_pb2.ReleaseRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> estimator_pb2.ReleaseResponse:
-        await self._check_caller(context)
+        await self._check_caller(context, "create")
         return estimator_pb2.ReleaseResponse(
             released=self.estimator.release(list(request.pod_uids))
         )
@@ -823,7 +830,7 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
         request: estimator_pb2.HoldRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> estimator_pb2.HoldResponse:
-        await self._check_caller(context)
+        await self._check_caller(context, "create")
         try:
             self.estimator.hold(request.pod, request.node, request.seconds)
         except QueryError as error:
@@ -831,9 +838,12 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
         return estimator_pb2.HoldResponse()
 
     async def _slice_promises(
-        self, context: grpc.aio.ServicerContext[Any, Any], namespace: str | None = None
+        self,
+        context: grpc.aio.ServicerContext[Any, Any],
+        namespace: str | None = None,
+        verb: str = "get",
     ) -> SlicePromises:
-        await self._check_caller(context)
+        await self._check_caller(context, verb)
         if self.promises is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this virtual node keeps no slices")
         assert self.promises is not None  # abort raises
@@ -872,7 +882,7 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
         request: estimator_pb2.PromiseSlicesRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> estimator_pb2.PromiseSlicesResponse:
-        promises = await self._slice_promises(context, request.namespace)
+        promises = await self._slice_promises(context, request.namespace, "create")
         size = Amount(request.slice.cpu_millis, request.slice.memory_bytes)
         if request.slices < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "slices cannot be negative")
@@ -902,6 +912,13 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
         return estimator_pb2.SlicedNamespacesResponse(
             cluster_id=self.cluster_id, namespaces=sorted(namespaces)
         )
+
+
+def _verb(request: estimator_pb2.EstimateRequest) -> str:
+    """What an estimate asks of the caller: ``create`` when it holds or gives back room."""
+    if request.release_pod_uids or any(query.reserve for query in request.pods):
+        return "create"
+    return "get"
 
 
 def _resources(amount: Amount) -> estimator_pb2.Resources:

@@ -1689,6 +1689,7 @@ def test_rbac_grants_exactly_what_the_descheduler_uses() -> None:
         ("pods/eviction", "create"),
         ("events", "create"),
         ("nodes/estimator", "get"),
+        ("nodes/estimator", "create"),
     }
     assert [rule for rule in role["rules"] if rule["apiGroups"] == ["batch"]] == [
         {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get"]}

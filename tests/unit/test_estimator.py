@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import grpc
 import orjson
 import pytest
 
@@ -29,6 +30,8 @@ from kubekit.estimatorapi.estimator_pb2 import (
     FitInTurnRequest,
     HoldRequest,
     PodQuery,
+    PromiseSlicesRequest,
+    ReleaseRequest,
 )
 from kubekit.informer import Informer
 from kubekit.slices import Amount, LedgerEntry
@@ -40,7 +43,7 @@ from virtual_node.estimator import (
     serve,
     to_message,
 )
-from virtual_node.kubeletapi.auth import Authorizer, User
+from virtual_node.kubeletapi.auth import AuthError, Authorizer, User
 from virtual_node.naming import NamespaceMapping
 from virtual_node.translate import Ownership, desired_lower_pod, pinned_to
 
@@ -544,6 +547,51 @@ async def test_the_service_answers_plans_in_turn_and_holds() -> None:
     assert cluster.fits("1", replicas=10) == 3
     await service.Hold(HoldRequest(pod=wanted, node="big", seconds=30), context)
     assert cluster.fits("1", replicas=10) == 2, "big is held: only the small node's 2 cpu"
+
+
+class Reader(Admitting):
+    """A caller that may get nodes/estimator, and not create."""
+
+    async def authorize_node_access(self, user: User, verb: str, subresource: str) -> None:
+        if (verb, subresource) != ("get", "estimator"):
+            raise AuthError(403, f"Forbidden (user={user.name}, verb={verb})")
+
+
+class Aborted(Exception):
+    pass
+
+
+class CheckedContext(Context):
+    def __init__(self) -> None:
+        self.code: grpc.StatusCode | None = None
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.code = code
+        raise Aborted(details)
+
+
+async def test_a_caller_that_may_only_read_may_ask_and_change_nothing() -> None:
+    """With get alone, anyone reading could hold a cluster's room for an hour, give back
+    the room held for other pods or a namespace's slices: those need create."""
+    cluster = Cluster()
+    service = EstimatorService(cluster.estimator, Reader(), "lower-1")
+    wanted = orjson.dumps(upper_pod("wanted", "1"))
+    reading: Any = CheckedContext()
+    asked = await service.Estimate(EstimateRequest(pods=[PodQuery(pod=wanted)]), reading)
+    assert asked.estimates[0].max_replicas == 1
+    await service.FitInTurn(FitInTurnRequest(pods=[wanted]), reading)
+    for call in (
+        lambda c: service.Estimate(EstimateRequest(pods=[PodQuery(pod=wanted, reserve=True)]), c),
+        lambda c: service.Estimate(EstimateRequest(release_pod_uids=["uid-x"]), c),
+        lambda c: service.Hold(HoldRequest(pod=wanted, node="big", seconds=3600), c),
+        lambda c: service.Release(ReleaseRequest(pod_uids=["uid-x"]), c),
+        lambda c: service.PromiseSlices(PromiseSlicesRequest(namespace="ns", slices=0), c),
+    ):
+        context = CheckedContext()
+        with pytest.raises(Aborted, match="verb=create"):
+            await call(context)
+        assert context.code is grpc.StatusCode.PERMISSION_DENIED
+    assert cluster.fits("1", replicas=10) == 6, "nothing held"
 
 
 def ledger_map(*entries: tuple[str, int, Amount]) -> dict[str, Any]:

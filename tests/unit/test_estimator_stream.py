@@ -88,7 +88,7 @@ async def test_a_caller_that_loses_its_permission_is_refused_at_its_next_request
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await call.read()
         assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert refused.value.details() == "extender may not get nodes/estimator"
+        assert refused.value.details() == "extender may not create nodes/estimator", "it reserves"
 
 
 async def test_a_stopping_server_ends_the_calls_kept_open_within_its_grace(

@@ -545,6 +545,7 @@ def test_rbac_grants_exactly_what_the_extender_and_slicing_use() -> None:
         ("nodes", "watch"),
         ("pods/binding", "create"),
         ("nodes/estimator", "get"),
+        ("nodes/estimator", "create"),
         ("namespaces", "get"),
         ("namespaces", "list"),
         ("namespaces", "watch"),
