@@ -47,6 +47,7 @@ from descheduler.rescue import (
     job_lost_by_eviction,
     kept_for_its_controller,
     kept_off,
+    kept_off_for_nothing,
     left_until_text,
     pod_copy,
     stuck_pods,
@@ -56,10 +57,12 @@ from descheduler.rescue import (
 from kubekit import keys, metrics
 from kubekit.client import (
     API_ERRORS,
+    CONFIGMAPS,
     JOBS,
     PODS,
     ApiError,
     KubeClient,
+    is_not_found,
 )
 from kubekit.estimatorapi.estimator_pb2 import (
     DefragmentRequest,
@@ -241,10 +244,11 @@ class Descheduler:
                     await self._finish_move(original, copy)
                 except API_ERRORS as error:
                     log.warning("%s: original not deleted: %s", object_key(original), error)
+        made_again = await self._let_go_of_lapsed_keep_offs(pods, now)
         waiting = [
             w
             for w in waiting_pods(pods, now, self.policy)
-            if self._holding.get(w.uid, (0.0, ""))[0] <= moment
+            if self._holding.get(w.uid, (0.0, ""))[0] <= moment and w.uid not in made_again
         ]
         plans: list[Plan] = []
         for each in waiting:
@@ -450,6 +454,49 @@ class Descheduler:
         metrics.EVICTIONS.labels(reason, "Evicted").inc()
         self._evicted_now.append(pod)
         return True
+
+    async def _let_go_of_lapsed_keep_offs(self, pods: list[JSON], now: datetime) -> set[str]:
+        """Evicts the waiting pods kept off virtual nodes by lapsed move records
+        (``kept_off_for_nothing``) for their controllers to make them again; returns their
+        UIDs. The moves are read only when some pod is kept off anywhere."""
+        if not kept_off_for_nothing(pods, {}, now, self.policy):
+            return set()
+        try:
+            stored = await self.client.get(CONFIGMAPS, keys.MOVES_CONFIGMAP, keys.SYSTEM_NAMESPACE)
+            moves = parse_moves(stored.get("data") or {})
+        except ApiError as error:
+            if not is_not_found(error):
+                log.warning("moves not read, no keep-off let go of this cycle: %s", error)
+                return set()
+            moves = {}
+        except API_ERRORS as error:
+            log.warning("moves not read, no keep-off let go of this cycle: %s", error)
+            return set()
+        made_again: set[str] = set()
+        for pod, nodes in kept_off_for_nothing(pods, moves, now, self.policy):
+            names = ", ".join(sorted(nodes))
+            if self.dry_run:
+                print(
+                    f"dry run: {object_key(pod)}: evict, kept off {names} for nothing", flush=True
+                )
+                continue
+            try:
+                if not await self._evict(pod, "keep-off-lapsed"):
+                    continue
+            except (PodChanged, EvictionBlocked) as error:
+                log.info("%s: not evicted, judged again next cycle: %s", object_key(pod), error)
+                continue
+            except API_ERRORS as error:
+                log.warning("%s: not evicted: %s", object_key(pod), error)
+                continue
+            made_again.add(str(pod["metadata"]["uid"]))
+            await self._event(
+                pod,
+                "Rescheduled",
+                f"kept off {names} by a move whose record has lapsed, and no node found "
+                "elsewhere: evicted for its controller to make it again without that",
+            )
+        return made_again
 
     async def _record_move(self, stuck: Stuck) -> None:
         """Records in the moves ConfigMap that the pod's controller's new pods stay off

@@ -26,7 +26,14 @@ from kubekit import fit, keys
 from kubekit.estimatorapi.estimator_pb2 import PodEstimate
 from kubekit.informer import object_key
 from kubekit.jsonvalue import json_copy
-from kubekit.moves import controller_reference, controller_uid, is_daemon_pod
+from kubekit.moves import (
+    Moves,
+    controller_reference,
+    controller_uid,
+    is_daemon_pod,
+    kept_off_names,
+)
+from kubekit.stash import StashError, decode
 from kubekit.timestamps import parse_time, rfc3339
 
 JSON = dict[str, Any]
@@ -248,6 +255,58 @@ def kept_for_its_controller(stuck: Stuck, job: Mapping[str, Any] | None = None) 
         "cannot confirm: delete it with --force, or taint the node "
         "node.kubernetes.io/out-of-service=nodeshutdown:NoExecute, to have it made again"
     )
+
+
+def lapsed_keep_off(pod: Mapping[str, Any], moves: Moves, now: datetime) -> set[str]:
+    """The virtual nodes the webhook keeps a pod off (its required affinity above excludes
+    them by name, its own in the stash does not) whose move record has lapsed or is gone.
+    Written into the pod at its creation, a keep-off outlives its record: a pod's
+    affinity cannot change, and a replacement that found no room elsewhere waited above
+    for good while the cluster it was kept off had room again."""
+    text = (pod["metadata"].get("annotations") or {}).get(keys.STASH_ANNOTATION)
+    if not isinstance(text, str):
+        return set()
+    try:
+        originals = decode(text)
+    except StashError:
+        return set()
+    if "affinity" not in originals:
+        return set()  # the affinity above is the pod's own
+    own = originals["affinity"]
+    ours = kept_off_names((pod.get("spec") or {}).get("affinity")) - kept_off_names(
+        own if isinstance(own, Mapping) else None
+    )
+    owner = controller_uid(pod)
+    recorded = moves.get(owner, {}) if owner else {}
+    return {name for name in ours if recorded.get(name, now) <= now}
+
+
+def kept_off_for_nothing(
+    pods: Iterable[Mapping[str, Any]], moves: Moves, now: datetime, policy: Policy
+) -> list[tuple[Mapping[str, Any], set[str]]]:
+    """Unbound pods of a controller that replaces them (a ReplicaSet's, a StatefulSet's,
+    a ReplicationController's) the upper scheduler has found no node for since
+    ``pendingTimeout``, kept off virtual nodes by records that have lapsed, with those
+    nodes, in key order: evicted (an unbound pod runs nothing, and no disruption budget
+    counts it), the controller makes one kept off only what is recorded now."""
+    found = []
+    for pod in pods:
+        metadata, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
+        if spec.get("nodeName") or metadata.get("deletionTimestamp") or hands_off(pod):
+            continue
+        if controller_kind(pod) not in REPLACING_CONTROLLERS:
+            continue
+        scheduled = condition(status.get("conditions") or [], "PodScheduled")
+        if status.get("phase", "Pending") != "Pending" or scheduled is None:
+            continue
+        if (scheduled.get("status"), scheduled.get("reason")) != ("False", "Unschedulable"):
+            continue
+        seconds = since(scheduled, now)
+        if seconds is None or seconds < policy.pending_timeout:
+            continue
+        if lapsed := lapsed_keep_off(pod, moves, now):
+            found.append((pod, lapsed))
+    return sorted(found, key=lambda each: object_key(each[0]))
 
 
 def condition(conditions: Iterable[Mapping[str, Any]], kind: str) -> Mapping[str, Any] | None:

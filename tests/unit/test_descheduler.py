@@ -69,6 +69,7 @@ from kubekit.estimatorapi.estimator_pb2 import (
 )
 from kubekit.informer import Informer
 from kubekit.moves import keep_off, parse_moves
+from kubekit.stash import stash_scheduling
 from kubekit.timestamps import rfc3339
 from multischeduler.extender import Answer, EstimatorFailure
 from tests.unit.test_multischeduler import core_grants
@@ -497,6 +498,56 @@ async def test_a_pod_its_controller_makes_again_only_once_gone_stays_on_a_cluste
         assert world.client.evictions() == 0 and world.reasons() == ["NotRescheduled"]
     else:
         assert isinstance(decision, Move) and world.client.evictions() == 1
+
+
+def replacement(own_affinity: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A ReplicaSet's new pod the webhook kept off vk-lower-1 (a move), waiting above."""
+    made = pod("web-2", node="")
+    if own_affinity is not None:
+        made["spec"]["affinity"] = own_affinity
+    made["spec"], made["metadata"]["annotations"] = stash_scheduling(
+        made["spec"], {}, kept_off=["vk-lower-1"]
+    )
+    return made
+
+
+def moves_until(seconds_from_now: float) -> dict[str, Any]:
+    until = (NOW + timedelta(seconds=seconds_from_now)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {"metadata": {"resourceVersion": "1"}, "data": {"rs": json.dumps({"vk-lower-1": until})}}
+
+
+@pytest.mark.parametrize(
+    ("moves", "evicted"),
+    [(moves_until(60), False), (moves_until(-60), True), (None, True)],
+    ids=["recorded", "lapsed", "no-record"],
+)
+async def test_a_pod_kept_off_by_a_lapsed_move_is_made_again(
+    moves: dict[str, Any] | None, evicted: bool
+) -> None:
+    """The keep-off is in the pod's affinity, which cannot change: with no room elsewhere
+    it waited above for good, while the cluster it was kept off had room again."""
+    world = World({"vk-lower-2": NO_ROOM, "vk-lower-3": NO_ROOM})
+    world.client.moves = moves
+    world.add(replacement())
+    await world.descheduler.cycle()
+    assert world.client.evictions() == (1 if evicted else 0)
+    assert ("Rescheduled" in world.reasons()) == evicted
+
+
+async def test_a_pod_s_own_keep_off_is_its_own() -> None:
+    name_out = {"key": "metadata.name", "operator": "NotIn", "values": ["vk-lower-1"]}
+    own = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchFields": [name_out]}]
+            }
+        }
+    }
+    world = World({"vk-lower-2": NO_ROOM, "vk-lower-3": NO_ROOM})
+    world.client.moves = moves_until(-60)
+    world.add(replacement(own))
+    await world.descheduler.cycle()
+    assert world.client.evictions() == 0
 
 
 def test_each_pod_of_a_job_evicted_before_counts_as_a_failure() -> None:
