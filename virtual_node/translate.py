@@ -193,8 +193,9 @@ BASELINE_CAPABILITIES = frozenset(
 )
 
 
-# The SELinux types and sysctls the baseline allows: any other type (spc_t) turns
-# confinement off, and any other sysctl is not isolated from the node's other pods.
+# The SELinux types and sysctls the baseline allows (Pod Security v1.35, that of the
+# control planes built here): any other type (spc_t) turns confinement off, and any
+# other sysctl is not isolated from the node's other pods.
 BASELINE_SELINUX_TYPES = frozenset(
     {"", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"}
 )
@@ -210,6 +211,8 @@ BASELINE_SYSCTLS = frozenset(
         "net.ipv4.tcp_fin_timeout",
         "net.ipv4.tcp_keepalive_intvl",
         "net.ipv4.tcp_keepalive_probes",
+        "net.ipv4.tcp_rmem",
+        "net.ipv4.tcp_wmem",
     }
 )
 

@@ -1145,6 +1145,8 @@ def test_host_access_names_selinux_and_sysctls_beyond_the_baseline() -> None:
                 {"name": "kernel.msgmax", "value": "1"},
                 {"name": "net/ipv4/tcp_syncookies", "value": "1"},
                 {"name": "net.ipv4.ip_local_port_range", "value": "1024 65535"},
+                # Safe since Pod Security v1.32 (Cassandra's usual tuning).
+                {"name": "net.ipv4.tcp_rmem", "value": "4096 87380 16777216"},
             ],
         },
         "containers": [
