@@ -77,8 +77,10 @@ log = logging.getLogger(__name__)
 
 # client-go's REST client: as many retries of a request the server said to send again.
 RETRIES_WHEN_TOLD = 10
-# How often a kubeconfig's credentials are read again.
+# How often a kubeconfig's credentials are read again, and how long a read (an exec
+# plugin's run) may take.
 CREDENTIALS_REFRESH_SECONDS = 60.0
+CREDENTIALS_READ_TIMEOUT = 30.0
 # A Retry-After beyond this is waited this long (the apiserver names 1 to 10 seconds).
 LONGEST_WAIT_WHEN_TOLD = 10.0
 
@@ -190,22 +192,35 @@ class KubeconfigCredentials:
     def __init__(self, loader: k8s_config.kube_config.KubeConfigLoader) -> None:
         self.loader = loader
         self._read_at = time.monotonic()
-        self._reading = asyncio.Lock()
+        self._reading: asyncio.Task[None] | None = None
 
-    async def refresh(self, configuration: k8s_client.Configuration) -> None:
-        """The library's hook before each request's token is taken."""
-        if time.monotonic() - self._read_at < CREDENTIALS_REFRESH_SECONDS:
-            return
-        async with self._reading:
-            if time.monotonic() - self._read_at < CREDENTIALS_REFRESH_SECONDS:
-                return  # read by the request that held the lock
-            try:
+    def refresh(self, configuration: k8s_client.Configuration) -> None:
+        """The library's hook before each request's token is taken: starts a read when
+        one is due, and the request goes on with the token held, which an exec plugin
+        renews five minutes before it expires. A request waiting on a plugin's run was
+        cut by its own deadline (a Lease renewal's 10 s), the run started again by the
+        next request and cut again, the cluster taken for unreachable meanwhile."""
+        if (
+            self._reading is None
+            and time.monotonic() - self._read_at >= CREDENTIALS_REFRESH_SECONDS
+        ):
+            self._reading = asyncio.get_running_loop().create_task(self._read(configuration))
+
+    async def _read(self, configuration: k8s_client.Configuration) -> None:
+        try:
+            async with asyncio.timeout(CREDENTIALS_READ_TIMEOUT):
                 await self.loader.load_and_set(configuration)
-            # A plugin may fail any way it likes (its cloud out of reach): the token held
-            # may still do, and the request says if it does not.
-            except Exception as error:
-                log.warning("credentials not read again, kept: %s", error or type(error).__name__)
+        # A plugin may fail any way it likes (its cloud out of reach, hung): the token held
+        # may still do, and the requests say if it does not.
+        except Exception as error:
+            log.warning("credentials not read again, kept: %s", error or type(error).__name__)
+        finally:
             self._read_at = time.monotonic()
+            self._reading = None
+
+    def close(self) -> None:
+        if self._reading is not None:
+            self._reading.cancel()
 
 
 class KubeClient:
@@ -217,9 +232,11 @@ class KubeClient:
         api_client: k8s_client.ApiClient,
         limiter: TokenBucket,
         streams: aiohttp.ClientSession,
+        credentials: KubeconfigCredentials | None = None,
     ) -> None:
         self.api = api_client
         self.limiter = limiter
+        self.credentials = credentials
         # Streams (exec, attach, port-forward, followed logs) hold their connection for as
         # long as a user keeps them open: in the requests' pool, a hundred `kubectl logs
         # -f` would leave no connection for anything else, and the next stream would wait
@@ -234,6 +251,7 @@ class KubeClient:
         """A client of the apiserver ``settings`` name; KubeconfigError when what they
         name cannot be used (nothing is asked of the apiserver yet)."""
         configuration = k8s_client.Configuration()
+        credentials = None
         try:
             if settings.kubeconfig is None:
                 k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
@@ -243,7 +261,8 @@ class KubeClient:
                     context=settings.context,
                     client_configuration=configuration,
                 )
-                configuration.refresh_api_key_hook = KubeconfigCredentials(loader).refresh
+                credentials = KubeconfigCredentials(loader)
+                configuration.refresh_api_key_hook = credentials.refresh
             context = _ssl_context(configuration)
         # The library checks little of a file's shape: a list or an empty file fails as a
         # TypeError, bytes not UTF-8 as a ValueError. A missing certificate file fails as
@@ -270,11 +289,13 @@ class KubeClient:
             trust_env=False,
             trace_configs=[refusals],
         )
-        return cls(api, TokenBucket(settings.qps, settings.burst), streams)
+        return cls(api, TokenBucket(settings.qps, settings.burst), streams, credentials)
 
     async def close(self) -> None:
         if self._dialing_spare is not None:
             self._dialing_spare.cancel()
+        if self.credentials is not None:
+            self.credentials.close()
         await self._streams.close()
         await self.api.close()
 
