@@ -27,6 +27,7 @@ from descheduler.defrag import (
     candidate_plans,
     defragmented_record,
     movable_pods,
+    planned_again_at,
     taking_from_budgets,
     waiting_pods,
 )
@@ -244,7 +245,9 @@ class Descheduler:
                     await self._finish_move(original, copy)
                 except API_ERRORS as error:
                     log.warning("%s: original not deleted: %s", object_key(original), error)
-        made_again = await self._let_go_of_lapsed_keep_offs(pods, now)
+        made_again = await self._let_go_of_lapsed_keep_offs(
+            [p for p in pods if not self._room_being_made(p, now, moment)], now
+        )
         waiting = [
             w
             for w in waiting_pods(pods, now, self.policy)
@@ -454,6 +457,15 @@ class Descheduler:
         metrics.EVICTIONS.labels(reason, "Evicted").inc()
         self._evicted_now.append(pod)
         return True
+
+    def _room_being_made(self, pod: Mapping[str, Any], now: datetime, moment: float) -> bool:
+        """Whether a plan makes room for the pod: held here, or recorded on the pod by a
+        plan (a former leader's, maybe) whose wait has not ended. Evicted, the plan's
+        evictions were made for nothing."""
+        if self._holding.get(str(pod["metadata"]["uid"]), (0.0, ""))[0] > moment:
+            return True
+        again = planned_again_at(pod, self.policy)
+        return again is not None and now < again
 
     async def _let_go_of_lapsed_keep_offs(self, pods: list[JSON], now: datetime) -> set[str]:
         """Evicts the waiting pods kept off virtual nodes by lapsed move records

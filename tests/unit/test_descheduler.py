@@ -23,6 +23,7 @@ from descheduler.defrag import (
     budgets_allow,
     candidate_plans,
     defragmented,
+    defragmented_record,
     movable_pods,
     planned_again_at,
     taking_from_budgets,
@@ -532,6 +533,26 @@ async def test_a_pod_kept_off_by_a_lapsed_move_is_made_again(
     await world.descheduler.cycle()
     assert world.client.evictions() == (1 if evicted else 0)
     assert ("Rescheduled" in world.reasons()) == evicted
+
+
+async def test_a_pod_kept_off_for_nothing_waits_while_room_is_made_for_it() -> None:
+    """Evicted, the plan's evictions were made for nothing."""
+    world = World({"vk-lower-2": NO_ROOM, "vk-lower-3": NO_ROOM})
+    world.client.moves = moves_until(-60)
+    held = replacement()
+    world.descheduler._holding[held["metadata"]["uid"]] = (world.moment + 60, "vk-lower-2")
+    world.add(held)
+    recorded = replacement()
+    recorded["metadata"] |= {"name": "web-3", "uid": "uid-web-3"}
+    recorded["metadata"]["annotations"][keys.DEFRAGMENTED_ANNOTATION] = defragmented_record(
+        recorded, NOW - timedelta(seconds=10)
+    )
+    world.add(recorded)
+    await world.descheduler.cycle()
+    assert world.client.evictions() == 0
+    world.moment += 600  # the hold and the plan's wait are over
+    await world.descheduler.cycle()
+    assert world.client.evictions() == 2
 
 
 async def test_a_pod_s_own_keep_off_is_its_own() -> None:
