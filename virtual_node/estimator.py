@@ -53,6 +53,7 @@ from virtual_node.runtimes import (
 from virtual_node.translate import (
     Ownership,
     desired_lower_pod,
+    host_access,
     host_access_refusal,
     pinned_node,
 )
@@ -521,6 +522,14 @@ class FitEstimator:
             raise QueryError(f"the pod's resources are not what they should be: {error}") from error
         if negative is not None:
             raise QueryError(negative)
+        try:
+            # Read again by the refusal of every answer: a shape it cannot read (a sysctl
+            # that is not an object) ended the call with gRPC's UNKNOWN, not an answer.
+            host_access(lower["spec"])
+        except (TypeError, AttributeError) as error:
+            raise QueryError(
+                f"the pod's security context is not what it should be: {error}"
+            ) from error
         uid = str(upper["metadata"].get("uid") or "")
         if "\0" in uid:
             # The state keys its simulations' assumptions so: a hold under such a UID

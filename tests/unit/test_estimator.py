@@ -310,6 +310,15 @@ def test_the_stash_is_restored_before_the_pod_is_judged() -> None:
             orjson.dumps(upper_pod("x", "1", uid="\u00000")),
             "NUL character",
         ),
+        (
+            orjson.dumps(
+                {
+                    **upper_pod("x", "1"),
+                    "spec": {**upper_pod("x", "1")["spec"], "securityContext": {"sysctls": [1]}},
+                }
+            ),
+            "security context is not what it should be",
+        ),
     ],
 )
 def test_a_pod_that_cannot_be_read_is_a_clear_error(body: bytes, complaint: str) -> None:
