@@ -49,6 +49,7 @@ from descheduler.rescue import (
     kept_for_its_controller,
     kept_off,
     kept_off_for_nothing,
+    lapsed_keep_off,
     left_until_text,
     pod_copy,
     stuck_pods,
@@ -251,7 +252,7 @@ class Descheduler:
         waiting = [
             w
             for w in waiting_pods(pods, now, self.policy)
-            if self._holding.get(w.uid, (0.0, ""))[0] <= moment and w.uid not in made_again
+            if not self._held(w.uid, moment) and w.uid not in made_again
         ]
         plans: list[Plan] = []
         for each in waiting:
@@ -458,11 +459,15 @@ class Descheduler:
         self._evicted_now.append(pod)
         return True
 
+    def _held(self, uid: str, moment: float) -> bool:
+        """Whether room made for the pod is held for it still."""
+        return self._holding.get(uid, (0.0, ""))[0] > moment
+
     def _room_being_made(self, pod: Mapping[str, Any], now: datetime, moment: float) -> bool:
         """Whether a plan makes room for the pod: held here, or recorded on the pod by a
         plan (a former leader's, maybe) whose wait has not ended. Evicted, the plan's
         evictions were made for nothing."""
-        if self._holding.get(str(pod["metadata"]["uid"]), (0.0, ""))[0] > moment:
+        if self._held(str(pod["metadata"]["uid"]), moment):
             return True
         again = planned_again_at(pod, self.policy)
         return again is not None and now < again
@@ -471,7 +476,9 @@ class Descheduler:
         """Evicts the waiting pods kept off virtual nodes by lapsed move records
         (``kept_off_for_nothing``) for their controllers to make them again; returns their
         UIDs. The moves are read only when some pod is kept off anywhere."""
-        if not kept_off_for_nothing(pods, {}, now, self.policy):
+        # Kept off by the webhook at all (no record read yet: every keep-off lapsed).
+        candidates = [pod for pod, _ in kept_off_for_nothing(pods, {}, now, self.policy)]
+        if not candidates:
             return set()
         try:
             stored = await self.client.get(CONFIGMAPS, keys.MOVES_CONFIGMAP, keys.SYSTEM_NAMESPACE)
@@ -485,7 +492,9 @@ class Descheduler:
             log.warning("moves not read, no keep-off let go of this cycle: %s", error)
             return set()
         made_again: set[str] = set()
-        for pod, nodes in kept_off_for_nothing(pods, moves, now, self.policy):
+        for pod in candidates:
+            if not (nodes := lapsed_keep_off(pod, moves, now)):
+                continue
             names = ", ".join(sorted(nodes))
             if self.dry_run:
                 print(

@@ -22,10 +22,9 @@ from descheduler.policy import Policy
 from descheduler.rescue import (
     REPLACING_CONTROLLERS,
     PodCase,
-    condition,
     controller_kind,
     hands_off,
-    since,
+    unschedulable_above,
 )
 from kubekit import fit, keys
 from kubekit.estimatorapi.estimator_pb2 import DefragmentResponse
@@ -99,27 +98,17 @@ def waiting_pods(pods: Iterable[Mapping[str, Any]], now: datetime, policy: Polic
     priority first, then by key."""
     found = []
     for pod in pods:
-        metadata, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
-        if spec.get("nodeName") or metadata.get("deletionTimestamp") or hands_off(pod):
+        waited = unschedulable_above(pod, now)
+        if waited is None or waited[0] < policy.defrag_after:
             continue
         if (again := planned_again_at(pod, policy)) is not None and now < again:
             continue
         # Its PriorityClass says it never displaces running pods.
-        if spec.get("preemptionPolicy") == "Never":
-            continue
-        if status.get("phase", "Pending") != "Pending":
+        if (pod.get("spec") or {}).get("preemptionPolicy") == "Never":
             continue
         # Only a pod that may go to a virtual node waits for a lower node's room.
-        if not fit.tolerates(fit.PodFacts.of(dict(pod)).tolerations, _PROVIDER_TAINT):
-            continue
-        scheduled = condition(status.get("conditions") or [], "PodScheduled")
-        if scheduled is None or scheduled.get("status") != "False":
-            continue
-        if scheduled.get("reason") != "Unschedulable":
-            continue
-        seconds = since(scheduled, now)
-        if seconds is not None and seconds >= policy.defrag_after:
-            found.append(Waiting(pod, seconds, str(scheduled.get("message") or "")))
+        if fit.tolerates(fit.PodFacts.of(dict(pod)).tolerations, _PROVIDER_TAINT):
+            found.append(Waiting(pod, *waited))
     return sorted(found, key=lambda waiting: (-priority(waiting.pod), waiting.key))
 
 

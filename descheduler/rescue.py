@@ -291,22 +291,33 @@ def kept_off_for_nothing(
     counts it), the controller makes one kept off only what is recorded now."""
     found = []
     for pod in pods:
-        metadata, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
-        if spec.get("nodeName") or metadata.get("deletionTimestamp") or hands_off(pod):
-            continue
         if controller_kind(pod) not in REPLACING_CONTROLLERS:
             continue
-        scheduled = condition(status.get("conditions") or [], "PodScheduled")
-        if status.get("phase", "Pending") != "Pending" or scheduled is None:
-            continue
-        if (scheduled.get("status"), scheduled.get("reason")) != ("False", "Unschedulable"):
-            continue
-        seconds = since(scheduled, now)
-        if seconds is None or seconds < policy.pending_timeout:
+        waited = unschedulable_above(pod, now)
+        if waited is None or waited[0] < policy.pending_timeout:
             continue
         if lapsed := lapsed_keep_off(pod, moves, now):
             found.append((pod, lapsed))
     return sorted(found, key=lambda each: object_key(each[0]))
+
+
+def unschedulable_above(pod: Mapping[str, Any], now: datetime) -> tuple[float, str] | None:
+    """For how long the upper scheduler has found no node for an unbound pod, and its
+    words; None for a pod bound, being deleted, left alone, not Pending or not turned
+    away (Unschedulable)."""
+    metadata, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
+    if spec.get("nodeName") or metadata.get("deletionTimestamp") or hands_off(pod):
+        return None
+    if status.get("phase", "Pending") != "Pending":
+        return None
+    scheduled = condition(status.get("conditions") or [], "PodScheduled")
+    if scheduled is None or (scheduled.get("status"), scheduled.get("reason")) != (
+        "False",
+        "Unschedulable",
+    ):
+        return None
+    seconds = since(scheduled, now)
+    return None if seconds is None else (seconds, str(scheduled.get("message") or ""))
 
 
 def condition(conditions: Iterable[Mapping[str, Any]], kind: str) -> Mapping[str, Any] | None:
