@@ -22,6 +22,7 @@ from tests.unit.fakekubelet import (
     LOG_CHUNKS,
     POD,
     TIMEOUT,
+    EchoConnection,
     EchoProcess,
     FakeAuthorizer,
     FakeProvider,
@@ -485,6 +486,60 @@ async def test_spdy_port_forward_pairs_streams_by_request_id(kubelet: Kubelet) -
         await peer.until(lambda p: False)
         assert peer.eof
     await asyncio.wait_for(connection.closed.wait(), TIMEOUT)
+
+
+class _BurstConnection(EchoConnection):
+    """A pod port whose answers all arrive at once, once ``release`` is set: as a lower
+    WebSocket read 256 KiB at a time hands over several messages."""
+
+    def __init__(self, port: int, chunks: list[bytes]) -> None:
+        super().__init__(port)
+        self.release = asyncio.Event()
+        for chunk in chunks:
+            self._replies.put_nowait(chunk)
+
+    async def receive(self) -> bytes:
+        await self.release.wait()
+        return await super().receive()
+
+
+@pytest.mark.parametrize(
+    ("chunks", "writes"),
+    [([b"a" * 16384] * 4, 1), ([b"b" * 32768] * 40, 5)],
+    ids=["one write for what came together", "a write per 256 KiB, not one of it all"],
+)
+async def test_frames_sent_together_go_out_in_few_writes(chunks: list[bytes], writes: int) -> None:
+    provider = FakeProvider()
+    connection = _BurstConnection(8080, chunks)
+    provider.port_forward = lambda pod, port: _returning(connection)  # type: ignore[method-assign]
+    async with (
+        serving(provider) as kubelet,
+        spdy_upgrade(kubelet.server, "/portForward/default/p", "portforward.k8s.io") as peer,
+    ):
+        error = peer.open(streamtype="error", port="8080", requestid="0")
+        data = peer.open(streamtype="data", port="8080", requestid="0")
+        await peer.until(
+            lambda p: (
+                {e.stream_id for e in p.events if isinstance(e, StreamReplied)} == {error, data}
+            )
+        )
+        (session,) = [o for o in gc.get_objects() if isinstance(o, SpdySession)]
+        sizes: list[int] = []
+        write = session._transport.write
+
+        def recorded(payload: Any) -> None:
+            sizes.append(len(payload))
+            write(payload)
+
+        session._transport.write = recorded  # type: ignore[method-assign,assignment]
+        connection.release.set()
+        expected = b"".join(chunks)
+        await peer.until(lambda p: p.data(data) == expected)
+    assert len(sizes) == writes, sizes
+
+
+async def _returning(connection: EchoConnection) -> EchoConnection:
+    return connection
 
 
 async def test_a_forwarded_connection_the_client_closed_closes_the_pods_soon(

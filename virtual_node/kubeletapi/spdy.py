@@ -258,6 +258,10 @@ class SpdyConnection:
         """The highest stream id the peer has opened: what a GOAWAY names by default."""
         return self._last_remote_stream_id
 
+    def queued_size(self) -> int:
+        """How many bytes wait for ``data_to_send``."""
+        return len(self._outgoing)
+
     def data_to_send(self) -> bytes:
         """Drains the bytes queued for the peer."""
         data = bytes(self._outgoing)
