@@ -523,7 +523,9 @@ async def test_frames_sent_together_go_out_in_few_writes(chunks: list[bytes], wr
                 {e.stream_id for e in p.events if isinstance(e, StreamReplied)} == {error, data}
             )
         )
-        (session,) = [o for o in gc.get_objects() if isinstance(o, SpdySession)]
+        (session,) = [
+            o for o in gc.get_objects() if isinstance(o, SpdySession) and not o.closed.is_set()
+        ]
         sizes: list[int] = []
         write = session._transport.write
 
