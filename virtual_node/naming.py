@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from kubekit import keys
+
 Strategy = Literal["same", "prefix"]
 
 _MAX_NAMESPACE = 63
@@ -13,6 +15,13 @@ _MAX_NAMESPACE = 63
 # first dash of a lower name then ends the prefix, so two tenants' prefixes never name one
 # lower namespace (`acme` + `dev-x` and `acme-dev` + `x` would both be `acme-dev-x`).
 _PREFIX = re.compile(r"^[a-z0-9]{1,61}$")
+# The lower cluster's own namespaces: nothing of an upper cluster goes into them. Its
+# kube-system takes a Secret of type bootstrap token for a credential to join the lower
+# cluster, and our ledger of quota slices lives in SYSTEM_NAMESPACE; an upper cluster's
+# admin is not the lower cluster's.
+LOWER_CLUSTERS_OWN = frozenset(
+    {"kube-system", "kube-public", "kube-node-lease", keys.SYSTEM_NAMESPACE}
+)
 
 
 class NamingError(ValueError):
@@ -49,6 +58,19 @@ class NamespaceMapping:
             )
 
     def lower(self, upper_namespace: str) -> str:
+        """Where an upper namespace's pods and objects go below."""
+        name = self.lower_name(upper_namespace)
+        if name in LOWER_CLUSTERS_OWN:
+            raise NamingError(
+                f"namespace {name} is the lower cluster's own: nothing of an upper cluster "
+                "is mirrored into it (with --namespace-strategy prefix, upper namespace "
+                f"{upper_namespace} is <prefix>-{upper_namespace} below)"
+            )
+        return name
+
+    def lower_name(self, upper_namespace: str) -> str:
+        """An upper namespace's name below, for naming it (a pod affinity term's
+        namespaces), whether or not anything of ours may go there."""
         if self.strategy == "same":
             return upper_namespace
         name = f"{self.prefix}-{upper_namespace}"
