@@ -323,8 +323,10 @@ def desired_service_account(
 def desired_priority_class(
     upper: Mapping[str, Any], _mapping: NamespaceMapping, owner: Ownership
 ) -> JSON:
-    """The lower copy of a PriorityClass, never the lower cluster's default: only pods
-    that name it get its priority."""
+    """The lower copy of a PriorityClass, never the lower cluster's default (only pods
+    that name it get its priority), and never preempting: the upper scheduler preempts
+    above, among the upper cluster's pods, while below a tenant's class would have the
+    lower scheduler evict other tenants' pods and the lower cluster's own."""
     metadata = upper["metadata"]
     copy: JSON = {
         "apiVersion": "scheduling.k8s.io/v1",
@@ -338,10 +340,10 @@ def desired_priority_class(
             },
         },
         "value": upper.get("value", 0),
+        "preemptionPolicy": "Never",
     }
-    for field in ("preemptionPolicy", "description"):
-        if field in upper:
-            copy[field] = upper[field]
+    if "description" in upper:
+        copy["description"] = upper["description"]
     return copy
 
 

@@ -93,7 +93,10 @@ def priority_class(**fields: Any) -> dict[str, Any]:
 async def test_a_pods_service_account_and_priority_class_are_copied_before_it() -> None:
     r = reflecting()
     r.above("serviceaccounts", account(automountServiceAccountToken=False))
-    r.above("priorityclasses", priority_class(globalDefault=True, preemptionPolicy="Never"))
+    r.above(
+        "priorityclasses",
+        priority_class(globalDefault=True, preemptionPolicy="PreemptLowerPriority"),
+    )
     web = pod(serviceAccountName="builder", priorityClassName="high")
     r.above(None, web)
     await r.reflector.ensure_for_pod(web)
@@ -101,7 +104,9 @@ async def test_a_pods_service_account_and_priority_class_are_copied_before_it() 
     assert copied_account["automountServiceAccountToken"] is False
     assert copied_account["metadata"]["labels"] == OWNER.labels()
     (copied_class,) = r.created(PRIORITY_CLASSES)
-    assert (copied_class["value"], copied_class["preemptionPolicy"]) == (1000, "Never")
+    assert (copied_class["value"], copied_class["preemptionPolicy"]) == (1000, "Never"), (
+        "a tenant's pods never preempt below (other tenants', the lower cluster's own)"
+    )
     assert "globalDefault" not in copied_class, "a tenant's class never becomes the lower default"
     assert copied_class["metadata"]["labels"] == OWNER.labels()
 
