@@ -256,3 +256,28 @@ def test_the_webhook_deployment_cannot_rewrite_its_own_configuration() -> None:
     )
     kustomization = yaml.safe_load((MANIFESTS / "webhook" / "kustomization.yaml").read_text())
     assert not any("inject-ca-bundle" in resource for resource in kustomization["resources"])
+
+
+def kustomized(directory: Path) -> list[dict[str, Any]]:
+    """The documents a kustomization's resources name, its bases' included."""
+    found: list[dict[str, Any]] = []
+    for resource in yaml.safe_load((directory / "kustomization.yaml").read_text())["resources"]:
+        path = (directory / resource).resolve()
+        if path.is_dir():
+            found += kustomized(path)
+        else:
+            found += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return found
+
+
+def test_the_components_priority_class_is_not_put_in_lower_clusters() -> None:
+    """A lower cluster's class is used as it is for a mirrored pod naming it: there, the
+    components' class (1,000,000,000, preempting) was any tenant's for the asking."""
+    kinds = {d["kind"] for d in kustomized(MANIFESTS / "virtual-node-lower")}
+    assert "Namespace" in kinds and "PriorityClass" not in kinds
+    for upper in ("upper", "with-cert-manager"):
+        assert [
+            d["metadata"]["name"]
+            for d in kustomized(MANIFESTS / upper)
+            if d["kind"] == "PriorityClass"
+        ] == ["kubestrata-system"], upper
