@@ -102,14 +102,30 @@ def namespace_is_gone(error: ApiError) -> bool:
     )
 
 
-class NameTaken(Exception):
+class NotCopied(Exception):
+    """Something a pod needs is not made below; the pod waits, saying ``reason`` and the
+    message."""
+
+    reason = "DependencyNotMirrored"
+
+
+class NameTaken(NotCopied):
     """A pod's ConfigMap, Secret, ServiceAccount or claim has a namesake below that is not
     ours; the message says which."""
+
+    reason = "LowerNameTaken"
+
+
+class ClaimNotCopied(NotCopied):
+    """A pod's claim asks for a volume made by hand above, which no copy below may stand
+    for."""
+
+    reason = "ClaimNotMirrored"
 
 
 class PodDependencies(Protocol):
     async def ensure_for_pod(self, pod: Mapping[str, Any]) -> None:
-        """The copies ``pod`` needs, made or brought up to date below; raises NameTaken."""
+        """The copies ``pod`` needs, made or brought up to date below; raises NotCopied."""
         ...
 
 
@@ -413,7 +429,7 @@ class LowerCluster:
             why = None
             try:
                 await self.dependencies.ensure_for_pod(upper)
-            except NameTaken as error:
+            except NotCopied as error:
                 why = str(error)
             except ApiError as error:
                 if error.status != 403:
@@ -507,9 +523,10 @@ class LowerCluster:
                 await self._ensure_default_service_account(namespace)
             if self.dependencies is not None:
                 await self.dependencies.ensure_for_pod(upper)
-        except NameTaken as error:
-            # Made once the namesake is gone; until then the pod says why it waits.
-            return Refused("LowerNameTaken", str(error))
+        except NotCopied as error:
+            # Made once the namesake is gone (the claim made again); until then the pod
+            # says why it waits.
+            return Refused(error.reason, str(error))
         except ApiError as error:
             if namespace_is_gone(error):
                 # Deleted below since we made it: made again on the retry.

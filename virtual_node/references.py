@@ -151,12 +151,23 @@ def reflectable(upper: Mapping[str, Any]) -> bool:
     """Whether an object is copied below at all: not a claim a pod controls (a generic
     ephemeral volume's: the lower ephemeral volume controller makes the lower pod's own
     from its template, and a claim of that name it did not make keeps the pod Pending
-    for good)."""
+    for good), nor a claim for a volume made by hand (``storageClassName: ""``, or a
+    selector of volumes' labels): below it would bind whichever of the lower cluster's
+    volumes it matched, another tenant's data or the lower cluster's own."""
+    if not _is_claim(upper):
+        return True
     owners = (upper.get("metadata") or {}).get("ownerReferences") or []
     return not (
-        _is_claim(upper)
-        and any(ref.get("controller") and ref.get("kind") == "Pod" for ref in owners)
+        any(ref.get("controller") and ref.get("kind") == "Pod" for ref in owners)
+        or for_a_volume_made_by_hand(upper)
     )
+
+
+def for_a_volume_made_by_hand(claim: Mapping[str, Any]) -> bool:
+    """Whether a claim asks for a volume someone made by hand, not for one to be made:
+    ``storageClassName: ""``, or a selector of volumes' labels."""
+    spec = claim.get("spec") or {}
+    return spec.get("storageClassName") == "" or bool(spec.get("selector"))
 
 
 def _copy_metadata(

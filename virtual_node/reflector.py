@@ -34,7 +34,7 @@ from kubekit.client import (
 )
 from kubekit.informer import FunctionHandler, Informer, object_key
 from kubekit.workqueue import WorkQueue
-from virtual_node.lower import NameTaken
+from virtual_node.lower import ClaimNotCopied, NameTaken
 from virtual_node.naming import NamespaceMapping, NamingError
 from virtual_node.references import (
     JSON,
@@ -45,6 +45,7 @@ from virtual_node.references import (
     desired_priority_class,
     desired_service,
     desired_service_account,
+    for_a_volume_made_by_hand,
     made_again,
     referenced_objects,
     reflectable,
@@ -449,6 +450,18 @@ class Reflector:
         for key in [*sorted(accounts), *(ref for ref in refs if ref not in accounts)]:
             kind, _, name = key
             await self.queue.process_now(key, self.reconcile)
+            claim = self.upper_objects[kind].get(f"{namespace}/{name}")
+            if (
+                RESOURCES[kind] is PERSISTENTVOLUMECLAIMS
+                and claim is not None
+                and for_a_volume_made_by_hand(claim)
+                and not self._has_copy(key)
+            ):
+                raise ClaimNotCopied(
+                    f"claim {name} asks for a volume made by hand (no storage class, or a "
+                    "selector): the lower cluster's volumes are not the upper cluster's, and "
+                    "its copy would bind whichever of them it matched"
+                )
             if key in self._taken:
                 raise NameTaken(
                     f"{RESOURCES[kind].plural} {self.mapping.lower(namespace)}/{name} exists "
@@ -483,6 +496,13 @@ class Reflector:
             if not lower["metadata"].get("deletionTimestamp"):
                 await self.lower.delete_exact(resource, lower)
             return
+        if (
+            resource is PERSISTENTVOLUMECLAIMS
+            and upper is not None
+            and lower is not None
+            and for_a_volume_made_by_hand(upper)
+        ):
+            return  # copied before it was refused: deleted, it could take its data along
         if self._wanted(key) and upper is not None and reflectable(upper):
             desired = DESIRED[kind](upper, self.mapping, self.owner)
             if lower is None:

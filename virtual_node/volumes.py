@@ -19,7 +19,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from kubekit import keys
-from kubekit.client import PERSISTENTVOLUMES, ApiError, KubeClient
+from kubekit.client import PERSISTENTVOLUMES, STORAGECLASSES, ApiError, KubeClient, is_not_found
 from kubekit.informer import FunctionHandler, Informer, object_key
 from kubekit.workqueue import WorkQueue
 from virtual_node.translate import Ownership
@@ -37,7 +37,9 @@ def volume_name(claim: Mapping[str, Any]) -> str:
 def provisioned_volume(claim: Mapping[str, Any], owner: Ownership) -> JSON | None:
     """The upper volume to make for ``claim`` (pure), or None when the claim is not this
     virtual node's to provision: not of our provisioner, placed on another node, already
-    bound, or going away."""
+    bound, or going away; or a claim for a volume made by hand (no class, a selector),
+    which no provisioner serves and whose copy below is not made (``reflectable``). The
+    claim's annotations are only its creator's word: the caller checks its class."""
     metadata = claim["metadata"]
     annotations = metadata.get("annotations") or {}
     spec = claim.get("spec") or {}
@@ -47,6 +49,8 @@ def provisioned_volume(claim: Mapping[str, Any], owner: Ownership) -> JSON | Non
         or spec.get("volumeName")
         or metadata.get("deletionTimestamp")
         or has_data_source(spec)
+        or not spec.get("storageClassName")
+        or spec.get("selector")
     ):
         return None
     storage = ((spec.get("resources") or {}).get("requests") or {}).get("storage")
@@ -233,6 +237,11 @@ class ClaimVolumes:
             v["metadata"]["name"] == desired["metadata"]["name"] for v in ours
         ):
             return
+        if not await self._of_our_provisioner(desired["spec"]["storageClassName"]):
+            # Annotations anyone creating a claim may write: a volume made on their word
+            # bound the claim to us, and its copy below to whatever the lower cluster had.
+            log.warning("claim %s: its class is not of %s", key, keys.LOWER_CLUSTER_PROVISIONER)
+            return
         try:
             await self.upper.create(PERSISTENTVOLUMES, desired)
         except ApiError as error:
@@ -242,3 +251,12 @@ class ClaimVolumes:
             log.info("volume %s exists already", desired["metadata"]["name"])
             return
         log.info("claim %s: volume %s made for it", key, desired["metadata"]["name"])
+
+    async def _of_our_provisioner(self, class_name: str) -> bool:
+        try:
+            storage_class = await self.upper.get(STORAGECLASSES, class_name)
+        except ApiError as error:
+            if is_not_found(error):
+                return False
+            raise
+        return bool(storage_class.get("provisioner") == keys.LOWER_CLUSTER_PROVISIONER)

@@ -16,10 +16,10 @@ from kubekit.client import PODS
 from kubekit.informer import Informer
 from kubekit.workqueue import WorkQueue
 from tests.unit.fakeapi import FakeClient, status_error
-from virtual_node.lower import LowerCluster, NameTaken
+from virtual_node.lower import ClaimNotCopied, LowerCluster, NameTaken
 from virtual_node.main import _sweep_orphans
 from virtual_node.naming import NamespaceMapping
-from virtual_node.references import Kind
+from virtual_node.references import Kind, desired_copy
 from virtual_node.reflector import RESOURCES, Key, Reflector
 from virtual_node.translate import Ownership
 
@@ -454,6 +454,35 @@ async def test_a_claim_copy_outlives_its_pods_and_goes_with_its_upper_claim() ->
     r.above("persistentvolumeclaims", claim, "DELETED")
     await r.drain()
     assert r.lower.writes() == [("DELETE", f"{claims}/data")]
+
+
+@pytest.mark.parametrize(
+    "asks",
+    [{"storageClassName": ""}, {"selector": {"matchLabels": {"disk": "nfs-finance"}}}],
+    ids=["no class", "a selector"],
+)
+async def test_a_claim_for_a_volume_made_by_hand_is_not_copied_and_its_pod_waits(
+    asks: dict[str, Any],
+) -> None:
+    """Below, the copy bound whichever lower volume it matched: another tenant's data,
+    or the lower cluster's own share."""
+    claims = "/api/v1/namespaces/shop/persistentvolumeclaims"
+    spec = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}
+    claim = named("PersistentVolumeClaim", "data", spec={**spec, **asks})
+    user = pod(volumes=[{"name": "d", "persistentVolumeClaim": {"claimName": "data"}}])
+    r = reflecting()
+    r.above("persistentvolumeclaims", claim)
+    r.above(None, user)
+    with pytest.raises(ClaimNotCopied, match="claim data asks for a volume made by hand"):
+        await r.reflector.ensure_for_pod(user)
+    await r.drain()
+    assert r.created(claims) == []
+    # A copy made before is left as it is: deleted, it could take its data along.
+    copy = desired_copy(claim, NamespaceMapping(), OWNER)
+    r.below("persistentvolumeclaims", {**copy, "metadata": {**copy["metadata"], "uid": "below"}})
+    await r.reflector.ensure_for_pod(user)
+    await r.drain()
+    assert r.lower.writes() == []
 
 
 async def test_a_claim_made_again_above_gets_a_new_copy_not_the_old_volume() -> None:

@@ -89,6 +89,19 @@ def test_only_claims_of_our_provisioner_placed_here_and_unbound_get_one() -> Non
         provisioned_volume(claim(dataSource={"kind": "PersistentVolumeClaim", "name": "g"}), OWNER)
         is None
     )
+    # For a volume made by hand: no provisioner serves it, and its copy is not made below.
+    assert provisioned_volume(claim(storageClassName=""), OWNER) is None
+    assert provisioned_volume(claim(selector={"matchLabels": {"disk": "a"}}), OWNER) is None
+
+
+async def test_a_claim_whose_class_is_not_of_our_provisioner_gets_no_volume() -> None:
+    """Its annotations are its creator's to write: a volume made on their word bound the
+    claim to this cluster without any class of ours."""
+    made, upper, claims, _, queue = controller(provisioner="nfs.csi.k8s.io")
+    claims.apply({"type": "ADDED", "object": claim()})
+    await drain(made, queue)
+    assert upper.writes() == []
+    assert ("GET", FAST) in [(r.method, r.path) for r in upper.requests]
 
 
 def test_a_volume_outlives_its_claim_when_the_claim_is_gone_or_made_again() -> None:
@@ -99,8 +112,18 @@ def test_a_volume_outlives_its_claim_when_the_claim_is_gone_or_made_again() -> N
     assert outlived(volume, claim(uid="c-2"))
 
 
-def controller() -> tuple[ClaimVolumes, FakeClient, Informer, Informer, WorkQueue[str]]:
+FAST = "/apis/storage.k8s.io/v1/storageclasses/fast"
+
+
+def storage_class(provisioner: str) -> dict[str, Any]:
+    return {"metadata": {"name": "fast"}, "provisioner": provisioner}
+
+
+def controller(
+    provisioner: str = keys.LOWER_CLUSTER_PROVISIONER,
+) -> tuple[ClaimVolumes, FakeClient, Informer, Informer, WorkQueue[str]]:
     upper = FakeClient()
+    upper.answer("GET", FAST, *[storage_class(provisioner)] * 5)
     claims = Informer(client=None, resource=PERSISTENTVOLUMECLAIMS)  # type: ignore[arg-type]
     volumes = Informer(client=None, resource=PERSISTENTVOLUMES)  # type: ignore[arg-type]
     queue: WorkQueue[str] = WorkQueue("volumes")
