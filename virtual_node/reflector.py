@@ -130,6 +130,11 @@ class Reflector:
         # Accounts made below whose copies the lower cache may not show yet: their token
         # Secrets need not wait for the watch (a pod is made right after them).
         self._accounts_made: set[Key] = set()
+        # Copies deleted whose removal the lower cache may not show yet: the UID of each.
+        # Taken for still there, a copy deleted as its last pod ended was not made again
+        # for the next pod (a StatefulSet's replacement, a Job's next pod), which started
+        # below without it.
+        self._deleted: dict[Key, str] = {}
         upper_pods.add_handler(
             FunctionHandler(
                 add=self._pod_changed,
@@ -483,6 +488,11 @@ class Reflector:
         lower = self.lower_copies[kind].get(
             f"{lower_namespace}/{name}" if lower_namespace else name
         )
+        if (gone := self._deleted.get(key)) is not None:
+            if lower is not None and lower["metadata"].get("uid") == gone:
+                lower = None
+            else:
+                del self._deleted[key]  # the cache has caught up
         self._taken.discard(key)
         if (
             resource is PERSISTENTVOLUMECLAIMS
@@ -517,6 +527,9 @@ class Reflector:
                 await self._replace(resource, lower, desired, lower_namespace)
         elif lower is not None:
             await self.lower.delete_exact(resource, lower)
+            if resource is not PERSISTENTVOLUMECLAIMS:
+                # Gone once deleted (a claim's protection holds it until its pods end).
+                self._deleted[key] = lower["metadata"]["uid"]
         elif (
             upper is None
             and namespace

@@ -309,6 +309,29 @@ async def test_a_pod_being_deleted_keeps_what_it_uses_until_it_ends() -> None:
     assert r.lower.writes() == [("DELETE", f"{ACCOUNTS}/builder")]
 
 
+async def test_a_copy_deleted_with_its_last_pod_is_made_again_before_the_watch_says() -> None:
+    """A StatefulSet's replacement, a Job's next pod: the cache still showed the copy just
+    deleted, nothing was made, and the pod started below without its ConfigMap."""
+    r = reflecting()
+    configmaps = "/api/v1/namespaces/shop/configmaps"
+    r.above("configmaps", named("ConfigMap", "settings", data={"a": "1"}))
+    uses: dict[str, Any] = {"volumes": [{"name": "s", "configMap": {"name": "settings"}}]}
+    first = pod("web-0", **uses)
+    r.above(None, first)
+    await r.reflector.ensure_for_pod(first)
+    (copy,) = r.created(configmaps)
+    r.below("configmaps", {**copy, "metadata": {**copy["metadata"], "uid": "below-1"}})
+    r.above(None, first, "DELETED")
+    await r.drain()
+    assert r.lower.writes() == [("POST", configmaps), ("DELETE", f"{configmaps}/settings")]
+    r.lower.requests.clear()
+    # The watch has not shown the deletion yet.
+    second = pod("web-0-again", **uses)
+    r.above(None, second)
+    await r.reflector.ensure_for_pod(second)
+    assert r.lower.writes() == [("POST", configmaps)]
+
+
 def named(kind: str, name: str, **fields: Any) -> dict[str, Any]:
     metadata = {"name": name, "namespace": "shop", "uid": f"{name}-uid", "resourceVersion": "1"}
     return {"kind": kind, "metadata": metadata, **fields}
