@@ -281,3 +281,13 @@ def test_the_components_priority_class_is_not_put_in_lower_clusters() -> None:
             for d in kustomized(MANIFESTS / upper)
             if d["kind"] == "PriorityClass"
         ] == ["kubestrata-system"], upper
+
+
+def test_every_component_is_restarted_when_wedged() -> None:
+    """Ready but never restarted, a wedged webhook replica (it fails closed) stayed out
+    of its Service for good: both wedged, no federated pod was created."""
+    for path, deployment in deployments():
+        for container in deployment["spec"]["template"]["spec"]["containers"]:
+            ports = {p["name"] for p in container["ports"]}
+            probe = container["livenessProbe"]["httpGet"]
+            assert probe["path"] == "/healthz" and probe["port"] in ports, path
