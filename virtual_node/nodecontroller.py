@@ -53,6 +53,11 @@ REFUSED_STATUSES = frozenset({400, 403, 422})
 # controller would taint the Node and take its pods off their Services' endpoints.
 LEASE_REQUEST_TIMEOUT_SECONDS = 10.0
 LEASE_RETRY_SECONDS = 2.0
+# How long a start (the caches' first sync, the serving certificate) keeps the Lease of a
+# Node registered before. A start that never ends (a kind the lower RBAC refuses, watched
+# for ever) otherwise kept the Node Ready with its old status while nothing was mirrored,
+# and the upper scheduler bound pods to it that never ran.
+START_LEASE_LIMIT_SECONDS = 300.0
 STATUS_INTERVAL_SECONDS = 60.0
 # Changes arriving close together become one status update.
 STATUS_COALESCE_SECONDS = 1.0
@@ -117,7 +122,17 @@ class NodeController:
             renewing.cancel()
 
     async def _renew_registered(self) -> None:
+        loop = asyncio.get_running_loop()
+        until = loop.time() + START_LEASE_LIMIT_SECONDS
         while True:
+            if loop.time() >= until:
+                log.error(
+                    "virtual node %s has not started in %.0f s: its Lease is left to lapse "
+                    "(the Node goes not ready) until it has",
+                    self.identity.name,
+                    START_LEASE_LIMIT_SECONDS,
+                )
+                return
             try:
                 if not self._node_uid:
                     existing = await self.upper.request(

@@ -575,6 +575,25 @@ def test_the_node_gives_no_hostname_address_the_apiserver_cannot_resolve() -> No
     ]
 
 
+async def test_a_start_that_does_not_end_lets_the_lease_lapse(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kind the lower RBAC refuses is watched for ever and the caches never sync: the
+    Node stayed Ready with its old status while nothing was mirrored."""
+    monkeypatch.setattr(nodecontroller, "LEASE_INTERVAL_SECONDS", 0.02)
+    monkeypatch.setattr(nodecontroller, "START_LEASE_LIMIT_SECONDS", 0.1)
+    upper = FakeClient()
+    node = {"metadata": {"name": "vk-lower-1", "uid": "node-uid"}, "status": {}}
+    upper.answer("GET", "/api/v1/nodes/vk-lower-1", node)
+    controller = nodecontroller.NodeController(upper, identity(), FlakyLowerCluster(True))
+    lease = f"/apis/coordination.k8s.io/v1/namespaces/{keys.NODE_LEASE_NAMESPACE}/leases"
+
+    # Twenty renewals' time; the limit lets five happen.
+    assert await controller.renewing_lease_while(asyncio.sleep(0.4, "synced")) == "synced"
+    renewals = [r for r in upper.requests if r.path.startswith(lease) and r.method == "PATCH"]
+    assert 1 <= len(renewals) <= 6
+
+
 @pytest.mark.parametrize("registered", [True, "after a failed read", False])
 async def test_the_lease_of_a_registered_node_is_renewed_while_the_caches_sync(
     monkeypatch: pytest.MonkeyPatch, registered: bool | str
