@@ -17,10 +17,16 @@ from typing import Any
 
 from kubekit import keys
 from kubekit.client import (
+    CONFIGMAPS,
     NAMESPACES,
     PERSISTENTVOLUMECLAIMS,
+    RESOURCEQUOTAS,
+    SECRETS,
+    SERVICEACCOUNTS,
+    SERVICES,
     ApiError,
     KubeClient,
+    Resource,
     is_not_found,
 )
 from kubekit.informer import FunctionHandler, Informer, object_key
@@ -33,13 +39,44 @@ log = logging.getLogger(__name__)
 
 def others_objects(objects: Iterable[Mapping[str, Any]], owner: Ownership) -> list[str]:
     """The objects of a lower namespace that are not this upper cluster's: another upper
-    cluster's copies, or the lower cluster's own. A namespace holding pods or claims of
-    others is left: deleting it would take their pods, or their claims' volumes."""
+    cluster's copies, or the lower cluster's own. A namespace holding any is left:
+    deleting it would take their pods, their claims' volumes, their Secrets."""
     return [
         object_key(obj)
         for obj in objects
         if (obj["metadata"].get("labels") or {}).get(keys.ORIGIN_LABEL) != owner.origin
     ]
+
+
+# What a lower namespace may hold of others besides pods, none of it in a cache here (the
+# copies' caches hold ours only): listed once, when the namespace would go. Until
+# 2026-11-29 only claims were: a Secret or Service the lower cluster's team put in a
+# namespace we made, or another tenant's quota of slices there, went with it. Workload
+# controllers (a CronJob between runs) are not read: the virtual node may not list them.
+LISTED_BEFORE_DELETING = (
+    PERSISTENTVOLUMECLAIMS,
+    CONFIGMAPS,
+    SECRETS,
+    SERVICES,
+    SERVICEACCOUNTS,
+    RESOURCEQUOTAS,
+)
+
+
+def made_with_the_namespace(resource: Resource, obj: Mapping[str, Any]) -> bool:
+    """Whether the lower cluster's own controllers put ``obj`` in every namespace (its root
+    CA, its default account and that account's legacy token): no one's to keep."""
+    name = obj["metadata"]["name"]
+    annotations = obj["metadata"].get("annotations") or {}
+    return (
+        (resource is CONFIGMAPS and name == "kube-root-ca.crt")
+        or (resource is SERVICEACCOUNTS and name == "default")
+        or (
+            resource is SECRETS
+            and obj.get("type") == keys.SERVICE_ACCOUNT_TOKEN_TYPE
+            and annotations.get(keys.SERVICE_ACCOUNT_NAME_ANNOTATION) == "default"
+        )
+    )
 
 
 KEPT_NAMESPACE_RECHECK_SECONDS = 300.0
@@ -121,11 +158,14 @@ class LowerNamespaces:
             # one, or their deletion is still to come. Deleted, it would take them along.
             self.queue.add_after(name, OWN_PODS_RECHECK_SECONDS)
             return
-        if not others:
-            # Claims of others are not in any cache here (the claims' copies are ours
-            # only); asked for once, when the namespace would go.
-            claims = await self.lower.list(PERSISTENTVOLUMECLAIMS, name)
-            others = others_objects(claims.get("items") or [], self.owner)
+        for resource in LISTED_BEFORE_DELETING:
+            if others:
+                break
+            listed = await self.lower.list(resource, name)
+            others = others_objects(
+                (o for o in listed.get("items") or [] if not made_with_the_namespace(resource, o)),
+                self.owner,
+            )
         if others:
             log.warning(
                 "namespace %s: gone above, kept below for objects not of this upper cluster "

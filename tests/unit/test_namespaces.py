@@ -54,8 +54,16 @@ class Harness:
         )
 
     def claims_below(self, *claims: dict[str, Any]) -> None:
-        """What the lower apiserver lists of the namespace's claims, next time asked."""
-        self.lower.answer("GET", CLAIMS, {"items": list(claims)})
+        """What the lower apiserver lists of the namespace's claims, next time asked; and
+        of the other kinds looked at before a deletion, nothing."""
+        self.below("persistentvolumeclaims", *claims)
+        for resource in namespaces.LISTED_BEFORE_DELETING[1:]:
+            self.below(resource.plural)
+
+    def below(self, plural: str, *objects: dict[str, Any], namespace: str = "shop") -> None:
+        self.lower.answer(
+            "GET", f"/api/v1/namespaces/{namespace}/{plural}", {"items": list(objects)}
+        )
 
     async def drain(self) -> None:
         while len(self.queue):
@@ -146,7 +154,8 @@ async def test_with_a_prefix_only_the_prefixed_namespace_is_ours_to_delete() -> 
     assert world.lower.writes() == []
 
     world.upper.answer("GET", "/api/v1/namespaces/shop", not_found("namespaces", "shop"))
-    world.lower.answer("GET", "/api/v1/namespaces/t1-shop/persistentvolumeclaims", {"items": []})
+    for resource in namespaces.LISTED_BEFORE_DELETING:
+        world.below(resource.plural, namespace="t1-shop")
     world.upper_namespaces.apply({"type": "DELETED", "object": namespace("shop")})
     await world.drain()
     assert world.lower.writes() == [("DELETE", "/api/v1/namespaces/t1-shop")]
@@ -187,3 +196,43 @@ async def test_a_namespace_made_again_above_while_claims_are_listed_is_kept() ->
     world.lower_namespaces.apply({"type": "ADDED", "object": namespace("shop")})
     await world.drain()
     assert world.lower.writes() == []
+
+
+def of(kind: str, name: str, origin: str | None = None, **fields: Any) -> dict[str, Any]:
+    return {**pod(name, origin), "kind": kind, **fields}
+
+
+@pytest.mark.parametrize(
+    ("plural", "kept"),
+    [
+        ("secrets", of("Secret", "reports-smtp")),
+        ("services", of("Service", "reports-api", "another-upper")),
+        ("resourcequotas", of("ResourceQuota", keys.SLICE_QUOTA, "another-upper")),
+        ("configmaps", of("ConfigMap", "cron-settings")),
+    ],
+)
+async def test_a_namespace_holding_other_objects_of_others_is_kept(
+    plural: str, kept: dict[str, Any]
+) -> None:
+    """The lower cluster's team put a Secret in a namespace we made, or another tenant
+    keeps its quota of slices there: deleted, the namespace took them along."""
+    world = Harness()
+    world.claims_below()
+    world.lower.answers[("GET", f"/api/v1/namespaces/shop/{plural}")] = [{"items": [kept]}]
+    world.lower_namespaces.apply({"type": "ADDED", "object": namespace("shop")})
+    await world.drain()
+    assert world.lower.writes() == []
+
+
+async def test_what_kubernetes_puts_in_every_namespace_does_not_keep_it() -> None:
+    world = Harness()
+    for plural in ("persistentvolumeclaims", "services", "resourcequotas"):
+        world.below(plural)
+    world.below("configmaps", of("ConfigMap", "kube-root-ca.crt"))
+    world.below("serviceaccounts", of("ServiceAccount", "default"))
+    legacy = of("Secret", "default-token-x", type=keys.SERVICE_ACCOUNT_TOKEN_TYPE)
+    legacy["metadata"]["annotations"] = {keys.SERVICE_ACCOUNT_NAME_ANNOTATION: "default"}
+    world.below("secrets", legacy, of("Secret", "ours", OWNER.origin))
+    world.lower_namespaces.apply({"type": "ADDED", "object": namespace("shop")})
+    await world.drain()
+    assert world.lower.writes() == [("DELETE", "/api/v1/namespaces/shop")]
