@@ -49,17 +49,35 @@ def pod_usage(pod: JSON, is_mirrored: Callable[[JSON], bool]) -> PodUsage | None
     return PodUsage(pod["spec"]["nodeName"], pod_requests(pod), is_mirrored(pod))
 
 
+def node_share(allocatable: Resources, others: Resources, ours: Resources) -> Resources:
+    """What one counted lower node adds to the virtual Node: the room other pods and ours
+    leave it, never below zero, plus what ours take. The upper scheduler subtracts ours
+    from the whole Node, so the share less ours is this node's own free room even when its
+    allocatable shrank under them (a device plugin restarting): counted only as the room
+    left, ours would be taken a second time, from the room of the other nodes."""
+    return {
+        name: max(
+            Fraction(0),
+            allocatable.get(name, Fraction(0))
+            - others.get(name, Fraction(0))
+            - ours.get(name, Fraction(0)),
+        )
+        + ours.get(name, Fraction(0))
+        # Other pods asking for a resource the node does not list take nothing it offers.
+        for name in sorted(allocatable.keys() | ours.keys())
+    }
+
+
 def free_capacity(
     nodes: Iterable[JSON], usages: Iterable[PodUsage], counted_taint_keys: Collection[str] = ()
 ) -> Resources:
-    """What the virtual Node offers, never below zero: the allocatable of the lower nodes
-    that count, minus what other pods on them take (ours the upper scheduler subtracts
-    itself), each node never below zero (a node whose own pods take more than it has,
-    its device plugin restarting say, takes no room from the others), plus what ours
-    take on nodes that do not count. The upper scheduler subtracts those too, from room
-    they never were in: a lower node cordoned under our pods would otherwise be offered
-    less than nothing."""
-    by_node: dict[str, Resources] = {
+    """What the virtual Node offers, never below zero: for each lower node that counts,
+    its share (``node_share``: its allocatable less what every pod on it takes, never
+    below zero, plus what ours take, which the upper scheduler subtracts itself), plus
+    what ours take on nodes that do not count. The upper scheduler subtracts those too,
+    from room they never were in: a lower node cordoned under our pods would otherwise be
+    offered less than nothing."""
+    allocatable_by_node: dict[str, Resources] = {
         node["metadata"]["name"]: {
             name: parse_quantity(value)
             for name, value in ((node.get("status") or {}).get("allocatable") or {}).items()
@@ -67,17 +85,16 @@ def free_capacity(
         for node in nodes
         if node_counts(node, counted_taint_keys)
     }
+    others: dict[str, Resources] = {name: {} for name in allocatable_by_node}
+    ours: dict[str, Resources] = {name: {} for name in allocatable_by_node}
     free: Resources = {}
     for usage in usages:
-        left = by_node.get(usage.node_name)
-        if usage.mirrored and left is None:
+        if usage.node_name in allocatable_by_node:
+            add((ours if usage.mirrored else others)[usage.node_name], usage.requests)
+        elif usage.mirrored:
             add(free, usage.requests)
-        elif left is not None and not usage.mirrored:
-            for name, value in usage.requests.items():
-                if name in left:
-                    left[name] -= value
-    for left in by_node.values():
-        add(free, {name: max(Fraction(0), value) for name, value in left.items()})
+    for name, allocatable in allocatable_by_node.items():
+        add(free, node_share(allocatable, others[name], ours[name]))
     return {name: max(Fraction(0), value) for name, value in free.items()}
 
 

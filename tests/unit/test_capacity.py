@@ -16,6 +16,7 @@ from virtual_node.capacity import (
     PodUsage,
     as_resource_list,
     free_capacity,
+    node_share,
     pod_requests,
     pod_usage,
 )
@@ -209,6 +210,27 @@ def test_a_node_whose_pods_take_more_than_it_has_takes_no_room_from_the_others()
     gpus = {"nvidia.com/gpu": "8"}
     nodes = [node("a", extended={"nvidia.com/gpu": "0"}), node("b", extended=gpus)]
     assert free_capacity(nodes, [usage])["nvidia.com/gpu"] == 8
+
+
+def test_our_pods_on_a_node_that_shrank_under_them_hide_no_room_of_the_others() -> None:
+    """a's device plugin restarts: it reports no GPU while our mirrored pods keep all 8;
+    b has 8 free. The upper scheduler takes the 8 of ours from what the Node offers, so
+    the Node offers 16 and 8 are left above, b's, not 0 with new GPU pods Pending."""
+    ours = [PodUsage("a", {"nvidia.com/gpu": Fraction(8)}, mirrored=True)]
+    for shrunk in ({"nvidia.com/gpu": "0"}, {}):
+        nodes = [node("a", extended=shrunk), node("b", extended={"nvidia.com/gpu": "8"})]
+        offered = free_capacity(nodes, ours)["nvidia.com/gpu"]
+        assert offered - 8 == 8
+
+
+def test_a_node_share_is_the_room_left_never_below_zero_plus_ours() -> None:
+    gpu = "nvidia.com/gpu"
+    share = node_share(
+        {"cpu": Fraction(4), gpu: Fraction(2)},
+        {"cpu": Fraction(3), "example.com/unlisted": Fraction(1)},
+        {"cpu": Fraction(2), gpu: Fraction(1), "pods": Fraction(1)},
+    )
+    assert share == {"cpu": 2, gpu: 2, "pods": 1}
 
 
 OWNER = Ownership(origin="upper-uid", node_name="vk-lower-1", cluster_id="lower-1")
