@@ -152,6 +152,10 @@ LARGEST_FREE_SLOT_ANNOTATION = f"{PREFIX}/largest-free-slot"
 # On virtual Nodes: the keys of the labels the virtual node set (a JSON list), so that a
 # restarted one takes off those the lower nodes no longer share, and no user's label.
 NODE_LABEL_KEYS_ANNOTATION = f"{PREFIX}/label-keys"
+# On virtual Nodes: the resources of status.capacity and allocatable the virtual node set
+# (a JSON list), so that one gone from the lower nodes is taken off after a restart or a
+# failover too, and one someone else put there (an extended resource) never is.
+NODE_RESOURCE_KEYS_ANNOTATION = f"{PREFIX}/resource-keys"
 
 # On upper pods: "never" keeps the descheduler's hands off the pod. Any other value does
 # too (a user who wrote "Never" or "false" meant it), and the webhook warns of it.

@@ -127,19 +127,49 @@ def provider_taint() -> JSON:
     }
 
 
-def label_keys_record(label_keys: Iterable[str]) -> str:
-    """The Node annotation's record of the labels we set: their keys."""
-    return json.dumps(sorted(label_keys), separators=(",", ":"))
+def keys_record(names: Iterable[str]) -> str:
+    """A Node annotation's record of the keys we set (labels, resources)."""
+    return json.dumps(sorted(names), separators=(",", ":"))
+
+
+def _recorded_keys(node: Mapping[str, Any], annotation: str) -> set[str] | None:
+    """The keys recorded in ``annotation``; None when there is no readable record."""
+    text = (node["metadata"].get("annotations") or {}).get(annotation)
+    try:
+        recorded = json.loads(text) if isinstance(text, str) else None
+    except (ValueError, RecursionError):
+        return None
+    return {k for k in recorded if isinstance(k, str)} if isinstance(recorded, list) else None
 
 
 def recorded_label_keys(node: Mapping[str, Any]) -> set[str]:
     """The keys of the labels a former run set on the Node (none when not recorded)."""
-    text = (node["metadata"].get("annotations") or {}).get(keys.NODE_LABEL_KEYS_ANNOTATION)
-    try:
-        recorded = json.loads(text) if isinstance(text, str) else []
-    except (ValueError, RecursionError):
-        return set()
-    return {k for k in recorded if isinstance(k, str)} if isinstance(recorded, list) else set()
+    return _recorded_keys(node, keys.NODE_LABEL_KEYS_ANNOTATION) or set()
+
+
+def recorded_resource_keys(node: Mapping[str, Any]) -> set[str]:
+    """The resources a former run advertised on the Node. Without a record (a version
+    that kept none) every resource there: that version took off all it did not report."""
+    recorded = _recorded_keys(node, keys.NODE_RESOURCE_KEYS_ANNOTATION)
+    if recorded is not None:
+        return recorded
+    status = node.get("status") or {}
+    return set(status.get("capacity") or {}) | set(status.get("allocatable") or {})
+
+
+def without_foreign_resources(status: Mapping[str, Any], ours: Collection[str]) -> JSON:
+    """``status`` with only the resources in ``ours`` left in its capacity and
+    allocatable: what we compare our next status with, and patch over. One someone else
+    put on the Node (an extended resource an admin advertises) is theirs: compared, it
+    would be written as null, or have every status count as a change."""
+    return {
+        **status,
+        **{
+            resources: {k: v for k, v in status[resources].items() if k in ours}
+            for resources in ("capacity", "allocatable")
+            if isinstance(status.get(resources), Mapping)
+        },
+    }
 
 
 def registration(identity: NodeIdentity, report: NodeReport) -> JSON:
@@ -153,7 +183,8 @@ def registration(identity: NodeIdentity, report: NodeReport) -> JSON:
             "labels": labels,
             "annotations": {
                 **identity.annotations(),
-                keys.NODE_LABEL_KEYS_ANNOTATION: label_keys_record(labels),
+                keys.NODE_LABEL_KEYS_ANNOTATION: keys_record(labels),
+                keys.NODE_RESOURCE_KEYS_ANNOTATION: keys_record(report.allocatable),
             },
         },
         "spec": {"taints": [provider_taint()] if identity.taint else []},
@@ -199,9 +230,7 @@ def registration_patch(
         **identity.annotations(),
     }
     recorded = recorded_label_keys(existing) if keep_labels else set()
-    wanted_annotations[keys.NODE_LABEL_KEYS_ANNOTATION] = label_keys_record(
-        recorded | set(want_labels)
-    )
+    wanted_annotations[keys.NODE_LABEL_KEYS_ANNOTATION] = keys_record(recorded | set(want_labels))
     annotation_change = {
         k: v for k, v in wanted_annotations.items() if have_annotations.get(k) != v
     }
@@ -287,7 +316,8 @@ def node_status(
 def status_patch(previous: Mapping[str, Any], current: Mapping[str, Any]) -> JSON:
     """``current`` as a strategic merge patch over ``previous``: the patch merges the
     resource maps key by key, so a resource gone from the report (every node cordoned,
-    the GPU node removed) is written as null, as the kubelet's own patch writes it. The
+    the GPU node removed) is written as null, as the kubelet's own patch writes it
+    (``previous`` holds only our resources: ``without_foreign_resources``). The
     addresses merge by type, so changed ones replace the whole list (as the kubelet's
     patch does): a Node written by a version that also gave a ``Hostname`` address would
     keep it, and the apiserver, preferring that type, would dial a name that resolves

@@ -28,16 +28,18 @@ from kubekit.timestamps import now_micro
 from virtual_node.node import (
     NodeIdentity,
     NodeReport,
-    label_keys_record,
+    keys_record,
     lease,
     node_labels,
     node_status,
     recorded_label_keys,
+    recorded_resource_keys,
     registration,
     registration_patch,
     report_annotations,
     status_changed,
     status_patch,
+    without_foreign_resources,
 )
 
 log = logging.getLogger(__name__)
@@ -102,6 +104,9 @@ class NodeController:
         # silent, with a transition time of its own).
         self._status_unknown = False
         self._labels: dict[str, str] = {}  # as last sent, or found at registration
+        # The resources we advertised that may be on the Node still (a former run's, as
+        # recorded on it): only those are ever written as null.
+        self._resource_keys: set[str] = set()
         # Called once the Node is Ready again after its lower cluster was unreachable.
         self.on_reachable = on_reachable
         self._reachable_unannounced = False
@@ -205,6 +210,7 @@ class NodeController:
             # nor its conditions' transition times.
             self._annotations = {}
             self._last_status = created.get("status") or {}
+            self._resource_keys = set(report.allocatable)
             self._labels = node_labels(self.identity, report)
         else:
             if keep_labels:
@@ -214,6 +220,7 @@ class NodeController:
                 existing = await self.upper.patch(NODES, self.identity.name, patch)
             self._node_uid = existing["metadata"]["uid"]
             self._last_status = existing.get("status") or {}
+            self._resource_keys = recorded_resource_keys(existing)
             self._annotations = dict(existing["metadata"].get("annotations") or {})
             self._labels = node_labels(self.identity, report)
             if not report.labels:
@@ -331,10 +338,16 @@ class NodeController:
         """The annotations and labels that follow the lower cluster, where they changed;
         a label this process set that the lower nodes no longer share goes (one a user
         put on the Node is never touched)."""
+        given = {
+            **report_annotations(report),
+            # Recorded before the status brings a new resource, so that a restart finds
+            # every one we may have put on the Node.
+            keys.NODE_RESOURCE_KEYS_ANNOTATION: keys_record(
+                self._resource_keys | set(report.allocatable)
+            ),
+        }
         annotations = {
-            key: value
-            for key, value in report_annotations(report).items()
-            if self._annotations.get(key) != value
+            key: value for key, value in given.items() if self._annotations.get(key) != value
         }
         # No lower node counting (all NotReady a moment, a kwok restart) says nothing of
         # the labels: they are left as they are rather than flap to the defaults.
@@ -344,7 +357,7 @@ class NodeController:
         }
         labels.update(dict.fromkeys(set(self._labels) - set(wanted)))
         # Goes with the labels only: recorded, a label refused would be taken off later.
-        record = label_keys_record(wanted)
+        record = keys_record(wanted)
         with_labels = (
             {keys.NODE_LABEL_KEYS_ANNOTATION: record}
             if labels and self._annotations.get(keys.NODE_LABEL_KEYS_ANNOTATION) != record
@@ -401,12 +414,13 @@ class NodeController:
                     raise
                 log.warning("labels of node %s not updated: %s", self.identity.name, error)
             status = node_status(self.identity, report, self._last_status)
-            if not force and not status_changed(self._last_status, status):
+            ours = without_foreign_resources(self._last_status, self._resource_keys)
+            if not force and not status_changed(ours, status):
                 return
             node = await self.upper.patch(
                 NODES,
                 self.identity.name,
-                {"status": status_patch(self._last_status, status)},
+                {"status": status_patch(ours, status)},
                 subresource="status",
                 patch_type=_SMP,
             )
@@ -417,4 +431,6 @@ class NodeController:
             await self.register()
             return
         self._last_status = node.get("status") or status
+        # The rest went as null; the record follows at the next metadata sent.
+        self._resource_keys = set(status["capacity"]) | set(status["allocatable"])
         self._last_sent = time.monotonic()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+from typing import Any
 
 import pytest
 
@@ -16,13 +17,15 @@ from virtual_node import nodecontroller
 from virtual_node.node import (
     NodeIdentity,
     NodeReport,
-    label_keys_record,
+    keys_record,
     node_status,
     nodes_digest,
+    recorded_resource_keys,
     registration,
     registration_patch,
     report_annotations,
     status_patch,
+    without_foreign_resources,
 )
 
 REPORT = NodeReport(ready=True, allocatable={"cpu": "8"})
@@ -36,15 +39,17 @@ def identity(**fields: object) -> NodeIdentity:
 def test_a_node_with_an_estimator_says_where_it_listens_and_since_when() -> None:
     node = registration(identity(estimator_port=10352, estimator_started="t1"), REPORT)
     annotations = node["metadata"]["annotations"]
-    assert annotations.pop(keys.NODE_LABEL_KEYS_ANNOTATION) == label_keys_record(
+    assert annotations.pop(keys.NODE_LABEL_KEYS_ANNOTATION) == keys_record(
         node["metadata"]["labels"]
     )
+    assert annotations.pop(keys.NODE_RESOURCE_KEYS_ANNOTATION) == '["cpu"]'
     assert annotations == {
         keys.ESTIMATOR_ADDRESS_ANNOTATION: "10.1.2.3:10352",
         keys.ESTIMATOR_STARTED_ANNOTATION: "t1",
     }
     assert list(registration(identity(), REPORT)["metadata"]["annotations"]) == [
-        keys.NODE_LABEL_KEYS_ANNOTATION
+        keys.NODE_LABEL_KEYS_ANNOTATION,
+        keys.NODE_RESOURCE_KEYS_ANNOTATION,
     ]
 
 
@@ -255,6 +260,98 @@ def test_a_resource_gone_from_the_report_is_patched_to_null() -> None:
     assert status_patch({}, now) == now
 
 
+DONGLE = "example.com/dongle"
+GPU = "nvidia.com/gpu"
+STATUS_PATH = "/api/v1/nodes/vk-lower-1/status"
+
+
+class ResizedLowerCluster(FlakyLowerCluster):
+    """A reachable lower cluster whose nodes' allocatable may change."""
+
+    def __init__(self, **allocatable: str) -> None:
+        super().__init__(True)
+        self.allocatable = allocatable
+
+    def report(self, reachable: bool) -> NodeReport:
+        return NodeReport(ready=reachable, allocatable=dict(self.allocatable))
+
+
+def with_dongles(status: dict[str, Any]) -> dict[str, Any]:
+    """``status`` as an admin leaves it who advertised 4 dongles on the Node (Kubernetes'
+    guide "Advertise Extended Resources for a Node"; allocatable too, which the upper
+    scheduler reads, and no kubelet here copies capacity into)."""
+    return {
+        **status,
+        "capacity": {**status["capacity"], DONGLE: "4"},
+        "allocatable": {**status["allocatable"], DONGLE: "4"},
+    }
+
+
+def status_patches(upper: FakeClient) -> list[dict[str, Any]]:
+    return [r.body["status"] for r in upper.requests if r.path == STATUS_PATH]
+
+
+async def test_a_resource_someone_else_put_on_the_node_is_left_there() -> None:
+    """The status we patch reads the admin's dongles back; the patch after it wrote them
+    as null, as if the lower nodes had lost them, and every status was a change. Our GPUs
+    gone from the lower nodes still go."""
+    upper = FakeClient()
+    lower = ResizedLowerCluster(cpu="8", **{GPU: "2"})
+    controller = nodecontroller.NodeController(upper, identity(), lower)
+    controller.reachable = True
+    await controller.register()
+    (sent,) = status_patches(upper)
+    upper.answer("PATCH", STATUS_PATH, {"status": with_dongles(sent)})
+    await controller.update_status(force=True)
+    upper.requests.clear()
+    lower.allocatable = {"cpu": "8"}
+    await controller.update_status(force=False)
+    (patch,) = status_patches(upper)
+    assert patch["capacity"] == patch["allocatable"] == {GPU: None, "cpu": "8"}
+    upper.requests.clear()
+    await controller.update_status(force=False)
+    assert status_patches(upper) == [], "the dongles are no change of ours"
+
+
+async def test_a_restart_takes_off_the_resources_a_former_run_set_and_only_those() -> None:
+    """The GPU node went while no virtual node ran (a restart, a standby taking over):
+    the Node's record says the GPUs were ours, so they go; the dongles stay."""
+    gpus = NodeReport(ready=True, allocatable={"cpu": "8", GPU: "2"})
+    node = registration(identity(), gpus)
+    node["metadata"] |= {"uid": "uid-1", "resourceVersion": "7"}
+    node["status"] = with_dongles(node["status"])
+    upper = FakeClient()
+    upper.answer("GET", "/api/v1/nodes/vk-lower-1", node)
+    controller = nodecontroller.NodeController(upper, identity(), ResizedLowerCluster(cpu="8"))
+    controller.reachable = True
+    await controller.register()
+    (patch,) = status_patches(upper)
+    assert patch["capacity"] == patch["allocatable"] == {GPU: None, "cpu": "8"}
+    upper.requests.clear()
+    await controller.update_status(force=False)
+    (metadata,) = [r.body["metadata"] for r in upper.requests if r.path.endswith("vk-lower-1")]
+    assert metadata["annotations"] == {keys.NODE_RESOURCE_KEYS_ANNOTATION: '["cpu"]'}
+
+
+def test_a_node_without_a_record_of_its_resources_counts_them_all_ours() -> None:
+    """A version that kept no record took off every resource it did not report."""
+    node = registration(identity(), REPORT)
+    node["status"] = with_dongles(node["status"])
+    assert recorded_resource_keys(node) == {"cpu"}
+    del node["metadata"]["annotations"][keys.NODE_RESOURCE_KEYS_ANNOTATION]
+    assert recorded_resource_keys(node) == {"cpu", DONGLE}
+
+
+def test_the_status_compared_with_ours_leaves_out_resources_not_ours() -> None:
+    status = {"capacity": {"cpu": "8", DONGLE: "4"}, "allocatable": {DONGLE: "4"}, "x": 1}
+    assert without_foreign_resources(status, {"cpu"}) == {
+        "capacity": {"cpu": "8"},
+        "allocatable": {},
+        "x": 1,
+    }
+    assert without_foreign_resources({}, {"cpu"}) == {}
+
+
 def test_changed_addresses_replace_the_whole_list() -> None:
     """Strategic merge by type would keep a Hostname address an older version wrote."""
     internal = [{"type": "InternalIP", "address": "10.0.0.7"}]
@@ -272,7 +369,12 @@ async def test_a_node_changed_while_registering_is_read_again() -> None:
     upper = FakeClient()
     path = "/api/v1/nodes/vk-lower-1"
     existing = {
-        "metadata": {"name": "vk-lower-1", "uid": "node-uid", "resourceVersion": "5"},
+        "metadata": {
+            "name": "vk-lower-1",
+            "uid": "node-uid",
+            "resourceVersion": "5",
+            "annotations": {keys.NODE_RESOURCE_KEYS_ANNOTATION: '["cpu"]'},
+        },
         "spec": {},
         "status": {},
     }
@@ -646,7 +748,10 @@ async def test_an_annotation_the_lower_cluster_no_longer_gives_is_written_as_nul
     await controller._send_metadata(REPORT)
     sent = [r.body["metadata"].get("annotations") for r in upper.requests if r.method == "PATCH"]
     assert sent == [
-        {keys.LARGEST_FREE_SLOT_ANNOTATION: '{"cpu":"2"}'},
+        {
+            keys.LARGEST_FREE_SLOT_ANNOTATION: '{"cpu":"2"}',
+            keys.NODE_RESOURCE_KEYS_ANNOTATION: '["cpu"]',
+        },
         {keys.LARGEST_FREE_SLOT_ANNOTATION: None},
     ], "and nothing the third time"
 
