@@ -107,6 +107,29 @@ def report_annotations(report: NodeReport) -> dict[str, str | None]:
     }
 
 
+# The labels node_labels always sets: ours whatever the Node holds (federated pods select
+# the virtual-node label; the scheduler reads the OS and the architecture).
+_IDENTITY_LABELS = frozenset(
+    {
+        keys.NODE_TYPE_LABEL,
+        keys.VIRTUAL_NODE_LABEL,
+        keys.HOSTNAME_LABEL,
+        keys.OS_LABEL,
+        keys.ARCH_LABEL,
+        keys.CLUSTER_ID_LABEL,
+    }
+)
+
+
+def labels_of_others(
+    wanted: Iterable[str], have: Mapping[str, str], ours: Collection[str]
+) -> set[str]:
+    """The keys among ``wanted`` that the Node holds and we did not set (a user's zone):
+    left with their value. Taken over, the label would count as ours, and go once the
+    lower nodes stop sharing it."""
+    return {k for k in wanted if k in have and k not in ours and k not in _IDENTITY_LABELS}
+
+
 def node_labels(identity: NodeIdentity, report: NodeReport) -> dict[str, str]:
     return {
         **report.labels,
@@ -145,6 +168,19 @@ def _recorded_keys(node: Mapping[str, Any], annotation: str) -> set[str] | None:
 def recorded_label_keys(node: Mapping[str, Any]) -> set[str]:
     """The keys of the labels a former run set on the Node (none when not recorded)."""
     return _recorded_keys(node, keys.NODE_LABEL_KEYS_ANNOTATION) or set()
+
+
+def labels_to_set(
+    existing: Mapping[str, Any], identity: NodeIdentity, report: NodeReport
+) -> dict[str, str]:
+    """Our labels for an existing Node, less those it holds that a former run did not set
+    (``labels_of_others``). A Node of a version that kept no record has its labels
+    taken for ours, as that version took them."""
+    wanted = node_labels(identity, report)
+    have = existing["metadata"].get("labels") or {}
+    recorded = _recorded_keys(existing, keys.NODE_LABEL_KEYS_ANNOTATION)
+    others = labels_of_others(wanted, have, set(have) if recorded is None else recorded)
+    return {k: v for k, v in wanted.items() if k not in others}
 
 
 def recorded_resource_keys(node: Mapping[str, Any]) -> set[str]:
@@ -196,10 +232,11 @@ def registration_patch(
     existing: Mapping[str, Any], identity: NodeIdentity, report: NodeReport
 ) -> JSON | None:
     """A merge patch for an existing Node: our labels and our taint, leaving alone what
-    others set (cordon, the node controller's taints, users' labels). A label a former
-    run set that the lower nodes no longer share goes (they changed while no virtual
-    node ran: left, it held the Node in a zone its cluster has left)."""
-    want_labels = node_labels(identity, report)
+    others set (cordon, the node controller's taints, users' labels, even on a key the
+    lower nodes share). A label a former run set that the lower nodes no longer share
+    goes (they changed while no virtual node ran: left, it held the Node in a zone its
+    cluster has left)."""
+    want_labels = labels_to_set(existing, identity, report)
     have_labels = existing["metadata"].get("labels") or {}
     patch: JSON = {}
     # No lower node counting (all NotReady a moment, an upgrade) says nothing of the

@@ -29,6 +29,8 @@ from virtual_node.node import (
     NodeIdentity,
     NodeReport,
     keys_record,
+    labels_of_others,
+    labels_to_set,
     lease,
     node_labels,
     node_status,
@@ -104,6 +106,10 @@ class NodeController:
         # silent, with a transition time of its own).
         self._status_unknown = False
         self._labels: dict[str, str] = {}  # as last sent, or found at registration
+        # Labels the lower nodes share that the Node held with a value we did not set (a
+        # user's), with the lower nodes' value we left: the Node is read again for such a
+        # key only once that value changes.
+        self._labels_of_others: dict[str, str] = {}
         # The resources we advertised that may be on the Node still (a former run's, as
         # recorded on it): only those are ever written as null.
         self._resource_keys: set[str] = set()
@@ -212,9 +218,15 @@ class NodeController:
             self._last_status = created.get("status") or {}
             self._resource_keys = set(report.allocatable)
             self._labels = node_labels(self.identity, report)
+            self._labels_of_others = {}
         else:
             if keep_labels:
                 report = dataclasses.replace(report, labels={})
+            wanted = labels_to_set(existing, self.identity, report)
+            self._labels_of_others = {
+                k: v for k, v in node_labels(self.identity, report).items() if k not in wanted
+            }
+            self._log_labels_of_others(self._labels_of_others)
             patch = registration_patch(existing, self.identity, report)
             if patch:
                 existing = await self.upper.patch(NODES, self.identity.name, patch)
@@ -222,7 +234,7 @@ class NodeController:
             self._last_status = existing.get("status") or {}
             self._resource_keys = recorded_resource_keys(existing)
             self._annotations = dict(existing["metadata"].get("annotations") or {})
-            self._labels = node_labels(self.identity, report)
+            self._labels = wanted
             if not report.labels:
                 # Registered while no lower node counted, the labels a former run set
                 # stayed: counted as ours, the next update takes off those the lower
@@ -337,7 +349,7 @@ class NodeController:
     async def _send_metadata(self, report: NodeReport) -> None:
         """The annotations and labels that follow the lower cluster, where they changed;
         a label this process set that the lower nodes no longer share goes (one a user
-        put on the Node is never touched)."""
+        put on the Node is never touched, nor taken over when they come to share it)."""
         given = {
             **report_annotations(report),
             # Recorded before the status brings a new resource, so that a restart finds
@@ -351,7 +363,24 @@ class NodeController:
         }
         # No lower node counting (all NotReady a moment, a kwok restart) says nothing of
         # the labels: they are left as they are rather than flap to the defaults.
-        wanted = node_labels(self.identity, report) if report.labels else self._labels
+        shared = node_labels(self.identity, report) if report.labels else self._labels
+        if report.labels:
+            # One left to someone else is looked at again once the lower nodes share
+            # another value, or stop sharing it and share it again.
+            self._labels_of_others = {
+                k: v for k, v in self._labels_of_others.items() if shared.get(k) == v
+            }
+        wanted = {k: v for k, v in shared.items() if k not in self._labels_of_others}
+        resource_version = None
+        if taken := set(wanted) - set(self._labels):
+            # A key we did not set may hold a user's value: the Node as it is now says,
+            # and the write is conditional on it.
+            node = await self.upper.get(NODES, self.identity.name)
+            others = labels_of_others(taken, node["metadata"].get("labels") or {}, ())
+            left = {k: wanted.pop(k) for k in sorted(others)}
+            self._log_labels_of_others(left)
+            self._labels_of_others |= left
+            resource_version = node["metadata"].get("resourceVersion")
         labels: dict[str, str | None] = {
             key: value for key, value in wanted.items() if self._labels.get(key) != value
         }
@@ -368,6 +397,8 @@ class NodeController:
             metadata["annotations"] = {**annotations, **with_labels}
         if labels:
             metadata["labels"] = labels
+            if resource_version:
+                metadata["resourceVersion"] = resource_version
         if not metadata:
             return
         try:
@@ -385,6 +416,15 @@ class NodeController:
             return
         self._sent_annotations({**annotations, **with_labels})
         self._labels = wanted
+
+    def _log_labels_of_others(self, labels: Mapping[str, str]) -> None:
+        for key, value in labels.items():
+            log.info(
+                "node %s: label %s keeps the value someone else set, not %r of the lower nodes",
+                self.identity.name,
+                key,
+                value,
+            )
 
     def _sent_annotations(self, annotations: Mapping[str, str | None]) -> None:
         for key, value in annotations.items():

@@ -12,7 +12,7 @@ import pytest
 from kubekit import keys
 from kubekit.client import ApiError
 from kubekit.serving import host_port
-from tests.unit.fakeapi import FakeClient, status_error
+from tests.unit.fakeapi import FakeClient, not_found, status_error
 from virtual_node import nodecontroller
 from virtual_node.node import (
     NodeIdentity,
@@ -81,6 +81,61 @@ def test_a_label_set_before_that_the_lower_nodes_no_longer_share_goes_at_registr
     unrecorded["metadata"]["resourceVersion"] = "7"
     patch = registration_patch(unrecorded, identity(), moved)
     assert patch is not None and "labels" not in patch["metadata"]
+
+
+def test_a_users_label_on_a_key_the_lower_nodes_share_is_left_at_registration() -> None:
+    """The user zoned the Node user-z; the lower nodes share eu-1a: the user's value
+    stays, and is not recorded as ours, to be taken off once they stop sharing it."""
+    existing = registration(identity(), REPORT)
+    existing["metadata"] |= {"resourceVersion": "7"}
+    existing["metadata"]["labels"][ZONE] = "user-z"
+    zoned = dataclasses.replace(REPORT, labels={ZONE: "eu-1a"})
+    patch = registration_patch(existing, identity(), zoned)
+    assert patch is None or ZONE not in patch["metadata"].get("labels", {})
+    assert ZONE not in (patch or existing)["metadata"]["annotations"].get(
+        keys.NODE_LABEL_KEYS_ANNOTATION, ""
+    )
+    # A Node of a version that kept no record: its labels were all that version's.
+    del existing["metadata"]["annotations"][keys.NODE_LABEL_KEYS_ANNOTATION]
+    patch = registration_patch(existing, identity(), zoned)
+    assert patch is not None and patch["metadata"]["labels"] == {ZONE: "eu-1a"}
+
+
+async def test_a_users_label_on_a_key_the_lower_nodes_come_to_share_is_left_alone() -> None:
+    """Set on the Node while we ran: the lower nodes coming to share eu-1a overwrote it,
+    and took it off once they stopped sharing it. Left, it is read once, not at every
+    update; taken off by the user, the key is ours when the lower nodes share it anew."""
+    path = "/api/v1/nodes/vk-lower-1"
+    upper = FakeClient()
+    lower = LabelledLowerCluster(**{keys.ARCH_LABEL: "amd64"})
+    controller = nodecontroller.NodeController(upper, identity(), lower)
+    controller.reachable = True
+    await controller.register()
+    users = {"metadata": {"name": "vk-lower-1", "resourceVersion": "9", "labels": {ZONE: "user-z"}}}
+    upper.answer("GET", path, users)
+
+    def label_patches() -> list[object]:
+        patches = [
+            r.body["metadata"] for r in upper.requests if (r.method, r.path) == ("PATCH", path)
+        ]
+        return [p["labels"] for p in patches if "labels" in p]
+
+    reads = []
+    for shared in ({ZONE: "eu-1a"}, {ZONE: "eu-1a"}, {}):
+        upper.requests.clear()
+        lower.labels = {keys.ARCH_LABEL: "amd64", **shared}
+        await controller.update_status(force=False)
+        assert label_patches() == []
+        reads.append(len([r for r in upper.requests if (r.method, r.path) == ("GET", path)]))
+    assert reads == [1, 0, 0]
+    users["metadata"]["labels"] = {}
+    upper.answer("GET", path, users)
+    upper.requests.clear()
+    lower.labels = {keys.ARCH_LABEL: "amd64", ZONE: "eu-1b"}
+    await controller.update_status(force=False)
+    assert label_patches() == [{ZONE: "eu-1b"}]
+    (patch,) = [r.body for r in upper.requests if r.method == "PATCH" and r.path == path]
+    assert patch["metadata"]["resourceVersion"] == "9", "conditional on what was read"
 
 
 def test_a_restarted_estimator_is_news_and_other_annotations_are_left_alone() -> None:
@@ -589,6 +644,10 @@ async def test_a_node_refused_for_a_lower_label_registers_without_it(status: int
     controller = nodecontroller.NodeController(upper, identity(), LabelledLowerCluster(**shared))
     controller.reachable = True
     upper.answer("POST", "/api/v1/nodes", status_error(status, "Forbidden", "policy"))
+    # Read before the label is tried again: the key might hold a user's value by now.
+    made = {"metadata": {"name": "vk-lower-1", "resourceVersion": "2", "labels": {}}}
+    absent = not_found("nodes", "vk-lower-1")
+    upper.answer("GET", "/api/v1/nodes/vk-lower-1", absent, absent, made)
     await controller.register()
     created = [r.body for r in upper.requests if (r.method, r.path) == ("POST", "/api/v1/nodes")]
     assert len(created) == 2
@@ -596,6 +655,7 @@ async def test_a_node_refused_for_a_lower_label_registers_without_it(status: int
     assert "example.com/pool" not in created[1]["metadata"]["labels"]
     (patch,) = [r.body for r in upper.requests if r.method == "PATCH" and r.path.endswith("-1")]
     assert patch["metadata"]["labels"] == {"example.com/pool": "gpu"}, "tried again"
+    assert patch["metadata"]["resourceVersion"] == "2"
 
 
 async def test_a_node_there_refused_a_lower_label_keeps_the_labels_it_has() -> None:
@@ -608,7 +668,7 @@ async def test_a_node_there_refused_a_lower_label_keeps_the_labels_it_has() -> N
     node = registration(identity(), dataclasses.replace(REPORT, labels=had))
     node["metadata"] |= {"uid": "uid-1", "resourceVersion": "7"}
     path = "/api/v1/nodes/vk-lower-1"
-    upper.answer("GET", path, node, node)
+    upper.answer("GET", path, node, node, node)
     upper.answer("PATCH", path, status_error(403, "Forbidden", "policy"))
     lower = LabelledLowerCluster(**had, **{"example.com/pool": "gpu"})
     controller = nodecontroller.NodeController(upper, identity(), lower)
