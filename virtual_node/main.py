@@ -68,9 +68,19 @@ ORPHAN_SWEEP_SECONDS = 60.0
 # a burst left the lower cluster idle a tenth of the time.
 DEFAULT_WORKERS = 64
 _CLUSTER_ID = re.compile(r"^[a-z0-9]([-a-z0-9]{0,51}[a-z0-9])?$")
-# A Node name that is also a label value (kubernetes.io/hostname, the virtual node label
-# on every lower pod): 63 characters at most.
-_NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?$")
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+# The node name is also a label value (kubernetes.io/hostname, the virtual node label on
+# every lower pod).
+_NODE_NAME_MAX = 63
+
+
+def is_node_name(name: str) -> bool:
+    """A DNS-1123 subdomain, as the Node's and its Lease's names must be (``a..b`` or
+    ``a.-b`` would pass as a label value, and the Lease be refused at every try while
+    the replica said it was ready), short enough to be a label value."""
+    return len(name) <= _NODE_NAME_MAX and all(
+        _DNS_LABEL.fullmatch(part) for part in name.split(".")
+    )
 
 
 @dataclass(frozen=True)
@@ -121,11 +131,12 @@ class VirtualNodeConfig:
                 f"cluster id {self.cluster_id!r} must be a DNS label of at most 53 characters "
                 "(lowercase letters, digits, '-')"
             )
-        if self.node_name and not _NODE_NAME.match(self.node_name):
+        if self.node_name and not is_node_name(self.node_name):
             # Every lower pod, labelled with it, would be refused.
             raise ValueError(
-                f"node name {self.node_name!r} must be a DNS name of at most 63 characters "
-                "(lowercase letters, digits, '-', '.'): it is a label value too"
+                f"node name {self.node_name!r} must be a DNS name of at most "
+                f"{_NODE_NAME_MAX} characters (lowercase letters, digits, '-' between them, "
+                "'.' between such parts): it is a label value too"
             )
         if self.streaming_connection_idle_timeout < 0:
             raise ValueError("the streaming connection idle timeout cannot be negative")

@@ -488,6 +488,10 @@ def test_a_client_with_no_burst_is_refused_at_start(name: str) -> None:
     [
         ({"node_name": "vk-" + "x" * 61}, "node name 'vk-xxx"),
         ({"node_name": "VK_Lower"}, "must be a DNS name of at most 63 characters"),
+        # Label values, but no names of a Node or a Lease: its create was refused for ever.
+        ({"node_name": "vk..lower"}, "node name 'vk..lower'"),
+        ({"node_name": "vk.-lower"}, "node name 'vk.-lower'"),
+        ({"node_name": "vk-.lower"}, "node name 'vk-.lower'"),
         ({"namespace_strategy": "prefix", "namespace_prefix": "Tenant_1"}, "lowercase letters"),
         ({"namespace_strategy": "prefix", "namespace_prefix": "t" * 62}, "at most 61"),
         ({"namespace_strategy": "prefix", "namespace_prefix": "acme-dev"}, "no '-'"),
@@ -502,6 +506,11 @@ def test_a_name_every_lower_object_would_be_refused_for_is_refused_at_start(
     name: either wrong, every create below would fail, and the pods wait for good."""
     with pytest.raises(ValueError, match=words):
         VirtualNodeConfig("l", "c", client_ca_file="ca", **settings)
+
+
+@pytest.mark.parametrize("name", ["a", "vk-lower-1", "vk.lower-1.eu-west", "a." * 31 + "b"])
+def test_a_dns_subdomain_short_enough_for_a_label_value_is_a_node_name(name: str) -> None:
+    assert VirtualNodeConfig("l", "c", client_ca_file="ca", node_name=name).node_name == name
 
 
 @pytest.mark.parametrize(
