@@ -23,6 +23,7 @@ from kubekit.client import (
     KubeconfigError,
     is_not_found,
 )
+from kubekit.fit import pod_requests
 from kubekit.quantity import QuantityError, format_quantity, parse_quantity
 from kubekit.timestamps import parse_time
 
@@ -40,7 +41,7 @@ class VirtualNodeStatus:
     cluster: str
     ready: str  # the Ready condition's status: True, False or Unknown
     lease_age_seconds: float | None  # since the Lease was last renewed; None: no Lease
-    free: dict[str, str]  # the Node's allocatable: what the lower cluster has left
+    free: dict[str, str]  # what the upper scheduler sees left: see free_after_bound_pods
     # The roomiest lower node and what it has left (empty when the virtual node runs no
     # estimator): the biggest pod the cluster could still take.
     largest_free_slot: dict[str, str]
@@ -86,13 +87,29 @@ def _is_quantity(value: Any) -> bool:
     return True
 
 
+def free_after_bound_pods(
+    allocatable: Mapping[str, str], pods: Iterable[Mapping[str, Any]]
+) -> dict[str, str]:
+    """What the upper scheduler sees free on a virtual Node: its allocatable less the
+    requests of the unfinished pods bound to it, never below zero. The allocatable is
+    what the lower cluster has left before the federation's own pods (the scheduler
+    subtracts those itself): shown as it is, it offered their room again."""
+    free = {name: parse_quantity(value) for name, value in allocatable.items()}
+    for pod in pods:
+        for name, value in pod_requests(pod).items():
+            if name in free:
+                free[name] -= value
+    return {name: format_quantity(max(Fraction(0), value), name) for name, value in free.items()}
+
+
 def statuses(
     nodes: Iterable[Mapping[str, Any]],
     leases: Mapping[str, Mapping[str, Any]],
-    pods: Mapping[str, int],
+    pods: Mapping[str, Sequence[Mapping[str, Any]]],
     now: datetime.datetime,
 ) -> list[VirtualNodeStatus]:
-    """One row per virtual Node, by name; ``leases`` and ``pods`` are by node name."""
+    """One row per virtual Node, by name; ``leases`` and the unfinished ``pods`` bound to
+    each are by node name."""
     rows = []
     for node in nodes:
         metadata = node.get("metadata") or {}
@@ -103,9 +120,11 @@ def statuses(
                 cluster=str((metadata.get("labels") or {}).get(keys.CLUSTER_ID_LABEL, "")),
                 ready=_ready(node),
                 lease_age_seconds=_lease_age(leases.get(name), now),
-                free=dict((node.get("status") or {}).get("allocatable") or {}),
+                free=free_after_bound_pods(
+                    (node.get("status") or {}).get("allocatable") or {}, pods.get(name, ())
+                ),
                 largest_free_slot=_slot(node),
-                pods=pods.get(name, 0),
+                pods=len(pods.get(name, ())),
             )
         )
     return sorted(rows, key=lambda row: row.node)
@@ -170,8 +189,8 @@ def as_json(rows: Sequence[VirtualNodeStatus]) -> str:
 
 
 async def collect(kubeconfig: str | None) -> list[VirtualNodeStatus]:
-    """Reads the virtual Nodes, then their Leases and pod counts all at once, from the
-    upper cluster."""
+    """Reads the virtual Nodes, then their Leases and unfinished pods all at once, from
+    the upper cluster."""
     async with await KubeClient.connect(ClientSettings(kubeconfig)) as client:
         selector = f"{keys.VIRTUAL_NODE_LABEL}={keys.VIRTUAL_NODE_LABEL_VALUE}"
         nodes = (await client.list(NODES, labelSelector=selector))["items"]
@@ -184,10 +203,8 @@ async def collect(kubeconfig: str | None) -> list[VirtualNodeStatus]:
             ),
         )
     leases = {name: lease for name, lease in zip(names, found, strict=False) if lease}
-    counts = {
-        name: len(pods["items"]) for name, pods in zip(names, found[len(names) :], strict=True)
-    }
-    return statuses(nodes, leases, counts, datetime.datetime.now(datetime.UTC))
+    bound = {name: pods["items"] for name, pods in zip(names, found[len(names) :], strict=True)}
+    return statuses(nodes, leases, bound, datetime.datetime.now(datetime.UTC))
 
 
 async def _lease(client: KubeClient, name: str) -> JSON:

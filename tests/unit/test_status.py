@@ -3,7 +3,7 @@ import json
 from typing import Any
 
 from kubekit import keys
-from kubekit.status import VirtualNodeStatus, as_json, statuses, table
+from kubekit.status import VirtualNodeStatus, as_json, free_after_bound_pods, statuses, table
 
 NOW = datetime.datetime(2026, 11, 25, 3, 0, 0, tzinfo=datetime.UTC)
 
@@ -26,6 +26,10 @@ def virtual_node(
     }
 
 
+def bound_pod(**requests: str) -> dict[str, Any]:
+    return {"spec": {"containers": [{"name": "c", "resources": {"requests": requests}}]}}
+
+
 def lease(renewed: str) -> dict[str, Any]:
     return {"spec": {"holderIdentity": "x", "renewTime": renewed}}
 
@@ -44,7 +48,11 @@ def test_one_row_per_virtual_node_from_its_node_lease_and_pods() -> None:
             virtual_node("vk-lower-1", "lower-1", ready="", cpu="0", memory="0"),
         ],
         {"vk-lower-2": lease("2026-11-25T02:59:55.500000Z")},
-        {"vk-lower-2": 12},
+        {
+            "vk-lower-2": [bound_pod(cpu="2", memory="4Gi", **{"nvidia.com/gpu": "1"})]
+            + [bound_pod(cpu="500m", memory="1Gi")] * 11,
+            "vk-lower-1": [bound_pod(cpu="1")],
+        },
         NOW,
     )
     assert rows == [
@@ -55,14 +63,15 @@ def test_one_row_per_virtual_node_from_its_node_lease_and_pods() -> None:
             lease_age_seconds=None,
             free={"cpu": "0", "memory": "0"},
             largest_free_slot={},
-            pods=0,
+            pods=1,
         ),
         VirtualNodeStatus(
             node="vk-lower-2",
             cluster="lower-2",
             ready="True",
             lease_age_seconds=4.5,
-            free={"cpu": "40", "memory": "120Gi", "nvidia.com/gpu": "3", "amd.com/gpu": "1"},
+            # What the scheduler leaves: the Node's allocatable less the pods bound to it.
+            free={"cpu": "32500m", "memory": "105Gi", "nvidia.com/gpu": "2", "amd.com/gpu": "1"},
             largest_free_slot={
                 "cpu": "7",
                 "memory": "30Gi",
@@ -73,15 +82,28 @@ def test_one_row_per_virtual_node_from_its_node_lease_and_pods() -> None:
         ),
     ]
     slot = "7 cpu, 30Gi, 2 gpu on lower-2-node-1"
-    left = "NODE         CLUSTER   READY     LEASE   CPU   MEMORY   GPU   "
+    left = "NODE         CLUSTER   READY     LEASE   CPU      MEMORY   GPU   "
     assert table(rows).splitlines() == [
         f"{left}{'LARGEST SLOT':<36}   PODS",
-        f"vk-lower-1   lower-1   Unknown   -       0     0        -     {'-':<36}   0",
-        f"vk-lower-2   lower-2   True      4s      40    120Gi    4     {slot}   12",
+        f"vk-lower-1   lower-1   Unknown   -       0        0        -     {'-':<36}   1",
+        f"vk-lower-2   lower-2   True      4s      32500m   105Gi    3     {slot}   12",
     ]
     document = json.loads(as_json(rows))
     assert document["virtualNodes"][1]["lease_age_seconds"] == 4.5
     assert document["virtualNodes"][1]["largest_free_slot"]["node"] == "lower-2-node-1"
+
+
+def test_free_is_what_the_upper_scheduler_leaves_of_the_node_after_its_pods() -> None:
+    """The Node's allocatable is what the lower cluster has left before our own pods;
+    shown as it was, the free column offered their room again."""
+    allocatable = {"cpu": "4", "pods": "110", "nvidia.com/gpu": "1"}
+    bound = [bound_pod(cpu="3"), bound_pod(cpu="2", **{"example.com/dongle": "1"})]
+    assert free_after_bound_pods(allocatable, bound) == {
+        "cpu": "0",
+        "pods": "108",
+        "nvidia.com/gpu": "1",
+    }
+    assert free_after_bound_pods(allocatable, []) == allocatable
 
 
 def test_a_slot_annotation_that_is_not_json_reads_as_none() -> None:
