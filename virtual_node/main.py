@@ -67,7 +67,7 @@ ORPHAN_SWEEP_SECONDS = 60.0
 # As many lower creates in flight as a client that keeps a lower apiserver busy: at 20
 # a burst left the lower cluster idle a tenth of the time.
 DEFAULT_WORKERS = 64
-_CLUSTER_ID = re.compile(r"^[a-z0-9]([-a-z0-9]{0,51}[a-z0-9])?$")
+_CLUSTER_ID = re.compile(r"[a-z0-9]([-a-z0-9]{0,51}[a-z0-9])?")
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 # The node name is also a label value (kubernetes.io/hostname, the virtual node label on
 # every lower pod).
@@ -126,7 +126,7 @@ class VirtualNodeConfig:
 
     def __post_init__(self) -> None:
         _check_types(self)
-        if not _CLUSTER_ID.match(self.cluster_id):
+        if not _CLUSTER_ID.fullmatch(self.cluster_id):
             raise ValueError(
                 f"cluster id {self.cluster_id!r} must be a DNS label of at most 53 characters "
                 "(lowercase letters, digits, '-')"

@@ -14,7 +14,7 @@ _MAX_NAMESPACE = 63
 # With a dash and at least one character after it, a DNS label. No dash of its own: the
 # first dash of a lower name then ends the prefix, so two tenants' prefixes never name one
 # lower namespace (`acme` + `dev-x` and `acme-dev` + `x` would both be `acme-dev-x`).
-_PREFIX = re.compile(r"^[a-z0-9]{1,61}$")
+_PREFIX = re.compile(r"[a-z0-9]{1,61}")
 # The lower cluster's own namespaces: nothing of an upper cluster goes into them. Its
 # kube-system takes a Secret of type bootstrap token for a credential to join the lower
 # cluster, and our ledger of quota slices lives in SYSTEM_NAMESPACE; an upper cluster's
@@ -49,7 +49,7 @@ class NamespaceMapping:
             )
         if self.strategy == "prefix" and not self.prefix:
             raise NamingError("the prefix namespace strategy needs a prefix")
-        if self.strategy == "prefix" and not _PREFIX.match(self.prefix):
+        if self.strategy == "prefix" and not _PREFIX.fullmatch(self.prefix):
             # Every namespace made below would be refused, and its pods wait for good.
             raise NamingError(
                 f"namespace prefix {self.prefix!r} must be at most 61 lowercase letters "

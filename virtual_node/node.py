@@ -53,7 +53,7 @@ class NodeReport:
     largest_free_slot: Mapping[str, str] = field(default_factory=dict)
 
 
-_NOT_SHARED = {keys.HOSTNAME_LABEL, "kubernetes.io/hostname", "type"}
+_NOT_SHARED = {keys.HOSTNAME_LABEL, keys.NODE_TYPE_LABEL}
 
 
 def shared_labels(

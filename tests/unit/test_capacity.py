@@ -495,6 +495,8 @@ def test_a_client_with_no_burst_is_refused_at_start(name: str) -> None:
         ({"namespace_strategy": "prefix", "namespace_prefix": "Tenant_1"}, "lowercase letters"),
         ({"namespace_strategy": "prefix", "namespace_prefix": "t" * 62}, "at most 61"),
         ({"namespace_strategy": "prefix", "namespace_prefix": "acme-dev"}, "no '-'"),
+        # A regular expression's `$` takes a trailing newline for the end.
+        ({"namespace_strategy": "prefix", "namespace_prefix": "acme\n"}, "at most 61"),
         ({"namespace_strategy": "Prefix", "namespace_prefix": "acme"}, "not one of"),
         ({"namespace_prefix": "acme"}, "used only by the prefix namespace strategy"),
     ],
@@ -506,6 +508,13 @@ def test_a_name_every_lower_object_would_be_refused_for_is_refused_at_start(
     name: either wrong, every create below would fail, and the pods wait for good."""
     with pytest.raises(ValueError, match=words):
         VirtualNodeConfig("l", "c", client_ca_file="ca", **settings)
+
+
+def test_a_cluster_id_with_a_trailing_newline_is_refused_at_start() -> None:
+    """A regular expression's `$` takes a trailing newline for the end: the id passed,
+    and every label value made of it was refused below."""
+    with pytest.raises(ValueError, match="cluster id 'lower-1\\\\n' must be a DNS label"):
+        VirtualNodeConfig("l", "lower-1\n", client_ca_file="ca")
 
 
 @pytest.mark.parametrize("name", ["a", "vk-lower-1", "vk.lower-1.eu-west", "a." * 31 + "b"])
