@@ -287,14 +287,14 @@ class FitEstimator:
         self._runtime_classes.pop(runtime_class["metadata"]["name"], None)
 
     def _refusal(self, lower: Mapping[str, Any]) -> str | None:
-        """Why this cluster would not run the pod, whatever room it has: a namespace not
-        allowed the host access it asks for, a volume, a runtime class."""
+        """Why this cluster would not run the pod, whatever room it has: a namespace that
+        is the lower cluster's own, or not allowed the host access it asks for, a volume,
+        a runtime class."""
+        namespace = lower["metadata"]["annotations"][keys.UPPER_NAMESPACE_ANNOTATION]
         return (
-            host_access_refusal(
-                lower["spec"],
-                lower["metadata"]["annotations"][keys.UPPER_NAMESPACE_ANNOTATION],
-                self.host_access_namespaces,
-                self.owner.cluster_id,
+            self.mapping.refusal(namespace)
+            or host_access_refusal(
+                lower["spec"], namespace, self.host_access_namespaces, self.owner.cluster_id
             )
             or self._volume_refusal(lower)
             or runtime_refusal(lower, self._runtime_classes, self.owner.cluster_id)

@@ -396,7 +396,9 @@ class LowerCluster:
                     )
             else:
                 self._removed.pop(upper_key, None)
-                refused = self._refused_host_access(upper, desired)
+                refused = self._refused_namespace(upper) or self._refused_host_access(
+                    upper, desired
+                )
                 return refused or await self._create(upper, desired)
         if not self.owner.owns(lower):
             return Rejected(
@@ -474,6 +476,10 @@ class LowerCluster:
         if lower is None or not self.owner.owns(lower):
             return None
         return lower if _made_from(lower, upper) else None
+
+    def _refused_namespace(self, upper: Mapping[str, Any]) -> Rejected | None:
+        why = self.mapping.refusal(upper["metadata"]["namespace"])
+        return None if why is None else Rejected("LowerNamespaceRefused", why)
 
     def _refused_host_access(self, upper: Mapping[str, Any], desired: JSON) -> Rejected | None:
         why = host_access_refusal(

@@ -58,19 +58,6 @@ class NamespaceMapping:
             )
 
     def lower(self, upper_namespace: str) -> str:
-        """Where an upper namespace's pods and objects go below."""
-        name = self.lower_name(upper_namespace)
-        if name in LOWER_CLUSTERS_OWN:
-            raise NamingError(
-                f"namespace {name} is the lower cluster's own: nothing of an upper cluster "
-                "is mirrored into it (with --namespace-strategy prefix, upper namespace "
-                f"{upper_namespace} is <prefix>-{upper_namespace} below)"
-            )
-        return name
-
-    def lower_name(self, upper_namespace: str) -> str:
-        """An upper namespace's name below, for naming it (a pod affinity term's
-        namespaces), whether or not anything of ours may go there."""
         if self.strategy == "same":
             return upper_namespace
         name = f"{self.prefix}-{upper_namespace}"
@@ -80,6 +67,24 @@ class NamespaceMapping:
                 f"{_MAX_NAMESPACE} characters below"
             )
         return name
+
+    def refusal(self, upper_namespace: str) -> str | None:
+        """Why nothing of an upper namespace may be made below (None: it may): its lower
+        namespace is the lower cluster's own. What an earlier version made there is still
+        found and removed by ``lower``."""
+        name = self.lower(upper_namespace)
+        if name not in LOWER_CLUSTERS_OWN:
+            return None
+        return (
+            f"namespace {name} is the lower cluster's own: nothing of an upper cluster is "
+            "made in it"
+            + (
+                f" (with --namespace-strategy prefix, upper namespace {upper_namespace} is "
+                f"<prefix>-{upper_namespace} below)"
+                if self.strategy == "same"
+                else ""
+            )
+        )
 
     def upper(self, lower_namespace: str) -> str | None:
         """The upper namespace of a lower one, or None if it is not one of ours."""

@@ -516,6 +516,8 @@ class Reflector:
         if self._wanted(key) and upper is not None and reflectable(upper):
             desired = DESIRED[kind](upper, self.mapping, self.owner)
             if lower is None:
+                if namespace and self.mapping.refusal(namespace):
+                    return  # its pod is refused too
                 if not await self._create(resource, desired, lower_namespace) and namespace:
                     self._taken.add(key)
                 elif resource is SERVICEACCOUNTS:

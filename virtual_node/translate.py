@@ -494,7 +494,7 @@ def _lower_term_namespaces(spec: JSON, mapping: NamespaceMapping) -> None:
     names would select another tenant's pods, or the lower cluster's own."""
     for term in _pod_affinity_terms(spec):
         if term.get("namespaces"):
-            term["namespaces"] = [mapping.lower_name(str(name)) for name in term["namespaces"]]
+            term["namespaces"] = [mapping.lower(str(name)) for name in term["namespaces"]]
 
 
 def _own_pods_only(spec: JSON, origin: str) -> None:

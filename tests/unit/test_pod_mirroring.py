@@ -292,6 +292,43 @@ async def test_a_running_pod_no_longer_translated_runs_on_and_is_not_failed(
     assert mirroring.lower.writes() == []
 
 
+def in_namespace(pod: dict[str, Any], namespace: str) -> dict[str, Any]:
+    pod["metadata"]["namespace"] = namespace
+    if "annotations" in pod["metadata"]:
+        pod["metadata"]["annotations"][keys.UPPER_NAMESPACE_ANNOTATION] = namespace
+    return pod
+
+
+async def test_a_pod_of_kube_system_fails_without_a_lower_write(mirroring: Mirroring) -> None:
+    """Made in the lower cluster's kube-system, with the Secrets it names: a Secret of
+    type bootstrap token there is a credential to join the lower cluster."""
+    mirroring.above(in_namespace(upper_pod(), "kube-system"))
+    await mirroring.controller.reconcile("kube-system/web")
+    (status,) = [
+        r.body["status"] for r in mirroring.upper.requests if r.path.endswith("/web/status")
+    ]
+    assert (status["phase"], status["reason"]) == ("Failed", "LowerNamespaceRefused")
+    assert mirroring.lower.writes() == []
+
+
+async def test_a_pod_of_kube_system_mirrored_before_runs_on_and_goes_with_its_upper_pod(
+    mirroring: Mirroring,
+) -> None:
+    """Mirrored by an earlier version: failed above, it would run on below beside the
+    replacement its controller makes."""
+    mirroring.above(in_namespace(upper_pod(), "kube-system"))
+    mirroring.below(in_namespace(lower_pod(phase="Running", podIP="10.241.0.7"), "kube-system"))
+    await mirroring.controller.reconcile("kube-system/web")
+    statuses = [
+        r.body["status"] for r in mirroring.upper.requests if r.path.endswith("/web/status")
+    ]
+    assert [(s["phase"], s.get("podIP")) for s in statuses] == [("Running", "10.241.0.7")]
+    assert mirroring.lower.writes() == []
+    mirroring.above(in_namespace(upper_pod(), "kube-system"), "DELETED")
+    await mirroring.controller.reconcile("kube-system/web")
+    assert mirroring.lower.writes() == [("DELETE", "/api/v1/namespaces/kube-system/pods/web")]
+
+
 async def test_a_name_taken_below_by_someone_else_fails_the_pod_and_spares_theirs(
     mirroring: Mirroring,
 ) -> None:

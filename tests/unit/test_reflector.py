@@ -332,6 +332,28 @@ async def test_a_copy_deleted_with_its_last_pod_is_made_again_before_the_watch_s
     assert r.lower.writes() == [("POST", configmaps)]
 
 
+async def test_nothing_is_copied_into_the_lower_kube_system_and_what_was_goes() -> None:
+    """A Secret of type bootstrap token in the lower kube-system is a credential to join
+    the lower cluster: an upper admin's pod there named one to have it copied."""
+    secrets = "/api/v1/namespaces/kube-system/secrets"
+    token = named("Secret", "bootstrap-token-abcdef", type="bootstrap.kubernetes.io/token")
+    token["metadata"]["namespace"] = "kube-system"
+    agent = pod(volumes=[{"name": "t", "secret": {"secretName": token["metadata"]["name"]}}])
+    agent["metadata"]["namespace"] = "kube-system"
+    r = reflecting()
+    r.above("secrets", token)
+    r.above(None, agent)
+    await r.reflector.ensure_for_pod(agent)
+    await r.drain()
+    assert r.lower.writes() == []
+    # One an earlier version made goes once no pod needs it.
+    copy = desired_copy(token, NamespaceMapping(), OWNER)
+    r.below("secrets", {**copy, "metadata": {**copy["metadata"], "uid": "below"}})
+    r.above(None, agent, "DELETED")
+    await r.drain()
+    assert r.lower.writes() == [("DELETE", f"{secrets}/bootstrap-token-abcdef")]
+
+
 def named(kind: str, name: str, **fields: Any) -> dict[str, Any]:
     metadata = {"name": name, "namespace": "shop", "uid": f"{name}-uid", "resourceVersion": "1"}
     return {"kind": kind, "metadata": metadata, **fields}

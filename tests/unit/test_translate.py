@@ -172,27 +172,16 @@ def test_prefix_namespace_strategy() -> None:
 @pytest.mark.parametrize(
     "namespace", ["kube-system", "kube-public", "kube-node-lease", "kubestrata-system"]
 )
-def test_nothing_goes_into_the_lower_clusters_own_namespaces(namespace: str) -> None:
-    pod = upper_pod()
-    pod["metadata"]["namespace"] = namespace
-    with pytest.raises(NamingError, match=f"namespace {namespace} is the lower cluster's own"):
-        desired_lower_pod(pod, NamespaceMapping(), OWNER)
-    # With a prefix it has a namespace of its own below.
-    lower = desired_lower_pod(pod, NamespaceMapping("prefix", "east"), OWNER)
-    assert lower["metadata"]["namespace"] == f"east-{namespace}"
-    # Named by an affinity term, it is only a name: the pod is made.
-    term = {"labelSelector": {}, "topologyKey": "zone", "namespaces": [namespace]}
-    named = desired_lower_pod(
-        upper_pod(
-            affinity={"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}
-        ),
-        NamespaceMapping(),
-        OWNER,
-    )
-    (lowered,) = named["spec"]["affinity"]["podAntiAffinity"][
-        "requiredDuringSchedulingIgnoredDuringExecution"
-    ]
-    assert lowered["namespaces"] == [namespace]
+def test_nothing_is_made_in_the_lower_clusters_own_namespaces(namespace: str) -> None:
+    refusal = NamespaceMapping().refusal(namespace)
+    assert refusal is not None and f"namespace {namespace} is the lower cluster's own" in refusal
+    # Still named, to find and remove what an earlier version made there.
+    assert NamespaceMapping().lower(namespace) == namespace
+    # With a prefix it has a namespace of its own below; a prefix ending one of theirs,
+    # `kube` with upper `system`, has none.
+    assert NamespaceMapping("prefix", "east").refusal(namespace) is None
+    assert NamespaceMapping("prefix", "kube").refusal("system") is not None
+    assert NamespaceMapping().refusal("shop") is None
 
 
 def test_pod_affinity_terms_name_their_namespaces_as_they_are_below() -> None:
