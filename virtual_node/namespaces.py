@@ -26,7 +26,6 @@ from kubekit.client import (
     SERVICES,
     ApiError,
     KubeClient,
-    Resource,
     is_not_found,
 )
 from kubekit.informer import FunctionHandler, Informer, object_key
@@ -39,8 +38,8 @@ log = logging.getLogger(__name__)
 
 def others_objects(objects: Iterable[Mapping[str, Any]], owner: Ownership) -> list[str]:
     """The objects of a lower namespace that are not this upper cluster's: another upper
-    cluster's copies, or the lower cluster's own. A namespace holding any is left:
-    deleting it would take their pods, their claims' volumes, their Secrets."""
+    cluster's copies, or the lower cluster's own. A namespace holding pods or claims of
+    others is left: deleting it would take their pods, or their claims' volumes."""
     return [
         object_key(obj)
         for obj in objects
@@ -48,35 +47,23 @@ def others_objects(objects: Iterable[Mapping[str, Any]], owner: Ownership) -> li
     ]
 
 
-# What a lower namespace may hold of others besides pods, none of it in a cache here (the
-# copies' caches hold ours only): listed once, when the namespace would go. Until
-# 2026-11-29 only claims were: a Secret or Service the lower cluster's team put in a
-# namespace we made, or another tenant's quota of slices there, went with it. Workload
-# controllers (a CronJob between runs) are not read: the virtual node may not list them.
-LISTED_BEFORE_DELETING = (
-    PERSISTENTVOLUMECLAIMS,
-    CONFIGMAPS,
-    SECRETS,
-    SERVICES,
-    SERVICEACCOUNTS,
-    RESOURCEQUOTAS,
-)
+def other_tenants_objects(objects: Iterable[Mapping[str, Any]], owner: Ownership) -> list[str]:
+    """The objects another upper cluster made (its copies, its quota of slices), which
+    share a lower namespace of the same name under the ``same`` strategy."""
+    return [
+        object_key(obj)
+        for obj in objects
+        if (origin := (obj["metadata"].get("labels") or {}).get(keys.ORIGIN_LABEL))
+        and origin != owner.origin
+    ]
 
 
-def made_with_the_namespace(resource: Resource, obj: Mapping[str, Any]) -> bool:
-    """Whether the lower cluster's own controllers put ``obj`` in every namespace (its root
-    CA, its default account and that account's legacy token): no one's to keep."""
-    name = obj["metadata"]["name"]
-    annotations = obj["metadata"].get("annotations") or {}
-    return (
-        (resource is CONFIGMAPS and name == "kube-root-ca.crt")
-        or (resource is SERVICEACCOUNTS and name == "default")
-        or (
-            resource is SECRETS
-            and obj.get("type") == keys.SERVICE_ACCOUNT_TOKEN_TYPE
-            and annotations.get(keys.SERVICE_ACCOUNT_NAME_ANNOTATION) == "default"
-        )
-    )
+# Besides claims, the kinds another upper cluster's copies may hold in a lower namespace
+# we made, none of them in a cache here (the copies' caches hold ours only): listed once,
+# when the namespace would go. Until 2026-11-29 they were not, and went with it. Objects
+# of these kinds with no origin are not counted: the lower cluster's controllers put
+# some in every namespace (a service mesh's root CA, a platform's build accounts).
+OTHER_TENANTS_KINDS = (CONFIGMAPS, SECRETS, SERVICES, SERVICEACCOUNTS, RESOURCEQUOTAS)
 
 
 KEPT_NAMESPACE_RECHECK_SECONDS = 300.0
@@ -158,14 +145,16 @@ class LowerNamespaces:
             # one, or their deletion is still to come. Deleted, it would take them along.
             self.queue.add_after(name, OWN_PODS_RECHECK_SECONDS)
             return
-        for resource in LISTED_BEFORE_DELETING:
+        if not others:
+            # Claims of others are not in any cache here (the claims' copies are ours
+            # only); asked for once, when the namespace would go.
+            claims = await self.lower.list(PERSISTENTVOLUMECLAIMS, name)
+            others = others_objects(claims.get("items") or [], self.owner)
+        for resource in OTHER_TENANTS_KINDS:
             if others:
                 break
             listed = await self.lower.list(resource, name)
-            others = others_objects(
-                (o for o in listed.get("items") or [] if not made_with_the_namespace(resource, o)),
-                self.owner,
-            )
+            others = other_tenants_objects(listed.get("items") or [], self.owner)
         if others:
             log.warning(
                 "namespace %s: gone above, kept below for objects not of this upper cluster "

@@ -57,7 +57,7 @@ class Harness:
         """What the lower apiserver lists of the namespace's claims, next time asked; and
         of the other kinds looked at before a deletion, nothing."""
         self.below("persistentvolumeclaims", *claims)
-        for resource in namespaces.LISTED_BEFORE_DELETING[1:]:
+        for resource in namespaces.OTHER_TENANTS_KINDS:
             self.below(resource.plural)
 
     def below(self, plural: str, *objects: dict[str, Any], namespace: str = "shop") -> None:
@@ -154,7 +154,8 @@ async def test_with_a_prefix_only_the_prefixed_namespace_is_ours_to_delete() -> 
     assert world.lower.writes() == []
 
     world.upper.answer("GET", "/api/v1/namespaces/shop", not_found("namespaces", "shop"))
-    for resource in namespaces.LISTED_BEFORE_DELETING:
+    world.below("persistentvolumeclaims", namespace="t1-shop")
+    for resource in namespaces.OTHER_TENANTS_KINDS:
         world.below(resource.plural, namespace="t1-shop")
     world.upper_namespaces.apply({"type": "DELETED", "object": namespace("shop")})
     await world.drain()
@@ -205,17 +206,17 @@ def of(kind: str, name: str, origin: str | None = None, **fields: Any) -> dict[s
 @pytest.mark.parametrize(
     ("plural", "kept"),
     [
-        ("secrets", of("Secret", "reports-smtp")),
+        ("secrets", of("Secret", "db-password", "another-upper")),
         ("services", of("Service", "reports-api", "another-upper")),
         ("resourcequotas", of("ResourceQuota", keys.SLICE_QUOTA, "another-upper")),
-        ("configmaps", of("ConfigMap", "cron-settings")),
+        ("configmaps", of("ConfigMap", "settings", "another-upper")),
     ],
 )
-async def test_a_namespace_holding_other_objects_of_others_is_kept(
+async def test_a_namespace_holding_another_upper_clusters_copies_is_kept(
     plural: str, kept: dict[str, Any]
 ) -> None:
-    """The lower cluster's team put a Secret in a namespace we made, or another tenant
-    keeps its quota of slices there: deleted, the namespace took them along."""
+    """Another tenant sharing the namespace's name keeps its copies and its quota of
+    slices there before any pod: deleted, the namespace took them along."""
     world = Harness()
     world.claims_below()
     world.lower.answers[("GET", f"/api/v1/namespaces/shop/{plural}")] = [{"items": [kept]}]
@@ -224,15 +225,17 @@ async def test_a_namespace_holding_other_objects_of_others_is_kept(
     assert world.lower.writes() == []
 
 
-async def test_what_kubernetes_puts_in_every_namespace_does_not_keep_it() -> None:
+async def test_what_the_lower_clusters_controllers_put_in_every_namespace_keeps_it_not() -> None:
+    """A root CA ConfigMap, the default account and its legacy token, a mesh's CA, a
+    platform's build accounts: all namespaces have them, none would ever go."""
     world = Harness()
     for plural in ("persistentvolumeclaims", "services", "resourcequotas"):
         world.below(plural)
-    world.below("configmaps", of("ConfigMap", "kube-root-ca.crt"))
-    world.below("serviceaccounts", of("ServiceAccount", "default"))
-    legacy = of("Secret", "default-token-x", type=keys.SERVICE_ACCOUNT_TOKEN_TYPE)
-    legacy["metadata"]["annotations"] = {keys.SERVICE_ACCOUNT_NAME_ANNOTATION: "default"}
-    world.below("secrets", legacy, of("Secret", "ours", OWNER.origin))
+    world.below(
+        "configmaps", of("ConfigMap", "kube-root-ca.crt"), of("ConfigMap", "istio-ca-root-cert")
+    )
+    world.below("serviceaccounts", of("ServiceAccount", "default"), of("ServiceAccount", "builder"))
+    world.below("secrets", of("Secret", "builder-dockercfg-x"), of("Secret", "ours", OWNER.origin))
     world.lower_namespaces.apply({"type": "ADDED", "object": namespace("shop")})
     await world.drain()
     assert world.lower.writes() == [("DELETE", "/api/v1/namespaces/shop")]
