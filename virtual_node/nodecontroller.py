@@ -376,7 +376,10 @@ class NodeController:
             # A key we did not set may hold a user's value: the Node as it is now says,
             # and the write is conditional on it.
             node = await self.upper.get(NODES, self.identity.name)
-            others = labels_of_others(taken, node["metadata"].get("labels") or {}, ())
+            # Recorded as ours: set by a patch whose answer was lost, say.
+            others = labels_of_others(
+                taken, node["metadata"].get("labels") or {}, recorded_label_keys(node)
+            )
             left = {k: wanted.pop(k) for k in sorted(others)}
             self._log_labels_of_others(left)
             self._labels_of_others |= left

@@ -101,16 +101,23 @@ def test_a_users_label_on_a_key_the_lower_nodes_share_is_left_at_registration() 
     assert patch is not None and patch["metadata"]["labels"] == {ZONE: "eu-1a"}
 
 
-async def test_a_users_label_on_a_key_the_lower_nodes_come_to_share_is_left_alone() -> None:
-    """Set on the Node while we ran: the lower nodes coming to share eu-1a overwrote it,
-    and took it off once they stopped sharing it. Left, it is read once, not at every
-    update; taken off by the user, the key is ours when the lower nodes share it anew."""
-    path = "/api/v1/nodes/vk-lower-1"
+async def registered_with_labels() -> tuple[
+    FakeClient, LabelledLowerCluster, nodecontroller.NodeController
+]:
     upper = FakeClient()
     lower = LabelledLowerCluster(**{keys.ARCH_LABEL: "amd64"})
     controller = nodecontroller.NodeController(upper, identity(), lower)
     controller.reachable = True
     await controller.register()
+    return upper, lower, controller
+
+
+async def test_a_users_label_on_a_key_the_lower_nodes_come_to_share_is_left_alone() -> None:
+    """Set on the Node while we ran: the lower nodes coming to share eu-1a overwrote it,
+    and took it off once they stopped sharing it. Left, it is read once, not at every
+    update; taken off by the user, the key is ours when the lower nodes share it anew."""
+    path = "/api/v1/nodes/vk-lower-1"
+    upper, lower, controller = await registered_with_labels()
     users = {"metadata": {"name": "vk-lower-1", "resourceVersion": "9", "labels": {ZONE: "user-z"}}}
     upper.answer("GET", path, users)
 
@@ -136,6 +143,32 @@ async def test_a_users_label_on_a_key_the_lower_nodes_come_to_share_is_left_alon
     assert label_patches() == [{ZONE: "eu-1b"}]
     (patch,) = [r.body for r in upper.requests if r.method == "PATCH" and r.path == path]
     assert patch["metadata"]["resourceVersion"] == "9", "conditional on what was read"
+
+
+async def test_our_label_whose_patch_answer_was_lost_is_still_ours() -> None:
+    """The patch went through and its answer was lost (an apiserver restart): read back,
+    the label was taken for a user's, and stayed once the lower nodes stopped sharing it."""
+    path = "/api/v1/nodes/vk-lower-1"
+    upper, lower, controller = await registered_with_labels()
+    ours = {
+        "metadata": {
+            "name": "vk-lower-1",
+            "resourceVersion": "9",
+            "labels": {ZONE: "eu-1a"},
+            "annotations": {keys.NODE_LABEL_KEYS_ANNOTATION: f'["{ZONE}"]'},
+        }
+    }
+    upper.answer("GET", path, ours)
+    upper.answer("PATCH", path, ApiError(503, "the apiserver restarted"))
+    lower.labels = {keys.ARCH_LABEL: "amd64", ZONE: "eu-1a"}
+    await controller.update_status(force=False)
+    upper.answer("GET", path, ours)
+    await controller.update_status(force=False)
+    upper.requests.clear()
+    lower.labels = {keys.ARCH_LABEL: "amd64"}
+    await controller.update_status(force=False)
+    patches = [r.body["metadata"] for r in upper.requests if (r.method, r.path) == ("PATCH", path)]
+    assert [p["labels"] for p in patches if "labels" in p] == [{ZONE: None}]
 
 
 def test_a_restarted_estimator_is_news_and_other_annotations_are_left_alone() -> None:
