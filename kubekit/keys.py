@@ -47,6 +47,9 @@ def virtual_node_lease_name(node_name: str) -> str:
 # get its toleration from the webhook.
 PROVIDER_TAINT_KEY = "virtual-kubelet.io/provider"
 PROVIDER_TAINT_VALUE = "kubestrata"
+# NoSchedule on a virtual Node whose process has not finished starting in time: nothing new
+# is bound to it meanwhile, and its Lease is still renewed, so what runs there stays.
+NOT_STARTED_TAINT_KEY = f"{PREFIX}/not-started"
 # Kubernetes' own: the node controller's taints of a Node that stopped reporting.
 NODE_DOWN_TAINTS = frozenset({"node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready"})
 

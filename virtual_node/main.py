@@ -492,7 +492,8 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             else None
         )
         # A standby taking over files a CSR (its certificate directory has none): the
-        # Lease is kept meanwhile, however long the signer takes.
+        # Lease is kept meanwhile, however long the signer takes (the Node tainted
+        # not-started once the start has taken too long).
         pair, renewal = await nodes.renewing_lease_while(
             serving_certificate(upper, config.name, [config.address], directory, files)
         )

@@ -150,6 +150,22 @@ def provider_taint() -> JSON:
     }
 
 
+def not_started_taint() -> JSON:
+    return {"key": keys.NOT_STARTED_TAINT_KEY, "effect": "NoSchedule"}
+
+
+def with_not_started_taint(node: Mapping[str, Any]) -> JSON | None:
+    """A merge patch putting the not-started taint on ``node``, or None if it has it;
+    conditional on the version read (the taints are one list)."""
+    taints = list((node.get("spec") or {}).get("taints") or [])
+    if any(t.get("key") == keys.NOT_STARTED_TAINT_KEY for t in taints):
+        return None
+    return {
+        "metadata": {"resourceVersion": node["metadata"]["resourceVersion"]},
+        "spec": {"taints": [*taints, not_started_taint()]},
+    }
+
+
 def keys_record(names: Iterable[str]) -> str:
     """A Node annotation's record of the keys we set (labels, resources)."""
     return json.dumps(sorted(names), separators=(",", ":"))
@@ -274,14 +290,15 @@ def registration_patch(
     if annotation_change:
         patch.setdefault("metadata", {})["annotations"] = annotation_change
     taints = list((existing.get("spec") or {}).get("taints") or [])
-    ours = [t for t in taints if t.get("key") == keys.PROVIDER_TAINT_KEY]
+    # Registered again, the process has started: a not-started taint goes.
+    kept = [t for t in taints if t.get("key") != keys.NOT_STARTED_TAINT_KEY]
+    ours = [t for t in kept if t.get("key") == keys.PROVIDER_TAINT_KEY]
     if identity.taint and ours != [provider_taint()]:
-        patch["spec"] = {
-            "taints": [t for t in taints if t.get("key") != keys.PROVIDER_TAINT_KEY]
-            + [provider_taint()]
-        }
+        kept = [t for t in kept if t.get("key") != keys.PROVIDER_TAINT_KEY] + [provider_taint()]
     elif not identity.taint and ours:
-        patch["spec"] = {"taints": [t for t in taints if t.get("key") != keys.PROVIDER_TAINT_KEY]}
+        kept = [t for t in kept if t.get("key") != keys.PROVIDER_TAINT_KEY]
+    if kept != taints:
+        patch["spec"] = {"taints": kept}
     if patch:
         # Optimistic concurrency: fail rather than overwrite a taint set meanwhile.
         patch.setdefault("metadata", {})["resourceVersion"] = existing["metadata"][

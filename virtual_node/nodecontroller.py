@@ -41,6 +41,7 @@ from virtual_node.node import (
     report_annotations,
     status_changed,
     status_patch,
+    with_not_started_taint,
     without_foreign_resources,
 )
 
@@ -57,11 +58,12 @@ REFUSED_STATUSES = frozenset({400, 403, 422})
 # controller would taint the Node and take its pods off their Services' endpoints.
 LEASE_REQUEST_TIMEOUT_SECONDS = 10.0
 LEASE_RETRY_SECONDS = 2.0
-# How long a start (the caches' first sync, the serving certificate) keeps the Lease of a
-# Node registered before. A start that never ends (a kind the lower RBAC refuses, watched
-# for ever) otherwise kept the Node Ready with its old status while nothing was mirrored,
-# and the upper scheduler bound pods to it that never ran.
-START_LEASE_LIMIT_SECONDS = 300.0
+# How long a start (the serving certificate, then the caches' first sync) may take before
+# the Node of an earlier run is tainted not-started: one that never ends (a kind the lower
+# RBAC refuses, listed for ever) kept it Ready with its old status while nothing was
+# mirrored, and the upper scheduler bound pods to it that never ran. Its Lease is still
+# renewed: let lapse, the Node would be tainted unreachable and every pod evicted.
+START_LIMIT_SECONDS = 300.0
 STATUS_INTERVAL_SECONDS = 60.0
 # Changes arriving close together become one status update.
 STATUS_COALESCE_SECONDS = 1.0
@@ -116,6 +118,10 @@ class NodeController:
         # Called once the Node is Ready again after its lower cluster was unreachable.
         self.on_reachable = on_reachable
         self._reachable_unannounced = False
+        # When the start should be over by (loop time), and whether the Node was tainted
+        # for a start that was not.
+        self._started_by: float | None = None
+        self._not_started_told = False
 
     async def renewing_lease_while(self, work: Awaitable[T]) -> T:
         """Awaits ``work`` (the serving certificate, the caches' first sync) renewing the
@@ -126,24 +132,17 @@ class NodeController:
         yet waits for the sync: what it registers with comes from the caches."""
         # Beside the work, not in turn with it: a renewal (a ping of an unreachable lower
         # cluster takes its whole 10 s) holds the start back no longer than the work.
-        renewing = asyncio.create_task(self._renew_registered())
+        if self._started_by is None:
+            # One limit for the whole start, however many steps it takes.
+            self._started_by = asyncio.get_running_loop().time() + START_LIMIT_SECONDS
+        renewing = asyncio.create_task(self._renew_registered(self._started_by))
         try:
             return await work
         finally:
             renewing.cancel()
 
-    async def _renew_registered(self) -> None:
-        loop = asyncio.get_running_loop()
-        until = loop.time() + START_LEASE_LIMIT_SECONDS
+    async def _renew_registered(self, started_by: float) -> None:
         while True:
-            if loop.time() >= until:
-                log.error(
-                    "virtual node %s has not started in %.0f s: its Lease is left to lapse "
-                    "(the Node goes not ready) until it has",
-                    self.identity.name,
-                    START_LEASE_LIMIT_SECONDS,
-                )
-                return
             try:
                 if not self._node_uid:
                     existing = await self.upper.request(
@@ -154,11 +153,27 @@ class NodeController:
                     self._node_uid = existing["metadata"]["uid"]
                 if await self.provider.ping():
                     await self.renew_lease()
+                if not self._not_started_told and asyncio.get_running_loop().time() > started_by:
+                    await self._taint_not_started()
             except API_ERRORS as error:
                 if is_not_found(error) and not self._node_uid:
                     return
                 log.warning("lease of %s not renewed: %s", self.identity.name, error)
             await asyncio.sleep(LEASE_INTERVAL_SECONDS)
+
+    async def _taint_not_started(self) -> None:
+        node = await self.upper.get(NODES, self.identity.name)
+        patch = with_not_started_taint(node)
+        if patch is not None:
+            await self.upper.patch(NODES, self.identity.name, patch)
+        self._not_started_told = True
+        log.error(
+            "virtual node %s has not started in %.0f s: tainted %s so that nothing new is "
+            "bound to it until it has",
+            self.identity.name,
+            START_LIMIT_SECONDS,
+            keys.NOT_STARTED_TAINT_KEY,
+        )
 
     async def run(self) -> None:
         self.reachable = await self.provider.ping()

@@ -20,6 +20,8 @@ from virtual_node.node import (
     keys_record,
     node_status,
     nodes_digest,
+    not_started_taint,
+    provider_taint,
     recorded_resource_keys,
     registration,
     registration_patch,
@@ -770,23 +772,39 @@ def test_the_node_gives_no_hostname_address_the_apiserver_cannot_resolve() -> No
     ]
 
 
-async def test_a_start_that_does_not_end_lets_the_lease_lapse(
+async def test_a_start_that_does_not_end_taints_the_node_and_keeps_its_lease(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A kind the lower RBAC refuses is watched for ever and the caches never sync: the
-    Node stayed Ready with its old status while nothing was mirrored."""
+    """A kind the lower RBAC refuses is listed for ever and the caches never sync: the
+    Node stayed Ready with its old status while nothing was mirrored, and the upper
+    scheduler bound pods to it. Let lapse, its Lease would have every pod evicted."""
     monkeypatch.setattr(nodecontroller, "LEASE_INTERVAL_SECONDS", 0.02)
-    monkeypatch.setattr(nodecontroller, "START_LEASE_LIMIT_SECONDS", 0.1)
+    monkeypatch.setattr(nodecontroller, "START_LIMIT_SECONDS", 0.1)
     upper = FakeClient()
-    node = {"metadata": {"name": "vk-lower-1", "uid": "node-uid"}, "status": {}}
-    upper.answer("GET", "/api/v1/nodes/vk-lower-1", node)
+    path = "/api/v1/nodes/vk-lower-1"
+    node: dict[str, Any] = {
+        "metadata": {"name": "vk-lower-1", "uid": "node-uid", "resourceVersion": "5"},
+        "spec": {"taints": [provider_taint()]},
+    }
+    upper.answer("GET", path, node, node)
     controller = nodecontroller.NodeController(upper, identity(), FlakyLowerCluster(True))
     lease = f"/apis/coordination.k8s.io/v1/namespaces/{keys.NODE_LEASE_NAMESPACE}/leases"
-
-    # Twenty renewals' time; the limit lets five happen.
-    assert await controller.renewing_lease_while(asyncio.sleep(0.4, "synced")) == "synced"
+    # The certificate, then the caches: one limit for both.
+    assert await controller.renewing_lease_while(asyncio.sleep(0.06, "signed")) == "signed"
+    assert await controller.renewing_lease_while(asyncio.sleep(0.3, "synced")) == "synced"
     renewals = [r for r in upper.requests if r.path.startswith(lease) and r.method == "PATCH"]
-    assert 1 <= len(renewals) <= 6
+    assert len(renewals) >= 10, "the Lease is renewed throughout"
+    (tainted,) = [r.body for r in upper.requests if (r.method, r.path) == ("PATCH", path)]
+    assert tainted == {
+        "metadata": {"resourceVersion": "5"},
+        "spec": {"taints": [provider_taint(), not_started_taint()]},
+    }
+    # Registered once started, the taint goes.
+    node["spec"]["taints"] = tainted["spec"]["taints"]
+    existing = {**registration(identity(), REPORT), "spec": node["spec"]}
+    existing["metadata"]["resourceVersion"] = "6"
+    patch = registration_patch(existing, identity(), REPORT)
+    assert patch is not None and patch["spec"] == {"taints": [provider_taint()]}
 
 
 @pytest.mark.parametrize("registered", [True, "after a failed read", False])
