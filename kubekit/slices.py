@@ -19,6 +19,7 @@ rounded up to them and node capacity down (500m stays 500m; VirtualCluster's
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import math
@@ -294,6 +295,12 @@ class ClusterRoom:
             left.get(resource) // size.get(resource) for resource in RESOURCES if size.get(resource)
         ]
         return max(0, min(counts)) if counts else 0
+
+
+def without_room(room: ClusterRoom) -> ClusterRoom:
+    """The cluster with no room left for the namespace: it refused to grow its promise
+    (another tenant took the room first). What it holds stays; it takes no new slices."""
+    return dataclasses.replace(room, promised_to_others=room.limit)
 
 
 @dataclass(frozen=True)

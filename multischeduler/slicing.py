@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -44,11 +44,13 @@ from kubekit.slices import (
     grows,
     headroom,
     namespace_quota,
+    place,
     placement_json,
     size_changed,
     slice_count,
     slice_size,
     slices_of,
+    without_room,
 )
 from kubekit.timestamps import now_rfc3339
 from kubekit.workqueue import WorkQueue
@@ -87,6 +89,18 @@ class SlicePool(Protocol):
 
 class PromiseNotMade(Exception):
     """A lower cluster refused or could not be asked; the namespace is tried again."""
+
+
+@dataclass
+class PromiseRound:
+    """What one round of promises left: each cluster's (slices, slice size) promised the
+    namespace after it, and what was not made."""
+
+    promised: dict[str, tuple[int, Amount]]
+    # Cluster -> why it refused to grow the promise: it has no room for it now.
+    refused: dict[str, str] = field(default_factory=dict)
+    # The others: a shrink not made, a growth held back by one, no answer.
+    failures: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -257,9 +271,14 @@ class SliceController:
             # never sliced.
             if before is not None or name in self._suspects:
                 view = await self._view(name, clusters)
-                await self._promise(
-                    name, Amount(), dict.fromkeys(view.held, 0), view.held, namespace
+                outcome = await self._promise(
+                    name, Amount(), dict.fromkeys(view.held, 0), view.held
                 )
+                if outcome.failures:
+                    still = {c: n for c, (n, _) in outcome.promised.items()}
+                    await self._not_made(
+                        name, namespace, Applied(Amount(), still), outcome.failures
+                    )
                 self._suspects.discard(name)
             if namespace is None:
                 self._told.pop(name, None)
@@ -292,13 +311,12 @@ class SliceController:
             return
         # A cap added or removed changes what a slice holds, not where slices are: they
         # stay where they were (placed afresh, the pods elsewhere would run unpromised).
-        current = {
-            c: held
-            for c, (held, held_size) in view.held.items()
-            if not size_changed(held_size, size)
-        }
-        if before is not None and not size_changed(before.size, size):
-            current |= {c: n for c, n in before.slices.items() if c in view.silent}
+        silent_held = (
+            {c: n for c, n in before.slices.items() if c in view.silent}
+            if before is not None and not size_changed(before.size, size)
+            else {}
+        )
+        current = kept(view.held, size) | silent_held
         used = {c: slices_of(amount, size) for c, amount in view.used.items()}
         decision = decide(
             annotations.get(keys.SLICE_PLACEMENT_ANNOTATION),
@@ -329,15 +347,33 @@ class SliceController:
                 await self._annotate(namespace, before)
             self.queue.add_after(name, self.retry_after)
             return
-        changes = {
-            cluster: target.get(cluster, 0)
-            for cluster in sorted({*target, *view.held} - view.silent.keys())
-            # Changed, or held in another size: written again or taken back.
-            if target.get(cluster, 0) != current.get(cluster, 0)
-            or (cluster in view.held and view.held[cluster][1] != size)
-        }
-        made = await self._promise(name, size, changes, view.held, namespace)
-        made |= {c: n for c, n in current.items() if c in view.silent}
+        rooms, promised = view.rooms, view.held
+        refused: dict[str, str] = {}
+        shortfall = ""
+        while True:
+            outcome = await self._promise(
+                name, size, promise_changes(target, promised, size, view.silent), promised
+            )
+            promised = outcome.promised
+            refused |= outcome.refused
+            if outcome.failures or not outcome.refused:
+                break
+            # Only growth refused: those clusters have no room left for the namespace
+            # (another tenant took it first). Its slices go where there is room, now:
+            # retried as they were, the same refusal would hold them all back for good.
+            rooms = [without_room(room) if room.cluster in refused else room for room in rooms]
+            target = place(
+                count, size, rooms, kept(promised, size) | silent_held, used, self.policy
+            )
+            if isinstance(target, Shortfall):
+                shortfall = f"no room elsewhere: {target.message}"
+                break
+        made = {c: n for c, (n, _) in promised.items()} | silent_held
+        if outcome.failures or outcome.refused:
+            refusals = [f"{c}: {why}" for c, why in sorted(refused.items())]
+            await self._not_made(
+                name, namespace, Applied(size, made), [*refusals, *outcome.failures, shortfall]
+            )
         await self._annotate(namespace, Applied(size, made))
         placed = f"{sum(made.values())} slices of {size.describe()}: " + (
             ", ".join(f"{cluster} {held}" for cluster, held in sorted(made.items())) or "none"
@@ -397,52 +433,65 @@ class SliceController:
         size: Amount,
         changes: Mapping[str, int],
         promised: Mapping[str, tuple[int, Amount]],
-        namespace: Mapping[str, Any] | None = None,
-    ) -> dict[str, int]:
+    ) -> PromiseRound:
         """Makes the changed promises (``promised``: each cluster's slices and their size
-        now), shrinking ones first (a failure part-way leaves the namespace promised less,
-        never more); returns what is promised after them. One not made is retried from the
-        ledgers: what was made is recorded first."""
-        made = {cluster: held for cluster, (held, _) in promised.items() if held}
+        now), shrinking ones first, and none that grows once a shrink was not made (a
+        failure part-way leaves the namespace promised less, never more)."""
+        outcome = PromiseRound({cluster: held for cluster, held in promised.items() if held[0]})
         clusters = self._nodes_by_cluster()
-        failures: list[str] = []
         growing = {
             cluster: grows(promised.get(cluster, (0, size)), count, size)
             for cluster, count in changes.items()
         }
-        order = sorted(changes, key=lambda cluster: (growing[cluster], cluster))
-        for cluster in order:
-            if growing[cluster] and failures:
-                # A shrink not made: growing now would promise the namespace more than
-                # its quota makes (both clusters holding what moves between them).
-                failures.append(f"{cluster}: not grown while a shrink is not made")
+        shrink_failed = False
+        for cluster in sorted(changes, key=lambda cluster: (growing[cluster], cluster)):
+            if growing[cluster] and shrink_failed:
+                # Growing now would promise the namespace more than its quota makes (both
+                # clusters holding what moves between them).
+                outcome.failures.append(f"{cluster}: not grown while a shrink is not made")
                 continue
             node = clusters.get(cluster)
+            answer: PromiseSlicesResponse | EstimatorFailure
             if node is None:
-                failures.append(f"{cluster}: no virtual node")
-                continue
-            request = PromiseSlicesRequest(
-                namespace=name,
-                slices=changes[cluster],
-                slice=Resources(cpu_millis=size.cpu, memory_bytes=size.memory),
-                headroom=self.headroom.of(cluster),
-            )
-            answer = await self.pool.promise_slices(node, request, self.timeout)
+                answer = PromiseSlicesResponse(refused="no virtual node")
+            else:
+                request = PromiseSlicesRequest(
+                    namespace=name,
+                    slices=changes[cluster],
+                    slice=Resources(cpu_millis=size.cpu, memory_bytes=size.memory),
+                    headroom=self.headroom.of(cluster),
+                )
+                answer = await self.pool.promise_slices(node, request, self.timeout)
             if isinstance(answer, EstimatorFailure) or answer.refused:
-                reason = answer.message if isinstance(answer, EstimatorFailure) else answer.refused
-                failures.append(f"{cluster}: {reason}")
+                shrink_failed = shrink_failed or not growing[cluster]
+                if isinstance(answer, EstimatorFailure):
+                    # Made or not, unknown: placed again only from the ledgers.
+                    outcome.failures.append(f"{cluster}: {answer.message}")
+                elif growing[cluster]:
+                    outcome.refused[cluster] = answer.refused
+                else:
+                    outcome.failures.append(f"{cluster}: {answer.refused}")
                 continue
             if changes[cluster]:
-                made[cluster] = changes[cluster]
+                outcome.promised[cluster] = (changes[cluster], size)
             else:
-                made.pop(cluster, None)
-        if failures:
-            why = f"promises not made, tried again: {'; '.join(failures)}"
-            if namespace is not None:
-                await self._annotate(namespace, Applied(size, made))
-                await self._tell(namespace, False, "PromisesNotMade", why)
-            raise PromiseNotMade(f"{name}: {why}")
-        return made
+                outcome.promised.pop(cluster, None)
+        return outcome
+
+    async def _not_made(
+        self,
+        name: str,
+        namespace: Mapping[str, Any] | None,
+        made: Applied,
+        failures: list[str],
+    ) -> None:
+        """Records what was made and why the rest was not, and raises PromiseNotMade: the
+        namespace is retried from the ledgers (a rate-limited retry)."""
+        why = f"promises not made, tried again: {'; '.join(filter(None, failures))}"
+        if namespace is not None:
+            await self._annotate(namespace, made)
+            await self._tell(namespace, False, "PromisesNotMade", why)
+        raise PromiseNotMade(f"{name}: {why}")
 
     async def _annotate(self, namespace: Mapping[str, Any], result: Applied | None) -> None:
         if result is not None and not result.slices:
@@ -533,6 +582,32 @@ def condition_patch(
             "lastTransitionTime": since,
         }
     return {"status": {"conditions": [wanted]}}
+
+
+def kept(promised: Mapping[str, tuple[int, Amount]], size: Amount) -> dict[str, int]:
+    """The slices each cluster holds that stay where they are at ``size``: slices of
+    another size in a resource both hold are placed afresh; a cap added or removed
+    changes what a slice holds, not where it is."""
+    return {
+        cluster: held
+        for cluster, (held, held_size) in promised.items()
+        if not size_changed(held_size, size)
+    }
+
+
+def promise_changes(
+    target: Mapping[str, int],
+    promised: Mapping[str, tuple[int, Amount]],
+    size: Amount,
+    silent: Collection[str],
+) -> dict[str, int]:
+    """The promises to make for ``target`` in the clusters that answered: where its
+    slices change, or are held in another size (written again, or taken back)."""
+    return {
+        cluster: target.get(cluster, 0)
+        for cluster in sorted({*target, *promised} - set(silent))
+        if promised.get(cluster, (0, size)) != (target.get(cluster, 0), size)
+    }
 
 
 def _amount(resources: Resources) -> Amount:

@@ -126,7 +126,8 @@ class SlicePromises:
         ledger = await self._ledger()
         own = ledger.get(lower_namespace)
         entry = ledger_entry(lower_namespace, own) if own else None
-        if entry is not None and entry.origin != self.owner.origin:
+        foreign = entry is not None and entry.origin != self.owner.origin
+        if foreign:
             entry = None  # another upper cluster's: refused when promised
         if entry is not None:
             # The quota is written after the ledger: a write that failed (a 409, a crash
@@ -147,6 +148,15 @@ class SlicePromises:
             # Counted as all the room: no growth here while it cannot be read, but the
             # namespace's own slices are still told, so they can be given back.
             log.warning("%s; no room offered beside it", error)
+            others = sum(nodes, Amount())
+        if foreign:
+            # Every promise to it here is refused: room offered, this cluster would be
+            # chosen for it, refused, and chosen again for ever.
+            log.warning(
+                "%s holds slices of another upper cluster: no room offered to %s",
+                lower_namespace,
+                upper_namespace,
+            )
             others = sum(nodes, Amount())
         return SliceRoom(
             nodes=nodes,

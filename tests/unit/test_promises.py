@@ -132,6 +132,19 @@ def tenant(
     return promises, made
 
 
+def same_lower_namespace_other_origin(api: LowerApi, nodes: Informer) -> SlicePromises:
+    """A second tenant whose namespace "team" is t1-team below too (both without a
+    prefix, say)."""
+    return SlicePromises(
+        api,
+        nodes,
+        informer(PODS),
+        NamespaceMapping("prefix", "t1"),
+        Ownership("t2", "vk-t2", "lower-1"),
+        tenant(api, "t2", nodes)[0].ensure_namespace,
+    )
+
+
 async def test_a_promise_is_recorded_and_the_lower_namespace_held_to_it() -> None:
     api = LowerApi()
     nodes = informer(NODES, node("n1", "8"), node("n2", "8"))
@@ -222,18 +235,26 @@ async def test_a_namespace_of_another_upper_cluster_is_not_ours_to_change() -> N
     nodes = informer(NODES, node("n1", "8"))
     promises, _ = tenant(api, "t1", nodes)
     await promises.promise("team", 1, SLICE, "0")
-    # The same lower namespace, another origin (both without a prefix, say).
-    intruder = SlicePromises(
-        api,
-        nodes,
-        informer(PODS),
-        NamespaceMapping("prefix", "t1"),
-        Ownership("t2", "vk-t2", "lower-1"),
-        tenant(api, "t2", nodes)[0].ensure_namespace,
-    )
+    intruder = same_lower_namespace_other_origin(api, nodes)
     with pytest.raises(PromiseRefused, match="holds slices of another upper cluster"):
         await intruder.promise("team", 0, SLICE, "0")
     assert api.promised()["t1-team"].slices == 1
+
+
+async def test_a_namespace_of_another_upper_cluster_is_offered_no_room() -> None:
+    """Two tenants' namespaces share a lower name: every promise to the second is refused
+    there, so the room offered it is none. Offered the free room, its multischeduler
+    chose this cluster, was refused, and chose it again at every retry."""
+    api = LowerApi()
+    nodes = informer(NODES, node("n1", "8"))
+    promises, _ = tenant(api, "t1", nodes)
+    await promises.promise("team", 1, SLICE, "0")
+    intruder = same_lower_namespace_other_origin(api, nodes)
+    room = await intruder.room("team")
+    assert (room.held, room.promised_to_others) == (0, Amount(cpu=8000, memory=64 * GI))
+    # Its owner is told its own slices and the room beside them, as before.
+    own = await promises.room("team")
+    assert (own.held, own.promised_to_others) == (1, Amount())
 
 
 async def test_an_unreadable_ledger_entry_refuses_growth_rather_than_count_it_as_nothing() -> None:

@@ -33,6 +33,7 @@ from kubekit.slices import (
     slice_count,
     slice_size,
     slices_of,
+    without_room,
 )
 
 GI = 2**30
@@ -194,6 +195,12 @@ def test_lowering_never_takes_back_slices_the_pods_use() -> None:
 def test_promises_made_are_kept_when_a_cluster_shrinks_or_does_not_answer() -> None:
     assert place(4, SLICE, [room("a", 2)], {"a": 4}) == {"a": 4}
     assert place(3, SLICE, [room("b", 4)], {"gone-quiet": 1}) == {"gone-quiet": 1, "b": 2}
+
+
+def test_a_cluster_without_room_keeps_what_it_holds_and_takes_no_more() -> None:
+    full = without_room(room("a", 8, promised=Amount(2000, 0)))
+    assert full.slots(SLICE) == 0
+    assert place(3, SLICE, [full, room("b", 8)], {"a": 1}) == {"a": 1, "b": 2}
 
 
 def test_a_shortfall_keeps_the_placement_and_says_what_is_missing() -> None:

@@ -29,6 +29,8 @@ from multischeduler.slicing import (
     SliceController,
     condition_patch,
     headrooms,
+    kept,
+    promise_changes,
 )
 
 from .fakeapi import FakeClient
@@ -44,6 +46,8 @@ class Cluster:
     used: int = 0
     refuse: str = ""
     down: bool = False
+    # Answers its room, but not a promise (made or not, the caller cannot tell).
+    promise_times_out: bool = False
     promises: list[PromiseSlicesRequest] = field(default_factory=list)
     # Its ledger: upper namespace -> (slices, slice size in millicores).
     ledger: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -77,6 +81,8 @@ class FakePool:
         cluster = self.clusters[name.removeprefix("vk-")]
         if cluster.down:
             return EstimatorFailure("UNAVAILABLE")
+        if cluster.promise_times_out:
+            return EstimatorFailure("DEADLINE_EXCEEDED")
         cluster.promises.append(request)
         if not cluster.refuse:
             if request.slices:
@@ -281,7 +287,8 @@ async def test_a_cap_added_to_the_quota_rewrites_the_slices_where_they_are() -> 
 
 
 async def test_a_refused_promise_keeps_what_was_made_and_is_retried() -> None:
-    w = world(a=Cluster((8,)), b=Cluster((8,), refuse="b has room for 0 slices"))
+    # b refuses (another tenant took its room first) and a has no room for more.
+    w = world(a=Cluster((4,)), b=Cluster((8,), refuse="b has room for 0 slices"))
     w.put(w.namespaces, namespace())
     w.put(w.quotas, quota("8"))
     with pytest.raises(PromiseNotMade, match="b: b has room for 0 slices"):
@@ -293,6 +300,32 @@ async def test_a_refused_promise_keeps_what_was_made_and_is_retried() -> None:
     await w.controller.reconcile("team")
     assert (w.pool.promised("a"), w.pool.promised("b")) == ([2], [2, 2])
     assert json.loads(str(w.patched()[keys.SLICE_PLACEMENT_ANNOTATION])) == {"a": 2, "b": 2}
+
+
+async def test_a_refused_growth_places_its_slices_where_there_is_room() -> None:
+    """a refuses every growth (its room went to another tenant, or its lower namespace is
+    another's); b has room for all 4 slices. One refusal held back every other growth,
+    and each retry placed the same slices on a again: b was never grown."""
+    w = world(a=Cluster((8,), refuse="a has room for 0 slices"), b=Cluster((8,)))
+    w.put(w.namespaces, namespace())
+    w.put(w.quotas, quota("8"))
+    await w.controller.reconcile("team")
+    assert w.pool.promised("a") == [2], "tried once, then placed around"
+    assert w.pool.clusters["b"].ledger == {"team": (4, 2 * CPU)}
+    assert json.loads(str(w.patched()[keys.SLICE_PLACEMENT_ANNOTATION])) == {"b": 4}
+    assert w.events() == [("SlicesPlaced", "4 slices of cpu 2: b 4")]
+
+
+async def test_a_growth_not_answered_is_left_to_the_retry_and_others_still_grow() -> None:
+    """a's growth times out (made or not, unknown: placed again only from the ledgers);
+    b's is made all the same, no shrink having failed."""
+    w = world(a=Cluster((8,), promise_times_out=True), b=Cluster((8,)))
+    w.put(w.namespaces, namespace())
+    w.put(w.quotas, quota("8"))
+    with pytest.raises(PromiseNotMade, match="a: DEADLINE_EXCEEDED"):
+        await w.controller.reconcile("team")
+    assert w.pool.clusters["b"].ledger == {"team": (2, 2 * CPU)}
+    assert json.loads(str(w.patched()[keys.SLICE_PLACEMENT_ANNOTATION])) == {"b": 2}
 
 
 async def test_a_namespace_that_lost_the_race_for_the_room_reads_as_not_placed() -> None:
@@ -342,14 +375,7 @@ async def test_no_promise_grows_while_a_shrink_is_not_made() -> None:
     """b does not answer its shrink from 3 to 1: growing a to 3 then would have the
     namespace promised 6 slices for a quota that makes 4."""
     w = two_slices_moving_from_b_to_a()
-    real = w.pool.promise_slices
-
-    async def shrink_times_out(name: str, request: PromiseSlicesRequest, timeout: float) -> Any:
-        if name == "vk-b":
-            return EstimatorFailure("DEADLINE_EXCEEDED")
-        return await real(name, request, timeout)
-
-    w.pool.promise_slices = shrink_times_out  # type: ignore[method-assign]
+    w.pool.clusters["b"].promise_times_out = True
     with pytest.raises(PromiseNotMade, match="a: not grown while a shrink is not made"):
         await w.controller.reconcile("team")
     assert w.pool.promised("a") == []
@@ -574,6 +600,20 @@ async def test_a_bad_slice_size_is_told(size: str, hard: str, complaint: str) ->
     w.put(w.quotas, quota(hard))
     await w.controller.reconcile("team")
     assert w.events() == [("InvalidSliceSize", complaint)]
+
+
+def test_the_promises_to_make_and_the_slices_that_stay() -> None:
+    size, old_size = Amount(cpu=2 * CPU), Amount(cpu=CPU)
+    promised = {"a": (2, size), "b": (3, size), "c": (4, old_size), "q": (1, size)}
+    # a unchanged; b shrinks; c re-sliced in place; d new; q does not answer.
+    target = {"a": 2, "b": 1, "c": 4, "d": 1, "q": 3}
+    assert promise_changes(target, promised, size, {"q"}) == {"b": 1, "c": 4, "d": 1}
+    assert promise_changes({}, promised, size, ()) == {"a": 0, "b": 0, "c": 0, "q": 0}
+    assert kept(promised, size) == {"a": 2, "b": 3, "q": 1}
+    # A cap added (memory) changes what a slice holds, not where: the slices stay.
+    capped = Amount(2 * CPU, 4 * GI)
+    assert kept(promised, capped) == {"a": 2, "b": 3, "q": 1}
+    assert promise_changes({"a": 2}, {"a": (2, size)}, capped, ()) == {"a": 2}
 
 
 def test_headroom_flags() -> None:
