@@ -344,18 +344,26 @@ def place(
     used: Mapping[str, int] | None = None,
     policy: Policy = Policy.SPREAD,
 ) -> dict[str, int] | Shortfall:
-    """Where a namespace's ``count`` slices go, starting from where they are.
+    """Where a namespace's ``count`` slices go, starting from where they are and from
+    where its pods run.
 
-    ``current`` is kept (a cluster gone from the pool is for the caller to leave out);
-    slices are added by the policy (ties by the most room left, then the name) or taken
-    back from the clusters where the most of them are unused (``used``: slices' worth of
-    the namespace's pod requests in each cluster, rounded up), ties by name, never below
-    what its pods use: given back, that room would be promised again while they run on
-    it, so the result holds more than ``count`` until they finish. A cluster missing from
-    ``rooms`` (its estimator did not answer) keeps its slices and takes no new ones."""
+    ``current`` is kept (a cluster gone from the pool is for the caller to leave out),
+    and each cluster that answered starts from at least what the namespace's pods use
+    there (``used``: slices' worth of their requests, rounded up), as far as its room
+    goes: its first slices placed elsewhere, the room its running pods use would be
+    promised to others. Slices are then added by the policy (ties by the most room
+    left, then the name) or taken back from the clusters where the most of them are
+    unused, ties by name, never below what its pods use: given back, that room would be
+    promised again while they run on it, so the result holds more than ``count`` until
+    they finish. A cluster missing from ``rooms`` (its estimator did not answer) keeps
+    its slices and takes no new ones."""
     used = used or {}
     slots = {room.cluster: room.slots(size) for room in rooms}
     result = {cluster: held for cluster, held in current.items() if held > 0}
+    for cluster, room_for in slots.items():
+        running = min(used.get(cluster, 0), room_for)
+        if running > result.get(cluster, 0):
+            result[cluster] = running
     surplus = sum(result.values()) - count
     while surplus > 0:
         # From clusters that answered: one that did not may be the busiest.

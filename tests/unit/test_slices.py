@@ -192,6 +192,19 @@ def test_lowering_never_takes_back_slices_the_pods_use() -> None:
     assert place(1, SLICE, rooms, {"a": 3, "b": 2}, used={"a": 2}) == {"a": 2}
 
 
+def test_a_first_placement_starts_where_the_namespace_s_pods_run() -> None:
+    """Its pods use 3 slices' worth in a when its quota is added: spread from nothing, a
+    got 2 (below what runs there, the rest promised to others) and b and c room the
+    namespace could hardly use."""
+    rooms = [room("a", 8), room("b", 8), room("c", 8)]
+    assert place(4, SLICE, rooms, {}, used={"a": 3}) == {"a": 3, "b": 1}
+    # More than the quota runs there: kept for the pods (the caller says so).
+    assert place(2, SLICE, rooms, {}, used={"a": 3}) == {"a": 3}
+    # Above what runs, held slices stay; below it, within the room only.
+    assert place(4, SLICE, rooms, {"a": 1, "b": 1}, used={"a": 2}) == {"a": 2, "b": 1, "c": 1}
+    assert place(2, SLICE, [room("a", 2), room("b", 8)], {}, used={"a": 3}) == {"a": 1, "b": 1}
+
+
 def test_promises_made_are_kept_when_a_cluster_shrinks_or_does_not_answer() -> None:
     assert place(4, SLICE, [room("a", 2)], {"a": 4}) == {"a": 4}
     assert place(3, SLICE, [room("b", 4)], {"gone-quiet": 1}) == {"gone-quiet": 1, "b": 2}
@@ -254,7 +267,8 @@ def pools(
     # Some clusters hold slices already, one maybe gone quiet (not among the rooms).
     names = [room.cluster for room in rooms] + ["quiet"]
     current = {name: held for name in names if (held := draw(st.integers(0, 3)))}
-    used = {name: draw(st.integers(0, held)) for name, held in current.items()}
+    # Pods may use more than is held, or run where nothing is.
+    used = {name: used for name in names if (used := draw(st.integers(0, 4)))}
     rooms = draw(st.permutations(rooms))
     return rooms, size, draw(st.integers(0, 12)), current, used, draw(st.sampled_from(list(Policy)))
 
@@ -277,9 +291,10 @@ def test_placement_never_grows_a_promise_past_the_room_and_is_stable(
         return
     answering = {room.cluster for room in rooms}
     # The quota's count, unless more may not be taken back: what a quiet cluster holds,
-    # and in the others what the namespace's pods use of what they held.
+    # and in the others what the namespace's pods use of what they held or have room for.
     kept = current.get("quiet", 0) + sum(
-        min(held, used.get(cluster, 0)) for cluster, held in current.items() if cluster != "quiet"
+        min(used.get(room.cluster, 0), max(current.get(room.cluster, 0), room.slots(size)))
+        for room in rooms
     )
     assert sum(result.values()) == max(count, kept)
     assert result.get("quiet", 0) == current.get("quiet", 0), "a quiet cluster is not touched"

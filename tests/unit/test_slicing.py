@@ -269,6 +269,26 @@ async def test_a_quota_lowered_below_what_runs_keeps_the_slices_in_use_and_looks
     assert "team" not in w.pool.clusters["b"].ledger
 
 
+async def test_a_quota_added_over_running_pods_is_placed_where_they_run() -> None:
+    """The namespace runs 6 CPU of pods in a when its 8-CPU quota is added. Placed from
+    nothing it was a 2, b 1, c 1: a's lower quota below what runs there, 2 CPU of its
+    pods' room promised to others, and 4 CPU held in b and c it could hardly use."""
+    w = world(a=Cluster((8,), used=6 * CPU), b=Cluster((8,)), c=Cluster((8,)))
+    w.put(w.namespaces, namespace())
+    w.put(w.quotas, quota("8"))
+    await w.controller.reconcile("team")
+    ledgers = {name: c.ledger.get("team") for name, c in w.pool.clusters.items()}
+    assert ledgers == {"a": (3, 2 * CPU), "b": (1, 2 * CPU), "c": None}
+    assert w.events() == [("SlicesPlaced", "4 slices of cpu 2: a 3, b 1")]
+    # A quota smaller than what runs: the slices its pods use are kept, and it says so.
+    w2 = world(a=Cluster((8,), used=6 * CPU), b=Cluster((8,)))
+    w2.put(w2.namespaces, namespace())
+    w2.put(w2.quotas, quota("4"))
+    await w2.controller.reconcile("team")
+    assert w2.pool.clusters["a"].ledger == {"team": (3, 2 * CPU)}
+    assert w2.condition()["reason"] == "SlicesKeptForPods"
+
+
 async def test_a_cap_added_to_the_quota_rewrites_the_slices_where_they_are() -> None:
     """Packed as 3 + 2 when a was full; a has room for all 5 now. A memory cap added to the
     quota changes what a slice holds, not where: placed afresh, b's slices were taken
