@@ -101,6 +101,8 @@ class PromiseRound:
     refused: dict[str, str] = field(default_factory=dict)
     # The others: a shrink not made, a growth held back by one, no answer.
     failures: list[str] = field(default_factory=list)
+    # The clusters whose promise was made.
+    written: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -112,6 +114,9 @@ class LedgerView:
     held: dict[str, tuple[int, Amount]] = field(default_factory=dict)
     used: dict[str, Amount] = field(default_factory=dict)
     silent: dict[str, str] = field(default_factory=dict)  # cluster -> why
+    # Clusters whose entry for the namespace cannot be read: written again whatever the
+    # placement (left, it has the cluster's room counted as promised, for every tenant).
+    unreadable: set[str] = field(default_factory=set)
 
     def sizes(self) -> set[Amount]:
         return {size for _, size in self.held.values()}
@@ -272,7 +277,7 @@ class SliceController:
             if before is not None or name in self._suspects:
                 view = await self._view(name, clusters)
                 outcome = await self._promise(
-                    name, Amount(), dict.fromkeys(view.held, 0), view.held
+                    name, Amount(), dict.fromkeys({*view.held, *view.unreadable}, 0), view.held
                 )
                 if outcome.failures:
                     still = {c: n for c, (n, _) in outcome.promised.items()}
@@ -347,14 +352,14 @@ class SliceController:
                 await self._annotate(namespace, before)
             self.queue.add_after(name, self.retry_after)
             return
-        rooms, promised = view.rooms, view.held
+        rooms, promised, rewrite = view.rooms, view.held, set(view.unreadable)
         refused: dict[str, str] = {}
         shortfall = ""
         while True:
-            outcome = await self._promise(
-                name, size, promise_changes(target, promised, size, view.silent), promised
-            )
+            changes = promise_changes(target, promised, size, view.silent, rewrite)
+            outcome = await self._promise(name, size, changes, promised)
             promised = outcome.promised
+            rewrite -= outcome.written
             refused |= outcome.refused
             if outcome.failures or not outcome.refused:
                 break
@@ -424,6 +429,8 @@ class SliceController:
             )
             if answer.held:
                 view.held[cluster] = (answer.held, _amount(answer.held_slice))
+            if answer.held_unreadable:
+                view.unreadable.add(cluster)
             view.used[cluster] = _amount(answer.used)
         return view
 
@@ -472,6 +479,7 @@ class SliceController:
                 else:
                     outcome.failures.append(f"{cluster}: {answer.refused}")
                 continue
+            outcome.written.add(cluster)
             if changes[cluster]:
                 outcome.promised[cluster] = (changes[cluster], size)
             else:
@@ -600,13 +608,15 @@ def promise_changes(
     promised: Mapping[str, tuple[int, Amount]],
     size: Amount,
     silent: Collection[str],
+    rewrite: Collection[str] = (),
 ) -> dict[str, int]:
     """The promises to make for ``target`` in the clusters that answered: where its
-    slices change, or are held in another size (written again, or taken back)."""
+    slices change, are held in another size (written again, or taken back), or are in
+    ``rewrite`` (an entry that cannot be read: written again whatever it says)."""
     return {
         cluster: target.get(cluster, 0)
-        for cluster in sorted({*target, *promised} - set(silent))
-        if promised.get(cluster, (0, size)) != (target.get(cluster, 0), size)
+        for cluster in sorted({*target, *promised, *rewrite} - set(silent))
+        if cluster in rewrite or promised.get(cluster, (0, size)) != (target.get(cluster, 0), size)
     }
 
 

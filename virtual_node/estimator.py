@@ -883,6 +883,7 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
             held=room.held,
             held_slice=_resources(room.held_slice),
             used=_resources(room.used),
+            held_unreadable=room.held_unreadable,
         )
 
     @metrics.timed(metrics.ESTIMATOR_REQUEST_DURATION, "PromiseSlices")

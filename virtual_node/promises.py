@@ -60,6 +60,9 @@ class SliceRoom:
     held: int
     held_slice: Amount
     used: Amount
+    # The namespace's own entry cannot be read: it holds nothing here (held is 0) until
+    # the next promise writes it again.
+    held_unreadable: bool = False
 
 
 def slice_room(node: dict[str, Any], counted_taint_keys: Collection[str]) -> Amount | None:
@@ -125,7 +128,15 @@ class SlicePromises:
         lower_namespace = self.mapping.lower(upper_namespace)
         ledger = await self._ledger()
         own = ledger.get(lower_namespace)
-        entry = ledger_entry(lower_namespace, own) if own else None
+        unreadable = False
+        try:
+            entry = ledger_entry(lower_namespace, own) if own else None
+        except SliceError as error:
+            # Told as holding nothing, so the multischeduler writes it again: refused an
+            # answer, it counted this cluster silent, never took the entry back, and
+            # every namespace of every tenant saw the cluster's room as promised.
+            log.warning("%s; told as holding nothing, to be written again", error)
+            entry, unreadable = None, True
         foreign = entry is not None and entry.origin != self.owner.origin
         if foreign:
             entry = None  # another upper cluster's: refused when promised
@@ -164,6 +175,7 @@ class SlicePromises:
             held=entry.slices if entry is not None else 0,
             held_slice=entry.size if entry is not None else Amount(),
             used=self._used(lower_namespace),
+            held_unreadable=unreadable,
         )
 
     async def promise(
@@ -176,17 +188,18 @@ class SlicePromises:
 
         def record(ledger: dict[str, str]) -> dict[str, str]:
             text = ledger.get(lower_namespace)
-            if text and not slices and not _readable(lower_namespace, text):
-                # Its own entry unreadable: taking it back is still always allowed.
+            if text and not _readable(lower_namespace, text):
+                # Its own entry unreadable: nothing of it can be kept. Taken back, or
+                # written again as a new promise (held to the room like any growth).
                 ledger.pop(lower_namespace)
-                return ledger
+                text = None
             before = ledger_entry(lower_namespace, text) if text else None
             if before is not None and before.origin != self.owner.origin:
                 raise PromiseRefused(
                     f"lower namespace {lower_namespace} holds slices of another upper cluster "
                     f"({before.origin}); give each tenant a namespace prefix"
                 )
-            if before is None or not entry.promised.within(before.promised):
+            if not entry.promised.within(before.promised if before is not None else Amount()):
                 cluster = ClusterRoom(
                     self.owner.cluster_id,
                     self._node_room(),

@@ -460,10 +460,15 @@ class SliceRoomResponse(_message.Message):
     HELD_FIELD_NUMBER: _builtins.int
     USED_FIELD_NUMBER: _builtins.int
     HELD_SLICE_FIELD_NUMBER: _builtins.int
+    HELD_UNREADABLE_FIELD_NUMBER: _builtins.int
     cluster_id: _builtins.str
     held: _builtins.int
     """Slices the namespace holds here (the ledger's record: the truth of what is
     promised), their size, and what its pods here request.
+    """
+    held_unreadable: _builtins.bool
+    """The namespace's own ledger entry here cannot be read (held is 0 then): it is
+    written again by the next promise, of the slices wanted here or of none.
     """
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___Resources]: ...
@@ -482,10 +487,11 @@ class SliceRoomResponse(_message.Message):
         held: _builtins.int = ...,
         used: Global___Resources | None = ...,
         held_slice: Global___Resources | None = ...,
+        held_unreadable: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["held_slice", b"held_slice", "promised_to_others", b"promised_to_others", "used", b"used"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "held", b"held", "held_slice", b"held_slice", "nodes", b"nodes", "promised_to_others", b"promised_to_others", "used", b"used"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "held", b"held", "held_slice", b"held_slice", "held_unreadable", b"held_unreadable", "nodes", b"nodes", "promised_to_others", b"promised_to_others", "used", b"used"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import orjson
@@ -32,6 +32,7 @@ from kubekit.estimatorapi.estimator_pb2 import (
     PodQuery,
     PromiseSlicesRequest,
     ReleaseRequest,
+    SliceRoomRequest,
 )
 from kubekit.informer import Informer
 from kubekit.slices import Amount, LedgerEntry
@@ -45,6 +46,7 @@ from virtual_node.estimator import (
 )
 from virtual_node.kubeletapi.auth import AuthError, Authorizer, User
 from virtual_node.naming import NamespaceMapping
+from virtual_node.promises import SlicePromises, SliceRoom
 from virtual_node.translate import Ownership, desired_lower_pod, pinned_to
 
 OWNER = Ownership(origin="upper-uid", node_name="vk-lower-1", cluster_id="lower-1")
@@ -601,6 +603,25 @@ async def test_a_caller_that_may_only_read_may_ask_and_change_nothing() -> None:
             await call(context)
         assert context.code is grpc.StatusCode.PERMISSION_DENIED
     assert cluster.fits("1", replicas=10) == 6, "nothing held"
+
+
+class UnreadableEntries:
+    """Stands for the slice promises of a cluster whose ledger entry for each namespace
+    cannot be read."""
+
+    mapping = NamespaceMapping()
+
+    async def room(self, upper_namespace: str) -> SliceRoom:
+        return SliceRoom((), Amount(), 0, Amount(), Amount(), held_unreadable=True)
+
+
+async def test_slice_room_tells_the_namespace_s_own_entry_cannot_be_read() -> None:
+    """So the multischeduler writes it again: told nothing of it, it left it for good."""
+    promises = cast(SlicePromises, UnreadableEntries())
+    service = EstimatorService(Cluster().estimator, Admitting(), "lower-1", promises)
+    context: Any = Context()
+    room = await service.SliceRoom(SliceRoomRequest(namespace="team"), context)
+    assert (room.cluster_id, room.held, room.held_unreadable) == ("lower-1", 0, True)
 
 
 def ledger_map(*entries: tuple[str, int, Amount]) -> dict[str, Any]:

@@ -278,6 +278,29 @@ async def test_an_unreadable_ledger_entry_refuses_growth_rather_than_count_it_as
     assert "t1-mine" not in api.ledger["data"]
 
 
+async def test_the_namespace_s_own_unreadable_entry_is_told_as_nothing_and_written_again() -> None:
+    """Its entry hand-edited ("cpu": "2000m"): the look raised, the estimator answered
+    FAILED_PRECONDITION, the multischeduler counted the cluster silent and never took
+    the entry back, and every other namespace saw the cluster's room as promised."""
+    api = LowerApi()
+    promises, _ = tenant(api, "t1", informer(NODES, node("n1", "8")))
+    await promises.promise("other", 1, SLICE, "0")
+    assert api.ledger is not None
+    api.ledger["data"]["t1-team"] = (
+        '{"namespace":"team","origin":"t1","slices":1,"size":{"cpu":"2000m","memory":0}}'
+    )
+    room = await promises.room("team")
+    assert (room.held, room.held_unreadable, room.promised_to_others) == (0, True, SLICE)
+    # Written again as the promise wanted, held to the room like any growth.
+    with pytest.raises(PromiseRefused, match="room for 3 slices"):
+        await promises.promise("team", 4, SLICE, "0")
+    await promises.promise("team", 2, SLICE, "0")
+    assert api.promised()["t1-team"].slices == 2
+    assert api.quotas["t1-team"]["spec"]["hard"]["requests.cpu"] == "4"
+    room = await promises.room("team")
+    assert (room.held, room.held_unreadable) == (2, False)
+
+
 async def test_a_quota_left_behind_its_ledger_entry_is_brought_in_step_by_the_next_look() -> None:
     """The ledger is written first; the quota's write may fail after it (a 409 from the
     quota's own status updates, a crash). The multischeduler reads the ledger and

@@ -51,6 +51,8 @@ class Cluster:
     promises: list[PromiseSlicesRequest] = field(default_factory=list)
     # Its ledger: upper namespace -> (slices, slice size in millicores).
     ledger: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Namespaces whose entry in it cannot be read (until a promise writes it).
+    unreadable: set[str] = field(default_factory=set)
 
 
 class FakePool:
@@ -73,6 +75,7 @@ class FakePool:
             used=Resources(cpu_millis=cluster.used),
             held=cluster.ledger.get(namespace, (0, 0))[0],
             held_slice=Resources(cpu_millis=cluster.ledger.get(namespace, (0, 0))[1]),
+            held_unreadable=namespace in cluster.unreadable,
         )
 
     async def promise_slices(
@@ -85,6 +88,7 @@ class FakePool:
             return EstimatorFailure("DEADLINE_EXCEEDED")
         cluster.promises.append(request)
         if not cluster.refuse:
+            cluster.unreadable.discard(request.namespace)
             if request.slices:
                 cluster.ledger[request.namespace] = (request.slices, request.slice.cpu_millis)
             else:
@@ -558,6 +562,28 @@ async def test_a_reslice_into_fewer_larger_slices_is_not_grown_once_a_shrink_fai
     await w.controller.reconcile("team")
     assert w.pool.clusters["a"].ledger == {"team": (3, 2 * CPU)}
     assert w.pool.clusters["b"].ledger == {"team": (2, 2 * CPU)}
+
+
+async def test_an_unreadable_entry_of_the_namespace_is_written_again() -> None:
+    """a's entry for the namespace cannot be read: told as holding nothing, it is taken
+    back where the placement has no slices, written with them where it has."""
+    w = world(
+        a=Cluster((8,), unreadable={"team"}),
+        b=Cluster((8,), ledger={"team": (2, 2 * CPU)}),
+        c=Cluster((8,), unreadable={"team"}, promised_to_others=8 * CPU),
+    )
+    w.put(w.namespaces, recorded(Applied(Amount(cpu=2 * CPU), {"b": 2})))
+    w.put(w.quotas, quota("4"))
+    await w.controller.reconcile("team")
+    assert (w.pool.promised("a"), w.pool.promised("b"), w.pool.promised("c")) == ([0], [], [0])
+    assert w.pool.clusters["a"].unreadable == w.pool.clusters["c"].unreadable == set()
+    # Raised: a takes new slices over its entry, written as a promise.
+    w.pool.clusters["a"].unreadable.add("team")
+    w.put(w.quotas, quota("4"), "DELETED")
+    w.put(w.quotas, quota("8"))
+    await w.controller.reconcile("team")
+    assert w.pool.promised("a") == [0, 2]
+    assert w.pool.clusters["a"].ledger == {"team": (2, 2 * CPU)}
 
 
 async def test_a_silent_estimator_keeps_its_slices_and_takes_no_new_ones() -> None:
