@@ -64,6 +64,10 @@ class Amount:
     def times(self, count: int) -> Amount:
         return Amount(self.cpu * count, self.memory * count)
 
+    def most(self, other: Amount) -> Amount:
+        """The larger of the two in each resource."""
+        return Amount(max(self.cpu, other.cpu), max(self.memory, other.memory))
+
     def within(self, limit: Amount) -> bool:
         return self.cpu <= limit.cpu and self.memory <= limit.memory
 

@@ -416,6 +416,12 @@ class FitEstimator:
                     self.budgets.count(pod["metadata"]["uid"], namespace, self._charged(pod))
 
     @_exclusive
+    def slice_use(self, namespace: str) -> Amount:
+        """What the pods counted against a lower namespace's slices here request: bound
+        to this virtual node or holding room, by UID, their lower copies made or not."""
+        return self.budgets.counted(namespace)
+
+    @_exclusive
     def _upper_pod_deleted(self, pod: JSON) -> None:
         self._drop(pod["metadata"]["uid"])
 

@@ -567,6 +567,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
                         owner,
                         backend.ensure_namespace,
                         frozenset(config.counted_taint_keys),
+                        counted=estimator.slice_use,
                     ),
                     home=asyncio.get_running_loop(),
                 ),

@@ -86,6 +86,7 @@ class SlicePromises:
         owner: Ownership,
         ensure_namespace: Callable[[str], Awaitable[None]],
         counted_taint_keys: Collection[str] = (),
+        counted: Callable[[str], Amount] = lambda _namespace: Amount(),
     ) -> None:
         self.client = client
         self.nodes = nodes
@@ -94,13 +95,19 @@ class SlicePromises:
         self.owner = owner
         self.ensure_namespace = ensure_namespace
         self.counted_taint_keys = counted_taint_keys
+        # What the estimator counts against a lower namespace's slices here: its pods
+        # bound to this virtual node or holding room, lower copies made or not.
+        self.counted = counted
 
     def _node_room(self) -> tuple[Amount, ...]:
         found = (slice_room(node, self.counted_taint_keys) for node in self.nodes.items())
         return tuple(sorted(room for room in found if room is not None))
 
     def _used(self, lower_namespace: str) -> Amount:
-        return sum(
+        """What the namespace's pods use here: its lower pods' requests, or what the
+        estimator counts against its slices where that is more (a pod bound or holding
+        room, its lower copy not made yet: its slice taken back, it would find none)."""
+        below = sum(
             (
                 requested(pod)
                 for pod in self.pods.items(lower_namespace)
@@ -108,6 +115,7 @@ class SlicePromises:
             ),
             Amount(),
         )
+        return below.most(self.counted(lower_namespace))
 
     async def _ledger(self) -> dict[str, str]:
         try:
@@ -313,6 +321,10 @@ class SliceBudgets:
         for uid in [uid for uid, (namespace, _) in self._pods.items() if namespace not in promised]:
             self.uncount(uid)
         return newly
+
+    def counted(self, namespace: str) -> Amount:
+        """What the pods counted against the namespace's slices here request."""
+        return self._used.get(namespace, Amount())
 
     def holds(self, namespace: str) -> bool:
         """Whether the namespace is held to slices here (an entry that cannot be read

@@ -464,7 +464,8 @@ class SliceRoomResponse(_message.Message):
     cluster_id: _builtins.str
     held: _builtins.int
     """Slices the namespace holds here (the ledger's record: the truth of what is
-    promised), their size, and what its pods here request.
+    promised), their size, and what its pods here request (its lower pods, or those
+    the estimator counts against its slices, bound or holding room, where more).
     """
     held_unreadable: _builtins.bool
     """The namespace's own ledger entry here cannot be read (held is 0 then): it is

@@ -657,6 +657,17 @@ def test_a_sliced_namespace_s_pods_stay_within_its_slices_here() -> None:
     assert message.message.startswith("namespace ns's quota slices here")
 
 
+def test_the_slice_use_counts_pods_bound_or_holding_room_before_their_lower_copy() -> None:
+    """What SliceRoom tells as used: a pod bound here, or holding room, whose lower copy
+    is not made yet, uses its slice all the same."""
+    cluster = Cluster()
+    cluster.estimator.ledger_changed(ledger_map(("ns", 2, Amount(cpu=1000))))
+    cluster.upper_pods.apply({"type": "ADDED", "object": upper_pod("bound", "500m")})
+    cluster.estimator.answer(orjson.dumps(upper_pod("held", "1")), reserve=True)
+    assert cluster.estimator.slice_use("ns") == Amount(cpu=1500)
+    assert cluster.estimator.slice_use("other") == Amount()
+
+
 def test_a_namespace_without_slices_here_and_a_lost_ledger_are_not_held() -> None:
     cluster = Cluster()
     cluster.estimator.ledger_changed(ledger_map(("other", 1, Amount(cpu=1000))))

@@ -214,6 +214,38 @@ async def test_room_counts_other_tenants_promises_and_the_namespace_s_own_use() 
     assert (room.held, room.used) == (1, Amount(cpu=1500))
 
 
+async def test_room_tells_as_used_what_the_estimator_counts_where_that_is_more() -> None:
+    """A pod bound here, its lower copy not made yet: told only the lower pods' 1500m,
+    the multischeduler could take back the slice that pod waits to run in."""
+    api = LowerApi()
+    pods = informer(PODS, lower_pod("t1-team", "a", "1500m"))
+    counted = {"t1-team": Amount(cpu=3000), "t1-small": Amount(cpu=500, memory=GI)}
+    promises = SlicePromises(
+        api,
+        informer(NODES, node("n1", "8")),
+        pods,
+        NamespaceMapping("prefix", "t1"),
+        Ownership("t1", "vk-t1", "lower-1"),
+        tenant(api, "t1", informer(NODES))[0].ensure_namespace,
+        counted=lambda namespace: counted.get(namespace, Amount()),
+    )
+    assert (await promises.room("team")).used == Amount(cpu=3000)
+    # The larger of the two in each resource.
+    pods.apply({"type": "ADDED", "object": lower_pod("t1-small", "b", "1")})
+    assert (await promises.room("small")).used == Amount(cpu=1000, memory=GI)
+    assert (await promises.room("none")).used == Amount()
+
+
+def test_the_budgets_tell_what_is_counted_against_a_namespace() -> None:
+    budgets = SliceBudgets("origin-a")
+    budgets.ledger_changed({"data": {"ns": LedgerEntry("ns", "origin-a", 2, SLICE).encode()}})
+    budgets.count("a", "ns", Amount(cpu=100))
+    budgets.count("b", "ns", Amount(cpu=200, memory=GI))
+    budgets.count("elsewhere", "unsliced", Amount(cpu=100))
+    assert budgets.counted("ns") == Amount(cpu=300, memory=GI)
+    assert budgets.counted("unsliced") == Amount()
+
+
 async def test_two_tenants_promising_at_once_never_share_the_room() -> None:
     api = LowerApi()
     nodes = informer(NODES, node("n1", "8"), node("n2", "8"))

@@ -65,6 +65,10 @@ def test_the_strictest_cap_per_resource_counts_and_scoped_quotas_do_not() -> Non
     assert namespace_quota([quota({"pods": "10"})]) == {}
 
 
+def test_the_most_of_two_amounts_in_each_resource() -> None:
+    assert Amount(1000, GI).most(Amount(500, 2 * GI)) == Amount(1000, 2 * GI)
+
+
 def test_millicores_are_exact_and_rounded_up() -> None:
     assert namespace_quota([quota({"requests.cpu": "500m"})]) == {"cpu": 500}
     assert namespace_quota([quota({"requests.cpu": "0.0005"})]) == {"cpu": 1}
