@@ -360,8 +360,10 @@ class SliceController:
             outcome = await self._promise(name, size, changes, promised)
             promised = outcome.promised
             rewrite -= outcome.written
+            # Bounded: each turn takes at least one more cluster's room away, or ends.
+            again = not outcome.failures and bool(outcome.refused.keys() - refused.keys())
             refused |= outcome.refused
-            if outcome.failures or not outcome.refused:
+            if not again:
                 break
             # Only growth refused: those clusters have no room left for the namespace
             # (another tenant took it first). Its slices go where there is room, now:
