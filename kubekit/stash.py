@@ -19,7 +19,7 @@ from typing import Any
 
 from kubekit import keys, shapes
 from kubekit.jsonvalue import json_copy
-from kubekit.moves import keep_off, kept_off_names
+from kubekit.moves import keep_off
 
 JSON = dict[str, Any]
 
@@ -276,8 +276,38 @@ def _viewed_with_other_moves(
     changed since, it was stashed in place of the original, and the lower pod lost its
     own."""
     view = upper_view(original, keep)["affinity"]
-    moved_off = kept_off_names(affinity) - kept_off_names(view)
+    moved_off = _appended_keep_offs(affinity, view)
+    if moved_off is None:
+        return False
     return bool(affinity == (keep_off(view, moved_off) if moved_off else view))
+
+
+def _required_terms(affinity: Any) -> list[Any]:
+    node_affinity = (affinity or {}).get("nodeAffinity") or {}
+    required = node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {}
+    return list(required.get("nodeSelectorTerms") or [])
+
+
+def _appended_keep_offs(affinity: Any, view: Any) -> set[str] | None:
+    """The nodes ``keep_off`` would have appended to ``view`` to make ``affinity``: the
+    requirements its first term has past the view's (None: not such a tail). Read from
+    what follows, not as the names the view lacks: a pod's own term may exclude a node
+    it is also kept off, and the second exclusion was taken for a change of its own."""
+    terms, viewed = _required_terms(affinity), _required_terms(view)
+    if not terms:
+        return set() if not viewed else None
+    fields = list((terms[0] or {}).get("matchFields") or [])
+    before = list((viewed[0] or {}).get("matchFields") or []) if viewed else []
+    tail = fields[len(before) :]
+    if fields[: len(before)] != before or not all(
+        isinstance(r, dict)
+        and r.get("key") == "metadata.name"
+        and r.get("operator") == "NotIn"
+        and len(r.get("values") or []) == 1
+        for r in tail
+    ):
+        return None
+    return {str(r["values"][0]) for r in tail}
 
 
 def stash_update(
