@@ -904,6 +904,9 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "slices cannot be negative")
         if request.slices and (size.cpu < 0 or size.memory < 0 or size == Amount()):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the slice size must be positive")
+        if request.slices and (why := promises.mapping.refusal(request.namespace)):
+            # Its pods are refused here: its quota below would cap the lower cluster's own.
+            return estimator_pb2.PromiseSlicesResponse(refused=why)
         try:
             await self._at_home(
                 promises.promise(request.namespace, request.slices, size, request.headroom)

@@ -32,6 +32,7 @@ from kubekit.estimatorapi.estimator_pb2 import (
     PodQuery,
     PromiseSlicesRequest,
     ReleaseRequest,
+    Resources,
     SliceRoomRequest,
 )
 from kubekit.informer import Informer
@@ -622,6 +623,37 @@ async def test_slice_room_tells_the_namespace_s_own_entry_cannot_be_read() -> No
     context: Any = Context()
     room = await service.SliceRoom(SliceRoomRequest(namespace="team"), context)
     assert (room.cluster_id, room.held, room.held_unreadable) == ("lower-1", 0, True)
+
+
+class Promising(UnreadableEntries):
+    def __init__(self) -> None:
+        self.promised: list[tuple[str, int]] = []
+
+    async def promise(self, upper_namespace: str, slices: int, size: Amount, headroom: str) -> None:
+        self.promised.append((upper_namespace, slices))
+
+
+async def test_no_slice_is_promised_in_the_lower_clusters_own_namespaces() -> None:
+    """Its quota below would cap the lower cluster's own pods there (and refuse those
+    asking no cpu), for a namespace whose pods are refused here anyway."""
+    promises = Promising()
+    service = EstimatorService(
+        Cluster().estimator, Admitting(), "lower-1", cast(SlicePromises, promises)
+    )
+    context: Any = Context()
+    one = Resources(cpu_millis=1000)
+    answer = await service.PromiseSlices(
+        PromiseSlicesRequest(namespace="kube-system", slices=2, slice=one), context
+    )
+    assert "namespace kube-system is the lower cluster's own" in answer.refused
+    # One an earlier version promised is still taken back.
+    assert not (
+        await service.PromiseSlices(PromiseSlicesRequest(namespace="kube-system"), context)
+    ).refused
+    await service.PromiseSlices(
+        PromiseSlicesRequest(namespace="team", slices=2, slice=one), context
+    )
+    assert promises.promised == [("kube-system", 0), ("team", 2)]
 
 
 def ledger_map(*entries: tuple[str, int, Amount]) -> dict[str, Any]:
