@@ -122,6 +122,7 @@ class NodeController:
         # for a start that was not.
         self._started_by: float | None = None
         self._not_started_told = False
+        self._tainting: asyncio.Future[None] | None = None
 
     async def renewing_lease_while(self, work: Awaitable[T]) -> T:
         """Awaits ``work`` (the serving certificate, the caches' first sync) renewing the
@@ -140,6 +141,10 @@ class NodeController:
             return await work
         finally:
             renewing.cancel()
+            if self._tainting is not None:
+                # Sent, the patch may land after the registration that takes the taint
+                # off has read the Node: it stayed for good. It ends first.
+                await asyncio.wait({self._tainting})
 
     async def _renew_registered(self, started_by: float) -> None:
         while True:
@@ -154,7 +159,8 @@ class NodeController:
                 if await self.provider.ping():
                     await self.renew_lease()
                 if not self._not_started_told and asyncio.get_running_loop().time() > started_by:
-                    await self._taint_not_started()
+                    self._tainting = asyncio.ensure_future(self._taint_not_started())
+                    await asyncio.shield(self._tainting)
             except API_ERRORS as error:
                 if is_not_found(error) and not self._node_uid:
                     return
