@@ -385,6 +385,11 @@ class SliceController:
         placed = f"{sum(made.values())} slices of {size.describe()}: " + (
             ", ".join(f"{cluster} {held}" for cluster, held in sorted(made.items())) or "none"
         )
+        if refused:
+            # Placed around them: a placement the user wrote is not what was made.
+            placed += "; not grown where refused: " + "; ".join(
+                f"{cluster}: {why}" for cluster, why in sorted(refused.items())
+            )
         if sum(made.values()) > count:
             # Given back as the pods using them finish, which no upper object tells.
             await self._tell(

@@ -337,7 +337,12 @@ async def test_a_refused_growth_places_its_slices_where_there_is_room() -> None:
     assert w.pool.promised("a") == [2], "tried once, then placed around"
     assert w.pool.clusters["b"].ledger == {"team": (4, 2 * CPU)}
     assert json.loads(str(w.patched()[keys.SLICE_PLACEMENT_ANNOTATION])) == {"b": 4}
-    assert w.events() == [("SlicesPlaced", "4 slices of cpu 2: b 4")]
+    assert w.events() == [
+        (
+            "SlicesPlaced",
+            "4 slices of cpu 2: b 4; not grown where refused: a: a has room for 0 slices",
+        )
+    ]
 
 
 async def test_a_growth_not_answered_is_left_to_the_retry_and_others_still_grow() -> None:
