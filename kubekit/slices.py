@@ -469,6 +469,17 @@ class LedgerEntry:
         ).decode()
 
 
+def entry_origin(text: str) -> str | None:
+    """The upper cluster an entry names, read from it however broken the rest is (None:
+    not even that): another tenant's entry is never taken for this one's."""
+    try:
+        entry = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return None
+    origin = entry.get("origin") if isinstance(entry, dict) else None
+    return origin if isinstance(origin, str) else None
+
+
 def ledger_entry(key: str, text: str) -> LedgerEntry:
     try:
         entry = orjson.loads(text)

@@ -34,6 +34,7 @@ from kubekit.slices import (
     LedgerEntry,
     SliceError,
     amount,
+    entry_origin,
     headroom,
     held_namespaces,
     ledger_entry,
@@ -145,7 +146,10 @@ class SlicePromises:
             # every namespace of every tenant saw the cluster's room as promised.
             log.warning("%s; told as holding nothing, to be written again", error)
             entry, unreadable = None, True
-        foreign = entry is not None and entry.origin != self.owner.origin
+        foreign = (entry is not None and entry.origin != self.owner.origin) or (
+            unreadable and _foreign_origin(own, self.owner.origin)
+        )
+        unreadable = unreadable and not foreign
         if foreign:
             entry = None  # another upper cluster's: refused when promised
         if entry is not None:
@@ -196,6 +200,12 @@ class SlicePromises:
 
         def record(ledger: dict[str, str]) -> dict[str, str]:
             text = ledger.get(lower_namespace)
+            if text and _foreign_origin(text, self.owner.origin):
+                # Another tenant's, broken or not: theirs to take back.
+                raise PromiseRefused(
+                    f"lower namespace {lower_namespace} holds slices of another upper cluster "
+                    f"({entry_origin(text)}); give each tenant a namespace prefix"
+                )
             if text and not _readable(lower_namespace, text):
                 # Its own entry unreadable: nothing of it can be kept. Taken back, or
                 # written again as a new promise (held to the room like any growth).
@@ -377,3 +387,9 @@ class SliceBudgets:
             f"{entry.size.describe()}) have {capped.describe()} left, the pod asks "
             f"{asked.describe()}"
         )
+
+
+def _foreign_origin(text: str | None, origin: str) -> bool:
+    """Whether a ledger entry names another upper cluster (read however broken)."""
+    named = entry_origin(text) if text else None
+    return named is not None and named != origin

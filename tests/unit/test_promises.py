@@ -333,6 +333,25 @@ async def test_the_namespace_s_own_unreadable_entry_is_told_as_nothing_and_writt
     assert (room.held, room.held_unreadable) == (2, False)
 
 
+async def test_another_tenants_unreadable_entry_is_neither_offered_nor_written_over() -> None:
+    """Two tenants whose namespaces meet below, the other's entry hand-edited: taken for
+    this tenant's own, it was written over or taken back, its quota with it, while the
+    other tenant's pods ran on that room."""
+    api = LowerApi()
+    promises, _ = tenant(api, "t1", informer(NODES, node("n1", "8")))
+    await promises.promise("other", 1, SLICE, "0")
+    assert api.ledger is not None
+    theirs = '{"namespace":"team","origin":"t2","slices":1,"size":{"cpu":"2000m","memory":0}}'
+    api.ledger["data"]["t1-team"] = theirs
+    room = await promises.room("team")
+    assert (room.held, room.held_unreadable) == (0, False)
+    assert room.promised_to_others == sum(room.nodes, Amount()), "no room offered"
+    for slices in (0, 2):
+        with pytest.raises(PromiseRefused, match=r"another upper cluster \(t2\)"):
+            await promises.promise("team", slices, SLICE, "0")
+    assert api.ledger["data"]["t1-team"] == theirs
+
+
 async def test_a_quota_left_behind_its_ledger_entry_is_brought_in_step_by_the_next_look() -> None:
     """The ledger is written first; the quota's write may fail after it (a 409 from the
     quota's own status updates, a crash). The multischeduler reads the ledger and
