@@ -476,8 +476,8 @@ def entry_origin(text: str) -> str | None:
         entry = orjson.loads(text)
     except orjson.JSONDecodeError:
         return None
-    origin = entry.get("origin") if isinstance(entry, dict) else None
-    return origin if isinstance(origin, str) else None
+    # As ledger_entry reads it.
+    return str(entry["origin"]) if isinstance(entry, dict) and "origin" in entry else None
 
 
 def ledger_entry(key: str, text: str) -> LedgerEntry:

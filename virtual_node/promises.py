@@ -146,9 +146,7 @@ class SlicePromises:
             # every namespace of every tenant saw the cluster's room as promised.
             log.warning("%s; told as holding nothing, to be written again", error)
             entry, unreadable = None, True
-        foreign = (entry is not None and entry.origin != self.owner.origin) or (
-            unreadable and _foreign_origin(own, self.owner.origin)
-        )
+        foreign = _foreign_origin(own, self.owner.origin)
         unreadable = unreadable and not foreign
         if foreign:
             entry = None  # another upper cluster's: refused when promised
@@ -212,11 +210,6 @@ class SlicePromises:
                 ledger.pop(lower_namespace)
                 text = None
             before = ledger_entry(lower_namespace, text) if text else None
-            if before is not None and before.origin != self.owner.origin:
-                raise PromiseRefused(
-                    f"lower namespace {lower_namespace} holds slices of another upper cluster "
-                    f"({before.origin}); give each tenant a namespace prefix"
-                )
             if not entry.promised.within(before.promised if before is not None else Amount()):
                 cluster = ClusterRoom(
                     self.owner.cluster_id,
