@@ -612,3 +612,31 @@ def held_namespaces(ledger: Mapping[str, str], origin: str) -> set[str]:
         if entry.origin == origin and entry.slices > 0:
             held.add(entry.namespace)
     return held
+
+
+def no_slices_here(namespace: str, cluster_id: str, slices: Mapping[str, int]) -> str | None:
+    """Why a pod of a sliced namespace may not go to ``cluster_id``, which holds none of
+    its slices (``slices``: {cluster-id: slices}), or None when it holds some."""
+    if slices.get(cluster_id, 0) > 0:
+        return None
+    held = ", ".join(f"{cluster} {count}" for cluster, count in sorted(slices.items()) if count)
+    return f"namespace {namespace} holds no quota slices in {cluster_id} " + (
+        f"(its slices: {held})" if held else "(none placed)"
+    )
+
+
+def bound_outside_slices(
+    namespace: str, applied_annotation: str | None, cluster_id: str, held_here: bool
+) -> str | None:
+    """Why a pod bound to this cluster's virtual node past the extender (its
+    ``spec.nodeName`` set by its creator) is not made below: its namespace's quota is
+    sliced (the multischeduler's applied record on the upper namespace) and neither that
+    record nor this cluster's ledger (``held_here``) gives it slices here. Made, it would
+    run outside its quota, on room promised to other namespaces; without a slice here there
+    is no slice quota below to refuse it. Either record naming this cluster is enough: the
+    ledger is written before the record, and the record is read above, so one may lag."""
+    record = applied(applied_annotation)
+    if held_here or record is None or not any(record.slices.values()):
+        return None
+    why = no_slices_here(namespace, cluster_id, record.slices)
+    return None if why is None else f"{why}; a pod bound here by spec.nodeName would run outside it"

@@ -20,6 +20,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, g
 from kubekit import keys, metrics
 from kubekit.client import JSON
 from kubekit.estimatorapi.estimator_pb2 import PodEstimate
+from kubekit.slices import no_slices_here
 
 # kube-scheduler's MaxExtenderPriority.
 MAX_SCORE = 10
@@ -185,17 +186,12 @@ def outside_slices(
 ) -> PodEstimate | None:
     """The rejection of a virtual node whose cluster holds none of the quota slices of
     the pod's namespace (``slices``: {cluster-id: slices}), or None."""
-    if slices.get(node.cluster_id, 0) > 0:
+    why = no_slices_here(namespace, node.cluster_id, slices)
+    if why is None:
         return None
-    held = ", ".join(f"{cluster} {count}" for cluster, count in sorted(slices.items()) if count)
-    return PodEstimate(
-        message=f"namespace {namespace} holds no quota slices in {node.cluster_id} "
-        + (
-            f"(its slices: {held})"
-            if held
-            else f"(none placed: see its {keys.SLICES_PLACED_CONDITION} condition)"
-        )
-    )
+    if not any(slices.values()):
+        why += f": see its {keys.SLICES_PLACED_CONDITION} condition"
+    return PodEstimate(message=why)
 
 
 def filter_result(

@@ -148,6 +148,7 @@ class LowerCluster:
         counted_taint_keys: frozenset[str] = frozenset(),
         host_access_namespaces: frozenset[str] = frozenset(),
         heartbeat: KubeClient | None = None,
+        outside_slices: Callable[[str], str | None] | None = None,
     ) -> None:
         self.client = client
         # The ping's client, when it is not ``client``: one whose requests wait for no
@@ -168,6 +169,9 @@ class LowerCluster:
         # Upper namespaces whose pods may use the lower nodes' host (privileged, host
         # namespaces, hostPath, host ports); others' such pods are not created below.
         self.host_access_namespaces = host_access_namespaces
+        # Why a new pod of an upper namespace is not made here: its quota's slices are
+        # elsewhere (slices.bound_outside_slices), or None.
+        self.outside_slices = outside_slices
         self.version = ""
         # As the last ping found it: a lower cluster that cannot be reached is not
         # mirrored (its pods' last statuses are no news; the node controller above marks
@@ -478,8 +482,12 @@ class LowerCluster:
         return lower if _made_from(lower, upper) else None
 
     def _refused_namespace(self, upper: Mapping[str, Any]) -> Rejected | None:
-        why = self.mapping.refusal(upper["metadata"]["namespace"])
-        return None if why is None else Rejected("LowerNamespaceRefused", why)
+        namespace = upper["metadata"]["namespace"]
+        why = self.mapping.refusal(namespace)
+        if why is not None:
+            return Rejected("LowerNamespaceRefused", why)
+        why = self.outside_slices(namespace) if self.outside_slices is not None else None
+        return None if why is None else Rejected("OutsideQuotaSlices", why)
 
     def _refused_host_access(self, upper: Mapping[str, Any], desired: JSON) -> Rejected | None:
         why = host_access_refusal(

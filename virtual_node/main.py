@@ -39,7 +39,7 @@ from kubekit.informer import FunctionHandler, InformerFactory
 from kubekit.leader import ElectionSettings
 from kubekit.loops import run_together
 from kubekit.serving import check_client_ca, check_kubeconfig
-from kubekit.slices import held_namespaces
+from kubekit.slices import bound_outside_slices, held_namespaces
 from kubekit.timestamps import now_micro
 from kubekit.workqueue import WorkQueue
 from virtual_node.estimator import EstimatorServer, EstimatorService, FitEstimator
@@ -430,6 +430,20 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             owner,
             host_access_namespaces=frozenset(config.host_access_namespaces),
         )
+        upper_namespaces = upper_informers.informer(NAMESPACES)
+        # Upper namespaces holding slices here, as the lower ledger says (kept below).
+        held_here: set[str] = set()
+
+        def outside_slices(namespace: str) -> str | None:
+            found = upper_namespaces.get(namespace) or {}
+            annotations = found.get("metadata", {}).get("annotations") or {}
+            return bound_outside_slices(
+                namespace,
+                annotations.get(keys.SLICE_APPLIED_ANNOTATION),
+                config.cluster_id,
+                namespace in held_here,
+            )
+
         backend = LowerCluster(
             lower,
             lower_informers.informer(PODS),
@@ -443,6 +457,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             frozenset(config.counted_taint_keys),
             estimator.host_access_namespaces,
             heartbeat=lower_heartbeat,
+            outside_slices=outside_slices,
         )
         backend.watch_mirrored_pods(queue)
         events = EventReflector(
@@ -456,7 +471,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
         pods = PodController(upper, upper_pods, backend, config.name, queue)
         lower_namespaces = LowerNamespaces(
             upper,
-            upper_informers.informer(NAMESPACES),
+            upper_namespaces,
             lower,
             lower_informers.informer(NAMESPACES, label_selector=owner.namespace_selector()),
             backend.pods,
@@ -507,14 +522,16 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
         )
 
         def ledger_changed(configmap: dict[str, Any]) -> None:
-            data = configmap.get("data") or {}
-            reflector.sync_namespaces(held_namespaces(data, owner.origin))
+            held = held_namespaces(configmap.get("data") or {}, owner.origin)
+            held_here.clear()
+            held_here.update(held)
+            reflector.sync_namespaces(held)
 
         ledger.add_handler(
             FunctionHandler(
                 add=ledger_changed,
                 update=ledger_changed,
-                delete=lambda _configmap: reflector.sync_namespaces(()),
+                delete=lambda _configmap: ledger_changed({}),
             )
         )
         if config.estimator_port:

@@ -419,7 +419,7 @@ async def test_a_sliced_namespace_s_pods_go_only_where_it_holds_slices(
     assert result["NodeNames"] == []
     assert result["FailedAndUnresolvableNodes"]["vk-a"] == (
         "vk-a: namespace ns holds no quota slices in a "
-        "(none placed: see its kubestrata.io/SlicesPlaced condition)"
+        "(none placed): see its kubestrata.io/SlicesPlaced condition"
     )
     assert len(federation.estimators["vk-a"].estimates) == 1
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +67,7 @@ def mirroring() -> Mirroring:
 def mirroring_with(
     host_access_namespaces: frozenset[str] = frozenset(),
     mapping: NamespaceMapping | None = None,
+    outside_slices: Callable[[str], str | None] | None = None,
 ) -> Mirroring:
     upper, lower = FakeClient(), FakeClient()
     upper_pods = Informer(client=upper, resource=PODS)
@@ -79,6 +80,7 @@ def mirroring_with(
         mapping or NamespaceMapping(),
         HOST_IP,
         host_access_namespaces=host_access_namespaces,
+        outside_slices=outside_slices,
     )
     controller = PodController(upper, upper_pods, backend, "vk-lower-1", WorkQueue("pods"))
     return Mirroring(upper, lower, upper_pods, lower_pods, controller)
@@ -308,6 +310,28 @@ async def test_a_pod_of_kube_system_fails_without_a_lower_write(mirroring: Mirro
         r.body["status"] for r in mirroring.upper.requests if r.path.endswith("/web/status")
     ]
     assert (status["phase"], status["reason"]) == ("Failed", "LowerNamespaceRefused")
+    assert mirroring.lower.writes() == []
+
+
+async def test_a_pod_bound_outside_its_namespace_s_slices_fails_without_a_lower_write() -> None:
+    """Bound by its own spec.nodeName, past the extender: made, it would run outside its
+    namespace's quota, on room this cluster promised other namespaces."""
+    mirroring = mirroring_with(outside_slices={"shop": "no slices here"}.get)
+    mirroring.above(upper_pod())
+    await mirroring.controller.reconcile("shop/web")
+    (status,) = mirroring.upper_statuses()
+    assert (status["phase"], status["reason"]) == ("Failed", "OutsideQuotaSlices")
+    assert status["message"].endswith("no slices here")
+    assert mirroring.lower.writes() == []
+
+
+async def test_a_pod_made_below_before_its_slices_moved_away_runs_on() -> None:
+    mirroring = mirroring_with(outside_slices={"shop": "no slices here"}.get)
+    mirroring.above(upper_pod())
+    mirroring.below(lower_pod(phase="Running", podIP="10.241.0.7"))
+    await mirroring.controller.reconcile("shop/web")
+    (status,) = mirroring.upper_statuses()
+    assert (status["phase"], status.get("podIP")) == ("Running", "10.241.0.7")
     assert mirroring.lower.writes() == []
 
 

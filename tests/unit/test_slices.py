@@ -17,6 +17,7 @@ from kubekit.slices import (
     Shortfall,
     SliceError,
     applied,
+    bound_outside_slices,
     capped_size,
     check_edit,
     decide,
@@ -422,3 +423,28 @@ def test_the_placement_annotation_removed_places_afresh() -> None:
     rooms = [room("a", 8), room("b", 16)]
     before = Applied(SLICE, {"a": 2})
     assert decide(None, before, 2, SLICE, rooms, before.slices, {}) == Decision({"a": 1, "b": 1})
+
+
+def test_a_pod_bound_past_the_extender_outside_its_slices_is_refused() -> None:
+    record = Applied(SLICE, {"a": 2, "b": 1, "c": 0}).encode()
+    assert bound_outside_slices("ns", record, "c", held_here=False) == (
+        "namespace ns holds no quota slices in c (its slices: a 2, b 1); "
+        "a pod bound here by spec.nodeName would run outside it"
+    )
+    assert bound_outside_slices("ns", record, "d", held_here=False) is not None
+
+
+@pytest.mark.parametrize(
+    ("record", "cluster", "held_here"),
+    [
+        (None, "c", False),  # not sliced, or not placed yet: nothing to hold it to
+        ("not json", "c", False),
+        (Applied(SLICE, {"a": 0}).encode(), "c", False),  # promised nothing anywhere
+        (Applied(SLICE, {"a": 2, "c": 1}).encode(), "c", False),  # the ledger lags
+        (Applied(SLICE, {"a": 2}).encode(), "c", True),  # the record lags
+    ],
+)
+def test_a_pod_bound_where_its_namespace_may_hold_slices_is_made(
+    record: str | None, cluster: str, held_here: bool
+) -> None:
+    assert bound_outside_slices("ns", record, cluster, held_here) is None
