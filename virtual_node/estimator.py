@@ -419,6 +419,7 @@ class FitEstimator:
     def slice_use(self, namespace: str) -> Amount:
         """What the pods counted against a lower namespace's slices here request: bound
         to this virtual node or holding room, by UID, their lower copies made or not."""
+        self.expire()
         return self.budgets.counted(namespace)
 
     @_exclusive

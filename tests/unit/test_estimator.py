@@ -698,6 +698,10 @@ def test_the_slice_use_counts_pods_bound_or_holding_room_before_their_lower_copy
     cluster.estimator.answer(orjson.dumps(upper_pod("held", "1")), reserve=True)
     assert cluster.estimator.slice_use("ns") == Amount(cpu=1500)
     assert cluster.estimator.slice_use("other") == Amount()
+    # Room held past its time (its release lost with the extender) is no use, though
+    # no pod has been judged since: the multischeduler would keep the slice for it.
+    cluster.clock.now += RESERVATION_SECONDS + 1
+    assert cluster.estimator.slice_use("ns") == Amount(cpu=500)
 
 
 def test_a_namespace_without_slices_here_and_a_lost_ledger_are_not_held() -> None:
