@@ -57,7 +57,12 @@ from virtual_node.translate import (
     host_access_refusal,
     pinned_node,
 )
-from virtual_node.volumes import has_data_source, unbound_class, volume_refusal
+from virtual_node.volumes import (
+    has_data_source,
+    unbound_class,
+    uncopied_hand_made,
+    volume_refusal,
+)
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +160,8 @@ class FitEstimator:
         self._waiting_claims: dict[str, str] = {}
         # ... of those, the ones to be filled from a snapshot or another claim.
         self._sourced_claims: set[str] = set()
+        # Upper claims for a volume made by hand, never copied below: their pods wait.
+        self._hand_made_claims: set[str] = set()
         self._storage_classes: set[str] = set()
         # The lower cluster's RuntimeClasses: a pod of a class it lacks fits nowhere here,
         # and takes its class's overhead and scheduling.
@@ -262,11 +269,16 @@ class FitEstimator:
             self._sourced_claims.add(key)
         else:
             self._sourced_claims.discard(key)
+        if uncopied_hand_made(claim):
+            self._hand_made_claims.add(key)
+        else:
+            self._hand_made_claims.discard(key)
 
     @_exclusive
     def _claim_deleted(self, claim: JSON) -> None:
         self._waiting_claims.pop(object_key(claim), None)
         self._sourced_claims.discard(object_key(claim))
+        self._hand_made_claims.discard(object_key(claim))
 
     @_exclusive
     def _class_changed(self, storage_class: JSON) -> None:
@@ -311,6 +323,7 @@ class FitEstimator:
             self._storage_classes,
             self.owner.cluster_id,
             self._sourced_claims,
+            self._hand_made_claims,
         )
 
     @_exclusive

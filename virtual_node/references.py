@@ -170,6 +170,14 @@ def for_a_volume_made_by_hand(claim: Mapping[str, Any]) -> bool:
     return spec.get("storageClassName") == "" or bool(spec.get("selector"))
 
 
+def hand_made_claim_refusal(name: str) -> str:
+    return (
+        f"claim {name} asks for a volume made by hand (no storage class, or a selector): "
+        "the lower cluster's volumes are not the upper cluster's, and its copy would bind "
+        "whichever of them it matched"
+    )
+
+
 def _copy_metadata(
     upper: Mapping[str, Any], mapping: NamespaceMapping, owner: Ownership, **labels: str
 ) -> JSON:

@@ -46,6 +46,7 @@ from virtual_node.references import (
     desired_service,
     desired_service_account,
     for_a_volume_made_by_hand,
+    hand_made_claim_refusal,
     made_again,
     referenced_objects,
     reflectable,
@@ -462,11 +463,7 @@ class Reflector:
                 and for_a_volume_made_by_hand(claim)
                 and not self._has_copy(key)
             ):
-                raise ClaimNotCopied(
-                    f"claim {name} asks for a volume made by hand (no storage class, or a "
-                    "selector): the lower cluster's volumes are not the upper cluster's, and "
-                    "its copy would bind whichever of them it matched"
-                )
+                raise ClaimNotCopied(hand_made_claim_refusal(name))
             if key in self._taken:
                 raise NameTaken(
                     f"{RESOURCES[kind].plural} {self.mapping.lower(namespace)}/{name} exists "

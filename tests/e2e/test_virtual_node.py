@@ -1185,6 +1185,51 @@ def test_a_claim_bound_above_is_bound_below_to_a_lower_volume_and_stays(
     lower.kubectl("delete", "pv", "kubestrata-e2e-lower", "--wait=false")
 
 
+def test_a_pod_of_a_claim_for_a_volume_made_by_hand_is_placed_nowhere(
+    federation: Federation,
+) -> None:
+    """Bound above to a volume made there by hand: below, a copy of its claim would bind
+    whichever lower volume matched, so none is made, and no estimator takes the pod."""
+    upper = federation.upper
+    volume = manual_volume("kubestrata-e2e-static")
+    volume["spec"]["storageClassName"] = ""
+    claim = data_claim("static", "")
+    apply(upper, namespace("static"), volume, claim)
+    wait_for(
+        lambda: get_json(upper, "pvc", "-n", "static", "data")["status"].get("phase") == "Bound",
+        "the claim to be bound above",
+    )
+    wait_for_default_account(upper, "static")
+    try:
+        pod = cluster_pod("static", "static", "")
+        del pod["spec"]["nodeSelector"]
+        pod["spec"]["volumes"] = [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]
+        apply(upper, pod)
+
+        def refused_everywhere() -> bool:
+            events = get_json(
+                upper,
+                "events",
+                "-n",
+                "static",
+                "--field-selector",
+                "involvedObject.name=static,reason=FailedScheduling",
+            )["items"]
+            return any(
+                all(
+                    f"vk-{cluster}: claim data asks for a volume made by hand" in event["message"]
+                    for cluster in ("lower-1", "lower-2")
+                )
+                for event in events
+            )
+
+        wait_for(refused_everywhere, "each cluster to refuse the pod for its claim")
+        assert not get_json(upper, "pod", "-n", "static", "static")["spec"].get("nodeName")
+    finally:
+        upper.kubectl("delete", "namespace", "static", "--wait=false")
+        upper.kubectl("delete", "pv", "kubestrata-e2e-static", "--wait=false")
+
+
 def storage_class(name: str, provisioner: str) -> dict[str, Any]:
     return {
         "apiVersion": "storage.k8s.io/v1",

@@ -885,6 +885,40 @@ def test_a_pod_whose_claim_waits_for_a_class_the_cluster_lacks_fits_nowhere_here
     assert cluster.estimator.answer(orjson.dumps(pod)).estimate.max_replicas == 1
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"storageClassName": "", "volumeName": "nfs-share"},
+        {"storageClassName": "fast", "selector": {"matchLabels": {"disk": "ssd"}}},
+    ],
+)
+def test_a_pod_whose_claim_asks_for_a_volume_made_by_hand_fits_nowhere_here(
+    spec: dict[str, Any],
+) -> None:
+    """No copy of such a claim is made below: bound here, the pod would wait with
+    ClaimNotMirrored."""
+    cluster = Cluster()
+    claims = Informer(client=None, resource=PERSISTENTVOLUMECLAIMS)  # type: ignore[arg-type]
+    classes = Informer(client=None, resource=STORAGECLASSES)  # type: ignore[arg-type]
+    cluster.estimator.watch_volumes(claims, classes)
+    classes.apply({"type": "ADDED", "object": {"metadata": {"name": "fast"}}})
+    claim: dict[str, Any] = {"metadata": {"name": "data", "namespace": "ns", "uid": "u1"}}
+    claims.apply({"type": "ADDED", "object": {**claim, "spec": spec}})
+    pod = upper_pod("static", "1")
+    pod["spec"]["volumes"] = [{"name": "d", "persistentVolumeClaim": {"claimName": "data"}}]
+    answer = cluster.estimator.answer(orjson.dumps(pod), reserve=True)
+    assert (answer.estimate.max_replicas, answer.reserved_node) == (0, None)
+    assert answer.refusal.startswith("claim data asks for a volume made by hand")
+    # Bound to the volume we make for its UID: copied by an earlier version, and kept.
+    claims.apply(
+        {"type": "MODIFIED", "object": {**claim, "spec": {**spec, "volumeName": "pvc-u1"}}}
+    )
+    assert cluster.estimator.answer(orjson.dumps(pod)).estimate.max_replicas == 1
+    claims.apply({"type": "ADDED", "object": {**claim, "spec": spec}})
+    claims.apply({"type": "DELETED", "object": {**claim, "spec": spec}})
+    assert cluster.estimator.answer(orjson.dumps(pod)).estimate.max_replicas == 1
+
+
 def test_a_runtime_class_the_cluster_lacks_fits_nowhere_one_it_has_brings_its_overhead() -> None:
     cluster = Cluster()
     classes = Informer(client=None, resource=RUNTIMECLASSES)  # type: ignore[arg-type]

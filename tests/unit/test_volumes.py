@@ -17,6 +17,7 @@ from virtual_node.volumes import (
     outlived,
     provisioned_volume,
     unbound_class,
+    uncopied_hand_made,
     volume_refusal,
 )
 
@@ -256,3 +257,21 @@ async def test_a_claim_event_reads_only_the_volumes_made_for_that_claim() -> Non
     await made.reconcile(object_key(bound))
     assert read == [created["metadata"]["name"]]
     assert upper.writes() == [("DELETE", f"{VOLUMES}/{created['metadata']['name']}")]
+
+
+def test_a_claim_for_a_volume_made_by_hand_refuses_its_pods_unless_ours_holds_it() -> None:
+    pod = {"spec": {"volumes": [{"name": "d", "persistentVolumeClaim": {"claimName": "data"}}]}}
+    assert volume_refusal(pod, "db", {}, set(), "lower-1", hand_made={"db/data"}) == (
+        "claim data asks for a volume made by hand (no storage class, or a selector): the "
+        "lower cluster's volumes are not the upper cluster's, and its copy would bind "
+        "whichever of them it matched"
+    )
+    assert volume_refusal(pod, "web", {}, set(), "lower-1", hand_made={"db/data"}) is None
+    claim: dict[str, Any] = {"metadata": {"name": "data", "namespace": "db", "uid": "u1"}}
+    assert uncopied_hand_made({**claim, "spec": {"storageClassName": ""}})
+    assert uncopied_hand_made({**claim, "spec": {"storageClassName": "", "volumeName": "nfs"}})
+    assert uncopied_hand_made({**claim, "spec": {"selector": {"matchLabels": {"a": "b"}}}})
+    assert not uncopied_hand_made({**claim, "spec": {"storageClassName": "fast"}})
+    assert not uncopied_hand_made(
+        {**claim, "spec": {"storageClassName": "", "volumeName": "pvc-u1"}}
+    )
