@@ -497,6 +497,11 @@ class FitEstimator:
         """The lower pod the upper one becomes and what the fit reads of it: read here,
         so that no room is taken or given back for a pod that then cannot be judged (the
         apiserver validated what it sends; a caller may send anything)."""
+        namespace = (upper.get("metadata") or {}).get("namespace")
+        if not isinstance(namespace, str) or not namespace:
+            # Mapped as it is under `same`, then looked up in sets (the refusals): a list
+            # there was a TypeError, and the call ended UNKNOWN.
+            raise QueryError(f"metadata.namespace must be a non-empty string, not {namespace!r}")
         try:
             lower = with_runtime_class(
                 desired_lower_pod(upper, self.mapping, self.owner), self._runtime_classes

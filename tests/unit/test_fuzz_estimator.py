@@ -137,6 +137,15 @@ NOT_AN_OBJECT = b'{"metadata":{"uid":"u"},"spec":{"containers":[[]]}}'
 @example(call=("FitInTurn", estimator_pb2.FitInTurnRequest(pods=[NOT_AN_OBJECT]))).via(
     "a container that is not an object ended the call UNKNOWN"
 )
+@example(
+    call=(
+        "Defragment",
+        estimator_pb2.DefragmentRequest(
+            pod=b'{"metadata": {"name": "web", "namespace": [], "uid": "u"}, '
+            b'"spec": {"containers": [{"name": "app"}]}}'
+        ),
+    )
+).via("a namespace that is a list ended the call UNKNOWN")
 async def test_any_request_ends_ok_or_invalid_argument(
     estimator: Estimator, caplog: pytest.LogCaptureFixture, call: tuple[str, Any]
 ) -> None:
