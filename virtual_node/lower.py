@@ -27,7 +27,7 @@ from virtual_node.capacity import (
     free_slot,
     pod_usage,
 )
-from virtual_node.naming import NamespaceMapping, NamingError
+from virtual_node.naming import NamespaceMapping, NamingError, made_under_another_mapping
 from virtual_node.node import NodeReport, nodes_digest, shared_labels
 from virtual_node.podcontroller import (
     FINISHED,
@@ -280,6 +280,9 @@ class LowerCluster:
     def lower_key(self, upper_key: str) -> str:
         namespace, name = upper_key.split("/", 1)
         return f"{self.mapping.lower(namespace)}/{name}"
+
+    def made_under_another_mapping(self) -> list[tuple[str, str]]:
+        return made_under_another_mapping(self._mirrored, self.mapping)
 
     # -- NodeProvider ----------------------------------------------------------------------
 

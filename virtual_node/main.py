@@ -314,6 +314,8 @@ def parse_args(argv: Sequence[str]) -> VirtualNodeConfig:
 # on: aiohttp's own 60 s would outlast a pod's 30 s grace, and the process would be
 # killed before it let go of its leader Lease, holding its standby back.
 KUBELET_API_SHUTDOWN_SECONDS = 2.0
+# How often a start held by pods made under another namespace mapping looks again.
+MAPPING_RECHECK_SECONDS = 30.0
 
 
 async def serve_kubelet_api(
@@ -567,6 +569,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             len(upper_pods),
             len(backend.pods),
         )
+        await nodes.renewing_lease_while(until_made_under_this_mapping(backend, config))
         health.mark_ready()
         if config.estimator_port:
             estimator.settle()
@@ -627,6 +630,28 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
         await lower_event_informers.stop()
         for client in (upper, upper_events, upper_heartbeat, upper_reviews, lower, lower_heartbeat):
             await client.close()
+
+
+async def until_made_under_this_mapping(backend: LowerCluster, config: VirtualNodeConfig) -> None:
+    """Holds the start while pods of ours below were made under another namespace
+    mapping (``--namespace-strategy`` or ``--namespace-prefix`` changed since): mirrored
+    under this one, each would be taken for lost and made again beside the one still
+    running. Nothing is mirrored meanwhile; the Lease is renewed, so no pod is evicted,
+    and past the start's limit the Node is tainted not-started."""
+    while stale := backend.made_under_another_mapping():
+        lower_key, upper_key = stale[0]
+        log.error(
+            "%d pods below were made by this virtual node under another namespace mapping "
+            "(e.g. %s, for upper pod %s); under --namespace-strategy %s%s each would run "
+            "twice, so nothing is mirrored: start with the mapping they were made under, "
+            "or delete them below (their upper pods then fail as lost)",
+            len(stale),
+            lower_key,
+            upper_key,
+            config.namespace_strategy,
+            f" --namespace-prefix {config.namespace_prefix}" if config.namespace_prefix else "",
+        )
+        await asyncio.sleep(MAPPING_RECHECK_SECONDS)
 
 
 async def _sweep_orphans(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -92,3 +93,22 @@ class NamespaceMapping:
             return lower_namespace
         head = f"{self.prefix}-"
         return lower_namespace[len(head) :] if lower_namespace.startswith(head) else None
+
+
+def made_under_another_mapping(
+    mirrored: Mapping[str, str], mapping: NamespaceMapping
+) -> list[tuple[str, str]]:
+    """The (lower key, upper key) of our pods below (``mirrored``: lower -> upper) that
+    ``mapping`` would not give their upper pods: made before the namespace strategy or
+    prefix changed. Looked up under the new mapping, each is taken for lost and made
+    again beside the one still running, and never removed."""
+    stale = []
+    for lower_key, upper_key in mirrored.items():
+        namespace, _, name = upper_key.partition("/")
+        try:
+            wanted = f"{mapping.lower(namespace)}/{name}"
+        except NamingError:
+            wanted = None
+        if wanted != lower_key:
+            stale.append((lower_key, upper_key))
+    return sorted(stale)

@@ -8,6 +8,7 @@ import ipaddress
 import json
 import subprocess
 import threading
+import time
 from functools import partial
 from typing import Any
 
@@ -618,6 +619,42 @@ def test_kill_9_during_a_burst_loses_and_duplicates_nothing(federation: Federati
         timeout=240,
         interval=2,
     )
+
+
+def test_a_restart_under_another_namespace_mapping_runs_no_pod_twice(
+    federation: Federation,
+) -> None:
+    """Restarted with a namespace prefix while a pod made without one runs: looked for
+    under the prefix, it would be taken for lost and made again beside itself."""
+    upper, lower = federation.upper, federation.clusters["lower-1"]
+    apply(upper, namespace("remapped"), bound_pod("web", "remapped", "vk-lower-1"))
+    wait_for(
+        lambda: get_json(upper, "pod", "-n", "remapped", "web")["status"].get("phase") == "Running",
+        "the pod to run",
+    )
+    virtual_node = federation.components[virtual_node_name("lower-1")]
+    same = list(virtual_node.argv)
+    virtual_node.kill()
+    virtual_node.argv = [*same, "--namespace-strategy=prefix", "--namespace-prefix=moved"]
+    try:
+        virtual_node.start()
+        wait_for(
+            lambda: (
+                "were made by this virtual node under another namespace mapping"
+                in virtual_node.log_path.read_text()
+            ),
+            "the virtual node to say why it does not start",
+        )
+        time.sleep(5)  # what a start would have done by now
+        below = get_json(lower, "pods", "-n", "remapped")["items"]
+        assert [pod["metadata"]["name"] for pod in below] == ["web"]
+        assert lower.kubectl("get", "namespace", "moved-remapped", check=False).returncode != 0
+        assert get_json(upper, "pod", "-n", "remapped", "web")["status"]["phase"] == "Running"
+    finally:
+        virtual_node.kill()
+        virtual_node.argv = same
+        virtual_node.start()
+    upper.kubectl("delete", "namespace", "remapped", "--timeout=120s")
 
 
 def copies_of_scheduled_event(upper: LocalCluster, namespace: str, pod: str) -> int:

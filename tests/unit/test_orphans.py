@@ -1,12 +1,17 @@
 """The orphan sweep's table of our lower pods, fed by watch events as the lower pod
 cache would be: only our pods count, and a deleted one leaves it."""
 
+import asyncio
+import sys
 from typing import Any
+
+import pytest
 
 from kubekit import keys
 from kubekit.client import NODES, PODS
 from kubekit.informer import Informer
 from virtual_node.lower import LowerCluster
+from virtual_node.main import VirtualNodeConfig, until_made_under_this_mapping
 from virtual_node.naming import NamespaceMapping
 from virtual_node.translate import Ownership
 
@@ -38,3 +43,53 @@ def test_orphans_are_our_lower_pods_without_an_upper_pod() -> None:
     pods.apply({"type": "DELETED", "object": lower_pod("left", "shop")})
     assert backend.orphan_keys({"shop/kept"}) == []
     assert backend.orphan_keys(set()) == ["shop/kept"]
+
+
+def backend_with(mapping: NamespaceMapping, *pods: dict[str, Any]) -> LowerCluster:
+    informer = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
+    backend = LowerCluster(
+        None,  # type: ignore[arg-type]
+        informer,
+        Informer(client=None, resource=NODES),  # type: ignore[arg-type]
+        OWNER,
+        mapping,
+        "127.0.0.1",
+    )
+    for pod in pods:
+        informer.apply({"type": "ADDED", "object": pod})
+    return backend
+
+
+def test_pods_made_under_another_namespace_mapping_are_found() -> None:
+    """Made in east-shop for upper shop: under the prefix `west`, or the namespace kept
+    as it is, shop/web would be looked for elsewhere, taken for lost and made again."""
+    pods = (lower_pod("web", "shop"), lower_pod("theirs", None))
+    assert (
+        backend_with(NamespaceMapping("prefix", "east"), *pods).made_under_another_mapping() == []
+    )
+    for mapping in (NamespaceMapping("prefix", "west"), NamespaceMapping()):
+        assert backend_with(mapping, *pods).made_under_another_mapping() == [
+            ("east-shop/web", "shop/web")
+        ]
+
+
+async def test_the_start_waits_while_pods_were_made_under_another_mapping(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(sys.modules["virtual_node.main"], "MAPPING_RECHECK_SECONDS", 0.0)
+    backend = backend_with(NamespaceMapping("prefix", "west"), lower_pod("web", "shop"))
+    config = VirtualNodeConfig(
+        lower_kubeconfig="l",
+        cluster_id="lower-1",
+        client_ca_file="ca.crt",
+        namespace_strategy="prefix",
+        namespace_prefix="west",
+    )
+    waiting = asyncio.create_task(until_made_under_this_mapping(backend, config))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    assert "east-shop/web, for upper pod shop/web" in caplog.text
+    assert "--namespace-strategy prefix --namespace-prefix west" in caplog.text
+    # Deleted below by the operator: the start goes on.
+    backend.pods.apply({"type": "DELETED", "object": lower_pod("web", "shop")})
+    await asyncio.wait_for(waiting, 1)
