@@ -15,8 +15,11 @@ import contextlib
 import contextvars
 import json
 import logging
+import os
+import signal
 import socket
 import ssl
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +31,7 @@ import yaml
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio.config import ConfigException
+from kubernetes_asyncio.config.exec_provider import ExecProvider
 
 from kubekit import metrics
 from kubekit.ratelimit import TokenBucket
@@ -78,7 +82,7 @@ log = logging.getLogger(__name__)
 # client-go's REST client: as many retries of a request the server said to send again.
 RETRIES_WHEN_TOLD = 10
 # How often a kubeconfig's credentials are read again, and how long a read (an exec
-# plugin's run) may take.
+# plugin's run, killed past it) may take, the first one included.
 CREDENTIALS_REFRESH_SECONDS = 60.0
 CREDENTIALS_READ_TIMEOUT = 30.0
 # A Retry-After beyond this is waited this long (the apiserver names 1 to 10 seconds).
@@ -181,6 +185,80 @@ class ClientSettings:
     connections: int = 100
 
 
+class _ExecPlugin(ExecProvider):
+    """The library's runner of a kubeconfig's exec plugin, but a run given up (its read
+    timed out, its client closed) kills the plugin: the library's run left it running,
+    and a plugin that hung, run again every minute, added a process a minute for good."""
+
+    async def run(self, previous_response: str | None = None) -> Any:
+        # The library's run starts the process and waits on it in one method that gives no
+        # hold on the process: killing it takes the whole run here, the checks of the
+        # plugin's answer with it.
+        interactive = sys.stdout.isatty()
+        spec: JSON = {"interactive": interactive}
+        if previous_response:
+            spec["response"] = previous_response
+        self.env["KUBERNETES_EXEC_INFO"] = json.dumps(
+            {"apiVersion": self.api_version, "kind": "ExecCredential", "spec": spec}
+        )
+        # A group of its own, so that what it starts (a shell script's commands,
+        # gke-gcloud-auth-plugin's gcloud) is killed with it; not when it may prompt on
+        # our terminal: a process outside the terminal's foreground group that reads from
+        # it is stopped.
+        starting = asyncio.ensure_future(
+            asyncio.create_subprocess_exec(
+                *self.args,
+                env=self.env,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                process_group=None if interactive else 0,
+            )
+        )
+        plugin: asyncio.subprocess.Process | None = None
+        try:
+            # Shielded: given up while it makes the process, asyncio kills that process
+            # only, and what it had started meanwhile ran on.
+            plugin = await asyncio.shield(starting)
+            stdout, stderr = await plugin.communicate()
+        except BaseException:
+            if plugin is None:
+                with contextlib.suppress(Exception):
+                    plugin = await starting
+            if plugin is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    if interactive:
+                        plugin.kill()
+                    else:
+                        os.killpg(plugin.pid, signal.SIGKILL)
+                await plugin.wait()
+            raise
+        if plugin.returncode != 0:
+            said = stderr.decode(errors="replace").strip()
+            raise ConfigException(
+                f"exec: process returned {plugin.returncode}" + (f". {said}" if said else "")
+            )
+        try:
+            answer = json.loads(stdout)
+        except ValueError as error:
+            raise ConfigException(f"exec: failed to decode process output: {error}") from error
+        if not isinstance(answer, dict):
+            raise ConfigException("exec: malformed response, not an object")
+        for key in ("apiVersion", "kind", "status"):
+            if key not in answer:
+                raise ConfigException(f"exec: malformed response. missing key '{key}'")
+        if answer["apiVersion"] != self.api_version:
+            raise ConfigException(
+                f"exec: plugin api version {answer['apiVersion']} does not match {self.api_version}"
+            )
+        return answer["status"]
+
+
+# The loader runs a plugin through this name of its module and takes no other runner:
+# replacing it is the one way in short of copying the loader's handling of the plugin's
+# answer too (token, client certificate, expiry).
+k8s_config.kube_config.ExecProvider = _ExecPlugin  # type: ignore[attr-defined]
+
+
 class KubeconfigCredentials:
     """Reads a kubeconfig's token again every CREDENTIALS_REFRESH_SECONDS, as client-go
     does: a ``tokenFile`` (a projected token its kubelet rotates), an exec plugin's (run
@@ -218,9 +296,11 @@ class KubeconfigCredentials:
             self._read_at = time.monotonic()
             self._reading = None
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        """Gives up a read under way, once its plugin is killed and reaped."""
         if self._reading is not None:
             self._reading.cancel()
+            await asyncio.wait([self._reading])
 
 
 class KubeClient:
@@ -256,11 +336,20 @@ class KubeClient:
             if settings.kubeconfig is None:
                 k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
             else:
-                loader = await k8s_config.load_kube_config(
-                    config_file=settings.kubeconfig,
-                    context=settings.context,
-                    client_configuration=configuration,
-                )
+                try:
+                    async with asyncio.timeout(CREDENTIALS_READ_TIMEOUT):
+                        loader = await k8s_config.load_kube_config(
+                            config_file=settings.kubeconfig,
+                            context=settings.context,
+                            client_configuration=configuration,
+                        )
+                # Without a bound, a component whose exec plugin hangs never started and
+                # never said why.
+                except TimeoutError as error:
+                    raise KubeconfigError(
+                        f"{settings.kubeconfig}: credentials not read in "
+                        f"{CREDENTIALS_READ_TIMEOUT:g} s (an exec plugin that does not end?)"
+                    ) from error
                 credentials = KubeconfigCredentials(loader)
                 configuration.refresh_api_key_hook = credentials.refresh
             context = _ssl_context(configuration)
@@ -295,7 +384,7 @@ class KubeClient:
         if self._dialing_spare is not None:
             self._dialing_spare.cancel()
         if self.credentials is not None:
-            self.credentials.close()
+            await self.credentials.close()
         await self._streams.close()
         await self.api.close()
 
