@@ -403,8 +403,10 @@ class LowerCluster:
                     )
             else:
                 self._removed.pop(upper_key, None)
-                refused = self._refused_namespace(upper) or self._refused_host_access(
-                    upper, desired
+                refused = (
+                    self._refused_namespace(upper)
+                    or self._refused_host_access(upper, desired)
+                    or await self._refused_outside_slices(upper, namespace, name)
                 )
                 return refused or await self._create(upper, desired)
         if not self.owner.owns(lower):
@@ -485,12 +487,27 @@ class LowerCluster:
         return lower if _made_from(lower, upper) else None
 
     def _refused_namespace(self, upper: Mapping[str, Any]) -> Rejected | None:
-        namespace = upper["metadata"]["namespace"]
-        why = self.mapping.refusal(namespace)
-        if why is not None:
-            return Rejected("LowerNamespaceRefused", why)
-        why = self.outside_slices(namespace) if self.outside_slices is not None else None
-        return None if why is None else Rejected("OutsideQuotaSlices", why)
+        why = self.mapping.refusal(upper["metadata"]["namespace"])
+        return None if why is None else Rejected("LowerNamespaceRefused", why)
+
+    async def _refused_outside_slices(
+        self, upper: Mapping[str, Any], namespace: str, name: str
+    ) -> Rejected | Waiting | None:
+        """A pod its creator bound here outside its namespace's slices. Only a pod with no
+        PodScheduled yet is judged: a scheduler's binding sets it (the extender has
+        judged the pod, on records that may be newer than ours: a quota just removed,
+        slices just placed here), and we write one once the pod is made below or refused
+        there. A rejection is for good: so not while a copy is below already (our
+        create's answer lost, the cache behind)."""
+        conditions = (upper.get("status") or {}).get("conditions") or []
+        if self.outside_slices is None or any(c.get("type") == "PodScheduled" for c in conditions):
+            return None
+        why = self.outside_slices(upper["metadata"]["namespace"])
+        if why is None:
+            return None
+        if await self._get_live(namespace, name) is not None:
+            return Waiting()  # its watch event brings the pod back here
+        return Rejected("OutsideQuotaSlices", why)
 
     def _refused_host_access(self, upper: Mapping[str, Any], desired: JSON) -> Rejected | None:
         why = host_access_refusal(

@@ -325,6 +325,28 @@ async def test_a_pod_bound_outside_its_namespace_s_slices_fails_without_a_lower_
     assert mirroring.lower.writes() == []
 
 
+async def test_a_pod_the_scheduler_bound_is_not_judged_against_our_slice_records() -> None:
+    """Its extender judged it, on records that may be newer than ours (a quota just
+    removed above, slices just placed here)."""
+    mirroring = mirroring_with(outside_slices={"shop": "no slices here"}.get)
+    pod = upper_pod()
+    pod["status"] = {"conditions": [{"type": "PodScheduled", "status": "True"}]}
+    mirroring.above(pod)
+    await mirroring.controller.reconcile("shop/web")
+    assert ("POST", "/api/v1/namespaces/shop/pods") in mirroring.lower.writes()
+
+
+async def test_a_pod_outside_its_slices_already_made_below_is_not_failed() -> None:
+    """Our create's answer lost and the cache behind: failed above for good, its copy
+    below would then be removed."""
+    mirroring = mirroring_with(outside_slices={"shop": "no slices here"}.get)
+    mirroring.above(upper_pod())
+    mirroring.lower.answer("GET", "/api/v1/namespaces/shop/pods/web", lower_pod())
+    await mirroring.controller.reconcile("shop/web")
+    assert mirroring.upper_statuses() == []
+    assert mirroring.lower.writes() == []
+
+
 async def test_a_pod_made_below_before_its_slices_moved_away_runs_on() -> None:
     mirroring = mirroring_with(outside_slices={"shop": "no slices here"}.get)
     mirroring.above(upper_pod())
