@@ -44,6 +44,7 @@ from virtual_node.kubeletapi.auth import AuthError, Authorizer
 from virtual_node.naming import NamespaceMapping, NamingError
 from virtual_node.promises import PromiseRefused, SliceBudgets, SlicePromises, requested
 from virtual_node.quotas import QuotaBook, quota_usage
+from virtual_node.references import for_a_volume_made_by_hand
 from virtual_node.runtimes import (
     RuntimeClassFacts,
     runtime_class_facts,
@@ -57,12 +58,7 @@ from virtual_node.translate import (
     host_access_refusal,
     pinned_node,
 )
-from virtual_node.volumes import (
-    has_data_source,
-    unbound_class,
-    uncopied_hand_made,
-    volume_refusal,
-)
+from virtual_node.volumes import has_data_source, unbound_class, volume_refusal
 
 log = logging.getLogger(__name__)
 
@@ -160,8 +156,12 @@ class FitEstimator:
         self._waiting_claims: dict[str, str] = {}
         # ... of those, the ones to be filled from a snapshot or another claim.
         self._sourced_claims: set[str] = set()
-        # Upper claims for a volume made by hand, never copied below: their pods wait.
+        # Upper claims for a volume made by hand, those with a copy below (made before
+        # such claims were refused: kept, and their pods mirrored), and those of the first
+        # without one, whose pods would wait below for good.
         self._hand_made_claims: set[str] = set()
+        self._copied_claims: set[str] = set()
+        self._uncopied_hand_made: set[str] = set()
         self._storage_classes: set[str] = set()
         # The lower cluster's RuntimeClasses: a pod of a class it lacks fits nowhere here,
         # and takes its class's overhead and scheduling.
@@ -195,12 +195,23 @@ class FitEstimator:
             )
         )
 
-    def watch_volumes(self, upper_claims: Informer, lower_classes: Informer) -> None:
+    def watch_volumes(
+        self, upper_claims: Informer, lower_classes: Informer, claim_copies: Informer | None = None
+    ) -> None:
+        """``claim_copies``: our claims below (the reflector's copies)."""
         upper_claims.add_handler(
             FunctionHandler(
                 add=self._claim_changed, update=self._claim_changed, delete=self._claim_deleted
             )
         )
+        if claim_copies is not None:
+            claim_copies.add_handler(
+                FunctionHandler(
+                    add=self._claim_copy_changed,
+                    update=self._claim_copy_changed,
+                    delete=self._claim_copy_deleted,
+                )
+            )
         lower_classes.add_handler(
             FunctionHandler(
                 add=self._class_changed, update=self._class_changed, delete=self._class_deleted
@@ -269,16 +280,36 @@ class FitEstimator:
             self._sourced_claims.add(key)
         else:
             self._sourced_claims.discard(key)
-        if uncopied_hand_made(claim):
+        if for_a_volume_made_by_hand(claim):
             self._hand_made_claims.add(key)
         else:
             self._hand_made_claims.discard(key)
+        self._hand_made_changed(key)
 
     @_exclusive
     def _claim_deleted(self, claim: JSON) -> None:
         self._waiting_claims.pop(object_key(claim), None)
         self._sourced_claims.discard(object_key(claim))
         self._hand_made_claims.discard(object_key(claim))
+        self._hand_made_changed(object_key(claim))
+
+    @_exclusive
+    def _claim_copy_changed(self, copy: JSON) -> None:
+        if (key := _upper_claim_key(copy)) is not None:
+            self._copied_claims.add(key)
+            self._hand_made_changed(key)
+
+    @_exclusive
+    def _claim_copy_deleted(self, copy: JSON) -> None:
+        if (key := _upper_claim_key(copy)) is not None:
+            self._copied_claims.discard(key)
+            self._hand_made_changed(key)
+
+    def _hand_made_changed(self, key: str) -> None:
+        if key in self._hand_made_claims and key not in self._copied_claims:
+            self._uncopied_hand_made.add(key)
+        else:
+            self._uncopied_hand_made.discard(key)
 
     @_exclusive
     def _class_changed(self, storage_class: JSON) -> None:
@@ -323,7 +354,7 @@ class FitEstimator:
             self._storage_classes,
             self.owner.cluster_id,
             self._sourced_claims,
-            self._hand_made_claims,
+            self._uncopied_hand_made,
         )
 
     @_exclusive
@@ -704,6 +735,12 @@ class FitEstimator:
         self.state.forget(uid)
         self.budgets.uncount(uid)
         self.quotas.uncount(uid)
+
+
+def _upper_claim_key(copy: Mapping[str, Any]) -> str | None:
+    metadata = copy.get("metadata") or {}
+    namespace = (metadata.get("annotations") or {}).get(keys.UPPER_NAMESPACE_ANNOTATION)
+    return f"{namespace}/{metadata.get('name')}" if namespace else None
 
 
 def to_message(answer: Answer, with_node_names: bool) -> estimator_pb2.PodEstimate:

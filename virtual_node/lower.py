@@ -41,7 +41,7 @@ from virtual_node.podcontroller import (
     Waiting,
 )
 from virtual_node.quotas import quota_caps, quotas_digest
-from virtual_node.references import DEFAULT_SERVICE_ACCOUNT
+from virtual_node.references import DEFAULT_SERVICE_ACCOUNT, hand_made_refusal
 from virtual_node.translate import (
     Ownership,
     TranslationError,
@@ -56,6 +56,7 @@ from virtual_node.translate import (
     resources_record_patch,
     upper_status,
 )
+from virtual_node.volumes import hand_made_template
 
 log = logging.getLogger(__name__)
 
@@ -406,6 +407,7 @@ class LowerCluster:
                 refused = (
                     self._refused_namespace(upper)
                     or self._refused_host_access(upper, desired)
+                    or _refused_volume(desired)
                     or await self._refused_outside_slices(upper, namespace, name)
                 )
                 return refused or await self._create(upper, desired)
@@ -695,6 +697,13 @@ class LowerCluster:
     def orphan_keys(self, upper_keys: set[str]) -> list[str]:
         """Upper keys of our lower pods whose upper pod does not exist."""
         return [key for key in self._mirrored.values() if key not in upper_keys]
+
+
+def _refused_volume(desired: Mapping[str, Any]) -> Rejected | None:
+    for volume in (desired.get("spec") or {}).get("volumes") or []:
+        if what := hand_made_template(volume):
+            return Rejected("VolumeRefused", hand_made_refusal(what))
+    return None
 
 
 def _made_from(lower: Mapping[str, Any], upper: Mapping[str, Any]) -> bool:

@@ -541,6 +541,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             estimator.watch_volumes(
                 upper_informers.informer(PERSISTENTVOLUMECLAIMS),
                 lower_informers.informer(STORAGECLASSES),
+                lower_informers.informer(PERSISTENTVOLUMECLAIMS, label_selector=owner.selector()),
             )
             estimator.watch_runtime_classes(lower_informers.informer(RUNTIMECLASSES))
             lower_quotas = lower_informers.informer(RESOURCEQUOTAS)

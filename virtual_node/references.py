@@ -170,11 +170,12 @@ def for_a_volume_made_by_hand(claim: Mapping[str, Any]) -> bool:
     return spec.get("storageClassName") == "" or bool(spec.get("selector"))
 
 
-def hand_made_claim_refusal(name: str) -> str:
+def hand_made_refusal(what: str) -> str:
+    """Why ``what`` (``claim data``, ``ephemeral volume scratch``) is not had below."""
     return (
-        f"claim {name} asks for a volume made by hand (no storage class, or a selector): "
-        "the lower cluster's volumes are not the upper cluster's, and its copy would bind "
-        "whichever of them it matched"
+        f"{what} asks for a volume made by hand (no storage class, or a selector): the "
+        "lower cluster's volumes are not the upper cluster's, and its claim below would "
+        "bind whichever of them it matched"
     )
 
 

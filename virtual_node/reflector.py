@@ -46,7 +46,7 @@ from virtual_node.references import (
     desired_service,
     desired_service_account,
     for_a_volume_made_by_hand,
-    hand_made_claim_refusal,
+    hand_made_refusal,
     made_again,
     referenced_objects,
     reflectable,
@@ -463,7 +463,7 @@ class Reflector:
                 and for_a_volume_made_by_hand(claim)
                 and not self._has_copy(key)
             ):
-                raise ClaimNotCopied(hand_made_claim_refusal(name))
+                raise ClaimNotCopied(hand_made_refusal(f"claim {name}"))
             if key in self._taken:
                 raise NameTaken(
                     f"{RESOURCES[kind].plural} {self.mapping.lower(namespace)}/{name} exists "

@@ -22,7 +22,7 @@ from kubekit import keys
 from kubekit.client import PERSISTENTVOLUMES, STORAGECLASSES, ApiError, KubeClient, is_not_found
 from kubekit.informer import FunctionHandler, Informer, object_key
 from kubekit.workqueue import WorkQueue
-from virtual_node.references import for_a_volume_made_by_hand, hand_made_claim_refusal
+from virtual_node.references import for_a_volume_made_by_hand, hand_made_refusal
 from virtual_node.translate import Ownership
 
 log = logging.getLogger(__name__)
@@ -103,12 +103,14 @@ def provisioned_volume(claim: Mapping[str, Any], owner: Ownership) -> JSON | Non
     }
 
 
-def uncopied_hand_made(claim: Mapping[str, Any]) -> bool:
-    """Whether a claim asks for a volume made by hand and its pods are not mirrored here
-    for it: no copy of such a claim is made below (``references.reflectable``). One bound
-    to the volume we make for its UID was copied before that rule, and its copy is kept."""
-    volume = (claim.get("spec") or {}).get("volumeName")
-    return for_a_volume_made_by_hand(claim) and volume != volume_name(claim)
+def hand_made_template(volume: Mapping[str, Any]) -> str | None:
+    """``ephemeral volume <name>`` when a pod volume is a generic ephemeral volume whose
+    claim asks for a volume made by hand: the lower ephemeral volume controller makes that
+    claim from the template, and it binds whichever lower volume it matches."""
+    template = (volume.get("ephemeral") or {}).get("volumeClaimTemplate")
+    if isinstance(template, Mapping) and for_a_volume_made_by_hand(template):
+        return f"ephemeral volume {volume.get('name')}"
+    return None
 
 
 def has_data_source(claim_spec: Mapping[str, Any]) -> bool:
@@ -142,21 +144,23 @@ def volume_refusal(
     """Why a lower cluster cannot make a volume the pod still waits for (pure), or None:
     a claim of the pod's (in ``namespace`` above) waits for a volume of a class the lower
     cluster has no StorageClass of, or to be filled from a data source (``sourced``:
-    namespace/claim), or asks for a volume made by hand and is not bound to one of ours
-    (``hand_made``, see ``uncopied_hand_made``): no copy of it is made below.
+    namespace/claim), or asks for a volume made by hand and has no copy below
+    (``hand_made``: none is made, ``references.reflectable``).
     ``waiting_for``: {namespace/claim: class} of the unbound claims above. Another claim
     bound above decides nothing here: its volume, if it is one of ours, holds the pod to
     its cluster already."""
     for volume in (pod.get("spec") or {}).get("volumes") or []:
         name = (volume.get("persistentVolumeClaim") or {}).get("claimName")
         if name and f"{namespace}/{name}" in hand_made:
-            return hand_made_claim_refusal(name)
+            return hand_made_refusal(f"claim {name}")
         wanted = waiting_for.get(f"{namespace}/{name}") if name else None
         if wanted is not None and wanted not in classes:
             return f"lower cluster {cluster_id} has no storage class {wanted} (claim {name})"
         if name and f"{namespace}/{name}" in sourced:
             return _SOURCE_REFUSAL.format(cluster_id=cluster_id, what=f"claim {name}")
         # A generic ephemeral volume's claim is made below from the pod's template.
+        if what := hand_made_template(volume):
+            return hand_made_refusal(what)
         template = ((volume.get("ephemeral") or {}).get("volumeClaimTemplate") or {}).get("spec")
         if template and has_data_source(template):
             what = f"ephemeral volume {volume.get('name')}"

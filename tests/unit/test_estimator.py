@@ -892,30 +892,36 @@ def test_a_pod_whose_claim_waits_for_a_class_the_cluster_lacks_fits_nowhere_here
         {"storageClassName": "fast", "selector": {"matchLabels": {"disk": "ssd"}}},
     ],
 )
-def test_a_pod_whose_claim_asks_for_a_volume_made_by_hand_fits_nowhere_here(
+def test_a_pod_whose_claim_asks_for_a_volume_made_by_hand_fits_only_where_it_was_copied(
     spec: dict[str, Any],
 ) -> None:
     """No copy of such a claim is made below: bound here, the pod would wait with
-    ClaimNotMirrored."""
+    ClaimNotMirrored. One made before that rule is kept, and its pods mirrored."""
     cluster = Cluster()
     claims = Informer(client=None, resource=PERSISTENTVOLUMECLAIMS)  # type: ignore[arg-type]
     classes = Informer(client=None, resource=STORAGECLASSES)  # type: ignore[arg-type]
-    cluster.estimator.watch_volumes(claims, classes)
+    copies = Informer(client=None, resource=PERSISTENTVOLUMECLAIMS)  # type: ignore[arg-type]
+    cluster.estimator.watch_volumes(claims, classes, copies)
     classes.apply({"type": "ADDED", "object": {"metadata": {"name": "fast"}}})
-    claim: dict[str, Any] = {"metadata": {"name": "data", "namespace": "ns", "uid": "u1"}}
-    claims.apply({"type": "ADDED", "object": {**claim, "spec": spec}})
+    claim: dict[str, Any] = {"metadata": {"name": "data", "namespace": "ns"}, "spec": spec}
+    claims.apply({"type": "ADDED", "object": claim})
     pod = upper_pod("static", "1")
     pod["spec"]["volumes"] = [{"name": "d", "persistentVolumeClaim": {"claimName": "data"}}]
     answer = cluster.estimator.answer(orjson.dumps(pod), reserve=True)
     assert (answer.estimate.max_replicas, answer.reserved_node) == (0, None)
     assert answer.refusal.startswith("claim data asks for a volume made by hand")
-    # Bound to the volume we make for its UID: copied by an earlier version, and kept.
-    claims.apply(
-        {"type": "MODIFIED", "object": {**claim, "spec": {**spec, "volumeName": "pvc-u1"}}}
-    )
+    copy = {
+        "metadata": {
+            "name": "data",
+            "namespace": "ns",
+            "annotations": {keys.UPPER_NAMESPACE_ANNOTATION: "ns"},
+        }
+    }
+    copies.apply({"type": "ADDED", "object": copy})
     assert cluster.estimator.answer(orjson.dumps(pod)).estimate.max_replicas == 1
-    claims.apply({"type": "ADDED", "object": {**claim, "spec": spec}})
-    claims.apply({"type": "DELETED", "object": {**claim, "spec": spec}})
+    copies.apply({"type": "DELETED", "object": copy})
+    assert cluster.estimator.answer(orjson.dumps(pod)).estimate.max_replicas == 0
+    claims.apply({"type": "DELETED", "object": claim})
     assert cluster.estimator.answer(orjson.dumps(pod)).estimate.max_replicas == 1
 
 

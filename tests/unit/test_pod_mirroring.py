@@ -357,6 +357,22 @@ async def test_a_pod_made_below_before_its_slices_moved_away_runs_on() -> None:
     assert mirroring.lower.writes() == []
 
 
+async def test_a_pod_whose_ephemeral_volume_asks_for_one_made_by_hand_fails_unmade(
+    mirroring: Mirroring,
+) -> None:
+    """Below, the lower ephemeral volume controller would make its claim from the template,
+    and it would bind whichever lower volume matched: another tenant's data."""
+    template = {"spec": {"storageClassName": "", "accessModes": ["ReadWriteOnce"]}}
+    mirroring.above(
+        upper_pod(volumes=[{"name": "data", "ephemeral": {"volumeClaimTemplate": template}}])
+    )
+    await mirroring.controller.reconcile("shop/web")
+    (status,) = mirroring.upper_statuses()
+    assert (status["phase"], status["reason"]) == ("Failed", "VolumeRefused")
+    assert status["message"].startswith("ephemeral volume data asks for a volume made by hand")
+    assert mirroring.lower.writes() == []
+
+
 async def test_a_pod_of_kube_system_mirrored_before_runs_on_and_goes_with_its_upper_pod(
     mirroring: Mirroring,
 ) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import pytest
+
 from kubekit import keys
 from kubekit.client import PERSISTENTVOLUMECLAIMS, PERSISTENTVOLUMES
 from kubekit.informer import Informer, object_key
@@ -17,7 +19,6 @@ from virtual_node.volumes import (
     outlived,
     provisioned_volume,
     unbound_class,
-    uncopied_hand_made,
     volume_refusal,
 )
 
@@ -259,19 +260,25 @@ async def test_a_claim_event_reads_only_the_volumes_made_for_that_claim() -> Non
     assert upper.writes() == [("DELETE", f"{VOLUMES}/{created['metadata']['name']}")]
 
 
-def test_a_claim_for_a_volume_made_by_hand_refuses_its_pods_unless_ours_holds_it() -> None:
+def test_a_claim_for_a_volume_made_by_hand_without_a_copy_refuses_its_pods() -> None:
     pod = {"spec": {"volumes": [{"name": "d", "persistentVolumeClaim": {"claimName": "data"}}]}}
     assert volume_refusal(pod, "db", {}, set(), "lower-1", hand_made={"db/data"}) == (
         "claim data asks for a volume made by hand (no storage class, or a selector): the "
-        "lower cluster's volumes are not the upper cluster's, and its copy would bind "
-        "whichever of them it matched"
+        "lower cluster's volumes are not the upper cluster's, and its claim below would "
+        "bind whichever of them it matched"
     )
     assert volume_refusal(pod, "web", {}, set(), "lower-1", hand_made={"db/data"}) is None
-    claim: dict[str, Any] = {"metadata": {"name": "data", "namespace": "db", "uid": "u1"}}
-    assert uncopied_hand_made({**claim, "spec": {"storageClassName": ""}})
-    assert uncopied_hand_made({**claim, "spec": {"storageClassName": "", "volumeName": "nfs"}})
-    assert uncopied_hand_made({**claim, "spec": {"selector": {"matchLabels": {"a": "b"}}}})
-    assert not uncopied_hand_made({**claim, "spec": {"storageClassName": "fast"}})
-    assert not uncopied_hand_made(
-        {**claim, "spec": {"storageClassName": "", "volumeName": "pvc-u1"}}
-    )
+
+
+@pytest.mark.parametrize(
+    "template", [{"storageClassName": ""}, {"selector": {"matchLabels": {"disk": "nfs"}}}]
+)
+def test_an_ephemeral_volume_asking_for_a_volume_made_by_hand_is_refused(
+    template: dict[str, Any],
+) -> None:
+    """The lower ephemeral volume controller makes its claim below from the template."""
+    ephemeral = {"volumeClaimTemplate": {"spec": template}}
+    pod = {"spec": {"volumes": [{"name": "scratch", "ephemeral": ephemeral}]}}
+    refusal = volume_refusal(pod, "db", {}, {"fast"}, "lower-1")
+    assert refusal is not None
+    assert refusal.startswith("ephemeral volume scratch asks for a volume made by hand")
