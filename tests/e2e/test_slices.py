@@ -357,10 +357,10 @@ def test_pods_go_only_where_their_slices_are_and_stay_within_them(pool: Federati
         )
         wait_for(lambda: below(pool) == {"lower-1": [], "lower-2": []}, "the pods gone below")
 
-        # Only lower-2 holds slices now: the pods go nowhere else. The virtual nodes may
-        # not have seen the pods go yet (their upper and lower watches lag kubectl's): an
-        # edit taking a slice they still count as used is refused, as a user would see,
-        # and made again.
+        # Only lower-2 holds slices now: the pods go nowhere else. Pod three, pending, may
+        # have been judged again as one went, before its own deletion, and room held for
+        # it in lower-1 until the extender gives it back: an edit taking that slice then
+        # is refused, as a user would see it, and made again.
         def honoured() -> bool:
             edit_placement(pool, '{"lower-2": 2}')
             with contextlib.suppress(AssertionError):
