@@ -85,6 +85,8 @@ RETRIES_WHEN_TOLD = 10
 # plugin's run, killed past it) may take, the first one included.
 CREDENTIALS_REFRESH_SECONDS = 60.0
 CREDENTIALS_READ_TIMEOUT = 30.0
+# How long a killed plugin is waited for (its pipes may be held by what escaped it).
+PLUGIN_KILL_WAIT = 5.0
 # A Retry-After beyond this is waited this long (the apiserver names 1 to 10 seconds).
 LONGEST_WAIT_WHEN_TOLD = 10.0
 
@@ -225,13 +227,16 @@ class _ExecPlugin(ExecProvider):
                 with contextlib.suppress(Exception):
                     plugin = await starting
             if plugin is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    if interactive:
-                        plugin.kill()
-                    else:
-                        os.killpg(plugin.pid, signal.SIGKILL)
-                await plugin.wait()
+                _kill(plugin, interactive)
+                # Reaped once its pipes close too: one held by a process that left the
+                # group would hold the read, and the next one, for as long as it lives.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(PLUGIN_KILL_WAIT):
+                        await plugin.wait()
             raise
+        # What it left running in the background (a cache refresher, a `sleep`) would
+        # otherwise add a process a run.
+        _kill(plugin, interactive, group_only=True)
         if plugin.returncode != 0:
             said = stderr.decode(errors="replace").strip()
             raise ConfigException(
@@ -251,6 +256,16 @@ class _ExecPlugin(ExecProvider):
                 f"exec: plugin api version {answer['apiVersion']} does not match {self.api_version}"
             )
         return answer["status"]
+
+
+def _kill(plugin: asyncio.subprocess.Process, interactive: bool, group_only: bool = False) -> None:
+    """Kills the plugin and its process group (the plugin alone when it shares our
+    terminal's group; nothing then when ``group_only``: it has exited)."""
+    with contextlib.suppress(ProcessLookupError):
+        if not interactive:
+            os.killpg(plugin.pid, signal.SIGKILL)
+        elif not group_only:
+            plugin.kill()
 
 
 # The loader runs a plugin through this name of its module and takes no other runner:
@@ -336,8 +351,11 @@ class KubeClient:
             if settings.kubeconfig is None:
                 k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
             else:
+                # Not from a terminal: a plugin may wait there for a person (a browser
+                # sign-in, a second factor).
+                limit = None if sys.stdout.isatty() else CREDENTIALS_READ_TIMEOUT
                 try:
-                    async with asyncio.timeout(CREDENTIALS_READ_TIMEOUT):
+                    async with asyncio.timeout(limit):
                         loader = await k8s_config.load_kube_config(
                             config_file=settings.kubeconfig,
                             context=settings.context,

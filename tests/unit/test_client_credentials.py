@@ -302,3 +302,30 @@ async def test_a_plugin_that_fails_at_the_start_says_why(tmp_path: Path) -> None
     kubeconfig.write_text(yaml.safe_dump(kubeconfig_of(exec_user(script))))
     with pytest.raises(KubeconfigError, match=r"process returned 1\. no cloud in reach"):
         await KubeClient.connect(ClientSettings(str(kubeconfig)))
+
+
+async def test_what_a_plugin_that_answered_left_running_is_killed(tmp_path: Path) -> None:
+    """Run again every minute, a plugin leaving a process behind (a cache refresher, a
+    `sleep`) added one a run."""
+    script = tmp_path / "plugin.sh"
+    script.write_text(
+        "#!/bin/sh\n"
+        'sleep 600 >/dev/null 2>&1 </dev/null &\necho "$!" > "$1"\n'
+        """echo '{"apiVersion": "client.authentication.k8s.io/v1", "kind": "ExecCredential",
+       "status": {"token": "left", "expirationTimestamp": "2999-01-01T00:00:00Z"}}'\n"""
+    )
+    script.chmod(0o755)
+    pids = tmp_path / "pids"
+    user = exec_user(script)
+    user["exec"]["command"] = str(script)  # type: ignore[index]
+    user["exec"]["args"] = [str(pids)]  # type: ignore[index]
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(kubeconfig_of(user)))
+    with killed_after(pids):
+        async with await KubeClient.connect(ClientSettings(str(kubeconfig))):
+            (left,) = pids_in(pids)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 5
+            while running(left):
+                assert loop.time() < deadline, "what the plugin left still runs"
+                await asyncio.sleep(0.05)
