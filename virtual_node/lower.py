@@ -189,6 +189,9 @@ class LowerCluster:
         # lower key -> upper key of each pod of ours below, kept by the same handler, so
         # the orphan sweep decodes no pod (it decoded 10,000 on the event loop a minute).
         self._mirrored: dict[str, str] = {}
+        # The same the other way (upper key -> lower key): one made under an earlier
+        # namespace mapping is found where it is.
+        self._mirrors: dict[str, str] = {}
         # upper key -> our lower pod as its removal showed it, until the upper pod's next
         # sync passes it by or the upper pod is gone (its deletion's last status).
         self._removed: dict[str, JSON] = {}
@@ -234,18 +237,25 @@ class LowerCluster:
         self._set_usage(key, pod_usage(pod, self.owner.owns))
         upper_key = self.upper_key(pod)
         if upper_key is None:
-            self._mirrored.pop(key, None)
+            self._forget_mirror(key)
         else:
             self._mirrored[key] = upper_key
+            self._mirrors[upper_key] = key
             self._slot_changed()
 
     def _pod_deleted(self, pod: JSON) -> None:
         key = object_key(pod)
         self._set_usage(key, None)
-        upper_key = self._mirrored.pop(key, None)
+        upper_key = self._forget_mirror(key)
         if upper_key is not None:
             self._removed[upper_key] = pod
             self._slot_changed()
+
+    def _forget_mirror(self, lower_key: str) -> str | None:
+        upper_key = self._mirrored.pop(lower_key, None)
+        if upper_key is not None and self._mirrors.get(upper_key) == lower_key:
+            del self._mirrors[upper_key]
+        return upper_key
 
     def _slot_changed(self) -> None:
         # Our own pods change no capacity above, but the room left on each lower node.
@@ -282,8 +292,14 @@ class LowerCluster:
         namespace, name = upper_key.split("/", 1)
         return f"{self.mapping.lower(namespace)}/{name}"
 
-    def made_under_another_mapping(self) -> list[tuple[str, str]]:
-        return made_under_another_mapping(self._mirrored, self.mapping)
+    def made_under_another_mapping(self, running: Callable[[str], bool]) -> list[tuple[str, str]]:
+        """Those of our pods below made under another namespace mapping whose upper pod
+        is ``running`` (there, not finished): the others are the orphan sweep's."""
+        return [
+            (lower_key, upper_key)
+            for lower_key, upper_key in made_under_another_mapping(self._mirrored, self.mapping)
+            if running(upper_key)
+        ]
 
     # -- NodeProvider ----------------------------------------------------------------------
 
@@ -495,14 +511,16 @@ class LowerCluster:
     async def _refused_outside_slices(
         self, upper: Mapping[str, Any], namespace: str, name: str
     ) -> Rejected | Waiting | None:
-        """A pod its creator bound here outside its namespace's slices. Only a pod with no
-        PodScheduled yet is judged: a scheduler's binding sets it (the extender has
-        judged the pod, on records that may be newer than ours: a quota just removed,
-        slices just placed here), and we write one once the pod is made below or refused
-        there. A rejection is for good: so not while a copy is below already (our
-        create's answer lost, the cache behind)."""
+        """A pod its creator bound here outside its namespace's slices. Not one that is
+        PodScheduled: a scheduler's binding says so (the extender has judged the pod, on
+        records that may be newer than ours: a quota just removed, slices just placed
+        here), and so do we once it runs below. (PodScheduled False is ours: refused below
+        for now, the pod is judged again at each try.) A rejection is for good: so not
+        while a copy is below already (our create's answer lost, the cache behind)."""
         conditions = (upper.get("status") or {}).get("conditions") or []
-        if self.outside_slices is None or any(c.get("type") == "PodScheduled" for c in conditions):
+        if self.outside_slices is None or any(
+            c.get("type") == "PodScheduled" and c.get("status") == "True" for c in conditions
+        ):
             return None
         why = self.outside_slices(upper["metadata"]["namespace"])
         if why is None:
@@ -676,7 +694,7 @@ class LowerCluster:
     async def remove_orphan(self, upper_key: str, grace_period_seconds: int | None) -> None:
         gone_below = self._removed.pop(upper_key, None) is not None
         try:
-            lower_key = self.lower_key(upper_key)
+            lower_key = self._mirrors.get(upper_key) or self.lower_key(upper_key)
         except NamingError:
             return
         lower = self.pods.get(lower_key)

@@ -54,7 +54,7 @@ from virtual_node.namespaces import LowerNamespaces
 from virtual_node.naming import NamespaceMapping, Strategy
 from virtual_node.node import NodeIdentity
 from virtual_node.nodecontroller import NodeController
-from virtual_node.podcontroller import PodController
+from virtual_node.podcontroller import FINISHED, PodController
 from virtual_node.promises import SlicePromises
 from virtual_node.reflector import RESOURCES as REFLECTED
 from virtual_node.reflector import Reflector
@@ -570,7 +570,16 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             len(upper_pods),
             len(backend.pods),
         )
-        await nodes.renewing_lease_while(until_made_under_this_mapping(backend, config))
+        await nodes.renewing_lease_while(
+            until_made_under_this_mapping(
+                backend,
+                config,
+                lambda key: (
+                    (pod := upper_pods.get(key)) is not None
+                    and (pod.get("status") or {}).get("phase") not in FINISHED
+                ),
+            )
+        )
         health.mark_ready()
         if config.estimator_port:
             estimator.settle()
@@ -633,13 +642,17 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             await client.close()
 
 
-async def until_made_under_this_mapping(backend: LowerCluster, config: VirtualNodeConfig) -> None:
+async def until_made_under_this_mapping(
+    backend: LowerCluster, config: VirtualNodeConfig, running: Callable[[str], bool]
+) -> None:
     """Holds the start while pods of ours below were made under another namespace
-    mapping (``--namespace-strategy`` or ``--namespace-prefix`` changed since): mirrored
-    under this one, each would be taken for lost and made again beside the one still
-    running. Nothing is mirrored meanwhile; the Lease is renewed, so no pod is evicted,
-    and past the start's limit the Node is tainted not-started."""
-    while stale := backend.made_under_another_mapping():
+    mapping (``--namespace-strategy`` or ``--namespace-prefix`` changed since) for upper
+    pods still ``running``: mirrored under this one, each would be taken for lost and made
+    again beside the one still running. Nothing is mirrored meanwhile; the Lease is
+    renewed, so no pod is evicted, and past the start's limit the Node is tainted
+    not-started. Those whose upper pod is gone are the orphan sweep's, found where they
+    are."""
+    while stale := backend.made_under_another_mapping(running):
         lower_key, upper_key = stale[0]
         log.error(
             "%d pods below were made by this virtual node under another namespace mapping "

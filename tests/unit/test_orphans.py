@@ -10,6 +10,7 @@ import pytest
 from kubekit import keys
 from kubekit.client import NODES, PODS
 from kubekit.informer import Informer
+from tests.unit.fakeapi import FakeClient
 from virtual_node.lower import LowerCluster
 from virtual_node.main import VirtualNodeConfig, until_made_under_this_mapping
 from virtual_node.naming import NamespaceMapping
@@ -45,12 +46,14 @@ def test_orphans_are_our_lower_pods_without_an_upper_pod() -> None:
     assert backend.orphan_keys(set()) == ["shop/kept"]
 
 
-def backend_with(mapping: NamespaceMapping, *pods: dict[str, Any]) -> LowerCluster:
-    informer = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
+def backend_with(
+    mapping: NamespaceMapping, *pods: dict[str, Any], lower: FakeClient | None = None
+) -> LowerCluster:
+    informer = Informer(client=lower, resource=PODS)  # type: ignore[arg-type]
     backend = LowerCluster(
-        None,  # type: ignore[arg-type]
+        lower,  # type: ignore[arg-type]
         informer,
-        Informer(client=None, resource=NODES),  # type: ignore[arg-type]
+        Informer(client=lower, resource=NODES),  # type: ignore[arg-type]
         OWNER,
         mapping,
         "127.0.0.1",
@@ -64,13 +67,14 @@ def test_pods_made_under_another_namespace_mapping_are_found() -> None:
     """Made in east-shop for upper shop: under the prefix `west`, or the namespace kept
     as it is, shop/web would be looked for elsewhere, taken for lost and made again."""
     pods = (lower_pod("web", "shop"), lower_pod("theirs", None))
-    assert (
-        backend_with(NamespaceMapping("prefix", "east"), *pods).made_under_another_mapping() == []
-    )
+    running = {"shop/web"}.__contains__
+    east = backend_with(NamespaceMapping("prefix", "east"), *pods)
+    assert east.made_under_another_mapping(running) == []
     for mapping in (NamespaceMapping("prefix", "west"), NamespaceMapping()):
-        assert backend_with(mapping, *pods).made_under_another_mapping() == [
-            ("east-shop/web", "shop/web")
-        ]
+        backend = backend_with(mapping, *pods)
+        assert backend.made_under_another_mapping(running) == [("east-shop/web", "shop/web")]
+        # Its upper pod gone, or finished: the orphan sweep's, found where it is.
+        assert backend.made_under_another_mapping(lambda _key: False) == []
 
 
 async def test_the_start_waits_while_pods_were_made_under_another_mapping(
@@ -85,7 +89,9 @@ async def test_the_start_waits_while_pods_were_made_under_another_mapping(
         namespace_strategy="prefix",
         namespace_prefix="west",
     )
-    waiting = asyncio.create_task(until_made_under_this_mapping(backend, config))
+    waiting = asyncio.create_task(
+        until_made_under_this_mapping(backend, config, {"shop/web"}.__contains__)
+    )
     await asyncio.sleep(0.01)
     assert not waiting.done()
     assert "east-shop/web, for upper pod shop/web" in caplog.text
@@ -93,3 +99,13 @@ async def test_the_start_waits_while_pods_were_made_under_another_mapping(
     # Deleted below by the operator: the start goes on.
     backend.pods.apply({"type": "DELETED", "object": lower_pod("web", "shop")})
     await asyncio.wait_for(waiting, 1)
+
+
+async def test_an_orphan_made_under_another_mapping_is_removed_where_it_is() -> None:
+    orphan = lower_pod("web", "shop")
+    orphan["metadata"]["uid"] = "lower-uid"
+    lower = FakeClient()
+    backend = backend_with(NamespaceMapping("prefix", "west"), orphan, lower=lower)
+    assert backend.orphan_keys(set()) == ["shop/web"]
+    await backend.remove_orphan("shop/web", None)
+    assert lower.writes() == [("DELETE", "/api/v1/namespaces/east-shop/pods/web")]

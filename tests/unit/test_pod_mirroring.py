@@ -336,6 +336,20 @@ async def test_a_pod_the_scheduler_bound_is_not_judged_against_our_slice_records
     assert ("POST", "/api/v1/namespaces/shop/pods") in mirroring.lower.writes()
 
 
+async def test_a_pod_refused_below_for_now_is_judged_against_the_slice_records_again() -> None:
+    """Refused below once (its slice quota full), it has our PodScheduled False: its
+    slices moved away since, it would run outside them."""
+    mirroring = mirroring_with(outside_slices={"shop": "no slices here"}.get)
+    pod = upper_pod()
+    refused = {"type": "PodScheduled", "status": "False", "reason": "LowerClusterRefused"}
+    pod["status"] = {"conditions": [refused]}
+    mirroring.above(pod)
+    await mirroring.controller.reconcile("shop/web")
+    (status,) = mirroring.upper_statuses()
+    assert (status["phase"], status["reason"]) == ("Failed", "OutsideQuotaSlices")
+    assert mirroring.lower.writes() == []
+
+
 async def test_a_pod_outside_its_slices_already_made_below_is_not_failed() -> None:
     """Our create's answer lost and the cache behind: failed above for good, its copy
     below would then be removed."""
