@@ -156,11 +156,12 @@ class FitEstimator:
         self._waiting_claims: dict[str, str] = {}
         # ... of those, the ones to be filled from a snapshot or another claim.
         self._sourced_claims: set[str] = set()
-        # Upper claims for a volume made by hand, those with a copy below (made before
-        # such claims were refused: kept, and their pods mirrored), and those of the first
-        # without one, whose pods would wait below for good.
-        self._hand_made_claims: set[str] = set()
-        self._copied_claims: set[str] = set()
+        # Upper claims for a volume made by hand (key -> UID), the UID each copy below was
+        # made from (a copy made before such claims were refused is kept, and its pods
+        # mirrored; one going is not), and the first without a copy of their own, whose
+        # pods would wait below for good.
+        self._hand_made_claims: dict[str, str] = {}
+        self._copied_claims: dict[str, str] = {}
         self._uncopied_hand_made: set[str] = set()
         self._storage_classes: set[str] = set()
         # The lower cluster's RuntimeClasses: a pod of a class it lacks fits nowhere here,
@@ -281,32 +282,39 @@ class FitEstimator:
         else:
             self._sourced_claims.discard(key)
         if for_a_volume_made_by_hand(claim):
-            self._hand_made_claims.add(key)
+            self._hand_made_claims[key] = str(claim["metadata"].get("uid", ""))
         else:
-            self._hand_made_claims.discard(key)
+            self._hand_made_claims.pop(key, None)
         self._hand_made_changed(key)
 
     @_exclusive
     def _claim_deleted(self, claim: JSON) -> None:
         self._waiting_claims.pop(object_key(claim), None)
         self._sourced_claims.discard(object_key(claim))
-        self._hand_made_claims.discard(object_key(claim))
+        self._hand_made_claims.pop(object_key(claim), None)
         self._hand_made_changed(object_key(claim))
 
     @_exclusive
     def _claim_copy_changed(self, copy: JSON) -> None:
-        if (key := _upper_claim_key(copy)) is not None:
-            self._copied_claims.add(key)
-            self._hand_made_changed(key)
+        if (key := _upper_claim_key(copy)) is None:
+            return
+        metadata = copy["metadata"]
+        made_from = (metadata.get("annotations") or {}).get(keys.UPPER_UID_ANNOTATION)
+        if made_from and not metadata.get("deletionTimestamp"):
+            self._copied_claims[key] = made_from
+        else:
+            self._copied_claims.pop(key, None)
+        self._hand_made_changed(key)
 
     @_exclusive
     def _claim_copy_deleted(self, copy: JSON) -> None:
         if (key := _upper_claim_key(copy)) is not None:
-            self._copied_claims.discard(key)
+            self._copied_claims.pop(key, None)
             self._hand_made_changed(key)
 
     def _hand_made_changed(self, key: str) -> None:
-        if key in self._hand_made_claims and key not in self._copied_claims:
+        uid = self._hand_made_claims.get(key)
+        if uid is not None and self._copied_claims.get(key) != uid:
             self._uncopied_hand_made.add(key)
         else:
             self._uncopied_hand_made.discard(key)

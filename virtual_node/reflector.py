@@ -287,6 +287,20 @@ class Reflector:
             is not None
         )
 
+    def _has_copy_of(self, key: Key, upper: Mapping[str, Any]) -> bool:
+        """Whether this very upper object has a copy below that stays: not one of an
+        earlier object of its name, going (its claim's pods still hold it)."""
+        kind, namespace, name = key
+        try:
+            lower = self.lower_copies[kind].get(f"{self.mapping.lower(namespace)}/{name}")
+        except NamingError:
+            return False
+        return (
+            lower is not None
+            and not lower["metadata"].get("deletionTimestamp")
+            and _copied_from(lower) == upper["metadata"].get("uid")
+        )
+
     def sync_namespaces(self, namespaces: Iterable[str]) -> None:
         """Keeps every object of these upper namespaces below (they hold quota slices
         here), not only those pods refer to; a namespace left out is back to those."""
@@ -461,7 +475,7 @@ class Reflector:
                 RESOURCES[kind] is PERSISTENTVOLUMECLAIMS
                 and claim is not None
                 and for_a_volume_made_by_hand(claim)
-                and not self._has_copy(key)
+                and not self._has_copy_of(key, claim)
             ):
                 raise ClaimNotCopied(hand_made_refusal(f"claim {name}"))
             if key in self._taken:

@@ -903,23 +903,33 @@ def test_a_pod_whose_claim_asks_for_a_volume_made_by_hand_fits_only_where_it_was
     copies = Informer(client=None, resource=PERSISTENTVOLUMECLAIMS)  # type: ignore[arg-type]
     cluster.estimator.watch_volumes(claims, classes, copies)
     classes.apply({"type": "ADDED", "object": {"metadata": {"name": "fast"}}})
-    claim: dict[str, Any] = {"metadata": {"name": "data", "namespace": "ns"}, "spec": spec}
+    claim: dict[str, Any] = {
+        "metadata": {"name": "data", "namespace": "ns", "uid": "u1"},
+        "spec": spec,
+    }
     claims.apply({"type": "ADDED", "object": claim})
     pod = upper_pod("static", "1")
     pod["spec"]["volumes"] = [{"name": "d", "persistentVolumeClaim": {"claimName": "data"}}]
     answer = cluster.estimator.answer(orjson.dumps(pod), reserve=True)
     assert (answer.estimate.max_replicas, answer.reserved_node) == (0, None)
     assert answer.refusal.startswith("claim data asks for a volume made by hand")
-    copy = {
-        "metadata": {
-            "name": "data",
-            "namespace": "ns",
-            "annotations": {keys.UPPER_NAMESPACE_ANNOTATION: "ns"},
+
+    def copy_of(uid: str, **metadata: str) -> dict[str, Any]:
+        annotations = {keys.UPPER_NAMESPACE_ANNOTATION: "ns", keys.UPPER_UID_ANNOTATION: uid}
+        return {
+            "metadata": {"name": "data", "namespace": "ns", "annotations": annotations, **metadata}
         }
-    }
-    copies.apply({"type": "ADDED", "object": copy})
+
+    copies.apply({"type": "ADDED", "object": copy_of("u1")})
     assert cluster.estimator.answer(orjson.dumps(pod)).estimate.max_replicas == 1
-    copies.apply({"type": "DELETED", "object": copy})
+    # Going (its pods hold it), or made from an earlier claim of that name: no copy for a
+    # new pod, which would wait below for a claim then gone.
+    going = copy_of("u1", deletionTimestamp="2026-11-29T07:00:00Z")
+    for copy in (going, copy_of("u0")):
+        copies.apply({"type": "MODIFIED", "object": copy})
+        assert cluster.estimator.answer(orjson.dumps(pod)).estimate.max_replicas == 0
+    copies.apply({"type": "MODIFIED", "object": copy_of("u1")})
+    copies.apply({"type": "DELETED", "object": copy_of("u1")})
     assert cluster.estimator.answer(orjson.dumps(pod)).estimate.max_replicas == 0
     claims.apply({"type": "DELETED", "object": claim})
     assert cluster.estimator.answer(orjson.dumps(pod)).estimate.max_replicas == 1

@@ -528,6 +528,12 @@ async def test_a_claim_for_a_volume_made_by_hand_is_not_copied_and_its_pod_waits
     await r.reflector.ensure_for_pod(user)
     await r.drain()
     assert r.lower.writes() == []
+    # Going (its pods hold it), it is no copy for a new pod, which would wait below for
+    # a claim that is then gone.
+    going = {**copy["metadata"], "uid": "below", "deletionTimestamp": "2026-11-29T07:00:00Z"}
+    r.below("persistentvolumeclaims", {**copy, "metadata": going})
+    with pytest.raises(ClaimNotCopied):
+        await r.reflector.ensure_for_pod(user)
 
 
 async def test_a_claim_made_again_above_gets_a_new_copy_not_the_old_volume() -> None:
