@@ -260,8 +260,9 @@ class _ExecPlugin(ExecProvider):
 
 def _kill(plugin: asyncio.subprocess.Process, interactive: bool, group_only: bool = False) -> None:
     """Kills the plugin and its process group (the plugin alone when it shares our
-    terminal's group; nothing then when ``group_only``: it has exited)."""
-    with contextlib.suppress(ProcessLookupError):
+    terminal's group; nothing then when ``group_only``: it has exited). Gone already, or
+    its number taken since by a process not ours: nothing to kill."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         if not interactive:
             os.killpg(plugin.pid, signal.SIGKILL)
         elif not group_only:
