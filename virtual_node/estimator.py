@@ -44,7 +44,7 @@ from virtual_node.kubeletapi.auth import AuthError, Authorizer
 from virtual_node.naming import NamespaceMapping, NamingError
 from virtual_node.promises import PromiseRefused, SliceBudgets, SlicePromises, requested
 from virtual_node.quotas import QuotaBook, quota_usage
-from virtual_node.references import for_a_volume_made_by_hand
+from virtual_node.references import for_a_volume_made_by_hand, standing_for
 from virtual_node.runtimes import (
     RuntimeClassFacts,
     runtime_class_facts,
@@ -298,9 +298,7 @@ class FitEstimator:
     def _claim_copy_changed(self, copy: JSON) -> None:
         if (key := _upper_claim_key(copy)) is None:
             return
-        metadata = copy["metadata"]
-        made_from = (metadata.get("annotations") or {}).get(keys.UPPER_UID_ANNOTATION)
-        if made_from and not metadata.get("deletionTimestamp"):
+        if made_from := standing_for(copy):
             self._copied_claims[key] = made_from
         else:
             self._copied_claims.pop(key, None)

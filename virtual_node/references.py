@@ -170,6 +170,17 @@ def for_a_volume_made_by_hand(claim: Mapping[str, Any]) -> bool:
     return spec.get("storageClassName") == "" or bool(spec.get("selector"))
 
 
+def copied_from(copy: Mapping[str, Any]) -> str | None:
+    """The UID of the upper object a copy was made from."""
+    return (copy["metadata"].get("annotations") or {}).get(keys.UPPER_UID_ANNOTATION)
+
+
+def standing_for(copy: Mapping[str, Any]) -> str | None:
+    """The UID of the upper object a copy below serves: the one it was made from, unless
+    it is going (a claim's copy its pods still hold), when it serves no new pod."""
+    return None if copy["metadata"].get("deletionTimestamp") else copied_from(copy)
+
+
 def hand_made_refusal(what: str) -> str:
     """Why ``what`` (``claim data``, ``ephemeral volume scratch``) is not had below."""
     return (

@@ -39,6 +39,7 @@ from virtual_node.naming import NamespaceMapping, NamingError
 from virtual_node.references import (
     JSON,
     Kind,
+    copied_from,
     copy_differs,
     desired_copy,
     desired_endpoint_slice,
@@ -54,6 +55,7 @@ from virtual_node.references import (
     selector_matches,
     service_of_slice,
     service_selector,
+    standing_for,
     synced_namespace_wide,
     token_account,
 )
@@ -80,11 +82,6 @@ DESIRED: dict[Kind, Callable[[Mapping[str, Any], NamespaceMapping, Ownership], J
     "services": desired_service,
     "endpointslices": desired_endpoint_slice,
 }
-
-
-def _copied_from(copy: Mapping[str, Any]) -> str | None:
-    """The UID of the upper object a copy was made from."""
-    return (copy["metadata"].get("annotations") or {}).get(keys.UPPER_UID_ANNOTATION)
 
 
 def reflected_key(kind: Kind, namespace: str, name: str) -> Key:
@@ -276,30 +273,21 @@ class Reflector:
             if changed is not None:
                 self.queue.add(changed)
 
-    def _has_copy(self, key: Key) -> bool:
+    def _copy(self, key: Key) -> JSON | None:
         kind, namespace, name = key
         try:
             lower_namespace = self.mapping.lower(namespace) if namespace else ""
         except NamingError:
-            return False
-        return (
-            self.lower_copies[kind].get(f"{lower_namespace}/{name}" if lower_namespace else name)
-            is not None
-        )
+            return None
+        return self.lower_copies[kind].get(f"{lower_namespace}/{name}" if lower_namespace else name)
+
+    def _has_copy(self, key: Key) -> bool:
+        return self._copy(key) is not None
 
     def _has_copy_of(self, key: Key, upper: Mapping[str, Any]) -> bool:
-        """Whether this very upper object has a copy below that stays: not one of an
-        earlier object of its name, going (its claim's pods still hold it)."""
-        kind, namespace, name = key
-        try:
-            lower = self.lower_copies[kind].get(f"{self.mapping.lower(namespace)}/{name}")
-        except NamingError:
-            return False
-        return (
-            lower is not None
-            and not lower["metadata"].get("deletionTimestamp")
-            and _copied_from(lower) == upper["metadata"].get("uid")
-        )
+        """Whether this very upper object has a copy below that stays."""
+        copy = self._copy(key)
+        return copy is not None and standing_for(copy) == upper["metadata"].get("uid")
 
     def sync_namespaces(self, namespaces: Iterable[str]) -> None:
         """Keeps every object of these upper namespaces below (they hold quota slices
@@ -509,7 +497,7 @@ class Reflector:
             resource is PERSISTENTVOLUMECLAIMS
             and upper is not None
             and lower is not None
-            and _copied_from(lower) not in (None, upper["metadata"]["uid"])
+            and copied_from(lower) not in (None, upper["metadata"]["uid"])
         ):
             # The copy of an earlier claim of that name (deleted and made again above
             # while this process was away, or between two reconciles): its volume is the
