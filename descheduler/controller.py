@@ -27,6 +27,7 @@ from descheduler.defrag import (
     candidate_plans,
     defragmented_record,
     movable_pods,
+    outside_slices,
     planned_again_at,
     taking_from_budgets,
     waiting_pods,
@@ -41,6 +42,7 @@ from descheduler.rescue import (
     controller_kind,
     copy_alive,
     copy_name,
+    copy_refused,
     copy_taken,
     destination,
     down_for,
@@ -130,6 +132,7 @@ class Descheduler:
         pods: Informer,
         nodes: Informer,
         budgets: Informer,
+        namespaces: Informer,
         pool: EstimatorPool,
         policy: Policy,
         dry_run: bool = False,
@@ -140,6 +143,7 @@ class Descheduler:
         self.pods = pods
         self.nodes = nodes
         self.budgets = budgets
+        self.namespaces = namespaces
         self.pool = pool
         self.policy = policy
         self.dry_run = dry_run
@@ -166,7 +170,10 @@ class Descheduler:
 
     async def wait_synced(self) -> None:
         await asyncio.gather(
-            self.pods.wait_synced(), self.nodes.wait_synced(), self.budgets.wait_synced()
+            self.pods.wait_synced(),
+            self.nodes.wait_synced(),
+            self.budgets.wait_synced(),
+            self.namespaces.wait_synced(),
         )
 
     async def run(self) -> None:
@@ -215,6 +222,7 @@ class Descheduler:
                 self._destination(
                     s,
                     admitting(s.pod, virtual_nodes, self._receivers(s, virtual_nodes, now)),
+                    virtual_nodes,
                     kept.get(s.uid),
                 )
                 for s in stuck
@@ -260,11 +268,9 @@ class Descheduler:
             # the first plan's evicted pods will take again on its other nodes, and would
             # give it to a second plan.
             planned = {p.cluster for p in plans}
-            names = [
-                name
-                for name in admitting(each.pod, virtual_nodes, receivers(virtual_nodes, now, ""))
-                if name not in planned
-            ]
+            admitted = admitting(each.pod, virtual_nodes, receivers(virtual_nodes, now, ""))
+            outside = self._outside_slices(each.pod, virtual_nodes, admitted)
+            names = [name for name in admitted if name not in planned and name not in outside]
             if not names:
                 continue  # next cycle
             plan = await self._defragment(each, names, limits, virtual_nodes, now)
@@ -295,20 +301,37 @@ class Descheduler:
         made = self.pods.get(f"{stuck.namespace}/{copy_name(stuck.pod)}")
         return made if made is not None and is_copy_of(made, stuck.pod) else None
 
-    async def _destination(self, stuck: Stuck, names: list[str], lost: str | None) -> Move | Stay:
+    def _outside_slices(
+        self,
+        pod: Mapping[str, Any],
+        virtual_nodes: Mapping[str, Mapping[str, Any]],
+        names: list[str],
+    ) -> dict[str, str]:
+        namespace = self.namespaces.get(str(pod["metadata"].get("namespace", ""))) or {}
+        annotations = namespace.get("metadata", {}).get("annotations") or {}
+        return outside_slices(
+            pod, virtual_nodes, names, annotations.get(keys.SLICE_APPLIED_ANNOTATION)
+        )
+
+    async def _destination(
+        self,
+        stuck: Stuck,
+        names: list[str],
+        virtual_nodes: Mapping[str, Mapping[str, Any]],
+        lost: str | None,
+    ) -> Move | Stay:
         if lost is not None:
             return Stay(stuck, lost)
-        if not names:
-            return destination(stuck, {})
-        query = PodQuery(pod=orjson.dumps(stuck.pod))
-        answers = await self.pool.estimate(names, query, ESTIMATOR_TIMEOUT)
-        return destination(
-            stuck,
-            {
-                name: answer if isinstance(answer, PodEstimate) else answer_text(answer)
-                for name, answer in answers.items()
-            },
+        found: dict[str, PodEstimate | str] = dict(
+            self._outside_slices(stuck.pod, virtual_nodes, names)
         )
+        names = [name for name in names if name not in found]
+        if names:
+            query = PodQuery(pod=orjson.dumps(stuck.pod))
+            answers = await self.pool.estimate(names, query, ESTIMATOR_TIMEOUT)
+            for name, answer in answers.items():
+                found[name] = answer if isinstance(answer, PodEstimate) else answer_text(answer)
+        return destination(stuck, found)
 
     async def _jobs_losing(self, stuck: list[Stuck]) -> dict[str, str]:
         """Of the stuck pods of Jobs, those whose eviction would lose them (the Job
@@ -595,7 +618,26 @@ class Descheduler:
                 log.warning("%s: untaken copy not deleted: %s", case.key, error)
         return left
 
-    async def _keep_off(self, original: JSON, node: str) -> None:
+    async def _withdraw_refused_copy(self, stuck: Stuck, copy: JSON) -> None:
+        """Deletes a copy its cluster refused and keeps the original's next copy off that
+        cluster for ``returnAfter``; the original, still there, is copied afresh elsewhere
+        at a later look. Until 2026-11-29 such a copy stopped the move for good, the pod
+        left stuck while another cluster could run it."""
+        node = str(copy["spec"].get("nodeName", ""))
+        await self._keep_off(stuck.pod, node)
+        await self.client.delete_exact(PODS, copy)
+        # The cache may show the deleted copy for a moment yet.
+        self._blocked[stuck.uid] = self.clock() + BLOCKED_RETRY_SECONDS
+        await self._event(
+            stuck.pod,
+            "NotRescheduled",
+            f"{stuck.describe()}; its copy {copy['metadata']['name']} was refused by "
+            f"{node}{_said_why(copy)}: deleted, and the pod copied elsewhere at a later look, "
+            f"not to {node} for {self.policy.return_after:.0f} s",
+            warning=True,
+        )
+
+    async def _keep_off(self, original: Mapping[str, Any], node: str) -> None:
         """Keeps the original's next copy off the virtual node that never took this one
         for ``returnAfter``: a cluster refusing it (a policy below the estimators do not
         model) ranked first again, and it was copied there at every other look."""
@@ -658,6 +700,9 @@ class Descheduler:
                     f"copy of pod {stuck.key} ({stuck.describe()}); the original goes once "
                     f"{move.to} has taken it",
                 )
+        if is_copy_of(made, stuck.pod) and copy_refused(made):
+            await self._withdraw_refused_copy(stuck, made)
+            return
         why = (
             f"pod {name} exists and is not its copy"
             if not is_copy_of(made, stuck.pod)
@@ -766,10 +811,11 @@ class Descheduler:
         if not budgets_allow([*taking_from_budgets(self._evicted_now), *plan.evicted], budgets):
             return "its PodDisruptionBudgets do not allow all its evictions at once"
         # Each homeless pod by the clusters its own rules admit (not the waiting pod's).
-        admitted = [
-            (pod, admitting(pod, virtual_nodes, receivers(virtual_nodes, now, plan.cluster)))
-            for pod in plan.homeless
-        ]
+        admitted = []
+        for pod in plan.homeless:
+            names = admitting(pod, virtual_nodes, receivers(virtual_nodes, now, plan.cluster))
+            outside = self._outside_slices(pod, virtual_nodes, names)
+            admitted.append((pod, [name for name in names if name not in outside]))
         left, landing = await self._rehome(admitted)
         if left:
             return f"no other cluster has room for {', '.join(left)}"

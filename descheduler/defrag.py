@@ -29,6 +29,7 @@ from descheduler.rescue import (
 from kubekit import fit, keys
 from kubekit.estimatorapi.estimator_pb2 import DefragmentResponse
 from kubekit.informer import object_key
+from kubekit.slices import outside_applied_slices
 from kubekit.timestamps import parse_time, rfc3339
 
 # Never evicted to make room: the cluster's own machinery.
@@ -134,6 +135,28 @@ def admitting(
         ):
             admitted.append(name)
     return admitted
+
+
+def outside_slices(
+    pod: Mapping[str, Any],
+    virtual_nodes: Mapping[str, Mapping[str, Any]],
+    names: Iterable[str],
+    applied_annotation: str | None,
+) -> dict[str, str]:
+    """Of the virtual nodes ``names``, those whose cluster holds none of the quota slices
+    of the pod's namespace (``applied_annotation``: the multischeduler's record on it),
+    each with why. The extender turns a controller's new pod away from them, and their
+    virtual node fails a bare pod's copy bound there (``OutsideQuotaSlices``): a move
+    there, or room made there, would be for nothing."""
+    namespace = str(pod["metadata"].get("namespace", ""))
+    outside = {}
+    for name in names:
+        labels = virtual_nodes[name].get("metadata", {}).get("labels") or {}
+        cluster = str(labels.get(keys.CLUSTER_ID_LABEL, ""))
+        why = outside_applied_slices(namespace, applied_annotation, cluster)
+        if why is not None:
+            outside[name] = why
+    return outside
 
 
 def budgets_of(

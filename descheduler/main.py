@@ -13,7 +13,14 @@ from pathlib import Path
 from descheduler.controller import Descheduler
 from descheduler.policy import Policy, PolicyError, parse_policy
 from kubekit import keys, leader, logs
-from kubekit.client import NODES, PODDISRUPTIONBUDGETS, PODS, ClientSettings, KubeClient
+from kubekit.client import (
+    NAMESPACES,
+    NODES,
+    PODDISRUPTIONBUDGETS,
+    PODS,
+    ClientSettings,
+    KubeClient,
+)
 from kubekit.component import run_component
 from kubekit.health import Health
 from kubekit.informer import Informer
@@ -134,11 +141,14 @@ async def deschedule(config: Config, health: Health) -> None:
         nodes.add_handler(pool.handler())
         pods = Informer(client, PODS)
         budgets = Informer(client, PODDISRUPTIONBUDGETS)
+        namespaces = Informer(client, NAMESPACES)
         watching = [
             asyncio.create_task(informer.run(), name=repr(informer))
-            for informer in (nodes, pods, budgets)
+            for informer in (nodes, pods, budgets, namespaces)
         ]
-        descheduler = Descheduler(client, pods, nodes, budgets, pool, config.policy, config.dry_run)
+        descheduler = Descheduler(
+            client, pods, nodes, budgets, namespaces, pool, config.policy, config.dry_run
+        )
         try:
             await descheduler.wait_synced()
             health.mark_ready()

@@ -585,6 +585,20 @@ def copy_taken(copy: Mapping[str, Any]) -> bool:
     )
 
 
+def copy_refused(copy: Mapping[str, Any]) -> bool:
+    """A copy failed before its cluster took it: the virtual node refused it (outside
+    its namespace's quota slices, a volume it will not make, the lower apiserver's 400),
+    and no node admitted it nor lower scheduler placed it. Its original is the pod."""
+    status = copy.get("status") or {}
+    scheduled = condition(status.get("conditions") or [], "PodScheduled") or {}
+    return (
+        status.get("phase") == "Failed"
+        and not copy["metadata"].get("deletionTimestamp")
+        and not status.get("hostIP")
+        and scheduled.get("status") != "True"
+    )
+
+
 def unfinished_moves(pods: Iterable[Mapping[str, Any]]) -> list[tuple[JSON, JSON]]:
     """(original, copy) of the bare pods whose copy its cluster has taken, but which were
     not deleted after it (the copy taken after the original stopped being stuck, the

@@ -625,6 +625,19 @@ def no_slices_here(namespace: str, cluster_id: str, slices: Mapping[str, int]) -
     )
 
 
+def outside_applied_slices(
+    namespace: str, applied_annotation: str | None, cluster_id: str
+) -> str | None:
+    """Why a pod of ``namespace`` may not go to ``cluster_id`` by the multischeduler's
+    applied record of its slices (on the upper namespace), or None: the cluster holds
+    some, or the record gives the namespace none anywhere (its quota is not sliced, or
+    its slices are not placed yet, when the extender alone judges)."""
+    record = applied(applied_annotation)
+    if record is None or not any(record.slices.values()):
+        return None
+    return no_slices_here(namespace, cluster_id, record.slices)
+
+
 def bound_outside_slices(
     namespace: str, applied_annotation: str | None, cluster_id: str, held_here: bool
 ) -> str | None:
@@ -635,8 +648,5 @@ def bound_outside_slices(
     run outside its quota, on room promised to other namespaces; without a slice here there
     is no slice quota below to refuse it. Either record naming this cluster is enough: the
     ledger is written before the record, and the record is read above, so one may lag."""
-    record = applied(applied_annotation)
-    if held_here or record is None or not any(record.slices.values()):
-        return None
-    why = no_slices_here(namespace, cluster_id, record.slices)
+    why = None if held_here else outside_applied_slices(namespace, applied_annotation, cluster_id)
     return None if why is None else f"{why}; a pod bound here by spec.nodeName would run outside it"

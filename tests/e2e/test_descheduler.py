@@ -21,6 +21,7 @@ from harness.federation import DESCHEDULER, MANIFESTS, Federation
 from harness.localcluster import LocalCluster, NodeSpec
 from kubekit import keys
 from kubekit.moves import keep_off
+from kubekit.slices import applied
 
 from .helpers import (
     apply,
@@ -113,10 +114,10 @@ def descheduling(
             )
 
 
-def stuck_pod(name: str, cpu: str) -> dict[str, Any]:
+def stuck_pod(name: str, cpu: str, namespace: str = NAMESPACE) -> dict[str, Any]:
     pod = bound_pod(
         name,
-        NAMESPACE,
+        namespace,
         "vk-lower-1",
         nodeSelector=POOL,
         tolerations=[{**POOL_TAINT, "operator": "Equal"}],
@@ -133,8 +134,8 @@ def stuck_pod(name: str, cpu: str) -> dict[str, Any]:
     return pod
 
 
-def copies_of(federation: Federation, uid: str) -> list[dict[str, Any]]:
-    pods = get_json(federation.upper, "pods", "-n", NAMESPACE)["items"]
+def copies_of(federation: Federation, uid: str, namespace: str = NAMESPACE) -> list[dict[str, Any]]:
+    pods = get_json(federation.upper, "pods", "-n", namespace)["items"]
     return [
         p
         for p in pods
@@ -142,12 +143,12 @@ def copies_of(federation: Federation, uid: str) -> list[dict[str, Any]]:
     ]
 
 
-def events(federation: Federation, name: str, reason: str) -> list[str]:
+def events(federation: Federation, name: str, reason: str, namespace: str = NAMESPACE) -> list[str]:
     found = get_json(
         federation.upper,
         "events",
         "-n",
-        NAMESPACE,
+        namespace,
         "--field-selector",
         f"involvedObject.name={name},reason={reason}",
     )["items"]
@@ -260,6 +261,56 @@ def test_a_pod_no_cluster_can_run_is_left_where_it_is_with_an_event(
     pod = get_json(descheduling.upper, "pod", "-n", NAMESPACE, "huge")
     assert pod["spec"]["nodeName"] == "vk-lower-1"
     assert not copies_of(descheduling, pod["metadata"]["uid"])
+
+
+def test_a_bare_pod_is_not_copied_where_its_namespace_holds_no_quota_slices(
+    descheduling: Federation,
+) -> None:
+    """The pod asks for lower-2's node: only lower-2 can run it, but its namespace's
+    quota slice is in lower-1. A copy bound to vk-lower-2 would run outside the quota, and
+    lower-2's virtual node fails it (OutsideQuotaSlices). Until 2026-11-29 the copy was
+    made there, failed, and the move stopped for good. (The quota above has room for the
+    copy beside the original: the copy is made first.)"""
+    sliced = "move-sliced"
+    upper = descheduling.upper
+    ns = federated_namespace(sliced)
+    ns["metadata"]["annotations"] = {
+        keys.SLICE_SIZE_ANNOTATION: '{"cpu": "3"}',
+        keys.SLICE_PLACEMENT_ANNOTATION: '{"lower-1": 1}',
+    }
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "compute", "namespace": sliced},
+        "spec": {"hard": {"requests.cpu": "3"}},
+    }
+    apply(upper, ns, quota)
+    try:
+
+        def placed() -> dict[str, int] | None:
+            annotations = get_json(upper, "namespace", sliced)["metadata"].get("annotations")
+            record = applied((annotations or {}).get(keys.SLICE_APPLIED_ANNOTATION))
+            return None if record is None else dict(record.slices)
+
+        wait_for(lambda: placed() == {"lower-1": 1}, "the slice placed in lower-1")
+        held = stuck_pod("held", "1", sliced)
+        held["spec"]["nodeSelector"]["topology.kubernetes.io/region"] = "lower-2"
+        apply(upper, held)
+        said = wait_for(
+            lambda: events(descheduling, "held", "NotRescheduled", sliced),
+            "a NotRescheduled event",
+            timeout=120,
+        )
+        assert (
+            f"vk-lower-2: namespace {sliced} holds no quota slices in lower-2 "
+            "(its slices: lower-1 1)" in said[0]
+        ), said
+        pod = get_json(upper, "pod", "-n", sliced, "held")
+        assert pod["spec"]["nodeName"] == "vk-lower-1"
+        assert pod["status"].get("phase") == "Pending", "made in lower-1, within its slice"
+        assert not copies_of(descheduling, pod["metadata"]["uid"], sliced)
+    finally:
+        upper.kubectl("delete", "namespace", sliced, "--wait=false")
 
 
 def test_a_job_s_pod_whose_eviction_would_fail_the_job_stays_and_says_why(

@@ -25,6 +25,7 @@ from descheduler.defrag import (
     defragmented,
     defragmented_record,
     movable_pods,
+    outside_slices,
     planned_again_at,
     taking_from_budgets,
     waiting_pods,
@@ -52,6 +53,7 @@ from kubekit import keys
 from kubekit.client import (
     CONFIGMAPS,
     JOBS,
+    NAMESPACES,
     NODES,
     PODDISRUPTIONBUDGETS,
     PODS,
@@ -70,6 +72,7 @@ from kubekit.estimatorapi.estimator_pb2 import (
 )
 from kubekit.informer import Informer
 from kubekit.moves import keep_off, parse_moves
+from kubekit.slices import Amount, Applied
 from kubekit.stash import stash_scheduling
 from kubekit.timestamps import rfc3339
 from multischeduler.extender import Answer, EstimatorFailure
@@ -92,7 +95,10 @@ def virtual(name: str, down_for: float | None = None, cordoned: bool = False) ->
     return {
         "metadata": {
             "name": name,
-            "labels": {keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE},
+            "labels": {
+                keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
+                keys.CLUSTER_ID_LABEL: name.removeprefix("vk-"),
+            },
         },
         "spec": {"unschedulable": True} if cordoned else {},
         "status": {"conditions": [ready]},
@@ -923,6 +929,7 @@ class World:
         self.pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
         self.nodes = Informer(client=None, resource=NODES)  # type: ignore[arg-type]
         self.budgets = Informer(client=None, resource=PODDISRUPTIONBUDGETS)  # type: ignore[arg-type]
+        self.namespaces = Informer(client=None, resource=NAMESPACES)  # type: ignore[arg-type]
         for node in NODES_UP.values():
             self.nodes.apply({"type": "ADDED", "object": node})
         self.client.pods = self.pods
@@ -931,6 +938,7 @@ class World:
             self.pods,
             self.nodes,
             self.budgets,
+            self.namespaces,
             self.pool,  # type: ignore[arg-type]
             Policy(),
             dry_run=dry_run,
@@ -1097,21 +1105,36 @@ async def test_a_bare_pod_is_copied_and_the_original_goes_once_the_copy_is_taken
     assert f"re-created as pod {name} on vk-lower-2" in world.client.events[1]["message"]
 
 
-async def test_a_copy_its_cluster_refuses_for_good_leaves_the_original() -> None:
+async def test_a_copy_its_cluster_refused_goes_and_the_original_is_copied_elsewhere() -> None:
     """The lower apiserver refused the copy (an admission policy of that cluster alone)
-    and the virtual node failed it: the original, still there, is the pod."""
-    world = World(ROOM_IN_2)
+    and the virtual node failed it: the original, still there, is the pod. Until
+    2026-11-29 the failed copy stopped the move for good, though lower-3 could run it."""
+    world = World({"vk-lower-2": fits(0.9), "vk-lower-3": fits(0.3)})
     solo = pod("solo", owned=False)
     world.add(solo)
     await world.descheduler.cycle()
-    made = world.client.created[copy_name(solo)]
+    name = copy_name(solo)
+    made = world.client.created.pop(name)
+    assert made["spec"]["nodeName"] == "vk-lower-2"
     refused = {"phase": "Failed", "reason": "LowerClusterRejected", "message": "denied by policy"}
-    world.add({**made, "status": refused})
+    world.add({**made, "metadata": {**made["metadata"], "uid": "uid-copy"}, "status": refused})
+    world.client.calls.clear()
     await world.descheduler.cycle()
-    assert ("delete", "apps/solo") not in world.client.calls
+    assert world.client.calls == [("delete", f"apps/{name}")], "the copy, not the original"
+    kept = world.pods.get("apps/solo")
+    assert kept is not None and set(kept_off(kept, NOW)) == {"vk-lower-2"}
     said = world.client.events[-1]
     assert (said["reason"], said["involvedObject"]["name"]) == ("NotRescheduled", "solo")
-    assert "(LowerClusterRejected: denied by policy)" in said["message"]
+    assert (
+        f"its copy {name} was refused by vk-lower-2 (LowerClusterRejected: denied by policy)"
+        in (said["message"])
+    )
+    world.pods.apply({"type": "DELETED", "object": world.pods.get(f"apps/{name}")})
+    await world.descheduler.cycle()
+    assert name not in world.client.created, "not copied again while the cache may lag"
+    world.moment += 31
+    await world.descheduler.cycle()
+    assert world.client.created[name]["spec"]["nodeName"] == "vk-lower-3"
 
 
 async def test_an_original_changed_since_it_was_judged_is_not_said_to_be_re_created() -> None:
@@ -1236,6 +1259,82 @@ async def test_a_cluster_that_refused_a_copy_is_not_given_the_next_one() -> None
     assert world.client.created[name]["spec"]["nodeName"] == "vk-lower-3"
 
 
+def sliced(**slices: int) -> dict[str, Any]:
+    """The namespace apps as the multischeduler records where its quota slices are."""
+    record = Applied(Amount(cpu=2000, memory=4 * 2**30), slices)
+    return {
+        "metadata": {
+            "name": "apps",
+            "annotations": {keys.SLICE_APPLIED_ANNOTATION: record.encode()},
+        }
+    }
+
+
+def test_clusters_holding_none_of_a_namespace_s_slices_are_refused_with_the_reason() -> None:
+    record = Applied(Amount(cpu=2000, memory=0), {"lower-3": 2, "lower-1": 0}).encode()
+    names = ["vk-lower-1", "vk-lower-2", "vk-lower-3"]
+    assert outside_slices(pod("web"), NODES_UP, names, record) == {
+        "vk-lower-1": "namespace apps holds no quota slices in lower-1 (its slices: lower-3 2)",
+        "vk-lower-2": "namespace apps holds no quota slices in lower-2 (its slices: lower-3 2)",
+    }
+    # No record, or slices placed nowhere yet (the extender alone judges): none refused.
+    assert outside_slices(pod("web"), NODES_UP, names, None) == {}
+    assert outside_slices(pod("web"), NODES_UP, names, Applied(Amount(), {}).encode()) == {}
+
+
+async def test_a_pod_moves_only_to_a_cluster_holding_its_namespace_s_slices() -> None:
+    """lower-2 fits the bare pod best, but holds none of its namespace's slices: its
+    virtual node would fail the copy bound there (OutsideQuotaSlices), a controller's
+    replacement would be refused there by the extender."""
+    for owned in (False, True):
+        world = World({"vk-lower-2": fits(0.9), "vk-lower-3": fits(0.3)})
+        world.namespaces.apply({"type": "ADDED", "object": sliced(**{"lower-1": 1, "lower-3": 1})})
+        world.add(pod("solo", owned=owned))
+        (decision,) = await world.descheduler.cycle()
+        assert isinstance(decision, Move) and decision.to == "vk-lower-3", owned
+        assert [names for names, _ in world.pool.asked] == [["vk-lower-3"]]
+
+
+async def test_a_pod_whose_slices_are_all_where_it_is_stuck_stays_and_says_why() -> None:
+    world = World(ROOM_IN_2)
+    world.namespaces.apply({"type": "ADDED", "object": sliced(**{"lower-1": 2})})
+    world.add(pod("solo", owned=False))
+    (decision,) = await world.descheduler.cycle()
+    assert isinstance(decision, Stay)
+    assert world.pool.asked == [] and world.client.created == {}
+    (said,) = world.client.events
+    assert said["reason"] == "NotRescheduled"
+    assert (
+        "vk-lower-2: namespace apps holds no quota slices in lower-2 (its slices: lower-1 2)"
+    ) in said["message"]
+
+
+async def test_room_is_made_only_in_a_cluster_holding_the_waiting_pod_s_slices() -> None:
+    world = Fragmented()
+    world.pool.room["vk-lower-3"] = 1
+    world.namespaces.apply({"type": "ADDED", "object": sliced(**{"lower-2": 1})})
+    assert await world.descheduler.cycle() == []
+    assert [names for names, _ in world.pool.asked] == [["vk-lower-2"]]
+    assert world.pool.defragment_asked == {}, "lower-1's plan not asked for"
+    assert world.client.evictions() == 0
+
+
+async def test_a_plan_s_evicted_pods_go_only_where_their_namespace_has_slices() -> None:
+    """The waiting pod's namespace is another; b's, sliced in lower-2 alone, has no room
+    there: lower-3's room is not for it."""
+    world = Fragmented()
+    world.pool.room["vk-lower-3"] = 1
+    big = federated("big")
+    big["metadata"]["namespace"] = "other"
+    world.pods.apply({"type": "DELETED", "object": federated("big")})
+    world.add(big)
+    world.namespaces.apply({"type": "ADDED", "object": sliced(**{"lower-1": 1, "lower-2": 1})})
+    assert await world.descheduler.cycle() == []
+    assert [name for name, _ in world.pool.asked_in_turn] == ["vk-lower-2"]
+    assert world.client.evictions() == 0
+    assert "no other cluster has room for apps/b" in world.client.events[-1]["message"]
+
+
 async def test_a_copy_made_before_a_crash_is_found_and_only_the_original_deleted() -> None:
     world = World(ROOM_IN_2)
     solo = pod("solo", owned=False)
@@ -1273,7 +1372,9 @@ async def test_a_name_taken_by_another_pod_stops_the_copy() -> None:
 
 
 async def test_a_copy_that_failed_or_goes_never_takes_the_original_with_it() -> None:
-    for ending in ({"status": {"phase": "Failed"}}, {"deletionTimestamp": "2026-11-23T11:00:00Z"}):
+    """A copy a node had admitted, failed since, and one being deleted: left to the user."""
+    failed = {"status": {"phase": "Failed", "hostIP": "10.0.0.7"}}
+    for ending in (failed, {"deletionTimestamp": "2026-11-23T11:00:00Z"}):
         world = World({"vk-lower-2": NO_ROOM, "vk-lower-3": NO_ROOM})
         solo = pod("solo", owned=False)
         made = pod_copy(solo, "vk-lower-2", NOW, 600)
@@ -1752,9 +1853,9 @@ def test_rbac_grants_exactly_what_the_descheduler_uses() -> None:
     account, role, binding, lease_role, lease_binding = documents("rbac.yaml")
     assert account["metadata"]["name"] == "kubestrata-descheduler"
     watch = {"get", "list", "watch"}
-    assert core_grants(role) == {("nodes", "list"), ("nodes", "watch")} | {
-        ("pods", v) for v in watch
-    } | {
+    assert core_grants(role) == {
+        (kind, verb) for kind in ("nodes", "namespaces") for verb in ("list", "watch")
+    } | {("pods", v) for v in watch} | {
         ("pods", "create"),
         ("pods", "patch"),
         ("pods", "delete"),
