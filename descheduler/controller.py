@@ -13,6 +13,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -49,8 +50,8 @@ from descheduler.rescue import (
     is_copy_of,
     job_lost_by_eviction,
     kept_for_its_controller,
-    kept_off,
     kept_off_for_nothing,
+    kept_off_reasons,
     lapsed_keep_off,
     left_until_text,
     pod_copy,
@@ -166,6 +167,9 @@ class Descheduler:
         # bare pod's copy is bound there, which the estimator counts), and those a plan's
         # check counted on finding room there. The next check asks room for them first.
         self._landing_now: dict[str, list[Mapping[str, Any]]] = {}
+        # The UIDs of the refused copies deleted, while the cache may show them yet: the
+        # original is copied afresh, under the same name, at once.
+        self._withdrawn: set[str] = set()
         pods.add_handler(FunctionHandler(update=self._pod_changed, delete=self._give_back))
 
     async def wait_synced(self) -> None:
@@ -203,6 +207,7 @@ class Descheduler:
             if self._blocked.get(s.uid, 0.0) <= moment
         ]
         stuck = await self._withdraw_untaken_copies(stuck, pods)
+        stuck = await self._withdraw_refused_copies(stuck)
         # A bare pod whose copy an earlier try made (cut short before the original went)
         # only has its original left to delete: asking the estimators again would find
         # the room taken, by that very copy.
@@ -221,8 +226,9 @@ class Descheduler:
             *(
                 self._destination(
                     s,
-                    admitting(s.pod, virtual_nodes, self._receivers(s, virtual_nodes, now)),
+                    admitting(s.pod, virtual_nodes, receivers(virtual_nodes, now, s.node)),
                     virtual_nodes,
+                    now,
                     kept.get(s.uid),
                 )
                 for s in stuck
@@ -280,26 +286,18 @@ class Descheduler:
         live = {s.uid for s in stuck} | {w.uid for w in waiting} | set(self._blocked)
         self._said = {uid: said for uid, said in self._said.items() if uid in live}
         self._blocked = {uid: t for uid, t in self._blocked.items() if t > moment}
+        cached = {str(pod["metadata"].get("uid")) for pod in pods}
+        self._withdrawn &= cached
         self._holding = {uid: h for uid, h in self._holding.items() if h[0] > moment}
         return [*decisions, *plans]
-
-    @staticmethod
-    def _receivers(
-        stuck: Stuck, virtual_nodes: Mapping[str, Mapping[str, Any]], now: datetime
-    ) -> list[str]:
-        """The virtual nodes a stuck pod may move to; a bare pod's not those it was moved
-        off lately (a controller's new pods are kept off them by the webhook)."""
-        names = receivers(virtual_nodes, now, stuck.node)
-        if stuck.owned:
-            return names
-        off = kept_off(stuck.pod, now)
-        return [name for name in names if name not in off]
 
     def _copy_made(self, stuck: Stuck) -> JSON | None:
         if stuck.owned:
             return None
         made = self.pods.get(f"{stuck.namespace}/{copy_name(stuck.pod)}")
-        return made if made is not None and is_copy_of(made, stuck.pod) else None
+        if made is None or str(made["metadata"].get("uid")) in self._withdrawn:
+            return None
+        return made if is_copy_of(made, stuck.pod) else None
 
     def _outside_slices(
         self,
@@ -318,13 +316,18 @@ class Descheduler:
         stuck: Stuck,
         names: list[str],
         virtual_nodes: Mapping[str, Mapping[str, Any]],
+        now: datetime,
         lost: str | None,
     ) -> Move | Stay:
+        """Where the pod goes among the virtual nodes ``names``: of those a bare pod's
+        copies are not kept off and whose cluster holds some of its namespace's slices,
+        the one the estimators rank first."""
         if lost is not None:
             return Stay(stuck, lost)
-        found: dict[str, PodEstimate | str] = dict(
-            self._outside_slices(stuck.pod, virtual_nodes, names)
-        )
+        found: dict[str, PodEstimate | str] = {
+            **kept_off_reasons(stuck.pod, names, now),
+            **self._outside_slices(stuck.pod, virtual_nodes, names),
+        }
         names = [name for name in names if name not in found]
         if names:
             query = PodQuery(pod=orjson.dumps(stuck.pod))
@@ -618,26 +621,43 @@ class Descheduler:
                 log.warning("%s: untaken copy not deleted: %s", case.key, error)
         return left
 
-    async def _withdraw_refused_copy(self, stuck: Stuck, copy: JSON) -> None:
-        """Deletes a copy its cluster refused and keeps the original's next copy off that
-        cluster for ``returnAfter``; the original, still there, is copied afresh elsewhere
-        at a later look. Until 2026-11-29 such a copy stopped the move for good, the pod
-        left stuck while another cluster could run it."""
-        node = str(copy["spec"].get("nodeName", ""))
-        await self._keep_off(stuck.pod, node)
-        await self.client.delete_exact(PODS, copy)
-        # The cache may show the deleted copy for a moment yet.
-        self._blocked[stuck.uid] = self.clock() + BLOCKED_RETRY_SECONDS
-        await self._event(
-            stuck.pod,
-            "NotRescheduled",
-            f"{stuck.describe()}; its copy {copy['metadata']['name']} was refused by "
-            f"{node}{_said_why(copy)}: deleted, and the pod copied elsewhere at a later look, "
-            f"not to {node} for {self.policy.return_after:.0f} s",
-            warning=True,
-        )
+    async def _withdraw_refused_copies(self, stuck: list[Stuck]) -> list[Stuck]:
+        """Deletes the copies their virtual node refused (``copy_refused``), each
+        original first kept off that cluster for ``returnAfter``; returns the stuck pods,
+        those originals as patched, to be copied elsewhere in this cycle. Until 2026-11-29
+        such a copy stopped the move for good, while another cluster could run the pod;
+        and a pod of a cluster down, moved just before the taint manager deletes it, has
+        no later cycle to wait for."""
+        left = []
+        for case in stuck:
+            copy = self._copy_made(case)
+            if copy is None or not copy_refused(copy):
+                left.append(case)
+                continue
+            node, name = str(copy["spec"].get("nodeName", "")), copy["metadata"]["name"]
+            why = f"its copy {name} was refused by {node}{_said_why(copy)}"
+            if self.dry_run:
+                print(f"dry run: {case.key}: delete {name}; {why}", flush=True)
+                continue
+            try:
+                original = await self._keep_off(case.pod, node)
+                await self.client.delete_exact(PODS, copy)
+            except API_ERRORS as error:
+                log.warning("%s: refused copy not withdrawn: %s", case.key, error)
+                continue
+            self._withdrawn.add(str(copy["metadata"]["uid"]))
+            log.info("%s: %s; deleted", case.key, why)
+            await self._event(
+                original,
+                "NotRescheduled",
+                f"{case.describe()}; {why}: deleted, and the pod copied elsewhere, not to "
+                f"{node} for {self.policy.return_after:.0f} s",
+                warning=True,
+            )
+            left.append(replace(case, pod=original))
+        return left
 
-    async def _keep_off(self, original: Mapping[str, Any], node: str) -> None:
+    async def _keep_off(self, original: Mapping[str, Any], node: str) -> JSON:
         """Keeps the original's next copy off the virtual node that never took this one
         for ``returnAfter``: a cluster refusing it (a policy below the estimators do not
         model) ranked first again, and it was copied there at every other look."""
@@ -647,7 +667,7 @@ class Descheduler:
         patch = {
             "metadata": {"uid": metadata["uid"], "annotations": {keys.LEFT_UNTIL_ANNOTATION: text}}
         }
-        await self.client.patch(PODS, metadata["name"], patch, metadata["namespace"])
+        return await self.client.patch(PODS, metadata["name"], patch, metadata["namespace"])
 
     async def _finish_move(self, original: JSON, copy: JSON) -> None:
         where = f"pod {copy['metadata']['name']} on {copy['spec'].get('nodeName')}"
@@ -700,9 +720,6 @@ class Descheduler:
                     f"copy of pod {stuck.key} ({stuck.describe()}); the original goes once "
                     f"{move.to} has taken it",
                 )
-        if is_copy_of(made, stuck.pod) and copy_refused(made):
-            await self._withdraw_refused_copy(stuck, made)
-            return
         why = (
             f"pod {name} exists and is not its copy"
             if not is_copy_of(made, stuck.pod)

@@ -519,6 +519,20 @@ def kept_off(pod: Mapping[str, Any], now: datetime) -> set[str]:
     return {name for name, until in left_until(pod).items() if until > now}
 
 
+def kept_off_reasons(pod: Mapping[str, Any], names: Iterable[str], now: datetime) -> dict[str, str]:
+    """Of the virtual nodes ``names``, those a bare pod's next copy may not go to now
+    (``kept_off``), each with until when: named in the event that says the pod stays."""
+    if owned(pod):
+        return {}
+    until = left_until(pod)
+    return {
+        name: f"left out until {rfc3339(until[name])} (the pod left it, or a copy of it was "
+        "refused or not taken there)"
+        for name in names
+        if name in until and until[name] > now
+    }
+
+
 def left_until_text(
     pod: Mapping[str, Any], leaving: str, now: datetime, return_after: float
 ) -> str:
@@ -586,13 +600,16 @@ def copy_taken(copy: Mapping[str, Any]) -> bool:
 
 
 def copy_refused(copy: Mapping[str, Any]) -> bool:
-    """A copy failed before its cluster took it: the virtual node refused it (outside
-    its namespace's quota slices, a volume it will not make, the lower apiserver's 400),
-    and no node admitted it nor lower scheduler placed it. Its original is the pod."""
+    """A copy its virtual node failed before making it below, for a reason of its own
+    (``keys.REFUSED_BEFORE_MADE``: outside its namespace's quota slices, a volume it will
+    not make, the lower apiserver's 400), that no node admitted nor lower scheduler
+    placed. Its original is the pod. A copy failed as lost after a node below took it
+    (``LowerPodDeleted``, its hostIP maybe never reported) may have run, and is not one."""
     status = copy.get("status") or {}
     scheduled = condition(status.get("conditions") or [], "PodScheduled") or {}
     return (
         status.get("phase") == "Failed"
+        and status.get("reason") in keys.REFUSED_BEFORE_MADE
         and not copy["metadata"].get("deletionTimestamp")
         and not status.get("hostIP")
         and scheduled.get("status") != "True"

@@ -177,6 +177,29 @@ COPY_OF_ANNOTATION = f"{PREFIX}/copy-of"
 # stay off them (JSON {virtual node: RFC 3339 time}).
 LEFT_UNTIL_ANNOTATION = f"{PREFIX}/left-until"
 
+# The reasons the virtual node fails an upper pod with before anything of it is made
+# below (its lower cluster cannot take it, and retrying would not help); the descheduler
+# withdraws a bare pod's copy failed for one of them, and copies the original elsewhere.
+# A pod failed otherwise (LowerPodDeleted: lost after a node below took it) may have run.
+TRANSLATION_FAILED = "TranslationFailed"
+NAME_CONFLICT = "NameConflict"
+LOWER_NAMESPACE_REFUSED = "LowerNamespaceRefused"
+HOST_ACCESS_REFUSED = "HostAccessRefused"
+VOLUME_REFUSED = "VolumeRefused"
+OUTSIDE_QUOTA_SLICES = "OutsideQuotaSlices"
+LOWER_CLUSTER_REJECTED = "LowerClusterRejected"
+REFUSED_BEFORE_MADE = frozenset(
+    {
+        TRANSLATION_FAILED,
+        NAME_CONFLICT,
+        LOWER_NAMESPACE_REFUSED,
+        HOST_ACCESS_REFUSED,
+        VOLUME_REFUSED,
+        OUTSIDE_QUOTA_SLICES,
+        LOWER_CLUSTER_REJECTED,
+    }
+)
+
 # Quota slices (kubekit.slices). On upper namespaces: the size of a slice (JSON
 # {"cpu": "2", "memory": "4Gi"}), the placement ({cluster-id: slices}, which users may
 # edit), and what the multischeduler last applied (JSON, so an edit is told from it).

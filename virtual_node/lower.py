@@ -382,7 +382,7 @@ class LowerCluster:
         except (TranslationError, NamingError) as error:
             running = self._mirror_of(upper)
             if running is None:
-                return Rejected("TranslationFailed", str(error))
+                return Rejected(keys.TRANSLATION_FAILED, str(error))
             # Made below already (its stash annotation edited since, say): it runs on as
             # it is, its status still mirrored, as a kubelet does not judge a running pod
             # again; failing it above would leave it running below beside its
@@ -429,7 +429,7 @@ class LowerCluster:
                 return refused or await self._create(upper, desired)
         if not self.owner.owns(lower):
             return Rejected(
-                "NameConflict",
+                keys.NAME_CONFLICT,
                 f"pod {namespace}/{name} already exists in lower cluster {self.owner.cluster_id} "
                 "and was not created by this virtual node; it is left alone",
             )
@@ -506,7 +506,7 @@ class LowerCluster:
 
     def _refused_namespace(self, upper: Mapping[str, Any]) -> Rejected | None:
         why = self.mapping.refusal(upper["metadata"]["namespace"])
-        return None if why is None else Rejected("LowerNamespaceRefused", why)
+        return None if why is None else Rejected(keys.LOWER_NAMESPACE_REFUSED, why)
 
     async def _refused_outside_slices(
         self, upper: Mapping[str, Any], namespace: str, name: str
@@ -527,7 +527,7 @@ class LowerCluster:
             return None
         if await self._get_live(namespace, name) is not None:
             return Waiting()  # its watch event brings the pod back here
-        return Rejected("OutsideQuotaSlices", why)
+        return Rejected(keys.OUTSIDE_QUOTA_SLICES, why)
 
     def _refused_host_access(self, upper: Mapping[str, Any], desired: JSON) -> Rejected | None:
         why = host_access_refusal(
@@ -536,7 +536,7 @@ class LowerCluster:
             self.host_access_namespaces,
             self.owner.cluster_id,
         )
-        return None if why is None else Rejected("HostAccessRefused", why)
+        return None if why is None else Rejected(keys.HOST_ACCESS_REFUSED, why)
 
     async def _patch(
         self, lower: JSON, patch: JSON, subresource: str
@@ -606,7 +606,7 @@ class LowerCluster:
                 self.forget_namespace(namespace)
             message = f"lower cluster {self.owner.cluster_id} refused the pod: {error.message}"
             if error.status in _PERMANENT:
-                return Rejected("LowerClusterRejected", message)
+                return Rejected(keys.LOWER_CLUSTER_REJECTED, message)
             if error.status == 403:
                 return Refused("LowerClusterRefused", message)
             raise
@@ -720,7 +720,7 @@ class LowerCluster:
 def _refused_volume(desired: Mapping[str, Any]) -> Rejected | None:
     for volume in (desired.get("spec") or {}).get("volumes") or []:
         if what := hand_made_template(volume):
-            return Rejected("VolumeRefused", hand_made_refusal(what))
+            return Rejected(keys.VOLUME_REFUSED, hand_made_refusal(what))
     return None
 
 
