@@ -119,7 +119,7 @@ def stuck_pod(name: str, cpu: str, namespace: str = NAMESPACE) -> dict[str, Any]
         name,
         namespace,
         "vk-lower-1",
-        nodeSelector=POOL,
+        nodeSelector=dict(POOL),  # each its own: a test may add to it
         tolerations=[{**POOL_TAINT, "operator": "Equal"}],
         terminationGracePeriodSeconds=0,
         containers=[
