@@ -31,6 +31,7 @@ from kubekit.client import (
 from kubekit.informer import FunctionHandler, Informer, object_key
 from kubekit.workqueue import WorkQueue
 from virtual_node.naming import NamespaceMapping, NamingError
+from virtual_node.references import copied_from
 from virtual_node.translate import Ownership
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,33 @@ class LowerNamespaces:
             return False
         return True
 
+    async def _claims_still_above(self, claims: Iterable[Mapping[str, Any]]) -> list[str]:
+        """Of our claim copies, those whose upper claim (by the namespace and UID they
+        were copied from) still exists. A lower namespace holding one was made under
+        another namespace mapping: after ``prefix`` became ``same``, ``acme-dev`` names an
+        upper namespace of its own, which is gone, while ``dev``'s claims are copied there.
+        Until 2026-11-29 it was deleted, their volumes (the claims' data) with it."""
+        held = []
+        for claim in claims:
+            metadata = claim["metadata"]
+            upper_namespace = (metadata.get("annotations") or {}).get(
+                keys.UPPER_NAMESPACE_ANNOTATION
+            )
+            uid = copied_from(claim)
+            if not upper_namespace or not uid:
+                continue
+            try:
+                upper = await self.upper.get(
+                    PERSISTENTVOLUMECLAIMS, metadata["name"], upper_namespace
+                )
+            except ApiError as error:
+                if not is_not_found(error):
+                    raise
+                continue
+            if upper["metadata"].get("uid") == uid:
+                held.append(f"{upper_namespace}/{metadata['name']}")
+        return held
+
     async def run(self, workers: int) -> None:
         await self.queue.run_workers(workers, self.reconcile)
 
@@ -148,8 +176,21 @@ class LowerNamespaces:
         if not others:
             # Claims of others are not in any cache here (the claims' copies are ours
             # only); asked for once, when the namespace would go.
-            claims = await self.lower.list(PERSISTENTVOLUMECLAIMS, name)
-            others = others_objects(claims.get("items") or [], self.owner)
+            claims = (await self.lower.list(PERSISTENTVOLUMECLAIMS, name)).get("items") or []
+            others = others_objects(claims, self.owner)
+            if not others and (held := await self._claims_still_above(claims)):
+                log.warning(
+                    "namespace %s: no upper namespace %s, but kept below for the copies of "
+                    "claims that still exist above (%s): made under another namespace "
+                    "mapping; deleted, it would take their volumes along. Looked at again "
+                    "in %.0f s",
+                    name,
+                    upper_name,
+                    ", ".join(held[:3]),
+                    KEPT_NAMESPACE_RECHECK_SECONDS,
+                )
+                self.queue.add_after(name, KEPT_NAMESPACE_RECHECK_SECONDS)
+                return
         for resource in OTHER_TENANTS_KINDS:
             if others:
                 break

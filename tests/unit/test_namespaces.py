@@ -173,6 +173,47 @@ async def test_a_namespace_holding_claims_of_others_is_kept() -> None:
     assert ("GET", CLAIMS) in [(r.method, r.path) for r in world.lower.requests]
 
 
+def upper_claim(uid: str) -> dict[str, Any]:
+    return {"metadata": {"name": "data-db-0", "namespace": "dev", "uid": uid}}
+
+
+async def holding_a_claim_copy(above: dict[str, Any] | Exception) -> Harness:
+    """Lower namespace ``shop``, no upper namespace of that name, holding our copy of
+    upper claim ``dev/data-db-0`` (UID ``uid-data``), which reads above as ``above``."""
+    copy = pod("data-db-0", OWNER.origin)
+    copy["metadata"]["annotations"] = {
+        keys.UPPER_NAMESPACE_ANNOTATION: "dev",
+        keys.UPPER_UID_ANNOTATION: "uid-data",
+    }
+    world = Harness()
+    world.claims_below(copy)
+    world.upper.answer("GET", "/api/v1/namespaces/dev/persistentvolumeclaims/data-db-0", above)
+    world.lower_namespaces.apply({"type": "ADDED", "object": namespace("shop")})
+    await world.drain()
+    return world
+
+
+async def test_a_namespace_holding_copies_of_claims_still_above_is_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Made under ``--namespace-prefix acme``: under ``same``, lower ``acme-dev`` names an
+    upper namespace of its own, which is gone, while ``dev``'s claim is copied there (its
+    StatefulSet scaled to none, no pod left). Until 2026-11-29 the namespace was deleted,
+    and the claim's volume, its data, with it."""
+    monkeypatch.setattr(namespaces, "KEPT_NAMESPACE_RECHECK_SECONDS", 0.05)
+    world = await holding_a_claim_copy(upper_claim("uid-data"))
+    assert world.lower.writes() == []
+    async with asyncio.timeout(5):
+        assert await world.queue.get() == "shop", "looked at again"
+
+
+async def test_a_namespace_whose_claim_copies_stand_for_claims_gone_above_goes() -> None:
+    """The upper claim deleted, or made again since (another UID): its copy is no one's."""
+    for above in (not_found("persistentvolumeclaims", "data-db-0"), upper_claim("uid-later")):
+        world = await holding_a_claim_copy(above)
+        assert world.lower.writes() == [("DELETE", "/api/v1/namespaces/shop")], above
+
+
 async def test_a_namespace_holding_pods_of_ours_not_being_deleted_is_kept(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
