@@ -460,11 +460,14 @@ class LowerCluster:
                 await self.dependencies.ensure_for_pod(upper)
             except NotCopied as error:
                 why = str(error)
-            except ApiError as error:
-                if error.status != 403:
-                    raise
+            except API_ERRORS as error:
+                # Whatever keeps the container's needs from being copied now (until
+                # 2026-11-29 all but a 403 was raised, and the pod's status, its end
+                # included, was no longer mirrored while a debug container waited).
                 why = (
                     f"lower cluster {self.owner.cluster_id} refused what they need: {error.message}"
+                    if isinstance(error, ApiError) and error.status in _PATCH_REFUSED
+                    else f"what they need was not copied below: {error}"
                 )
             if why is not None:
                 refusals.append(f"ephemeral containers not added below: {why}")
@@ -585,7 +588,9 @@ class LowerCluster:
             if namespace_is_gone(error):
                 # Deleted below since we made it: made again on the retry.
                 self.forget_namespace(namespace)
-            if error.status == 403:
+            # A policy denying with no code of its own answers 400: until 2026-11-29 only a
+            # 403 was said, and the pod waited with no word, tried again for good.
+            if error.status in _PATCH_REFUSED:
                 return Refused(
                     "LowerClusterRefused",
                     f"lower cluster {self.owner.cluster_id} refused what the pod needs: "

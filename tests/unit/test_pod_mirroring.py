@@ -491,17 +491,27 @@ async def test_a_debug_container_naming_a_secret_taken_below_is_not_added(
     assert mirroring.upper_statuses()[0]["phase"] == "Running"
 
 
+@pytest.mark.parametrize(
+    "error",
+    [
+        status_error(403, "Forbidden", "exceeded quota"),
+        # A webhook denying with no code of its own; until 2026-11-29 raised, and the
+        # pod's status, its end included, no longer mirrored while the container waited.
+        status_error(400, "BadRequest", 'admission webhook "labels" denied the request'),
+        status_error(500, "InternalError", "etcdserver: request timed out"),
+    ],
+)
 async def test_a_debug_container_whose_copies_are_refused_holds_back_no_status(
-    mirroring: Mirroring,
+    mirroring: Mirroring, error: ApiError
 ) -> None:
     backend = mirroring.controller.backend
     assert isinstance(backend, LowerCluster)
-    backend.dependencies = FailingCopies(status_error(403, "Forbidden", "exceeded quota"))
+    backend.dependencies = FailingCopies(error)
     pod = upper_pod()
     pod["spec"]["ephemeralContainers"] = [{"name": "debugger", "image": "busybox"}]
     mirroring.above(pod)
     mirroring.below(lower_pod(phase="Running"))
-    with pytest.raises(RetryLater, match="exceeded quota"):
+    with pytest.raises(RetryLater, match=error.message[:12]):
         await mirroring.controller.reconcile("shop/web")
     assert mirroring.lower.writes() == []
     assert mirroring.upper_statuses()[0]["phase"] == "Running"
@@ -530,6 +540,24 @@ async def test_copies_refused_for_the_quota_make_the_pod_wait_and_say_why(
     with pytest.raises(RetryLater, match="count/secrets"):
         await mirroring.controller.reconcile("shop/web")
     assert mirroring.upper_event_reasons() == ["LowerClusterRefused"]
+    assert ("POST", LOWER_POD_PATH) not in mirroring.lower.writes()
+
+
+@pytest.mark.parametrize("path", ["/api/v1/namespaces", "/api/v1/namespaces/shop/serviceaccounts"])
+async def test_a_namespace_or_account_a_webhook_denies_makes_the_pod_wait_and_say_why(
+    mirroring: Mirroring, path: str
+) -> None:
+    """A webhook denying with no code of its own answers 400: until 2026-11-29 the pod
+    was tried again for good, Pending with no word."""
+    denied = 'admission webhook "labels" denied the request: team label required'
+    mirroring.lower.answer("POST", path, status_error(400, "BadRequest", denied))
+    mirroring.above(upper_pod())
+    with pytest.raises(RetryLater, match="team label required"):
+        await mirroring.controller.reconcile("shop/web")
+    assert mirroring.upper_event_reasons() == ["LowerClusterRefused"]
+    (status,) = mirroring.upper_statuses()
+    (scheduled,) = [c for c in status["conditions"] if c["type"] == "PodScheduled"]
+    assert (scheduled["status"], scheduled["reason"]) == ("False", "LowerClusterRefused")
     assert ("POST", LOWER_POD_PATH) not in mirroring.lower.writes()
 
 
