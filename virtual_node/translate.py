@@ -398,9 +398,12 @@ def _without_virtual_node_terms(
     node_affinity = affinity.get("nodeAffinity") or {}
     required = node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution")
     if required:
+        # An empty term matches no node (the scheduler's rule): left out, rather than taken
+        # below for one that only spoke of this cluster and lets every node through.
         terms = [
             _lower_node_term(t, cluster_labels, node_name)
             for t in required.get("nodeSelectorTerms") or []
+            if isinstance(t, Mapping) and (t.get("matchExpressions") or t.get("matchFields"))
         ]
         kept = [t for t in terms if t is not None]
         if not kept:
@@ -532,6 +535,13 @@ def _drop_merged_label_keys(spec: JSON, labels: Mapping[str, str]) -> None:
                 _set_or_drop(term, field, [k for k in term[field] if k not in merged])
 
 
+# The operators by which a requirement on a virtual-node-only key picks the virtual node
+# out. One that only keeps nodes away (``type NotIn [gpu]``, a hostname NotIn) is met by
+# the virtual node and about the lower nodes: until 2026-11-29 it was dropped too, and the
+# pod landed on a lower node it had excluded.
+_SELECTING = ("In", "Exists")
+
+
 def _lower_node_term(
     term: Mapping[str, Any], cluster_labels: Mapping[str, str], node_name: str
 ) -> JSON | None:
@@ -544,7 +554,7 @@ def _lower_node_term(
     own = _own_labels(node_name)
     for expression in term.get("matchExpressions") or []:
         key = expression.get("key")
-        if key in own:
+        if key in own and expression.get("operator") in _SELECTING:
             parsed = requirement(expression, NODE_OPERATORS)
             if parsed is not None and parsed.accepts(own[key]):
                 continue  # about this virtual node, which it fits

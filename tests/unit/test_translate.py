@@ -943,6 +943,31 @@ def test_node_terms_no_lower_node_can_match_fail_the_pod() -> None:
         desired_lower_pod(upper_pod(nodeSelector={CLUSTER: "lower-2"}), NamespaceMapping(), OWNER)
 
 
+def test_a_requirement_this_virtual_node_meets_by_keeping_nodes_away_goes_below() -> None:
+    """``type NotIn [gpu]`` holds of the virtual node (``type: virtual-kubelet``) and is
+    about the lower nodes: until 2026-11-29 it was dropped, and the pod landed on a lower
+    GPU node it had excluded. One that picks the virtual node out is met here."""
+    keeping_away = required_terms(
+        node_term((keys.NODE_TYPE_LABEL, "NotIn", ["gpu"])),
+    )
+    assert lower_affinity(keeping_away) == keeping_away
+    by_hostname = required_terms(node_term((keys.HOSTNAME_LABEL, "NotIn", ["big"])))
+    assert lower_affinity(by_hostname) == by_hostname
+    picking = required_terms(
+        node_term((keys.NODE_TYPE_LABEL, "In", [keys.NODE_TYPE_VIRTUAL]), ("disk", "In", ["ssd"]))
+    )
+    assert lower_affinity(picking) == required_terms(node_term(("disk", "In", ["ssd"])))
+
+
+def test_an_empty_node_term_matches_no_node_below_either() -> None:
+    """The scheduler's rule: an empty term matches nothing. Until 2026-11-29 it was taken
+    for a term that only spoke of this cluster, and every lower node let through."""
+    gpu = node_term(("gpu", "In", ["true"]))
+    assert lower_affinity(required_terms(gpu, {"matchExpressions": []})) == required_terms(gpu)
+    with pytest.raises(TranslationError, match="node affinity"):
+        lower_affinity(required_terms({}))
+
+
 def name_term(operator: str, *names: str) -> dict[str, Any]:
     return {"matchFields": [{"key": "metadata.name", "operator": operator, "values": list(names)}]}
 
