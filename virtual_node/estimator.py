@@ -98,6 +98,13 @@ class _Reservation:
     lower: JSON
 
 
+# The most replicas of a pod one answer places in turn: each is judged over every node
+# under the lock the watches wait for, and a caller asking for 2^31 spread replicas held
+# the estimator and the virtual node's own watches for minutes. (The pods of a FitInTurn
+# are as many as the 4 MiB of a gRPC message holds.)
+MAX_REPLICAS = 1000
+
+
 class QueryError(ValueError):
     """A pod in a query that cannot be judged."""
 
@@ -603,6 +610,8 @@ class FitEstimator:
     def answer(self, pod_json: bytes, replicas: int = 1, reserve: bool = False) -> Answer:
         """How the pod (the upper pod as JSON) would fare here; with ``reserve``, the
         room of one copy is held for it on the node it would take."""
+        if replicas > MAX_REPLICAS:
+            raise QueryError(f"{replicas} replicas asked for; at most {MAX_REPLICAS}")
         self.expire()
         uid, lower, facts = self._read(pod_json)
         namespace, amount = self._budgeted(lower)

@@ -38,6 +38,7 @@ from kubekit.estimatorapi.estimator_pb2 import (
 from kubekit.informer import Informer
 from kubekit.slices import Amount, LedgerEntry
 from virtual_node.estimator import (
+    MAX_REPLICAS,
     RESERVATION_SECONDS,
     EstimatorService,
     FitEstimator,
@@ -107,6 +108,15 @@ class Cluster:
     def fits(self, cpu: str, replicas: int = 1) -> int:
         pod = upper_pod("query", cpu)
         return self.estimator.answer(orjson.dumps(pod), replicas).estimate.max_replicas
+
+
+def test_replicas_past_the_limit_are_refused_not_placed_one_by_one() -> None:
+    """Each replica is judged over every node under the lock the watches wait for: 2^31
+    of them held the estimator and the virtual node's watches for minutes."""
+    cluster = Cluster()
+    assert cluster.fits("1m", replicas=MAX_REPLICAS) == 220, "110 pods a node"
+    with pytest.raises(QueryError, match="at most 1000"):
+        cluster.fits("1m", replicas=2**31 - 1)
 
 
 def test_answers_count_real_lower_pods_per_node() -> None:
