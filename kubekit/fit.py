@@ -12,11 +12,12 @@ NodeResourcesFit is ``rank``, one pass over many nodes' ``Headroom`` that also g
 each fitting node's best fit: the per-node loop of a query over a whole cluster.
 
 Modelled beyond the plugins: a node whose Ready condition is not True rejects pods that
-do not tolerate ``node.kubernetes.io/not-ready:NoSchedule`` (the taint the node lifecycle
-controller adds), as part of TaintToleration.
+do not tolerate the taint the node lifecycle controller gives it, as part of
+TaintToleration: ``node.kubernetes.io/not-ready:NoSchedule`` for Ready False,
+``node.kubernetes.io/unreachable:NoSchedule`` for Unknown or no Ready condition.
 
 Not modelled: volumes (VolumeRestrictions, NodeVolumeLimits, VolumeBinding, VolumeZone),
-dynamic resource allocation, NodeDeclaredFeatures, in-place resize, the lower
+dynamic resource allocation, NodeDeclaredFeatures, the lower
 cluster's LimitRange defaults (admission's, not a filter's), the scheduler's ignored extended
 resources, the comparison operators of tolerations (alpha, off by default), and the
 NodeAffinity PreFilter's narrowing to the nodes named by ``matchFields`` (the scheduler
@@ -155,11 +156,69 @@ def _pod_level(pod: JSON, kind: str, containers: Resources) -> Resources:
     return {name: value for name, value in values.items() if _is_pod_level(name)}
 
 
+def _container_statuses(pod: JSON) -> dict[Any, Mapping[str, Any]]:
+    status = pod.get("status") or {}
+    return {
+        found.get("name"): found
+        for group in ("containerStatuses", "initContainerStatuses")
+        for found in status.get(group) or []
+        if isinstance(found, Mapping)
+    }
+
+
+def resize_infeasible(pod: JSON) -> bool:
+    """The kubelet found no way to make the pod's last in-place resize."""
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if isinstance(condition, Mapping) and condition.get("type") == "PodResizePending":
+            return bool(condition.get("reason") == "Infeasible")
+    return False
+
+
+def _larger(*totals: Resources) -> Resources:
+    found: Resources = {}
+    for total in totals:
+        for name, value in total.items():
+            found[name] = max(found.get(name, value), value)
+    return found
+
+
+def _requests_in_place(pod: JSON) -> Resources:
+    """The containers' requests as the scheduler counts a pod a kubelet runs, with
+    in-place resize: the larger, resource by resource, of the spec's, what the kubelet
+    allocated and what the containers have (their statuses); without the spec's while
+    the kubelet finds a resize infeasible, which it will not make. A pod being resized
+    down keeps its old room until it is resized; one whose resize up is infeasible
+    holds only what it has."""
+    statuses = _container_statuses(pod)
+    if not any(
+        isinstance(found.get("allocatedResources"), Mapping)
+        or isinstance(found.get("resources"), Mapping)
+        for found in statuses.values()
+    ):
+        return _pod_total(pod, _requests)
+    infeasible = resize_infeasible(pod)
+    spec_or_none = (lambda _container: {}) if infeasible else _requests
+
+    def allocated(container: JSON) -> Resources:
+        held = statuses.get(container.get("name"), {}).get("allocatedResources")
+        return _parsed(held) if isinstance(held, Mapping) else spec_or_none(container)
+
+    def actual(container: JSON) -> Resources:
+        resources = statuses.get(container.get("name"), {}).get("resources")
+        requests = resources.get("requests") if isinstance(resources, Mapping) else None
+        return _parsed(requests) if isinstance(requests, Mapping) else allocated(container)
+
+    totals = [_pod_total(pod, allocated), _pod_total(pod, actual)]
+    if not infeasible:
+        totals.append(_pod_total(pod, _requests))
+    return _larger(*totals)
+
+
 def pod_requests(pod: JSON) -> Resources:
-    """What the scheduler reserves for a pod: ``_pod_total`` of the requests, or its
-    pod-level requests (cpu, memory, hugepages) where it has them, plus the pod overhead;
-    ``pods`` counts one."""
-    total = _pod_total(pod, _requests)
+    """What the scheduler reserves for a pod: ``_requests_in_place`` of its containers,
+    or its pod-level requests (cpu, memory, hugepages) where it has them, plus the pod
+    overhead; ``pods`` counts one."""
+    total = _requests_in_place(pod)
     total.update(_pod_level(pod, "requests", total))
     add(total, _overhead(pod))
     total["pods"] = Fraction(1)
@@ -593,6 +652,17 @@ def _preferred(terms: Any) -> tuple[tuple[int, NodeTerm], ...]:
     return tuple((weight, term) for weight, term in weighted if weight and term is not None)
 
 
+def _in_place_status(pod: JSON) -> tuple[Any, ...]:
+    """What ``_requests_in_place`` reads of a pod's status."""
+    return (
+        resize_infeasible(pod),
+        *(
+            (name, found.get("allocatedResources"), found.get("resources"))
+            for name, found in _container_statuses(pod).items()
+        ),
+    )
+
+
 def facts_fingerprint(pod: JSON) -> int:
     """A hash of everything ``PodFacts.of`` reads: equal for two versions of a pod whose
     facts are equal. Most updates of a bound pod are status changes, and hashing its
@@ -606,6 +676,7 @@ def facts_fingerprint(pod: JSON) -> int:
                 metadata.get("labels"),
                 metadata.get("deletionTimestamp") is not None,
                 pod.get("spec"),
+                _in_place_status(pod),
             )
         )
     )

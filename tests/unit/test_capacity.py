@@ -127,6 +127,38 @@ def test_pod_level_resources_stand_for_the_containers_cpu_memory_and_hugepages()
     }
 
 
+def resized(spec_cpu: str, actual_cpu: str, allocated_cpu: str, reason: str | None) -> Any:
+    """A pod whose container asks ``spec_cpu`` (a resize made above) while the kubelet
+    allocated ``allocated_cpu`` and the container has ``actual_cpu``."""
+    resizing = pod("n", container("app", cpu=spec_cpu, memory="1Gi"))
+    resizing["status"] = {
+        "phase": "Running",
+        "containerStatuses": [
+            {
+                "name": "app",
+                "allocatedResources": {"cpu": allocated_cpu, "memory": "1Gi"},
+                "resources": {"requests": {"cpu": actual_cpu, "memory": "1Gi"}},
+            }
+        ],
+        "conditions": [{"type": "PodResizePending", "status": "True", "reason": reason}]
+        if reason
+        else [],
+    }
+    return resizing
+
+
+def test_a_pod_being_resized_holds_the_larger_room_and_an_infeasible_resize_none() -> None:
+    """As the scheduler counts a pod with in-place resize: a resize down keeps the old
+    room until made (until 2026-11-29 the new, smaller requests counted at once); one up
+    the kubelet finds infeasible holds only what the pod has (until then its spec filled
+    the node, and pods that fit were refused)."""
+    assert pod_requests(resized("1", "2", "2", None))["cpu"] == 2
+    assert pod_requests(resized("1", "2", "1", "Deferred"))["cpu"] == 2
+    assert pod_requests(resized("16", "1", "1", "Infeasible"))["cpu"] == 1
+    assert pod_requests(resized("3", "3", "3", None))["cpu"] == 3
+    assert pod_requests(resized("3", "3", "3", None))["memory"] == 2**30
+
+
 def test_limits_stand_in_for_missing_requests() -> None:
     assert pod_requests(pod("n", {"name": "a", "resources": {"limits": {"cpu": "2"}}}))["cpu"] == 2
 

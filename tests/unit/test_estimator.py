@@ -138,6 +138,35 @@ def test_answers_count_real_lower_pods_per_node() -> None:
     assert cluster.fits("3") == 1
 
 
+def test_a_lower_pod_s_resize_counts_as_its_status_says() -> None:
+    """A resize up the kubelet finds infeasible holds only what the pod has: its status
+    alone changes, and is read again (until 2026-11-29 the spec's 16 cpu filled the node)."""
+    cluster = Cluster()
+    growing = {
+        "metadata": {"name": "growing", "namespace": "default", "uid": "g"},
+        "spec": {
+            "nodeName": "big",
+            "containers": [{"name": "c", "resources": {"requests": {"cpu": "16"}}}],
+        },
+        "status": {"phase": "Running"},
+    }
+    cluster.lower_pods.apply({"type": "ADDED", "object": growing})
+    assert cluster.fits("3") == 0
+    infeasible = {
+        "phase": "Running",
+        "conditions": [{"type": "PodResizePending", "status": "True", "reason": "Infeasible"}],
+        "containerStatuses": [
+            {
+                "name": "c",
+                "allocatedResources": {"cpu": "1"},
+                "resources": {"requests": {"cpu": "1"}},
+            }
+        ],
+    }
+    cluster.lower_pods.apply({"type": "MODIFIED", "object": {**growing, "status": infeasible}})
+    assert cluster.fits("3") == 1, "3 of big's 4 cpu free"
+
+
 def test_a_pod_bound_here_holds_its_room_until_its_lower_copy_is_on_a_node() -> None:
     cluster = Cluster()
     pod = upper_pod("web", "3")
