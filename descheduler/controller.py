@@ -650,8 +650,8 @@ class Descheduler:
             await self._event(
                 original,
                 "NotRescheduled",
-                f"{case.describe()}; {why}: deleted, and the pod copied elsewhere, not to "
-                f"{node} for {self.policy.return_after:.0f} s",
+                f"{case.describe()}; {why}: deleted; the pod is copied to another cluster "
+                f"that can run it, not to {node} for {self.policy.return_after:.0f} s",
                 warning=True,
             )
             left.append(replace(case, pod=original))
@@ -663,10 +663,13 @@ class Descheduler:
         model) ranked first again, and it was copied there at every other look."""
         metadata = original["metadata"]
         text = left_until_text(original, node, self.now(), self.policy.return_after)
-        # The uid makes the patch fail on a namesake made since (it is immutable).
-        patch = {
-            "metadata": {"uid": metadata["uid"], "annotations": {keys.LEFT_UNTIL_ANNOTATION: text}}
-        }
+        # The uid makes the patch fail on a namesake made since (it is immutable); the
+        # resourceVersion on a pod the cache shows behind an earlier keep-off, which the
+        # whole annotation written from it would take back.
+        written: JSON = {"uid": metadata["uid"], "annotations": {keys.LEFT_UNTIL_ANNOTATION: text}}
+        if metadata.get("resourceVersion"):
+            written["resourceVersion"] = metadata["resourceVersion"]
+        patch = {"metadata": written}
         return await self.client.patch(PODS, metadata["name"], patch, metadata["namespace"])
 
     async def _finish_move(self, original: JSON, copy: JSON) -> None:

@@ -477,6 +477,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             lower,
             lower_informers.informer(NAMESPACES, label_selector=owner.namespace_selector()),
             backend.pods,
+            upper_informers.informer(PERSISTENTVOLUMECLAIMS),
             mapping,
             owner,
             backend.forget_namespace,

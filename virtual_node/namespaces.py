@@ -84,6 +84,7 @@ class LowerNamespaces:
         lower: KubeClient,
         lower_namespaces: Informer,
         lower_pods: Informer,
+        upper_claims: Informer,
         mapping: NamespaceMapping,
         owner: Ownership,
         forget: Callable[[str], None],
@@ -94,6 +95,7 @@ class LowerNamespaces:
         self.lower = lower
         self.lower_namespaces = lower_namespaces  # ours only: selected by our labels
         self.lower_pods = lower_pods
+        self.upper_claims = upper_claims
         self.mapping = mapping
         self.owner = owner
         # Tells the pod mirror that a namespace it made is gone, so it makes it again.
@@ -121,30 +123,25 @@ class LowerNamespaces:
             return False
         return True
 
-    async def _claims_still_above(self, claims: Iterable[Mapping[str, Any]]) -> list[str]:
+    def _claims_still_above(
+        self, claims: Iterable[Mapping[str, Any]], gone: str | None
+    ) -> list[str]:
         """Of our claim copies, those whose upper claim (by the namespace and UID they
-        were copied from) still exists. A lower namespace holding one was made under
-        another namespace mapping: after ``prefix`` became ``same``, ``acme-dev`` names an
-        upper namespace of its own, which is gone, while ``dev``'s claims are copied there.
-        Until 2026-11-29 it was deleted, their volumes (the claims' data) with it."""
+        were copied from) still exists; none of ``gone``, the upper namespace found gone.
+        A lower namespace holding one was made under another namespace mapping: after
+        ``prefix`` became ``same``, ``acme-dev`` names an upper namespace of its own, which
+        is gone, while ``dev``'s claims are copied there. Until 2026-11-29 it was deleted,
+        their volumes (the claims' data) with it."""
         held = []
         for claim in claims:
             metadata = claim["metadata"]
             upper_namespace = (metadata.get("annotations") or {}).get(
                 keys.UPPER_NAMESPACE_ANNOTATION
             )
-            uid = copied_from(claim)
-            if not upper_namespace or not uid:
+            if not upper_namespace or upper_namespace == gone:
                 continue
-            try:
-                upper = await self.upper.get(
-                    PERSISTENTVOLUMECLAIMS, metadata["name"], upper_namespace
-                )
-            except ApiError as error:
-                if not is_not_found(error):
-                    raise
-                continue
-            if upper["metadata"].get("uid") == uid:
+            upper = self.upper_claims.get(f"{upper_namespace}/{metadata['name']}")
+            if upper is not None and upper["metadata"].get("uid") == copied_from(claim):
                 held.append(f"{upper_namespace}/{metadata['name']}")
         return held
 
@@ -178,7 +175,7 @@ class LowerNamespaces:
             # only); asked for once, when the namespace would go.
             claims = (await self.lower.list(PERSISTENTVOLUMECLAIMS, name)).get("items") or []
             others = others_objects(claims, self.owner)
-            if not others and (held := await self._claims_still_above(claims)):
+            if not others and (held := self._claims_still_above(claims, upper_name)):
                 log.warning(
                     "namespace %s: no upper namespace %s, but kept below for the copies of "
                     "claims that still exist above (%s): made under another namespace "

@@ -1113,7 +1113,7 @@ async def test_a_copy_its_cluster_refused_goes_and_the_original_is_copied_elsewh
     Until 2026-11-29 the failed copy stopped the move for good, though lower-3 could run
     it."""
     world = World({"vk-lower-2": fits(0.9), "vk-lower-3": fits(0.3)})
-    solo = pod("solo", owned=False)
+    solo = pod("solo", owned=False, resourceVersion="5")
     world.add(solo)
     await world.descheduler.cycle()
     name = copy_name(solo)
@@ -1130,6 +1130,8 @@ async def test_a_copy_its_cluster_refused_goes_and_the_original_is_copied_elsewh
     assert set(left_until(again)) == {"vk-lower-1", "vk-lower-2"}
     kept = world.pods.get("apps/solo")
     assert kept is not None and set(kept_off(kept, NOW)) == {"vk-lower-2"}
+    # Written over the pod as cached, or not at all: a stale one lacks earlier keep-offs.
+    assert world.client.patches[-1][1]["metadata"]["resourceVersion"] == "5"
     said = [e for e in world.client.events if e["reason"] == "NotRescheduled"]
     assert [e["involvedObject"]["name"] for e in said] == ["solo"]
     refused_by = f"its copy {name} was refused by vk-lower-2"

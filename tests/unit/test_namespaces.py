@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kubekit import keys
-from kubekit.client import NAMESPACES, PODS
+from kubekit.client import NAMESPACES, PERSISTENTVOLUMECLAIMS, PODS
 from kubekit.informer import Informer
 from kubekit.workqueue import WorkQueue
 from tests.unit.fakeapi import FakeClient, not_found
@@ -39,6 +39,7 @@ class Harness:
         self.upper_namespaces = Informer(client=None, resource=NAMESPACES)  # type: ignore[arg-type]
         self.lower_namespaces = Informer(client=None, resource=NAMESPACES)  # type: ignore[arg-type]
         self.lower_pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
+        self.upper_claims = Informer(client=None, resource=PERSISTENTVOLUMECLAIMS)  # type: ignore[arg-type]
         self.forgotten: list[str] = []
         self.queue: WorkQueue[str] = WorkQueue("namespaces")
         self.controller = LowerNamespaces(
@@ -47,6 +48,7 @@ class Harness:
             self.lower,
             self.lower_namespaces,
             self.lower_pods,
+            self.upper_claims,
             mapping,
             OWNER,
             self.forgotten.append,
@@ -173,21 +175,23 @@ async def test_a_namespace_holding_claims_of_others_is_kept() -> None:
     assert ("GET", CLAIMS) in [(r.method, r.path) for r in world.lower.requests]
 
 
-def upper_claim(uid: str) -> dict[str, Any]:
-    return {"metadata": {"name": "data-db-0", "namespace": "dev", "uid": uid}}
+def upper_claim(uid: str, namespace: str = "dev") -> dict[str, Any]:
+    return {"metadata": {"name": "data-db-0", "namespace": namespace, "uid": uid}}
 
 
-async def holding_a_claim_copy(above: dict[str, Any] | Exception) -> Harness:
+async def holding_a_claim_copy(*above: dict[str, Any], copied_from: str = "dev") -> Harness:
     """Lower namespace ``shop``, no upper namespace of that name, holding our copy of
-    upper claim ``dev/data-db-0`` (UID ``uid-data``), which reads above as ``above``."""
+    upper claim ``<copied_from>/data-db-0`` (UID ``uid-data``); ``above``, the upper
+    claims."""
     copy = pod("data-db-0", OWNER.origin)
     copy["metadata"]["annotations"] = {
-        keys.UPPER_NAMESPACE_ANNOTATION: "dev",
+        keys.UPPER_NAMESPACE_ANNOTATION: copied_from,
         keys.UPPER_UID_ANNOTATION: "uid-data",
     }
     world = Harness()
     world.claims_below(copy)
-    world.upper.answer("GET", "/api/v1/namespaces/dev/persistentvolumeclaims/data-db-0", above)
+    for claim in above:
+        world.upper_claims.apply({"type": "ADDED", "object": claim})
     world.lower_namespaces.apply({"type": "ADDED", "object": namespace("shop")})
     await world.drain()
     return world
@@ -209,9 +213,13 @@ async def test_a_namespace_holding_copies_of_claims_still_above_is_kept(
 
 async def test_a_namespace_whose_claim_copies_stand_for_claims_gone_above_goes() -> None:
     """The upper claim deleted, or made again since (another UID): its copy is no one's."""
-    for above in (not_found("persistentvolumeclaims", "data-db-0"), upper_claim("uid-later")):
-        world = await holding_a_claim_copy(above)
+    for above in ((), (upper_claim("uid-later"),)):
+        world = await holding_a_claim_copy(*above)
         assert world.lower.writes() == [("DELETE", "/api/v1/namespaces/shop")], above
+    # A copy of a claim of the namespace found gone: the cache has not heard of it yet.
+    world = await holding_a_claim_copy(upper_claim("uid-data", "shop"), copied_from="shop")
+    assert world.lower.writes() == [("DELETE", "/api/v1/namespaces/shop")]
+    assert not [r for r in world.upper.requests if "persistentvolumeclaims" in r.path]
 
 
 async def test_a_namespace_holding_pods_of_ours_not_being_deleted_is_kept(
