@@ -177,3 +177,37 @@ def rollout(cluster: LocalCluster, deployment: str, namespace: str, timeout: int
 def node_ready(federation: Federation, name: str) -> str:
     node = get_json(federation.upper, "node", name)
     return str(next(c["status"] for c in node["status"]["conditions"] if c["type"] == "Ready"))
+
+
+def refusing_policy(
+    name: str, resources: list[str], expression: str, message: str
+) -> list[dict[str, Any]]:
+    """A ValidatingAdmissionPolicy named ``name`` and its binding, refusing (422) the
+    creation of core ``resources`` for which ``expression`` (CEL) is false."""
+    return [
+        {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicy",
+            "metadata": {"name": name},
+            "spec": {
+                "failurePolicy": "Fail",
+                "matchConstraints": {
+                    "resourceRules": [
+                        {
+                            "apiGroups": [""],
+                            "apiVersions": ["v1"],
+                            "operations": ["CREATE"],
+                            "resources": resources,
+                        }
+                    ]
+                },
+                "validations": [{"expression": expression, "message": message}],
+            },
+        },
+        {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicyBinding",
+            "metadata": {"name": name},
+            "spec": {"policyName": name, "validationActions": ["Deny"]},
+        },
+    ]

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from descheduler.rescue import left_until
 from harness.federation import DESCHEDULER, MANIFESTS, Federation
 from harness.localcluster import LocalCluster, NodeSpec
 from kubekit import keys
@@ -31,6 +32,7 @@ from .helpers import (
     namespace,
     node_ready,
     pods_by_name,
+    refusing_policy,
     wait_for,
 )
 
@@ -248,6 +250,73 @@ def test_a_bare_pod_its_lower_cluster_refuses_is_re_created_in_another(
         assert "unschedulable in vk-lower-1" in said and "exceeded quota: no-pods" in said
     finally:
         lower_1.kubectl("delete", "quota", "no-pods", "-n", NAMESPACE)
+
+
+REFUSED_BY_LOWER_2 = "kubestrata-e2e-refused-copies"
+
+
+def test_a_copy_its_cluster_refuses_goes_and_the_pod_stays_kept_off_it(
+    descheduling: Federation,
+) -> None:
+    """lower-2's own policy refuses the copy (422: its virtual node fails it,
+    LowerClusterRejected). The copy is deleted, lower-2 kept off the pod, which stays in
+    lower-1 and says why. Until 2026-11-29 the failed copy stayed, and the move stopped
+    there for good."""
+    lower_2 = descheduling.clusters["lower-2"]
+    apply(
+        lower_2,
+        *refusing_policy(
+            REFUSED_BY_LOWER_2,
+            ["pods"],
+            "!object.metadata.name.startsWith('refused-')",
+            "refused by lower-2's policy",
+        ),
+    )
+    try:
+        probe = bound_pod("refused-probe", "default", move_node("lower-2"))
+        wait_for(
+            lambda: (
+                "refused by lower-2's policy"
+                in lower_2.kubectl(
+                    "create", "--dry-run=server", "-f", "-", input=json.dumps(probe), check=False
+                ).stderr
+            ),
+            "the policy in force",
+        )
+        apply(descheduling.upper, stuck_pod("refused", "3"))
+        upper = descheduling.upper
+        uid = get_json(upper, "pod", "-n", NAMESPACE, "refused")["metadata"]["uid"]
+        said = wait_for(
+            lambda: [
+                m
+                for m in events(descheduling, "refused", "NotRescheduled")
+                if "was refused by vk-lower-2" in m
+            ],
+            "the refused copy withdrawn",
+            timeout=120,
+        )
+        assert "LowerClusterRejected" in said[0] and "refused by lower-2's policy" in said[0]
+        wait_for(lambda: not copies_of(descheduling, uid), "the refused copy gone")
+        original = get_json(upper, "pod", "-n", NAMESPACE, "refused")
+        assert original["spec"]["nodeName"] == "vk-lower-1", "the original is the pod"
+        assert "vk-lower-2" in left_until(original)
+        stays = wait_for(
+            lambda: [
+                m
+                for m in events(descheduling, "refused", "NotRescheduled")
+                if "vk-lower-2: left out until" in m
+            ],
+            "the pod said to stay, lower-2 named",
+        )
+        assert "left where it is" in stays[0]
+    finally:
+        lower_2.kubectl(
+            "delete",
+            "validatingadmissionpolicybinding,validatingadmissionpolicy",
+            REFUSED_BY_LOWER_2,
+            "--ignore-not-found",
+        )
+        descheduling.upper.kubectl("delete", "pod", "-n", NAMESPACE, "refused", "--wait=false")
 
 
 def test_a_pod_no_cluster_can_run_is_left_where_it_is_with_an_event(

@@ -37,6 +37,7 @@ from .helpers import (
     get_json,
     namespace,
     pods_by_name,
+    refusing_policy,
     wait_for,
 )
 
@@ -524,38 +525,12 @@ REFUSED = "kubestrata-e2e-bindings-refused"
 def bindings_refused(pod: str) -> list[dict[str, Any]]:
     """A ValidatingAdmissionPolicy refusing every binding of pods named ``pod`` (the
     scheduler's pods/binding and the older bindings resource): such a pod keeps waiting."""
-    return [
-        {
-            "apiVersion": "admissionregistration.k8s.io/v1",
-            "kind": "ValidatingAdmissionPolicy",
-            "metadata": {"name": REFUSED},
-            "spec": {
-                "failurePolicy": "Fail",
-                "matchConstraints": {
-                    "resourceRules": [
-                        {
-                            "apiGroups": [""],
-                            "apiVersions": ["v1"],
-                            "operations": ["CREATE"],
-                            "resources": ["pods/binding", "bindings"],
-                        }
-                    ]
-                },
-                "validations": [
-                    {
-                        "expression": f"object.metadata.name != '{pod}'",
-                        "message": "bindings refused by the test",
-                    }
-                ],
-            },
-        },
-        {
-            "apiVersion": "admissionregistration.k8s.io/v1",
-            "kind": "ValidatingAdmissionPolicyBinding",
-            "metadata": {"name": REFUSED},
-            "spec": {"policyName": REFUSED, "validationActions": ["Deny"]},
-        },
-    ]
+    return refusing_policy(
+        REFUSED,
+        ["pods/binding", "bindings"],
+        f"object.metadata.name != '{pod}'",
+        "bindings refused by the test",
+    )
 
 
 def binding_refused(federation: Federation, pod: str) -> bool:
