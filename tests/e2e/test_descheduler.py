@@ -205,6 +205,22 @@ def test_a_descheduler_killed_mid_move_leaves_the_original_or_the_copy_never_nei
     )
 
 
+def clear_pods(federation: Federation) -> None:
+    """The module's pods of earlier tests gone, above and below: their copies run on the
+    move nodes a test counts room on."""
+    federation.upper.kubectl("delete", "pods", "--all", "-n", NAMESPACE, "--wait=false")
+    wait_for(
+        lambda: (
+            not any(
+                get_json(federation.clusters[cluster], "pods", "-n", NAMESPACE)["items"]
+                for cluster in CLUSTERS
+            )
+        ),
+        "the pods of earlier tests gone below",
+        timeout=120,
+    )
+
+
 def test_a_bare_pod_stuck_below_is_re_created_in_a_cluster_that_fits_it(
     descheduling: Federation,
 ) -> None:
@@ -262,6 +278,7 @@ def test_a_copy_its_cluster_refuses_goes_and_the_pod_stays_kept_off_it(
     LowerClusterRejected). The copy is deleted, lower-2 kept off the pod, which stays in
     lower-1 and says why. Until 2026-11-29 the failed copy stayed, and the move stopped
     there for good."""
+    clear_pods(descheduling)  # lower-2's move node runs earlier tests' copies
     lower_2 = descheduling.clusters["lower-2"]
     apply(
         lower_2,
@@ -456,17 +473,7 @@ def test_a_controllers_pod_stuck_below_is_replaced_in_another_cluster_without_th
     lower-1 for these pods; lower-1's move node lacks the cpu. The descheduler evicts the
     pod and the webhook keeps its replacement off vk-lower-1, so it runs in lower-2."""
     upper = descheduling.upper
-    upper.kubectl("delete", "pods", "--all", "-n", NAMESPACE, "--wait=false")
-    wait_for(
-        lambda: (
-            not any(
-                get_json(descheduling.clusters[cluster], "pods", "-n", NAMESPACE)["items"]
-                for cluster in CLUSTERS
-            )
-        ),
-        "the pods of earlier tests gone below",
-        timeout=120,
-    )
+    clear_pods(descheduling)
     extenders = upper.scheduler_extenders
     upper.set_scheduler_extenders([])
     try:
