@@ -524,12 +524,12 @@ def kept_off_reasons(pod: Mapping[str, Any], names: Iterable[str], now: datetime
     (``kept_off``), each with until when: named in the event that says the pod stays."""
     if owned(pod):
         return {}
-    until = left_until(pod)
+    off, until = kept_off(pod, now), left_until(pod)
     return {
         name: f"left out until {rfc3339(until[name])} (the pod left it, or a copy of it was "
         "refused or not taken there)"
         for name in names
-        if name in until and until[name] > now
+        if name in off
     }
 
 
