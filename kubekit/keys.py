@@ -121,10 +121,11 @@ PROVISIONED_BY_ANNOTATION = "pv.kubernetes.io/provisioned-by"
 # is made for). The upper cluster's mean nothing below (bind-completed without a volume
 # makes the claim Lost), and the lower cluster's are its own (dropped by an update, the
 # resizer's would be written again, and dropped again, through a whole expansion).
+BOUND_BY_CONTROLLER = "pv.kubernetes.io/bound-by-controller"
 CLAIM_BINDING_ANNOTATIONS = frozenset(
     {
         "pv.kubernetes.io/bind-completed",
-        "pv.kubernetes.io/bound-by-controller",
+        BOUND_BY_CONTROLLER,
         "pv.kubernetes.io/migrated-to",
         "volume.beta.kubernetes.io/storage-provisioner",
         "volume.kubernetes.io/storage-resizer",

@@ -165,9 +165,16 @@ def reflectable(upper: Mapping[str, Any]) -> bool:
 
 def for_a_volume_made_by_hand(claim: Mapping[str, Any]) -> bool:
     """Whether a claim asks for a volume someone made by hand, not for one to be made:
-    ``storageClassName: ""``, or a selector of volumes' labels."""
+    ``storageClassName: ""``, a selector of volumes' labels, or a volume its creator named
+    (``volumeName`` that the PersistentVolume controller did not set: it marks the claims
+    it binds ``bound-by-controller``, ours included)."""
     spec = claim.get("spec") or {}
-    return spec.get("storageClassName") == "" or bool(spec.get("selector"))
+    annotations = (claim.get("metadata") or {}).get("annotations") or {}
+    return (
+        spec.get("storageClassName") == ""
+        or bool(spec.get("selector"))
+        or (bool(spec.get("volumeName")) and annotations.get(keys.BOUND_BY_CONTROLLER) != "yes")
+    )
 
 
 def copied_from(copy: Mapping[str, Any]) -> str | None:
@@ -184,9 +191,9 @@ def standing_for(copy: Mapping[str, Any]) -> str | None:
 def hand_made_refusal(what: str) -> str:
     """Why ``what`` (``claim data``, ``ephemeral volume scratch``) is not had below."""
     return (
-        f"{what} asks for a volume made by hand (no storage class, or a selector): the "
-        "lower cluster's volumes are not the upper cluster's, and its claim below would "
-        "bind whichever of them it matched"
+        f"{what} asks for a volume made by hand (no storage class, a selector, or a volume "
+        "named): the lower cluster's volumes are not the upper cluster's, and its claim "
+        "below would bind whichever of them it matched"
     )
 
 

@@ -509,9 +509,12 @@ class Reflector:
             resource is PERSISTENTVOLUMECLAIMS
             and upper is not None
             and lower is not None
-            and for_a_volume_made_by_hand(upper)
+            and not reflectable(upper)
         ):
-            return  # copied before it was refused: deleted, it could take its data along
+            # Copied before it was refused, or before a pod came to control it (a
+            # StatefulSet scaled down hands the claims of the pods it removes to them,
+            # and back if scaled up again first): deleted, it could take its data along.
+            return
         if self._wanted(key) and upper is not None and reflectable(upper):
             desired = DESIRED[kind](upper, self.mapping, self.owner)
             if lower is None:

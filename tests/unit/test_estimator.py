@@ -918,9 +918,11 @@ def test_a_pod_whose_claim_waits_for_a_class_the_cluster_lacks_fits_nowhere_here
     assert cluster.estimator.answer(orjson.dumps(pod)).estimate.max_replicas == 1
     classes.apply({"type": "DELETED", "object": {"metadata": {"name": "fast"}}})
     # Bound above, the claim decides nothing here: its volume says where the pod goes.
-    claims.apply(
-        {"type": "MODIFIED", "object": {**claim, "spec": {**claim["spec"], "volumeName": "v"}}}
-    )
+    bound = {
+        "metadata": {**claim["metadata"], "annotations": {keys.BOUND_BY_CONTROLLER: "yes"}},
+        "spec": {**claim["spec"], "volumeName": "v"},
+    }
+    claims.apply({"type": "MODIFIED", "object": bound})
     assert cluster.estimator.answer(orjson.dumps(pod)).estimate.max_replicas == 1
 
 

@@ -8,6 +8,7 @@ from virtual_node.references import (
     desired_endpoint_slice,
     desired_service,
     desired_service_account,
+    for_a_volume_made_by_hand,
     made_again,
     referenced_objects,
     reflectable,
@@ -517,3 +518,21 @@ def test_an_external_name_service_stays_a_dns_alias_below() -> None:
     assert lower["spec"] == {"type": "ExternalName", "externalName": "db.example.com"}
     moved = service("db", {}, type="ExternalName", externalName="db2.example.com")
     assert copy_differs(lower, desired_service(moved, MAPPING, OWNER))
+
+
+def test_a_claim_naming_its_volume_asks_for_one_made_by_hand() -> None:
+    """``volumeName`` its creator wrote names a volume of the upper cluster: below, the
+    copy (which cannot name it) would bind whichever lower volume of the class it found."""
+    spec = {"storageClassName": "manual", "volumeName": "nfs-share"}
+    named = {"kind": "PersistentVolumeClaim", "metadata": {"name": "data"}, "spec": spec}
+    assert for_a_volume_made_by_hand(named)
+    assert not reflectable(named)
+    # Bound by the PersistentVolume controller (to a volume of ours, say): made for it.
+    bound = {
+        **named,
+        "metadata": {"name": "data", "annotations": {keys.BOUND_BY_CONTROLLER: "yes"}},
+    }
+    assert not for_a_volume_made_by_hand(bound)
+    assert reflectable(bound)
+    unbound = {**named, "spec": {"storageClassName": "manual"}}
+    assert not for_a_volume_made_by_hand(unbound)

@@ -471,9 +471,12 @@ async def test_a_claim_the_lower_cluster_bound_is_updated_in_place_and_never_mad
     assert r.lower.writes() == [("PUT", f"{claims}/data")]
 
 
-async def test_a_claim_copy_outlives_its_pods_and_goes_with_its_upper_claim() -> None:
-    # Deleted with the pod, the copy would take the volume's data along.
-    claims = "/api/v1/namespaces/shop/persistentvolumeclaims"
+CLAIMS = "/api/v1/namespaces/shop/persistentvolumeclaims"
+
+
+async def claim_copied_below() -> tuple[Reflecting, dict[str, Any], dict[str, Any]]:
+    """A reflector whose claim ``data`` a pod uses, with the claim's copy below; the
+    claim and the pod."""
     claim: dict[str, Any] = {
         "kind": "PersistentVolumeClaim",
         "metadata": {"name": "data", "namespace": "shop", "uid": "claim-uid"},
@@ -484,12 +487,18 @@ async def test_a_claim_copy_outlives_its_pods_and_goes_with_its_upper_claim() ->
     r.above("persistentvolumeclaims", claim)
     r.above(None, stateful)
     await r.drain()
-    (copy,) = r.created(claims)
+    (copy,) = r.created(CLAIMS)
     r.below(
         "persistentvolumeclaims",
         {**copy, "metadata": {**copy["metadata"], "resourceVersion": "3", "uid": "below"}},
     )
     r.lower.requests.clear()
+    return r, claim, stateful
+
+
+async def test_a_claim_copy_outlives_its_pods_and_goes_with_its_upper_claim() -> None:
+    # Deleted with the pod, the copy would take the volume's data along.
+    r, claim, stateful = await claim_copied_below()
 
     r.above(None, stateful, "DELETED")
     await r.drain()
@@ -498,13 +507,34 @@ async def test_a_claim_copy_outlives_its_pods_and_goes_with_its_upper_claim() ->
 
     r.above("persistentvolumeclaims", claim, "DELETED")
     await r.drain()
-    assert r.lower.writes() == [("DELETE", f"{claims}/data")]
+    assert r.lower.writes() == [("DELETE", f"{CLAIMS}/data")]
+
+
+async def test_a_claim_copy_stays_while_a_pod_controls_its_claim() -> None:
+    """A StatefulSet scaled down with ``whenScaled: Delete`` makes each removed pod its
+    claim's controller, and the StatefulSet again if scaled up before the pod went: the
+    copy, deleted meanwhile, would have taken the data along at the pod's next start."""
+    r, claim, stateful = await claim_copied_below()
+    owner = {"kind": "Pod", "name": "web-2", "uid": "p", "controller": True}
+    condemned = {**claim, "metadata": {**claim["metadata"], "ownerReferences": [owner]}}
+    r.above("persistentvolumeclaims", condemned, "MODIFIED")
+    await r.drain()
+    assert r.lower.writes() == []
+    # Its pod gone, the garbage collector deletes the claim above: the copy goes with it.
+    r.above(None, stateful, "DELETED")
+    r.above("persistentvolumeclaims", condemned, "DELETED")
+    await r.drain()
+    assert r.lower.writes() == [("DELETE", f"{CLAIMS}/data")]
 
 
 @pytest.mark.parametrize(
     "asks",
-    [{"storageClassName": ""}, {"selector": {"matchLabels": {"disk": "nfs-finance"}}}],
-    ids=["no class", "a selector"],
+    [
+        {"storageClassName": ""},
+        {"selector": {"matchLabels": {"disk": "nfs-finance"}}},
+        {"storageClassName": "manual", "volumeName": "nfs-finance"},
+    ],
+    ids=["no class", "a selector", "a volume named"],
 )
 async def test_a_claim_for_a_volume_made_by_hand_is_not_copied_and_its_pod_waits(
     asks: dict[str, Any],

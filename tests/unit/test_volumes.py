@@ -263,9 +263,9 @@ async def test_a_claim_event_reads_only_the_volumes_made_for_that_claim() -> Non
 def test_a_claim_for_a_volume_made_by_hand_without_a_copy_refuses_its_pods() -> None:
     pod = {"spec": {"volumes": [{"name": "d", "persistentVolumeClaim": {"claimName": "data"}}]}}
     assert volume_refusal(pod, "db", {}, set(), "lower-1", hand_made={"db/data"}) == (
-        "claim data asks for a volume made by hand (no storage class, or a selector): the "
-        "lower cluster's volumes are not the upper cluster's, and its claim below would "
-        "bind whichever of them it matched"
+        "claim data asks for a volume made by hand (no storage class, a selector, or a "
+        "volume named): the lower cluster's volumes are not the upper cluster's, and its "
+        "claim below would bind whichever of them it matched"
     )
     assert volume_refusal(pod, "web", {}, set(), "lower-1", hand_made={"db/data"}) is None
 
