@@ -389,6 +389,43 @@ class StashRefused(ValueError):
     """An update of a stashed pod's scheduling fields that cannot be taken."""
 
 
+_ABSENT = object()
+
+
+def stash_change_refusal(
+    old_spec: Mapping[str, Any], stored: str | None, incoming: str | None
+) -> str | None:
+    """Why an update may not bring the stash annotation ``incoming`` to a pod that stored
+    ``stored`` (None: the change is one ``stash_update`` makes, or none). The lower pod is
+    made from the stash, and the upper cluster's admission saw only the spec: written by
+    hand after the pod was admitted, it would undo what a policy set at create (the
+    namespace's PodNodeSelector, a RuntimeClass's selector). What a pod waiting on a
+    scheduling gate may be given passes, as the webhook stashes it (called again in the
+    same admission, it sees its own answer): node selector entries added, a node
+    affinity recorded where there was none. A stash dropped is put back."""
+    if incoming is None or incoming == stored:
+        return None
+    before = decode(stored) if stored is not None else {}
+    after = decode(incoming)
+    gated = bool(old_spec.get("schedulingGates"))
+    for field in FIELDS:
+        was, now = before.get(field, _ABSENT), after.get(field, _ABSENT)
+        if now == was:
+            continue
+        if gated and field == "nodeSelector" and isinstance(now, dict):
+            base = old_spec.get(field) if was is _ABSENT else was
+            if (base or {}).items() <= now.items():
+                continue
+        if gated and field == "affinity" and was is _ABSENT and now == old_spec.get(field):
+            continue
+        return (
+            f"annotation {keys.STASH_ANNOTATION}: {field} differs from the one recorded when "
+            "the pod was admitted; the record is kubestrata's and cannot be written (change "
+            "the pod's spec instead, where Kubernetes lets it change)"
+        )
+    return None
+
+
 def _puts_back(field: str, value: Any, old: Any, restored: Any) -> bool:
     """Whether ``value`` is the stashed original (or, for a node selector, which an apply
     merges key by key into the upper one, a part of it over the upper entries; the

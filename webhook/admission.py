@@ -279,6 +279,11 @@ def review_response(
     if unreadable:
         return _review(_refused(response, 400, "BadRequest", unreadable))
     if request["operation"] == "UPDATE":
+        forged = stash.stash_change_refusal(
+            old.get("spec") or {}, old_stash, _annotations(pod).get(keys.STASH_ANNOTATION)
+        )
+        if forged:
+            return _review(_refused(response, 422, "Invalid", forged))
         # A pod the webhook stashed when it was made (an older one runs as it was), or one
         # waiting on a gate, which may be given scheduling fields to stash (it had none
         # to stash when made, or was made before the webhook).

@@ -39,8 +39,20 @@ PROTECTED_NAMESPACES = (
     keys.SYSTEM_NAMESPACE,
 )
 TIMEOUT_SECONDS = 5
+
+
+def _stash_of(pod: str) -> str:
+    return (
+        f"(has({pod}.metadata.annotations) && '{keys.STASH_ANNOTATION}' in"
+        f" {pod}.metadata.annotations ? {pod}.metadata.annotations['{keys.STASH_ANNOTATION}']"
+        " : '')"
+    )
+
+
 ON_CREATE_OR_STASHED_SCHEDULING_CHANGE = (
-    "request.operation == 'CREATE' || (has(oldObject.spec.schedulingGates)"
+    "request.operation == 'CREATE'"
+    f" || {_stash_of('object')} != {_stash_of('oldObject')}"
+    " || (has(oldObject.spec.schedulingGates)"
     " || has(oldObject.metadata.annotations)"
     f" && '{keys.STASH_ANNOTATION}' in oldObject.metadata.annotations) && ("
     + " || ".join(
@@ -65,8 +77,9 @@ def stash_webhook(client_config: JSON) -> JSON:
       plugins again (RuntimeClass, PodNodeSelector put their node selector back), and
       other webhooks may add scheduling fields after ours; called again, the webhook
       stashes them again (``kubekit.stash.stash_scheduling`` says how).
-    - UPDATE too, but only of a stashed or gated pod's scheduling fields
-      (``matchConditions``):
+    - UPDATE too, but only of a stashed or gated pod's scheduling fields, or of the
+      stash annotation (``matchConditions``; written by hand, it would change where the
+      pod runs below past the admission the pod had):
       applying a pod's manifest again puts back the fields the webhook moved, which a
       running pod may not take, and a pod waiting on a scheduling gate may be given
       scheduling fields (``kubekit.stash.stash_update``). Other updates (labels,

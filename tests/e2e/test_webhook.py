@@ -597,6 +597,15 @@ def test_a_gated_pod_given_a_node_selector_before_its_gate_is_lifted_runs_where_
     )  # fmt: skip
     assert other.returncode != 0
     assert "the pod asks for disk=ssd already" in other.stderr
+    # Nor is the record the pod's to write: the lower pod is made from it.
+    record = json.loads(gated["metadata"]["annotations"][keys.STASH_ANNOTATION])
+    record["originals"]["nodeSelector"] = {"disk": "hdd"}
+    written = upper.kubectl(
+        "annotate", "--overwrite", "pod", "queued", "-n", "wh-gated",
+        f"{keys.STASH_ANNOTATION}={json.dumps(record)}", check=False,
+    )  # fmt: skip
+    assert written.returncode != 0
+    assert "nodeSelector differs from the one recorded" in written.stderr
     excluded = _match_condition_exclusions(upper)
     upper.kubectl(
         "patch", "pod", "queued", "-n", "wh-gated", "--type=json",

@@ -520,3 +520,31 @@ def test_a_change_kubernetes_refuses_is_left_to_the_apiserver(
     annotations = annotations or {keys.STASH_ANNOTATION: stash.encode({})}
     new = {**stashed, **changed}
     assert update(stashed, annotations, new) == (new, annotations)
+
+
+def test_a_stash_may_change_only_as_the_webhook_changes_it() -> None:
+    stored = stash.encode({"nodeSelector": {"pool": "a"}, "affinity": None})
+    spec: dict[str, Any] = {"nodeSelector": stash.VIRTUAL_NODE_SELECTOR}
+    gated = {**spec, "schedulingGates": [{"name": "q"}]}
+    grown = stash.encode({"nodeSelector": {"pool": "a", "disk": "ssd"}, "affinity": None})
+    assert stash.stash_change_refusal(spec, stored, stored) is None
+    assert stash.stash_change_refusal(spec, stored, None) is None  # put back by the webhook
+    assert stash.stash_change_refusal(gated, stored, grown) is None
+    assert stash.stash_change_refusal(spec, stored, grown) is not None  # not gated
+    changed = stash.encode({"nodeSelector": {"pool": "b"}, "affinity": None})
+    assert stash.stash_change_refusal(gated, stored, changed) is not None
+    spread = stash.encode({"nodeSelector": {"pool": "a"}, "topologySpreadConstraints": []})
+    assert stash.stash_change_refusal(gated, stored, spread) is not None
+    # A node affinity recorded where there was none is the one the spec had.
+    bare = stash.encode({"nodeSelector": {"pool": "a"}})
+    affinity: dict[str, Any] = {"podAffinity": {}}
+    with_affinity = stash.encode({"nodeSelector": {"pool": "a"}, "affinity": affinity})
+    assert stash.stash_change_refusal({**gated, "affinity": affinity}, bare, with_affinity) is None
+    assert stash.stash_change_refusal(gated, bare, with_affinity) is not None
+    # Nothing stored (made before the webhook): a gated pod's node selector as it was,
+    # with entries added.
+    made_before = {"schedulingGates": [{"name": "q"}], "nodeSelector": {"pool": "a"}}
+    first = stash.encode({"nodeSelector": {"pool": "a", "disk": "ssd"}})
+    assert stash.stash_change_refusal(made_before, None, first) is None
+    assert stash.stash_change_refusal({"nodeSelector": {"pool": "a"}}, None, first) is not None
+    assert stash.stash_change_refusal(made_before, None, changed) is not None

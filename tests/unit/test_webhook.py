@@ -518,6 +518,58 @@ def test_an_update_with_an_unreadable_stash_is_refused() -> None:
     assert refused["status"]["message"].startswith("as stored, annotation")
 
 
+def test_a_stash_written_by_hand_after_admission_is_refused() -> None:
+    """The lower pod is made from the stash, and the upper admission saw only the spec: a
+    namespace's PodNodeSelector entry changed in it would place the pod below where the
+    policy said it may not go."""
+    manifest = {"schedulingGates": [{"name": "q"}], "nodeSelector": {"pool": "team-a"}}
+    stashed_spec, annotations = stash.stash_scheduling(manifest, {})
+    old = pod(stashed_spec, annotations)
+    forged = {keys.STASH_ANNOTATION: stash.encode({"nodeSelector": {"pool": "team-b"}})}
+    refused = answer(review(pod(stashed_spec, forged), operation="UPDATE", oldObject=old))
+    assert refused["allowed"] is False
+    assert refused["status"]["code"] == 422
+    assert "nodeSelector differs from the one recorded" in refused["status"]["message"]
+    # A stash on a pod that had none is no more the pod's to write.
+    unstashed = pod({"containers": [{"name": "c", "image": "i"}]})
+    added = pod(unstashed["spec"], forged)
+    assert answer(review(added, operation="UPDATE", oldObject=unstashed))["allowed"] is False
+    # Dropped, it is put back.
+    dropped = answer(review(pod(stashed_spec), operation="UPDATE", oldObject=old))
+    assert patched(pod(stashed_spec), dropped) == old
+
+
+def test_the_webhook_called_again_on_its_own_answer_to_a_gated_pod_takes_it() -> None:
+    """After a later webhook's change in the same admission the stash it wrote differs
+    from the stored one: entries it added to the node selector, a node affinity it
+    recorded."""
+    gated = {"schedulingGates": [{"name": "q"}], "nodeSelector": {"disk": "ssd"}}
+    stashed_spec, annotations = stash.stash_scheduling(gated, {})
+    old = pod(stashed_spec, annotations)
+    zone = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": keys.CLUSTER_ID_LABEL, "operator": "Exists"}]}
+                ]
+            }
+        }
+    }
+    new = pod(
+        {
+            **stashed_spec,
+            "nodeSelector": {**stashed_spec["nodeSelector"], "pool": "a"},
+            "affinity": zone,
+        },
+        annotations,
+    )
+    first = patched(new, answer(review(new, operation="UPDATE", oldObject=old)))
+    assert first["metadata"]["annotations"] != annotations
+    again = answer(review(first, operation="UPDATE", oldObject=old))
+    assert again["allowed"] is True
+    assert patched(first, again) == first
+
+
 def test_an_update_review_without_an_old_pod_is_a_bad_review() -> None:
     with pytest.raises(BadReview, match=r"request\.oldObject must be a JSON object"):
         parse_review(json.dumps(review(pod({}), operation="UPDATE")).encode())
