@@ -12,7 +12,7 @@ import orjson
 from kubekit import keys
 from kubekit.fit import NODE_OPERATORS, requirement
 from kubekit.jsonvalue import json_copy
-from kubekit.stash import StashError, restore_scheduling
+from kubekit.stash import StashError, restore_scheduling, tolerates_provider_taint
 from virtual_node.naming import NamespaceMapping
 
 JSON = dict[str, Any]
@@ -360,16 +360,15 @@ def _without_virtual_node_terms(
     spec: JSON, cluster_labels: Mapping[str, str], node_name: str
 ) -> JSON:
     """Drops what only the upper scheduler could satisfy: the toleration of the virtual
-    node's taint, and every term about keys that only virtual nodes carry (their values
-    on this virtual node are ``cluster_labels``), since no lower node has those keys: a
-    spread constraint or a required pod affinity on one would never let the pod schedule
-    below. A node term on them, or on this virtual node's name (``node_name``, as a
+    node's taint (one of another provider's, such as a lower cluster's own virtual nodes
+    of a cloud, is the pod's and goes below), and every term about keys that only virtual
+    nodes carry (their values on this virtual node are ``cluster_labels``), since no
+    lower node has those keys: a spread constraint or a required pod affinity on one
+    would never let the pod schedule below. A node term on them, or on this virtual node's name (``node_name``, as a
     DaemonSet pins its pods), is decided here, against this virtual node; a node
     selector or required node affinity it fails is a TranslationError, as a kubelet
     refuses a pod whose node selector its node does not match."""
-    tolerations = [
-        t for t in spec.get("tolerations") or [] if t.get("key") != keys.PROVIDER_TAINT_KEY
-    ]
+    tolerations = [t for t in spec.get("tolerations") or [] if not tolerates_provider_taint(t)]
     _set_or_drop(spec, "tolerations", tolerations)
     selector = spec.get("nodeSelector") or {}
     mismatched = [k for k in selector if k in cluster_labels and cluster_labels[k] != selector[k]]

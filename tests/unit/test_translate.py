@@ -118,6 +118,17 @@ def test_upper_pod_is_not_modified() -> None:
     assert pod == before
 
 
+def test_only_the_toleration_of_the_virtual_nodes_taint_stays_above() -> None:
+    """A pod meant for a lower cluster's own virtual nodes of a cloud provider (their
+    taint has virtual-kubelet's key and the provider's name) keeps its toleration of
+    them."""
+    cloud = {"key": keys.PROVIDER_TAINT_KEY, "operator": "Equal", "value": "azure"}
+    ours = {"key": keys.PROVIDER_TAINT_KEY, "operator": "Exists"}
+    pod = upper_pod(tolerations=[cloud, ours, {**ours, "effect": "NoExecute"}])
+    lower = desired_lower_pod(pod, NamespaceMapping(), OWNER)
+    assert lower["spec"]["tolerations"] == [cloud, {**ours, "effect": "NoExecute"}]
+
+
 def test_stashed_scheduling_fields_are_restored_below() -> None:
     original = {
         "nodeSelector": {"disk": "ssd", keys.CLUSTER_ID_LABEL: "lower-1"},
