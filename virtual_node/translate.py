@@ -364,10 +364,11 @@ def _without_virtual_node_terms(
     of a cloud, is the pod's and goes below), and every term about keys that only virtual
     nodes carry (their values on this virtual node are ``cluster_labels``), since no
     lower node has those keys: a spread constraint or a required pod affinity on one
-    would never let the pod schedule below. A node term on them, or on this virtual node's name (``node_name``, as a
-    DaemonSet pins its pods), is decided here, against this virtual node; a node
-    selector or required node affinity it fails is a TranslationError, as a kubelet
-    refuses a pod whose node selector its node does not match."""
+    would never let the pod schedule below. A node term on them, or on this virtual
+    node's name (``node_name``, as a DaemonSet pins its pods), is decided here, against
+    this virtual node; a node selector or required node affinity it fails is a
+    TranslationError, as a kubelet refuses a pod whose node selector its node does not
+    match."""
     tolerations = [t for t in spec.get("tolerations") or [] if not tolerates_provider_taint(t)]
     _set_or_drop(spec, "tolerations", tolerations)
     selector = spec.get("nodeSelector") or {}
