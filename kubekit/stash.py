@@ -17,6 +17,8 @@ import json
 from collections.abc import Collection, Mapping
 from typing import Any
 
+import orjson
+
 from kubekit import keys, shapes
 from kubekit.jsonvalue import json_copy
 from kubekit.moves import keep_off
@@ -47,8 +49,10 @@ def encode(originals: Mapping[str, Any]) -> str:
 
 def decode(text: str) -> JSON:
     try:
-        payload = json.loads(text)
-    except (ValueError, RecursionError) as error:  # deep nesting exhausts json's recursion
+        # orjson reads an integer past 64 bits as a float, which the shapes refuse: as an
+        # int it passed, and no JSON encoder of ours could write the pod again.
+        payload = orjson.loads(text)
+    except ValueError as error:
         raise StashError(f"not JSON: {error}") from error
     version = payload.get("version") if isinstance(payload, dict) else None
     if type(version) is not int or version != VERSION:

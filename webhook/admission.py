@@ -26,6 +26,7 @@ import orjson
 
 from kubekit import keys, shapes, stash
 from kubekit.moves import Moves, is_daemon_pod, kept_off
+from kubekit.schedulingvalidation import Invalid, check_scheduling_fields
 from webhook.daemonsets import off_virtual_nodes
 
 JSON = dict[str, Any]
@@ -189,6 +190,7 @@ def stash_patch(
     """The JSONPatch that turns ``pod`` into its upper view with the stash annotation,
     kept off the virtual nodes ``kept_off``."""
     new = stash.stash_scheduling(pod["spec"], _annotations(pod), keep, kept_off)
+    _check_stash(new[1], None)
     return _patch_to(pod, *new)
 
 
@@ -201,7 +203,23 @@ def update_patch(
     if old_stash is not None:
         annotations.setdefault(keys.STASH_ANNOTATION, old_stash)
     stored = stash.encode({}) if old_stash is None else old_stash
-    return _patch_to(pod, *stash.stash_update(old["spec"], stored, pod["spec"], annotations, keep))
+    new = stash.stash_update(old["spec"], stored, pod["spec"], annotations, keep)
+    _check_stash(new[1], old_stash)
+    return _patch_to(pod, *new)
+
+
+def _check_stash(annotations: Mapping[str, str], stored: str | None) -> None:
+    """Raises StashRefused when the fields a new stash holds are ones the apiserver would
+    refuse in a pod (it validates only the upper view)."""
+    text = annotations.get(keys.STASH_ANNOTATION)
+    if text is None or text == stored:
+        return
+    try:
+        check_scheduling_fields(stash.decode(text))
+    except Invalid as error:
+        raise stash.StashRefused(
+            f"{error} (moved by kubestrata into annotation {keys.STASH_ANNOTATION})"
+        ) from error
 
 
 def _annotations(pod: Mapping[str, Any]) -> Mapping[str, str]:
@@ -301,7 +319,11 @@ def review_response(
         if is_daemon_pod(pod):
             return _review(response)
         avoided = kept_off(moves, pod, now or datetime.now(UTC)) if moves else []
-        response = _with_patch(response, stash_patch(pod, keep, avoided))
+        try:
+            patch = stash_patch(pod, keep, avoided)
+        except stash.StashRefused as error:
+            return _review(_refused(response, 422, "Invalid", str(error)))
+        response = _with_patch(response, patch)
     return _review(response)
 
 

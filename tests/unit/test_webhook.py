@@ -15,6 +15,7 @@ from cryptography import x509
 from hypothesis import given
 
 from kubekit import keys, pki, stash
+from kubekit.schedulingvalidation import Invalid, check_scheduling_fields
 from tests.unit.test_stash import specs
 from webhook.admission import BadReview, keep_off_response, parse_review, review_response
 from webhook.configuration import (
@@ -94,7 +95,15 @@ def test_the_patch_makes_the_stashed_pod(spec: dict[str, Any]) -> None:
     for existing in (None, {"a/b~c": "x"}):
         original = pod(spec, existing)
         response = answer(review(copy.deepcopy(original)))
-        assert response["uid"] == "d2c1" and response["allowed"]
+        assert response["uid"] == "d2c1"
+        try:
+            check_scheduling_fields(spec)
+        except Invalid as error:
+            # The apiserver, which sees the upper view only, would have taken it.
+            assert not response["allowed"]
+            assert response["status"]["message"].startswith(str(error))
+            continue
+        assert response["allowed"]
         result = patched(original, response)
         new_spec, new_annotations = stash.stash_scheduling(spec, existing or {})
         assert result["spec"] == new_spec
@@ -568,6 +577,39 @@ def test_the_webhook_called_again_on_its_own_answer_to_a_gated_pod_takes_it() ->
     again = answer(review(first, operation="UPDATE", oldObject=old))
     assert again["allowed"] is True
     assert patched(first, again) == first
+
+
+def test_a_stashed_field_the_apiserver_would_refuse_is_refused_at_admission() -> None:
+    """The apiserver validates only the upper view: the lower apiserver refused the pod
+    later, Failed, and its controller made it again without end."""
+    typo = {"key": "gpu", "operator": "Equals", "values": ["a100"]}
+    terms = {"nodeSelectorTerms": [{"matchExpressions": [typo]}]}
+    spec = {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": terms}}}
+    refused = answer(review(pod(spec)))
+    assert refused["allowed"] is False
+    assert refused["status"]["code"] == 422
+    message = refused["status"]["message"]
+    assert message.startswith(
+        "spec.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+        ".nodeSelectorTerms[0].matchExpressions[0].operator: Invalid value: 'Equals'"
+    )
+    assert keys.STASH_ANNOTATION in message
+    # Given to a gated pod later, the same.
+    gated = {"schedulingGates": [{"name": "q"}]}
+    new = pod({**gated, "nodeSelector": {"disk": "-ssd"}})
+    refused = answer(review(new, operation="UPDATE", oldObject=pod(gated)))
+    assert refused["status"]["code"] == 422
+    assert refused["status"]["message"].startswith("spec.nodeSelector[disk]: Invalid value")
+
+
+def test_a_stash_with_an_integer_past_64_bits_is_refused_not_answered_500() -> None:
+    """As an int it passed, and no JSON encoder of the webhook or the virtual node could
+    write the pod again."""
+    spread = '{"topologySpreadConstraints":[{"maxSkew":' + str(10**20) + "}]}"
+    huge = '{"version":1,"originals":' + spread + "}"
+    refused = answer(review(pod({}, {keys.STASH_ANNOTATION: huge})))
+    assert refused["status"]["code"] == 400
+    assert "maxSkew must be a int, not float" in refused["status"]["message"]
 
 
 def test_an_update_review_without_an_old_pod_is_a_bad_review() -> None:
