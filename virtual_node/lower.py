@@ -6,6 +6,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Collection, Mapping
+from datetime import timedelta
 from typing import Any, Protocol
 
 from kubekit import keys, metrics
@@ -19,6 +20,7 @@ from kubekit.client import (
     is_not_found,
 )
 from kubekit.informer import FunctionHandler, Informer, object_key, resource_version
+from kubekit.timestamps import parse_time
 from kubekit.workqueue import WorkQueue
 from virtual_node.capacity import (
     PodUsage,
@@ -77,6 +79,32 @@ PING_REQUEST_SECONDS = 3.0
 # being set up).
 _PERMANENT = frozenset({400, 422})
 _PATCH_REFUSED = _PERMANENT | {403}
+
+
+def ended_by_its_deletion(lower: Mapping[str, Any]) -> bool:
+    """Whether a lower pod deleted (or removed) below was still running when its deletion
+    began: not finished then, or a container of it ended since (a kubelet writes a
+    deleted pod's terminal phase, Succeeded when its containers exit 0 on SIGTERM). One
+    that had finished before (a clean-up: the lower pod GC past its threshold, an
+    admin) was not."""
+    metadata = lower.get("metadata") or {}
+    deleted = metadata.get("deletionTimestamp")
+    if not deleted:
+        return False
+    status = lower.get("status") or {}
+    if status.get("phase") not in FINISHED:
+        return True
+    began = parse_time(deleted) - timedelta(seconds=metadata.get("deletionGracePeriodSeconds") or 0)
+    return any(
+        parse_time(finished_at) >= began
+        for field in ("initContainerStatuses", "containerStatuses")
+        for container in status.get(field) or []
+        if (
+            finished_at := ((container.get("state") or {}).get("terminated") or {}).get(
+                "finishedAt"
+            )
+        )
+    )
 
 
 def _ran(removed: Mapping[str, Any] | None, upper: Mapping[str, Any]) -> bool:
@@ -411,6 +439,7 @@ class LowerCluster:
                         removed is not None
                         and _made_from(removed, upper)
                         and (removed.get("status") or {}).get("phase") in FINISHED
+                        and not ended_by_its_deletion(removed)
                     ):
                         # Finished, then removed below (a TTL, the pod GC) before its
                         # last status came up: it ends above as it ended there.
@@ -438,6 +467,12 @@ class LowerCluster:
             await self.client.delete_exact(PODS, lower, grace_period_seconds=0)
             return Waiting()
         self._removed.pop(upper_key, None)
+        if lower["metadata"].get("deletionTimestamp") and not ended_by_its_deletion(lower):
+            # Finished, then cleaned up below: it ends above as it ended there (a
+            # controlled pod deleted for it, a Job's finished pod went with its logs).
+            if finished:
+                return Waiting()
+            return Mirrored(upper_status(lower, upper, self.host_ip), resource_version(lower))
         if lower["metadata"].get("deletionTimestamp"):
             return EndingBelow(
                 upper_status(lower, upper, self.host_ip),

@@ -217,13 +217,24 @@ class PodController:
                 if status_version is not None:
                     self._in_step[key] = (status_version, version)
             case EndingBelow(status, grace, message):
-                if _controlled(upper):
+                if (upper.get("status") or {}).get("phase") in FINISHED:
+                    pass  # its end is said already
+                elif _controlled(upper):
                     # Terminating above at once, as a pod evicted from a node: its owner
                     # makes another now (a StatefulSet's once this one is gone), not
                     # only once the lower pod is gone, which on a lower node that went
                     # away may be never. Its status comes up as it ends below.
                     await self.event(upper, "Warning", "LowerPodDeleted", message)
                     await self.upper.delete_exact(PODS, upper, grace_period_seconds=grace)
+                elif status.get("phase") in FINISHED:
+                    # Its end is the deletion's, whatever phase the lower kubelet wrote
+                    # (Succeeded when its containers exited 0 on SIGTERM): not a run to
+                    # its end, which anything polling the phase would have taken it for.
+                    as_it_ended = {**upper, "status": status}  # its exit codes
+                    await self.event(upper, "Warning", "LowerPodDeleted", message)
+                    await self._set_status(
+                        upper, failed_status(as_it_ended, "LowerPodDeleted", message, now_rfc3339())
+                    )
                 else:
                     await self._set_status(upper, status)
             case Vanished(message):

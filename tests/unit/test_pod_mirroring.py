@@ -20,7 +20,7 @@ from kubekit.workqueue import WorkQueue
 from tests.unit.fakeapi import FakeClient, not_found, status_error
 from virtual_node import lower as lower_module
 from virtual_node import podcontroller
-from virtual_node.lower import LowerCluster, NameTaken
+from virtual_node.lower import LowerCluster, NameTaken, ended_by_its_deletion
 from virtual_node.naming import NamespaceMapping
 from virtual_node.podcontroller import PodController, RetryLater, SyncResult
 from virtual_node.translate import Ownership
@@ -651,6 +651,68 @@ async def test_a_lower_pod_terminating_behind_our_back(
         assert mirroring.upper.writes("DELETE") == []
         (status,) = mirroring.upper_statuses()
         assert status["phase"] == "Running"
+
+
+def exited(code: int, at: str) -> dict[str, Any]:
+    return {"name": "app", "state": {"terminated": {"exitCode": code, "finishedAt": at}}}
+
+
+def deleted_below(pod: dict[str, Any], at: str, grace: int) -> dict[str, Any]:
+    pod["metadata"] |= {"deletionTimestamp": at, "deletionGracePeriodSeconds": grace}
+    return pod
+
+
+def test_a_pod_ended_by_its_deletion_is_told_from_one_cleaned_up_after_it_finished() -> None:
+    assert not ended_by_its_deletion(lower_pod(phase="Succeeded"))
+    running = deleted_below(lower_pod(phase="Running"), "2026-11-29T10:00:30Z", 30)
+    assert ended_by_its_deletion(running)
+    # A kubelet's terminal phase for a deleted pod: its containers ended after the
+    # deletion began (10:00:00, its grace before the deletion's time).
+    stopped = lower_pod(phase="Succeeded", containerStatuses=[exited(0, "2026-11-29T10:00:02Z")])
+    assert ended_by_its_deletion(deleted_below(stopped, "2026-11-29T10:00:30Z", 30))
+    # Finished an hour before, removed by the lower pod GC (grace 0).
+    done = lower_pod(phase="Succeeded", containerStatuses=[exited(0, "2026-11-29T09:00:00Z")])
+    assert not ended_by_its_deletion(deleted_below(done, "2026-11-29T10:00:00Z", 0))
+
+
+async def test_a_finished_pod_cleaned_up_below_stays_as_it_ended(mirroring: Mirroring) -> None:
+    """A Job's pod that Succeeded, its lower copy removed by the lower pod GC (or an
+    admin clearing Completed pods): it was deleted above with a LowerPodDeleted warning,
+    and its logs and history went with it."""
+    pod = upper_pod(controlled=True)
+    pod["status"] = {"phase": "Running", "hostIP": HOST_IP}
+    mirroring.above(pod)
+    done = lower_pod(phase="Succeeded", containerStatuses=[exited(0, "2026-11-29T09:00:00Z")])
+    mirroring.below(deleted_below(done, "2026-11-29T10:00:00Z", 0))
+    await mirroring.controller.reconcile("shop/web")
+    assert mirroring.upper.writes("DELETE") == [] and mirroring.upper_event_reasons() == []
+    assert [status["phase"] for status in mirroring.upper_statuses()] == ["Succeeded"]
+
+
+async def test_a_bare_pod_ended_by_its_deletion_below_fails_whatever_its_exit_codes(
+    mirroring: Mirroring,
+) -> None:
+    """Drained, evicted or preempted below, its containers exiting 0 on SIGTERM: the lower
+    kubelet writes Succeeded, which came up as a run to its end, with no word."""
+    pod = upper_pod()
+    pod["status"] = {"phase": "Running", "hostIP": HOST_IP}
+    mirroring.above(pod)
+    stopped = lower_pod(phase="Succeeded", containerStatuses=[exited(0, "2026-11-29T10:00:02Z")])
+    mirroring.below(deleted_below(stopped, "2026-11-29T10:00:30Z", 30))
+    await mirroring.controller.reconcile("shop/web")
+    (failed,) = mirroring.upper_statuses()
+    assert (failed["phase"], failed["reason"]) == ("Failed", "LowerPodDeleted")
+    assert failed["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+    assert mirroring.upper_event_reasons() == ["LowerPodDeleted"]
+    # Removed with that status before a reconcile saw it ending: the same.
+    removed = mirroring_with()
+    removed.above(pod)
+    removed.below(lower_pod(phase="Running"))
+    removed.below(stopped, "DELETED")
+    removed.lower.answer("GET", f"{LOWER_POD_PATH}/web", not_found("pods", "web"))
+    await removed.controller.reconcile("shop/web")
+    (failed,) = removed.upper_statuses()
+    assert (failed["phase"], failed["reason"]) == ("Failed", "LowerPodDeleted")
 
 
 async def test_a_lower_pod_finished_then_removed_below_ends_as_it_ended(
