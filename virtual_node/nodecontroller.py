@@ -477,7 +477,11 @@ class NodeController:
                 if is_not_found(error):
                     raise
                 log.warning("labels of node %s not updated: %s", self.identity.name, error)
-            status = node_status(self.identity, report, self._last_status)
+            # With no lower node counting, the labels kept say what the OS and machine are.
+            described = (
+                report if report.labels else dataclasses.replace(report, labels=self._labels)
+            )
+            status = node_status(self.identity, described, self._last_status)
             ours = without_foreign_resources(self._last_status, self._resource_keys)
             if not force and not status_changed(ours, status):
                 return

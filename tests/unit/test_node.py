@@ -516,10 +516,16 @@ async def test_the_labels_the_lower_nodes_share_follow_them() -> None:
     upper.requests.clear()
     await controller.update_status(force=False)
     assert [r for r in upper.requests if r.path == "/api/v1/nodes/vk-lower-1"] == []
-    # No node counts for a moment (all NotReady): the labels stay as they are.
+    # No node counts for a moment (all NotReady): the labels stay as they are, and so
+    # does the Node's nodeInfo (it read amd64, the default, meanwhile).
     lower.labels = {}
     await controller.update_status(force=False)
     assert [r for r in upper.requests if r.path == "/api/v1/nodes/vk-lower-1"] == []
+    assert not [
+        r.body
+        for r in upper.requests
+        if r.path == "/api/v1/nodes/vk-lower-1/status" and "nodeInfo" in r.body["status"]
+    ]
 
 
 async def registered_then_relabelled() -> tuple[FakeClient, nodecontroller.NodeController]:
