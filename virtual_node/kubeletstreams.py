@@ -54,8 +54,16 @@ def container_images(pod: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
     )
 
 
+# The codes whose message the apiserver hands on to kubectl: it reads a kubelet's refused
+# pods/log answer through its generic response checker, which puts fixed words in place
+# of the body for a 404 or a 503 ("the server is currently unable to handle the request",
+# read as the upper apiserver being down). A refused upgrade shows any code's body.
+NOT_THERE_YET = 400  # as the kubelet answers for a container waiting to start
+UNREACHABLE = 502
+
+
 def _unavailable(error: Exception) -> ProviderError:
-    return ProviderError(503, f"the lower cluster is unreachable: {error}")
+    return ProviderError(UNREACHABLE, f"the lower cluster is unreachable: {error}")
 
 
 # How the apiserver's authorizer words a refusal (an admission refusal never names a user).
@@ -244,7 +252,8 @@ class LowerKubelet:
         annotations = (lower or {}).get("metadata", {}).get("annotations") or {}
         if lower is None or annotations.get(keys.UPPER_UID_ANNOTATION) != metadata["uid"]:
             raise ProviderError(
-                404, f"pod {metadata['namespace']}/{metadata['name']} is not running below yet"
+                NOT_THERE_YET,
+                f"pod {metadata['namespace']}/{metadata['name']} is not running below yet",
             )
         return PODS.path(lower["metadata"]["namespace"], metadata["name"], subresource)
 

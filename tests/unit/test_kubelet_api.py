@@ -11,6 +11,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
@@ -842,7 +843,9 @@ def test_container_starts_are_read_from_the_running_states() -> None:
 
 def test_a_pod_whose_namespace_has_no_name_below_spoils_no_other_pods_metrics() -> None:
     """With the prefix strategy a long upper namespace has no lower name; its pod was
-    never made below (TranslationFailed) and answers 404, the others' metrics stand."""
+    never made below (TranslationFailed) and answers 400 (as the kubelet for a container
+    waiting to start: the apiserver hands kubectl the message of a 400, not of a 404),
+    the others' metrics stand."""
     upper_pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
     lower_pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
     long_namespace = "n" * 60
@@ -862,7 +865,8 @@ def test_a_pod_whose_namespace_has_no_name_below_spoils_no_other_pods_metrics() 
     assert stranded is not None
     with pytest.raises(ProviderError) as refused:
         kubelet._lower_path(stranded, "log")
-    assert refused.value.status == 404
+    assert refused.value.status == 400
+    assert refused.value.message == f"pod {long_namespace}/web is not running below yet"
 
 
 SAR = "/apis/authorization.k8s.io/v1/subjectaccessreviews"
@@ -977,6 +981,19 @@ async def test_callers_let_in_before_are_reviewed_again_past_a_flood(
     await asyncio.gather(*flood, return_exceptions=True)
 
 
+def web_mirrored_on(node: str) -> tuple[Informer, Informer]:
+    """The upper and lower pod caches of a node running shop/web below."""
+    upper_pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
+    lower_pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
+    metadata = {"name": "web", "namespace": "shop", "uid": "uid-web"}
+    upper_pods.apply(
+        {"type": "ADDED", "object": {"metadata": metadata, "spec": {"nodeName": node}}}
+    )
+    below = {**metadata, "uid": "uid-below", "annotations": {UPPER_UID_ANNOTATION: "uid-web"}}
+    lower_pods.apply({"type": "ADDED", "object": {"metadata": below, "spec": {}}})
+    return upper_pods, lower_pods
+
+
 async def test_a_lower_log_stream_cut_short_is_a_provider_error(tmp_path: Path) -> None:
     """The lower apiserver's connection dropped mid-log: an error the kubelet API can
     tell from a log that ended (it then cuts its own answer short)."""
@@ -991,14 +1008,7 @@ async def test_a_lower_log_stream_cut_short_is_a_provider_error(tmp_path: Path) 
 
     app = web.Application()
     app.router.add_get("/api/v1/namespaces/shop/pods/web/log", log)
-    upper_pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
-    lower_pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
-    metadata = {"name": "web", "namespace": "shop", "uid": "uid-web"}
-    upper_pods.apply(
-        {"type": "ADDED", "object": {"metadata": metadata, "spec": {"nodeName": "vk-1"}}}
-    )
-    below = {**metadata, "uid": "uid-below", "annotations": {UPPER_UID_ANNOTATION: "uid-web"}}
-    lower_pods.apply({"type": "ADDED", "object": {"metadata": below, "spec": {}}})
+    upper_pods, lower_pods = web_mirrored_on("vk-1")
     async with (
         serving_over_tls(tmp_path, app) as server,
         await KubeClient.connect(ClientSettings(str(server.kubeconfig(tmp_path)))) as lower,
@@ -1012,6 +1022,30 @@ async def test_a_lower_log_stream_cut_short_is_a_provider_error(tmp_path: Path) 
             await anext(chunks)
         assert broken.value.status == 502
         assert broken.value.message.startswith("the lower log stream broke")
+
+
+async def test_logs_of_an_unreachable_lower_cluster_say_so_through_the_apiserver() -> None:
+    """502 with the reason: the apiserver hands kubectl a 503's body as "the server is
+    currently unable to handle the request", read as the upper apiserver being down."""
+
+    class Unreachable:
+        async def stream(self, *_args: Any, **_kwargs: Any) -> Any:
+            raise aiohttp.ClientConnectionError("connection refused")
+
+    upper_pods, lower_pods = web_mirrored_on("vk-1")
+    kubelet = LowerKubelet(
+        "vk-1",
+        upper_pods,
+        lower_pods,
+        Unreachable(),  # type: ignore[arg-type]
+        NamespaceMapping(),
+    )
+    pod = kubelet.pod("shop", "web")
+    assert pod is not None
+    with pytest.raises(ProviderError) as refused:
+        await anext(kubelet.container_logs(pod, "app", LogOptions()))
+    assert refused.value.status == 502
+    assert refused.value.message == "the lower cluster is unreachable: connection refused"
 
 
 RBAC_REFUSAL = (
