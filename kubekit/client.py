@@ -876,15 +876,21 @@ def _kept_alive(address: Any) -> socket.socket:
     """A socket for aiohttp's connector (``socket_factory``) with TCP keepalive on."""
     family, kind, protocol, _name, _address = address
     made = socket.socket(family=family, type=kind, proto=protocol)
-    made.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    keep_alive(made)
+    return made
+
+
+def keep_alive(connection: Any) -> None:
+    """TCP keepalive on, with the streams' timings, for a socket (or an asyncio
+    transport's): accepted by a server too, whose peer may vanish without a word."""
+    connection.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for option, value in (
         ("TCP_KEEPIDLE", STREAM_KEEPALIVE_IDLE_SECONDS),
         ("TCP_KEEPINTVL", STREAM_KEEPALIVE_INTERVAL_SECONDS),
         ("TCP_KEEPCNT", STREAM_KEEPALIVE_PROBES),
     ):
         if hasattr(socket, option):  # Linux's; others keep their system's timings
-            made.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
-    return made
+            connection.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 def _ssl_context(configuration: k8s_client.Configuration) -> ssl.SSLContext:

@@ -14,9 +14,15 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import ClientResponse, WSMsgType
+from aiohttp import ClientResponse, WSMsgType, web
+from aiohttp.test_utils import TestClient
 
 from kubekit import pki
+from kubekit.client import (
+    STREAM_KEEPALIVE_IDLE_SECONDS,
+    STREAM_KEEPALIVE_INTERVAL_SECONDS,
+    STREAM_KEEPALIVE_PROBES,
+)
 from tests.unit.fakekubelet import (
     AUTH,
     LOG_CHUNKS,
@@ -27,6 +33,7 @@ from tests.unit.fakekubelet import (
     FakeAuthorizer,
     FakeProvider,
     Kubelet,
+    KubeletTestServer,
     SpdyPeer,
     control_frame,
     read_response,
@@ -37,6 +44,7 @@ from tests.unit.fakekubelet import (
 from virtual_node.kubeletapi import channels
 from virtual_node.kubeletapi import server as server_module
 from virtual_node.kubeletapi.provider import ExecOptions, LogOptions
+from virtual_node.kubeletapi.server import STREAMING_IDLE_TIMEOUT, KubeletServer
 from virtual_node.kubeletapi.spdy import (
     HEADER_DICTIONARY,
     GoAwayReceived,
@@ -63,6 +71,31 @@ async def test_no_credentials_is_401_before_anything_else(kubelet: Kubelet) -> N
         assert code == 401 and message.startswith("Unauthorized")
     assert kubelet.authorizer.checks == []
     assert kubelet.provider.log_requests == []
+
+
+async def test_every_connection_is_kept_alive_with_the_streams_timings() -> None:
+    """A stream's lower session lasts as long as its connection: with the system's
+    timings (two hours idle) an upper apiserver gone without a word kept exec shells and
+    port-forwards open below that long."""
+
+    async def probe(request: web.Request) -> web.Response:
+        assert request.transport is not None
+        connection = request.transport.get_extra_info("socket")
+        options = (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT)
+        kept = [connection.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)]
+        kept += [connection.getsockopt(socket.IPPROTO_TCP, option) for option in options]
+        return web.json_response(kept)
+
+    app = KubeletServer(FakeProvider(), FakeAuthorizer(), STREAMING_IDLE_TIMEOUT).app()
+    app.router.add_get("/probe", probe)
+    async with TestClient(KubeletTestServer(app, host="127.0.0.1")) as client:
+        response = await client.get("/probe", headers=AUTH)
+        assert await response.json() == [
+            1,
+            STREAM_KEEPALIVE_IDLE_SECONDS,
+            STREAM_KEEPALIVE_INTERVAL_SECONDS,
+            STREAM_KEEPALIVE_PROBES,
+        ]
 
 
 async def test_forbidden_user_is_403_and_reaches_no_pod(kubelet: Kubelet) -> None:

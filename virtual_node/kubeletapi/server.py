@@ -13,6 +13,7 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
+from kubekit.client import keep_alive
 from kubekit.health import serve_metrics
 from virtual_node.kubeletapi import channels
 from virtual_node.kubeletapi.auth import AuthError, Authorizer
@@ -230,6 +231,11 @@ class KubeletServer:
     async def _authenticate(self, request: web.Request, handler: Any) -> web.StreamResponse:
         transport = request.transport
         peercert = transport.get_extra_info("peercert") if transport is not None else None
+        if transport is not None and (connection := transport.get_extra_info("socket")):
+            # A stream's lower session lasts as long as this connection: with the system's
+            # timings (two hours) an upper apiserver gone without a word (a crashed host, a
+            # partition) kept exec shells and port-forwards open below for that long.
+            keep_alive(connection)
         try:
             user = await self.authorizer.authenticate(
                 peercert, request.headers.get("Authorization", "")
