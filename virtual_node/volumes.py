@@ -58,6 +58,9 @@ def provisioned_volume(claim: Mapping[str, Any], owner: Ownership) -> JSON | Non
     if storage is None:
         return None
     namespace, name = metadata["namespace"], metadata["name"]
+    # The PersistentVolume controller binds a claim only to a volume of its attributes
+    # class (none: none), a volume made for it included; the lower copy asks for it.
+    attributes = spec.get("volumeAttributesClassName")
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolume",
@@ -71,6 +74,7 @@ def provisioned_volume(claim: Mapping[str, Any], owner: Ownership) -> JSON | Non
             "accessModes": list(spec.get("accessModes") or []),
             "volumeMode": spec.get("volumeMode") or "Filesystem",
             "storageClassName": spec.get("storageClassName") or "",
+            **({"volumeAttributesClassName": attributes} if attributes else {}),
             "persistentVolumeReclaimPolicy": "Delete",
             "claimRef": {
                 "apiVersion": "v1",

@@ -77,6 +77,15 @@ def test_a_claim_placed_on_this_virtual_node_gets_a_volume_bound_to_it_and_to_th
     ]
 
 
+def test_a_volume_is_of_its_claims_attributes_class() -> None:
+    """The PersistentVolume controller binds a claim only to a volume of its attributes
+    class: without, a claim asking for one stayed Pending above, and its pod with it."""
+    volume = provisioned_volume(claim(volumeAttributesClassName="gold"), OWNER)
+    assert volume is not None and volume["spec"]["volumeAttributesClassName"] == "gold"
+    plain = provisioned_volume(claim(), OWNER)
+    assert plain is not None and "volumeAttributesClassName" not in plain["spec"]
+
+
 def test_only_claims_of_our_provisioner_placed_here_and_unbound_get_one() -> None:
     assert provisioned_volume(claim(node="vk-lower-2"), OWNER) is None
     assert provisioned_volume(claim(node=None), OWNER) is None
