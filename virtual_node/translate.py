@@ -554,10 +554,16 @@ def _lower_node_term(
     own = _own_labels(node_name)
     for expression in term.get("matchExpressions") or []:
         key = expression.get("key")
-        if key in own and expression.get("operator") in _SELECTING:
+        if key in own:
             parsed = requirement(expression, NODE_OPERATORS)
-            if parsed is not None and parsed.accepts(own[key]):
+            fits = parsed is not None and parsed.accepts(own[key])
+            if expression.get("operator") in _SELECTING and fits:
                 continue  # about this virtual node, which it fits
+            if expression.get("operator") not in _SELECTING and not fits:
+                # Keeps this virtual node away (a hostname NotIn naming it, type
+                # DoesNotExist): until 2026-11-29 it went below, which every lower node
+                # met, and the pod ran where it had excluded.
+                return None
         if key not in cluster_labels:
             kept.append(expression)
             continue

@@ -970,6 +970,25 @@ def test_a_requirement_this_virtual_node_meets_by_keeping_nodes_away_goes_below(
     assert lower_affinity(picking) == required_terms(node_term(("disk", "In", ["ssd"])))
 
 
+@pytest.mark.parametrize(
+    "expression",
+    [
+        (keys.HOSTNAME_LABEL, "NotIn", ["vk-lower-1"]),
+        (keys.NODE_TYPE_LABEL, "NotIn", [keys.NODE_TYPE_VIRTUAL]),
+        (keys.NODE_TYPE_LABEL, "DoesNotExist", []),
+    ],
+)
+def test_a_requirement_keeping_this_virtual_node_away_fails_its_term(
+    expression: tuple[str, str, list[str]],
+) -> None:
+    """It went below, where every lower node met it, and the pod ran on the virtual node
+    it had excluded (the webhook keeps it from the upper scheduler)."""
+    with pytest.raises(TranslationError, match="node affinity"):
+        lower_affinity(required_terms(node_term(expression)))
+    either = required_terms(node_term(expression), node_term(("disk", "In", ["ssd"])))
+    assert lower_affinity(either) == required_terms(node_term(("disk", "In", ["ssd"])))
+
+
 def test_an_empty_node_term_matches_no_node_below_either() -> None:
     """The scheduler's rule: an empty term matches nothing. Until 2026-11-29 it was taken
     for a term that only spoke of this cluster, and every lower node let through."""
