@@ -208,9 +208,13 @@ def update_patch(
     return _patch_to(pod, *new)
 
 
+# The apiserver's limit on all of an object's annotations, keys and values together.
+ANNOTATIONS_LIMIT_BYTES = 256 * 1024
+
+
 def _check_stash(annotations: Mapping[str, str], stored: str | None) -> None:
     """Raises StashRefused when the fields a new stash holds are ones the apiserver would
-    refuse in a pod (it validates only the upper view)."""
+    refuse in a pod (it validates only the upper view), or too large to keep there."""
     text = annotations.get(keys.STASH_ANNOTATION)
     if text is None or text == stored:
         return
@@ -220,6 +224,15 @@ def _check_stash(annotations: Mapping[str, str], stored: str | None) -> None:
         raise stash.StashRefused(
             f"{error} (moved by kubestrata into annotation {keys.STASH_ANNOTATION})"
         ) from error
+    size = sum(len(key.encode()) + len(value.encode()) for key, value in annotations.items())
+    if size > ANNOTATIONS_LIMIT_BYTES:
+        # Said here: the apiserver's "Too long" would name an annotation the user never wrote.
+        raise stash.StashRefused(
+            f"the pod's scheduling fields take {len(text.encode())} bytes in annotation "
+            f"{keys.STASH_ANNOTATION}, where kubestrata keeps them for the lower cluster; "
+            f"with its other annotations that is {size} bytes, more than the "
+            f"{ANNOTATIONS_LIMIT_BYTES} the apiserver takes"
+        )
 
 
 def _annotations(pod: Mapping[str, Any]) -> Mapping[str, str]:

@@ -602,6 +602,19 @@ def test_a_stashed_field_the_apiserver_would_refuse_is_refused_at_admission() ->
     assert refused["status"]["message"].startswith("spec.nodeSelector[disk]: Invalid value")
 
 
+def test_scheduling_fields_too_large_to_stash_are_refused_with_the_reason() -> None:
+    """10,000 hostnames in a node affinity: the apiserver refused the pod as "Too long" of
+    an annotation its user never wrote."""
+    names = [f"worker-{n:05d}.example.com" for n in range(10000)]
+    terms = {"nodeSelectorTerms": [{"matchExpressions": [
+        {"key": "kubernetes.io/hostname", "operator": "In", "values": names}
+    ]}]}  # fmt: skip
+    spec = {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": terms}}}
+    refused = answer(review(pod(spec)))
+    assert refused["status"]["code"] == 422
+    assert "more than the 262144 the apiserver takes" in refused["status"]["message"]
+
+
 def test_a_stash_with_an_integer_past_64_bits_is_refused_not_answered_500() -> None:
     """As an int it passed, and no JSON encoder of the webhook or the virtual node could
     write the pod again."""
