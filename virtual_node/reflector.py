@@ -88,6 +88,10 @@ def reflected_key(kind: Kind, namespace: str, name: str) -> Key:
     return (kind, namespace if RESOURCES[kind].namespaced else "", name)
 
 
+# How the apiserver's ResourceQuota admission words its refusal.
+_QUOTA_REFUSAL = "exceeded quota"
+
+
 class Reflector:
     def __init__(
         self,
@@ -592,6 +596,10 @@ class Reflector:
                 if without_growth != replacement(lower, desired):
                     with contextlib.suppress(ApiError):
                         await self.lower.replace(resource, without_growth, namespace)
+                if error.status == 403 and _QUOTA_REFUSAL in error.message:
+                    # A lower quota's refusal lasts only until it is raised or room is
+                    # freed: tried again with backoff (nothing else brings the claim back).
+                    raise
                 return
             if error.status != 422:
                 raise

@@ -5,6 +5,7 @@ selector decides which pods need it."""
 from __future__ import annotations
 
 import asyncio
+import copy
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, cast
@@ -12,7 +13,7 @@ from typing import Any, cast
 import pytest
 
 from kubekit import keys
-from kubekit.client import PODS
+from kubekit.client import PODS, ApiError
 from kubekit.informer import Informer
 from kubekit.workqueue import WorkQueue
 from tests.unit.fakeapi import FakeClient, status_error
@@ -508,6 +509,38 @@ async def test_a_claim_copy_outlives_its_pods_and_goes_with_its_upper_claim() ->
     r.above("persistentvolumeclaims", claim, "DELETED")
     await r.drain()
     assert r.lower.writes() == [("DELETE", f"{CLAIMS}/data")]
+
+
+@pytest.mark.parametrize(
+    ("refusal", "tried_again"),
+    [
+        ('persistentvolumeclaims "data" is forbidden: exceeded quota: disks, requested: '
+         "requests.storage=4Gi, used: requests.storage=9Gi, limited: requests.storage=10Gi",
+         True),
+        ("persistentvolumeclaims \"data\" is forbidden: only dynamically provisioned pvc can "
+         "be resized and the storageclass that provisions the pvc must support resize", False),
+    ],
+    ids=["quota", "class"],
+)  # fmt: skip
+async def test_a_claims_growth_a_lower_quota_refused_is_tried_again(
+    refusal: str, tried_again: bool
+) -> None:
+    """Refused for now (a quota, until it is raised or room is freed), the growth was
+    never tried again: nothing else brings the claim back while its spec stays."""
+    r, claim, _stateful = await claim_copied_below()
+    grown = copy.deepcopy(claim)
+    grown["spec"]["resources"]["requests"]["storage"] = "5Gi"
+    grown["metadata"]["labels"] = {"tier": "gold"}
+    r.lower.answer("PUT", f"{CLAIMS}/data", status_error(403, "Forbidden", refusal), {})
+    r.upper["persistentvolumeclaims"].apply({"type": "MODIFIED", "object": grown})
+    key: Key = ("persistentvolumeclaims", "shop", "data")
+    if tried_again:
+        with pytest.raises(ApiError, match="exceeded quota"):
+            await r.reflector.reconcile(key)
+    else:
+        await r.reflector.reconcile(key)
+    # Its labels went meanwhile.
+    assert r.lower.writes() == [("PUT", f"{CLAIMS}/data")] * 2
 
 
 async def test_a_claim_copy_stays_while_a_pod_controls_its_claim() -> None:
