@@ -42,6 +42,7 @@ from descheduler.rescue import (
     Stuck,
     controller_kind,
     copy_alive,
+    copy_landed,
     copy_name,
     copy_refused,
     copy_taken,
@@ -55,6 +56,7 @@ from descheduler.rescue import (
     lapsed_keep_off,
     left_until_text,
     pod_copy,
+    runs,
     stuck_pods,
     unfinished_moves,
     within_limits,
@@ -255,11 +257,16 @@ class Descheduler:
                     self._landing_now.setdefault(move.to, []).append(move.stuck.pod)
         handled = {s.uid for s in stuck}
         for original, copy in unfinished_moves(pods):
-            if str(original["metadata"]["uid"]) not in handled:
-                try:
+            if str(original["metadata"]["uid"]) in handled:
+                continue
+            try:
+                if copy_landed(copy):
                     await self._finish_move(original, copy)
-                except API_ERRORS as error:
-                    log.warning("%s: original not deleted: %s", object_key(original), error)
+                elif runs(original):
+                    await self._withdraw_copy_of_running(original, copy)
+                # else both wait: the original stuck again moves on to its copy.
+            except API_ERRORS as error:
+                log.warning("%s: move not finished: %s", object_key(original), error)
         made_again = await self._let_go_of_lapsed_keep_offs(
             [p for p in pods if not self._room_being_made(p, now, moment)], now
         )
@@ -577,12 +584,14 @@ class Descheduler:
         except EvictionBlocked as blocked:
             self._blocked[stuck.uid] = self.clock() + BLOCKED_RETRY_SECONDS
             log.info("%s: eviction refused, tried again later: %s", stuck.key, blocked)
-            await self._event(
+            # Said once while it stays so: every 30 s for every pod a budget holds on a
+            # cluster down was thousands of events a minute.
+            refused = f"the eviction was refused, tried again in {BLOCKED_RETRY_SECONDS:.0f} s"
+            await self._say_once(
                 stuck.pod,
                 "EvictionBlocked",
-                f"{stuck.describe()}; the eviction was refused, tried again in "
-                f"{BLOCKED_RETRY_SECONDS:.0f} s: {blocked}",
-                warning=True,
+                f"{stuck.describe()}; {refused}: {blocked}",
+                gist=f"{refused}: {blocked}",
             )
             return
         await self._event(
@@ -616,7 +625,10 @@ class Descheduler:
             log.info("%s: a copy %s never took, %s; deleted", case.key, case.node, case.describe())
             try:
                 await self._keep_off(original, case.node)
-                await self.client.delete_exact(PODS, case.pod)
+                # At once, as never taken: deleted gracefully from a cluster down, it
+                # stayed Terminating until that cluster was back, and its name, the next
+                # copy's, held every new copy back meanwhile.
+                await self.client.delete_exact(PODS, case.pod, grace_period_seconds=0)
             except API_ERRORS as error:
                 log.warning("%s: untaken copy not deleted: %s", case.key, error)
         return left
@@ -671,6 +683,21 @@ class Descheduler:
             written["resourceVersion"] = metadata["resourceVersion"]
         patch = {"metadata": written}
         return await self.client.patch(PODS, metadata["name"], patch, metadata["namespace"])
+
+    async def _withdraw_copy_of_running(self, original: JSON, copy: JSON) -> None:
+        """Deletes the copy of a bare pod that runs again where it is (its cluster back,
+        room freed) while no node below has admitted the copy (its lower scheduler found
+        none): until 2026-11-29 the running original was deleted for it, and the pod ran
+        nowhere until the copy found room."""
+        name, node = copy["metadata"]["name"], copy["spec"].get("nodeName")
+        why = f"it runs again; its copy {name} found no node in {node} yet"
+        if self.dry_run:
+            print(f"dry run: {object_key(original)}: delete {name}; {why}", flush=True)
+            return
+        log.info("%s: %s; the copy is deleted", object_key(original), why)
+        await self.client.delete_exact(PODS, copy, grace_period_seconds=0)
+        self._withdrawn.add(str(copy["metadata"]["uid"]))
+        await self._event(original, "NotRescheduled", f"{why}: deleted, the pod stays here")
 
     async def _finish_move(self, original: JSON, copy: JSON) -> None:
         where = f"pod {copy['metadata']['name']} on {copy['spec'].get('nodeName')}"

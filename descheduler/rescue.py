@@ -19,7 +19,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from descheduler.policy import Limits, Policy
 from kubekit import fit, keys
@@ -214,6 +214,8 @@ class Stuck(PodCase):
     detail: str
     # When the upper taint manager deletes it from its cluster down; None if it never does.
     deleted_at: datetime | None = None
+    # Whether that is soon: within the looks ahead the descheduler moves such a pod.
+    deleted_soon: bool = False
 
     @property
     def owned(self) -> bool:
@@ -221,9 +223,11 @@ class Stuck(PodCase):
 
     @property
     def lost_if_left(self) -> bool:
-        """A bare pod the taint manager deletes from its cluster down, which nobody makes
-        again."""
-        return self.why is Why.CLUSTER_DOWN and not self.owned and self.deleted_at is not None
+        """A bare pod the taint manager is about to delete from its cluster down, which
+        nobody makes again. One whose deletion is further off (a toleration of an hour)
+        is moved within the limits, like any other (until 2026-11-29 it went past them
+        as soon as clusterDownTimeout was reached)."""
+        return self.why is Why.CLUSTER_DOWN and not self.owned and self.deleted_soon
 
     def describe(self) -> str:
         if self.why is Why.CLUSTER_DOWN:
@@ -343,36 +347,48 @@ def down_for(node: Mapping[str, Any], now: datetime) -> float | None:
     return since(ready, now)
 
 
-def taint_deletion_at(pod: Mapping[str, Any], node: Mapping[str, Any]) -> datetime | None:
+class TaintDeletion(NamedTuple):
+    """When the taint manager began to count for a pod (``since``), and when it deletes
+    the pod (``at``)."""
+
+    since: datetime
+    at: datetime
+
+
+def taint_deletion(pod: Mapping[str, Any], node: Mapping[str, Any]) -> TaintDeletion | None:
     """When the upper node controller's taint eviction deletes the pod from the Node, by
     the taint manager's rule: at once for a NoExecute taint the pod does not tolerate,
-    else the shortest ``tolerationSeconds`` of the tolerations it uses after the earliest
-    such taint was added (``node.kubernetes.io/unreachable`` and ``not-ready`` get 300 s
-    tolerations on every pod by default); None when never."""
+    else the shortest ``tolerationSeconds`` of the tolerations it uses after it began to
+    count, when the earliest taint it tolerates only for a while was added
+    (``node.kubernetes.io/unreachable`` and ``not-ready`` get 300 s tolerations on every
+    pod by default; a taint tolerated for ever, an admin's ``dedicated`` added weeks
+    ago, starts no count: until 2026-11-29 it was taken for the start, and a pod of a
+    cluster down for a moment was taken for one about to be deleted); None when never."""
     taints = [
         taint
         for taint in (node.get("spec") or {}).get("taints") or []
         if taint.get("effect") == "NoExecute" and isinstance(taint.get("timeAdded"), str)
     ]
-    if not taints:
-        return None
     tolerations = [t for t in (pod.get("spec") or {}).get("tolerations") or [] if t]
-    added = min(parse_time(taint["timeAdded"]) for taint in taints)
+    counted: list[datetime] = []
     shortest: float | None = None
     for taint in taints:
+        added = parse_time(taint["timeAdded"])
         facts = fit.Taint(str(taint.get("key", "")), str(taint.get("value", "")), "NoExecute")
         used = [t for t in tolerations if fit.tolerates([fit.toleration_of(t)], facts)]
         if not used:
-            return added
+            return TaintDeletion(added, added)
         for toleration in used:
             seconds = toleration.get("tolerationSeconds")
             if isinstance(seconds, int | float) and not isinstance(seconds, bool):
                 seconds = max(0.0, float(seconds))
                 shortest = seconds if shortest is None else min(shortest, seconds)
+                counted.append(added)
     if shortest is None:
         return None
+    since = min(counted)
     try:
-        return added + timedelta(seconds=shortest)
+        return TaintDeletion(since, since + timedelta(seconds=shortest))
     except OverflowError:
         # Past the last moment there is (tolerationSeconds of a trillion, to say "for
         # ever"): it raised out of every look while a cluster was down.
@@ -412,16 +428,21 @@ def stuck_pods(
         if hands_off(pod) or not (bare(pod) or replaced_when_stuck(pod)):
             continue
         if node in down:
-            deleted_at = taint_deletion_at(pod, virtual_nodes[node])
-            if deleted_at is None and _tainted_down(virtual_nodes[node]):
+            deletion = taint_deletion(pod, virtual_nodes[node])
+            if deletion is None and _tainted_down(virtual_nodes[node]):
                 # It tolerates its node unreachable for ever: bound there whatever
                 # happens, as the taint manager leaves it (moved, a bare pod cut off from
                 # the upper cluster but running on below would run twice).
                 continue
-            if down[node] >= policy.cluster_down_timeout or (
-                deleted_at is not None and now >= deleted_at - ahead
-            ):
-                found.append(Stuck(pod, node, Why.CLUSTER_DOWN, down[node], "", deleted_at))
+            # Never more than half its toleration ahead: with a long interval, three
+            # looks ahead were more than the default 300 s, and a cluster down for a
+            # moment had its pods moved at the first look.
+            soon = deletion is not None and now >= deletion.at - min(
+                ahead, (deletion.at - deletion.since) / 2
+            )
+            if down[node] >= policy.cluster_down_timeout or soon:
+                deleted_at = deletion.at if deletion is not None else None
+                found.append(Stuck(pod, node, Why.CLUSTER_DOWN, down[node], "", deleted_at, soon))
             continue
         if status.get("phase") != "Pending":
             continue
@@ -591,12 +612,29 @@ def copy_taken(copy: Mapping[str, Any]) -> bool:
     nowhere."""
     status = copy.get("status") or {}
     scheduled = condition(status.get("conditions") or [], "PodScheduled") or {}
+    return copy_landed(copy) or (
+        copy_alive(copy)
+        and scheduled.get("status") == "False"
+        and scheduled.get("reason") == "Unschedulable"
+    )
+
+
+def copy_landed(copy: Mapping[str, Any]) -> bool:
+    """A live copy its lower scheduler has placed on a node (or a node admitted, or that
+    ran to its end): taken, and more than waiting below for room."""
+    status = copy.get("status") or {}
+    scheduled = condition(status.get("conditions") or [], "PodScheduled") or {}
     return copy_alive(copy) and (
         status.get("phase") in ("Running", "Succeeded")
         or bool(status.get("hostIP"))
         or scheduled.get("status") == "True"
-        or (scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable")
     )
+
+
+def runs(pod: Mapping[str, Any]) -> bool:
+    """A pod running where it is bound, not being deleted."""
+    status = pod.get("status") or {}
+    return status.get("phase") == "Running" and not pod["metadata"].get("deletionTimestamp")
 
 
 def copy_refused(copy: Mapping[str, Any]) -> bool:

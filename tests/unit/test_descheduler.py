@@ -46,7 +46,7 @@ from descheduler.rescue import (
     left_until,
     pod_copy,
     stuck_pods,
-    taint_deletion_at,
+    taint_deletion,
     unfinished_moves,
     within_limits,
 )
@@ -313,25 +313,62 @@ def test_a_bare_pod_the_taint_manager_never_deletes_is_not_moved_past_the_limits
     assert stuck.lost_if_left
 
 
-@pytest.mark.parametrize(("down", "moved"), [(119, False), (121, True)])
-def test_with_a_long_interval_a_pod_of_a_cluster_down_moves_three_looks_ahead(
-    down: float, moved: bool
+@pytest.mark.parametrize(
+    ("interval", "down", "moved"),
+    [(10, 269, False), (10, 271, True), (60, 149, False), (60, 151, True), (120, 5, False)],
+)
+def test_with_a_long_interval_a_pod_of_a_cluster_down_moves_looks_ahead(
+    interval: float, down: float, moved: bool
 ) -> None:
-    """At one look a minute, 30 s ahead of the taint eviction often had no look in it."""
+    """Three looks ahead, and never more than half its toleration: at one look a minute,
+    30 s ahead of the taint eviction often had no look in it; three looks at two minutes
+    are more than the default 300 s, and a cluster down for a moment had its pods moved
+    at the first look."""
     nodes = {**NODES_UP, "vk-lower-2": unreachable("vk-lower-2", down_for=down)}
-    stuck = stuck_pods([tolerating(300)], nodes, NOW, Policy(interval=60))
+    stuck = stuck_pods([tolerating(300)], nodes, NOW, Policy(interval=interval))
     assert [s.why for s in stuck] == ([Why.CLUSTER_DOWN] if moved else [])
+    assert all(s.lost_if_left for s in stuck)
+
+
+def deleted_at(pod: dict[str, Any], node: dict[str, Any]) -> datetime | None:
+    deletion = taint_deletion(pod, node)
+    return None if deletion is None else deletion.at
 
 
 def test_taint_deletion_follows_the_taint_managers_rule() -> None:
     node = unreachable("vk-lower-2", down_for=100)
     added = NOW - timedelta(seconds=100)
-    assert taint_deletion_at(tolerating(300), node) == added + timedelta(seconds=300)
-    assert taint_deletion_at(tolerating(None), node) is None
-    assert taint_deletion_at(tolerating(-5), node) == added
+    assert deleted_at(tolerating(300), node) == added + timedelta(seconds=300)
+    assert deleted_at(tolerating(None), node) is None
+    assert deleted_at(tolerating(-5), node) == added
     other = tolerating(300, key="node.kubernetes.io/not-ready")
-    assert taint_deletion_at(other, node) == added, "a taint it does not tolerate: at once"
-    assert taint_deletion_at(tolerating(300), virtual("vk-lower-2", down_for=100)) is None
+    assert deleted_at(other, node) == added, "a taint it does not tolerate: at once"
+    assert deleted_at(tolerating(300), virtual("vk-lower-2", down_for=100)) is None
+
+
+def with_dedicated_taint(node: dict[str, Any], weeks_ago: int) -> dict[str, Any]:
+    added = stamp(weeks_ago * 7 * 86400)
+    dedicated = {"key": "dedicated", "value": "x", "effect": "NoExecute", "timeAdded": added}
+    node["spec"]["taints"] = [*node["spec"]["taints"], dedicated]
+    return node
+
+
+def test_a_taint_tolerated_for_ever_starts_no_count() -> None:
+    """An admin's dedicated taint added weeks ago, which the pod tolerates for ever: taken
+    for the start of the count, a cluster down for 45 s had its pods taken for ones about
+    to be deleted, and the bare ones moved past the limits."""
+    node = with_dedicated_taint(unreachable("vk-lower-2", down_for=45), weeks_ago=3)
+    pod = tolerating(300)
+    pod["spec"]["tolerations"].append({"key": "dedicated", "operator": "Exists"})
+    assert deleted_at(pod, node) == NOW + timedelta(seconds=255)
+    assert stuck_pods([pod], {**NODES_UP, "vk-lower-2": node}, NOW, Policy()) == []
+
+
+def test_a_bare_pod_tolerating_an_hour_goes_within_the_limits_at_the_timeout() -> None:
+    """clusterDownTimeout moves it; its deletion an hour off, it is not lost if left."""
+    nodes = {**NODES_UP, "vk-lower-2": unreachable("vk-lower-2", down_for=301)}
+    (stuck,) = stuck_pods([tolerating(3600)], nodes, NOW, Policy())
+    assert stuck.why is Why.CLUSTER_DOWN and not stuck.lost_if_left
 
 
 # Its controller makes a DaemonSet's pod again for the same node: moving it frees nothing.
@@ -688,7 +725,9 @@ def test_every_bare_pod_of_a_cluster_down_moves_whatever_the_limits() -> None:
     they count against the limits all the same, so pods with a controller wait."""
     bare = [
         Move(
-            Stuck(pod(f"bare-{i}", owned=False), "vk-lower-1", Why.CLUSTER_DOWN, 280, "", NOW),
+            Stuck(
+                pod(f"bare-{i}", owned=False), "vk-lower-1", Why.CLUSTER_DOWN, 280, "", NOW, True
+            ),
             "vk-x",
         )
         for i in range(20)
@@ -747,6 +786,7 @@ class FakeClient:
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
         self.bodies: list[Any] = []
+        self.graces: list[int | None] = []
         self.events: list[dict[str, Any]] = []
         self.created: dict[str, dict[str, Any]] = {}
         self.eviction_error: ApiError | None = None
@@ -853,9 +893,12 @@ class FakeClient:
         self.pods.apply({"type": "MODIFIED", "object": patched})
         return patched
 
-    async def delete_exact(self, resource: Any, obj: dict[str, Any]) -> None:
+    async def delete_exact(
+        self, resource: Any, obj: dict[str, Any], grace_period_seconds: int | None = None
+    ) -> None:
         metadata = obj["metadata"]
         self.calls.append(("delete", f"{metadata['namespace']}/{metadata['name']}"))
+        self.graces.append(grace_period_seconds)
 
     async def delete(
         self,
@@ -1007,9 +1050,13 @@ async def test_an_eviction_a_budget_refuses_is_tried_again_later() -> None:
     await world.descheduler.cycle()
     assert evictions() == 1, "not again before the retry time"
     world.moment += 31
-    world.client.eviction_error = None
     await world.descheduler.cycle()
     assert evictions() == 2
+    assert world.reasons() == ["EvictionBlocked"], "said once while it stays so"
+    world.moment += 31
+    world.client.eviction_error = None
+    await world.descheduler.cycle()
+    assert evictions() == 3
     assert world.reasons() == ["EvictionBlocked", "Rescheduled"]
 
 
@@ -1285,6 +1332,9 @@ async def test_a_copy_its_cluster_never_took_is_withdrawn_not_copied_in_turn() -
     assert ("delete", f"apps/{name}") in world.client.calls
     assert ("create", f"apps/{copy_name(made)}") not in world.client.calls
     assert ("delete", "apps/solo") not in world.client.calls
+    # At once: deleted gracefully from a cluster down, it stayed Terminating until that
+    # cluster was back, and its name, the next copy's, held every new copy back.
+    assert world.client.graces == [0]
 
 
 async def test_a_cluster_that_refused_a_copy_is_not_given_the_next_one() -> None:
@@ -1477,6 +1527,22 @@ async def test_a_move_cut_short_is_finished_once_the_original_is_no_longer_stuck
         },
     }
     assert unfinished_moves([solo, waiting_below]) == [(solo, waiting_below)]
+    # But it is no reason to delete an original that runs again: the copy goes instead.
+    world = World(ROOM_IN_2)
+    world.add(solo)
+    world.add(waiting_below)
+    await world.descheduler.cycle()
+    assert world.client.calls == [("delete", f"apps/{made['metadata']['name']}")]
+    assert world.client.graces == [0]
+    (event,) = world.client.events
+    assert (event["reason"], event["involvedObject"]["name"]) == ("NotRescheduled", "solo")
+    assert "it runs again" in event["message"]
+    # A copy waiting below for room, and an original not running either: both wait.
+    world = World(ROOM_IN_2)
+    world.add(pod("solo", owned=False, unschedulable_for=30))
+    world.add(waiting_below)
+    await world.descheduler.cycle()
+    assert world.client.calls == []
     # The virtual node's own word for a create the lower apiserver refuses (an admission
     # policy's 403): not taken.
     refused = {
