@@ -97,8 +97,8 @@ def parse_args(argv: Sequence[str]) -> Config:
     if args.policy is not None:
         try:
             policy = parse_policy(args.policy.read_text())
-        except OSError as error:
-            parser.error(f"--policy: {error}")
+        except (OSError, UnicodeDecodeError) as error:
+            parser.error(f"--policy {args.policy}: {error}")
         except PolicyError as error:
             parser.error(f"--policy {args.policy}: {error}")
     return Config(

@@ -245,6 +245,10 @@ def _status(args: argparse.Namespace) -> int:
     from kubekit import status
 
     kubeconfig = args.kubeconfig or str(kubeconfig_path(args.state_dir))
+    if not Path(kubeconfig).is_file():
+        # Else the client's own words: a stray "Config not found" and "Invalid kube-config
+        # file. Expected key current-context".
+        raise ClusterError(f"no kubeconfig at {kubeconfig}")
     try:
         rows = asyncio.run(status.collect(kubeconfig))
     except status.READ_ERRORS as error:

@@ -44,6 +44,7 @@ log = logging.getLogger("kubekit.leader")
 # client-go's are 15, 10 and 2 s; a shorter lease makes a standby take over within 15 s
 # of its leader's crash.
 LEASE_DURATION = 10.0
+MAX_LEASE_SECONDS = 2**31 - 1
 RENEW_DEADLINE = 7.0
 RETRY_PERIOD = 2.0
 
@@ -81,6 +82,12 @@ class ElectionSettings:
             raise ValueError(
                 "leader election needs 0 < retry period < renew deadline < lease duration, "
                 f"not {self.retry_period}s, {self.renew_deadline}s, {self.lease_duration}s"
+            )
+        # The Lease holds whole seconds in an int32 (infinity raised, uncaught, as the
+        # Lease was written; past 2^31 the apiserver refused every claim).
+        if not self.lease_duration <= MAX_LEASE_SECONDS:
+            raise ValueError(
+                f"the lease duration is at most {MAX_LEASE_SECONDS}s, not {self.lease_duration}s"
             )
 
 

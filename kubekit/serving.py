@@ -70,14 +70,26 @@ def check_serving_arguments(parser: argparse.ArgumentParser, args: argparse.Name
         parser.error(f"--listen must be HOST:PORT, not {args.listen!r}")
     if (args.tls_cert_file is None) != (args.tls_key_file is None):
         parser.error("--tls-cert-file and --tls-key-file go together")
-    for flag, path in (
-        ("--tls-cert-file", args.tls_cert_file),
-        ("--tls-key-file", args.tls_key_file),
-    ):
-        if path is not None and not path.is_file():
-            parser.error(f"{flag}: no such file: {path}")
+    check_serving_pair(parser, args.tls_cert_file, args.tls_key_file)
     if args.tls_cert_file is None and args.cert_dir is None:
         parser.error("give --tls-cert-file/--tls-key-file or --cert-dir")
+
+
+def check_serving_pair(
+    parser: argparse.ArgumentParser, cert: Path | str | None, key: Path | str | None
+) -> None:
+    """``--tls-cert-file`` and ``--tls-key-file``, when given: files that load as a pair,
+    or the start is refused naming them. Found at the first listen, a bad pair was an
+    SSLError, an OSError the components retry as a connection's: the virtual node tried
+    again for good, never registering its Node, and the others said only "PEM lib"."""
+    for flag, path in (("--tls-cert-file", cert), ("--tls-key-file", key)):
+        if path and not Path(path).is_file():
+            parser.error(f"{flag}: no such file: {path}")
+    if cert and key:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as error:
+            parser.error(f"--tls-cert-file {cert} and --tls-key-file {key}: {error}")
 
 
 def certificate_subject(peercert: Mapping[str, Any] | None) -> tuple[str, tuple[str, ...]]:
@@ -103,14 +115,18 @@ def check_client_ca(parser: argparse.ArgumentParser, path: Path, flag: str) -> N
         parser.error(f"{flag}: {path}: {error}")
 
 
-def serving(args: argparse.Namespace, name: str) -> Serving:
+def serving(parser: argparse.ArgumentParser, args: argparse.Namespace, name: str) -> Serving:
     """The checked flags as a Serving; with --cert-dir, the certificate ``name`` there is
-    generated (or reused while it covers the names)."""
+    generated (or reused while it covers the names), or the start refused saying why not
+    (a directory that cannot be made or written: a read-only root)."""
     host, port_text = listen_address(args.listen)
     if args.tls_cert_file is not None:
         return Serving(host, int(port_text), args.tls_cert_file, args.tls_key_file, None)
     names = tuple(args.server_name) or (host,)
-    pair = pki.serving_pair(args.cert_dir, name, names)
+    try:
+        pair = pki.serving_pair(args.cert_dir, name, names)
+    except OSError as error:
+        parser.error(f"--cert-dir {args.cert_dir}: {error}")
     return Serving(host, int(port_text), pair.cert_path, pair.key_path, pki.ca_path(pair), names)
 
 

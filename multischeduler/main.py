@@ -184,7 +184,7 @@ def parse_args(argv: Sequence[str]) -> Config:
     check_client_ca(parser, args.client_ca_file, "--client-ca-file")
     estimators = estimator_client(parser, args)
     check_kubeconfig(parser, args.kubeconfig)
-    listening = serving(args, "multischeduler")
+    listening = serving(parser, args, "multischeduler")
     return Config(
         host=listening.host,
         port=listening.port,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import re
 import tempfile
 from collections.abc import Callable, Sequence
@@ -38,7 +39,7 @@ from kubekit.health import Health
 from kubekit.informer import FunctionHandler, InformerFactory
 from kubekit.leader import ElectionSettings
 from kubekit.loops import run_together
-from kubekit.serving import check_client_ca, check_kubeconfig
+from kubekit.serving import check_client_ca, check_kubeconfig, check_serving_pair
 from kubekit.slices import bound_outside_slices, held_namespaces
 from kubekit.timestamps import now_micro
 from kubekit.workqueue import WorkQueue
@@ -695,12 +696,14 @@ def check_files(config: VirtualNodeConfig) -> None:
     check_kubeconfig(parser, config.lower_kubeconfig, "--lower-kubeconfig")
     check_kubeconfig(parser, config.upper_kubeconfig or None, "--upper-kubeconfig")
     check_client_ca(parser, Path(config.client_ca_file), "--client-ca-file")
-    for flag, path in (
-        ("--tls-cert-file", config.tls_cert_file),
-        ("--tls-key-file", config.tls_key_file),
-    ):
-        if path and not Path(path).is_file():
-            parser.error(f"{flag}: no such file: {path}")
+    check_serving_pair(parser, config.tls_cert_file, config.tls_key_file)
+    if config.cert_dir and not config.tls_cert_file:
+        try:
+            Path(config.cert_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            parser.error(f"--cert-dir {config.cert_dir}: {error}")
+        if not os.access(config.cert_dir, os.W_OK):
+            parser.error(f"--cert-dir {config.cert_dir}: not writable")
 
 
 def main(argv: Sequence[str]) -> int:

@@ -233,7 +233,7 @@ def parse_args(argv: Sequence[str]) -> WebhookConfig:
     args = parser.parse_args(argv)
     logs.configure(args.log_level, args.log_format)
     check_serving_arguments(parser, args)
-    listening = serving(args, "webhook")
+    listening = serving(parser, args, "webhook")
     ca_file = args.ca_file or listening.generated_ca
     if (args.register_url or args.inject_ca_bundle) and ca_file is None:
         parser.error("--register-url/--inject-ca-bundle need --ca-file with --tls-cert-file")

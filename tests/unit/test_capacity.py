@@ -507,6 +507,40 @@ def test_a_serving_certificate_that_is_not_there_is_one_line_at_start(
     assert f"--tls-cert-file: no such file: {tmp_path / 'tls.crt'}" in capsys.readouterr().err
 
 
+def test_a_serving_pair_that_does_not_load_or_a_cert_dir_not_writable_is_one_line_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found at the first listen, an SSLError is an OSError, taken for a connection's:
+    the virtual node started again for good and never registered its Node."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text("")
+    ca = pki.create_ca(tmp_path, "clients")
+    other = pki.create_ca(tmp_path, "others")
+    config = VirtualNodeConfig(
+        str(kubeconfig),
+        "c",
+        upper_kubeconfig=str(kubeconfig),
+        client_ca_file=str(ca.cert_path),
+        tls_cert_file=str(ca.cert_path),
+        tls_key_file=str(other.key_path),
+    )
+    with pytest.raises(SystemExit):
+        check_files(config)
+    assert f"--tls-cert-file {ca.cert_path} and --tls-key-file {other.key_path}: " in (
+        capsys.readouterr().err
+    )
+    unwritable = VirtualNodeConfig(
+        str(kubeconfig),
+        "c",
+        upper_kubeconfig=str(kubeconfig),
+        client_ca_file=str(ca.cert_path),
+        cert_dir="/proc/nope",
+    )
+    with pytest.raises(SystemExit):
+        check_files(unwritable)
+    assert "--cert-dir /proc/nope: " in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name", ["upper_burst", "lower_burst", "event_burst"])
 def test_a_client_with_no_burst_is_refused_at_start(name: str) -> None:
     """A token bucket of none would let no request through: it failed as a traceback

@@ -2022,6 +2022,11 @@ def test_a_bad_policy_file_stops_the_command_with_its_reason(
         parse_args([f"--policy={policy_file}"])
     assert exit_info.value.code == 2
     assert "defragAfter: 'soon' is not a number" in capsys.readouterr().err
+    # Not UTF-8: a traceback before.
+    policy_file.write_bytes(b"\xff\xfe")
+    with pytest.raises(SystemExit):
+        parse_args([f"--policy={policy_file}"])
+    assert f"--policy {policy_file}: 'utf-8' codec can't decode" in capsys.readouterr().err
 
 
 async def test_a_pod_no_cluster_can_take_is_warned_of_once_while_it_waits_on() -> None:

@@ -288,6 +288,16 @@ def test_status_with_a_kubeconfig_that_is_not_yaml_says_so_in_one_line(
     assert "Traceback" not in err
 
 
+def test_status_with_a_kubeconfig_that_is_not_there_says_so_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not the client's own words: a stray "Config not found", then "Invalid kube-config
+    file. Expected key current-context"."""
+    missing = tmp_path / "typo.kubeconfig"
+    assert cli_main(["status", "--kubeconfig", str(missing)]) == 1
+    assert capsys.readouterr().err == f"kubestrata status: no kubeconfig at {missing}\n"
+
+
 def test_the_state_file_is_written_whole_or_not_at_all(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -95,6 +95,11 @@ def test_settings_refuse_timings_that_let_two_leaders_overlap() -> None:
         settings("a", lease_duration=5, renew_deadline=5, retry_period=1)
     with pytest.raises(ValueError, match="retry period"):
         settings("a", retry_period=0)
+    # The Lease holds whole seconds in an int32: infinity raised as it was written.
+    with pytest.raises(ValueError, match="at most 2147483647s, not infs"):
+        settings("a", lease_duration=float("inf"))
+    with pytest.raises(ValueError, match="at most"):
+        settings("a", lease_duration=2.0**31)
     with pytest.raises(ValueError, match="needs an identity"):
         settings("")
 

@@ -456,6 +456,10 @@ def test_every_flag(tmp_path: Path) -> None:
         (["--kubeconfig=K", "--cert-dir=D", "--listen=8443"], "--listen must be HOST:PORT"),
         (["--kubeconfig=K", "--tls-cert-file=/nonexistent"], "go together"),
         (["--kubeconfig=K", "--tls-cert-file=/x", "--tls-key-file=/y"], "no such file"),
+        # Found at the first listen, "[SSL] PEM lib", which names no file.
+        (["--kubeconfig=K", "--tls-cert-file=K", "--tls-key-file=K"], "--tls-cert-file"),
+        # A traceback before (a read-only root, a typo).
+        (["--kubeconfig=K", "--cert-dir=/proc/nope"], "--cert-dir /proc/nope: "),
         (["--kubeconfig=K", "--cert-dir=D", "--estimator-ca-file=/nonexistent"], "no such file"),
         (["--kubeconfig=K", "--cert-dir=D", "--estimator-timeout=0"], "above 0"),
         (["--kubeconfig=K", "--cert-dir=D", "--estimator-timeout=soon"], "not a number"),
