@@ -347,7 +347,10 @@ class Informer:
     async def _pause(self, why: BaseException | str, level: int = logging.WARNING) -> None:
         delay = self.backoff.next_delay()
         if isinstance(why, ApiError) and why.retry_after is not None:
-            delay = max(delay, why.retry_after)
+            # Told to wait, but never past the backoff's cap: a proxy answering
+            # Retry-After: 3600 froze the cache for an hour, and only the virtual node's
+            # lower caches are ever told to resume early.
+            delay = max(delay, min(why.retry_after, self.backoff.cap))
         log.log(level, "%r: %s; retrying in %.1f s", self, why or type(why).__name__, delay)
         self._resumed.clear()
         # asyncio.timeout, not wait_for: on Python 3.11 wait_for may swallow a

@@ -304,18 +304,19 @@ def test_function_handler_on_any_maps_every_event_to_one_callback() -> None:
 
 
 class UnreachableAtFirst:
-    """A server that refuses the first list, as one that is down, then answers it and
-    holds the watch open."""
+    """A server that refuses the first list (as one that is down, or with ``refusal``),
+    then answers it and holds the watch open."""
 
-    def __init__(self) -> None:
+    def __init__(self, refusal: Exception | None = None) -> None:
         self.lists = 0
         self.refused = asyncio.Event()
+        self.refusal = refusal or ConnectionRefusedError("connect call failed")
 
     async def list_pages(self, resource: Resource, namespace: str | None, **query: Any) -> Any:
         self.lists += 1
         if self.lists == 1:
             self.refused.set()
-            raise ConnectionRefusedError("connect call failed")
+            raise self.refusal
         yield {
             "kind": "ConfigMapList",
             "metadata": {"resourceVersion": "7"},
@@ -339,6 +340,19 @@ async def test_resume_ends_the_pause_between_retries_at_once() -> None:
         cache.resume()
         await asyncio.wait_for(cache.synced.wait(), 30)
         assert server.lists == 2 and cache.keys() == ["ns/a"]
+    finally:
+        running.cancel()
+
+
+async def test_a_wait_the_server_asks_for_is_no_longer_than_the_backoffs_cap() -> None:
+    """A proxy answering Retry-After: 3600 froze the cache for an hour."""
+    server = UnreachableAtFirst(ApiError(429, "slow down", retry_after=3600))
+    quick = Backoff(initial=0.01, cap=0.05, jitter=0)
+    cache = Informer(server, Resource("", "v1", "configmaps"), backoff=quick)  # type: ignore[arg-type]
+    running = asyncio.create_task(cache.run())
+    try:
+        await asyncio.wait_for(cache.synced.wait(), 5)
+        assert server.lists == 2
     finally:
         running.cancel()
 
