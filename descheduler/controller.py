@@ -203,11 +203,8 @@ class Descheduler:
         self._landing_now = {}
         # Read once: the cache decodes each pod on every read.
         pods = list(self.pods.items())
-        stuck = [
-            s
-            for s in stuck_pods(pods, virtual_nodes, now, self.policy)
-            if self._blocked.get(s.uid, 0.0) <= moment
-        ]
+        all_stuck = stuck_pods(pods, virtual_nodes, now, self.policy)
+        stuck = [s for s in all_stuck if self._blocked.get(s.uid, 0.0) <= moment]
         stuck = await self._withdraw_untaken_copies(stuck, pods)
         stuck = await self._withdraw_refused_copies(stuck)
         # A bare pod whose copy an earlier try made (cut short before the original went)
@@ -255,14 +252,17 @@ class Descheduler:
             else:
                 if move.stuck.owned:
                     self._landing_now.setdefault(move.to, []).append(move.stuck.pod)
-        handled = {s.uid for s in stuck}
+        # Stuck pods waiting out a failed try are still stuck: their copies are theirs. A
+        # pod of a cluster down keeps the Running phase it had: not one that runs again.
+        handled = {s.uid for s in all_stuck}
+        ready_nodes = {n for n, node in virtual_nodes.items() if down_for(node, now) is None}
         for original, copy in unfinished_moves(pods):
             if str(original["metadata"]["uid"]) in handled:
                 continue
             try:
                 if copy_landed(copy):
                     await self._finish_move(original, copy)
-                elif runs(original):
+                elif runs(original) and str(original["spec"].get("nodeName")) in ready_nodes:
                     await self._withdraw_copy_of_running(original, copy)
                 # else both wait: the original stuck again moves on to its copy.
             except API_ERRORS as error:

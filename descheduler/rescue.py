@@ -395,6 +395,16 @@ def taint_deletion(pod: Mapping[str, Any], node: Mapping[str, Any]) -> TaintDele
         return None
 
 
+def _ahead_of(deletion: TaintDeletion, ahead: timedelta, policy: Policy) -> timedelta:
+    """How long before its deletion a pod of a cluster down is moved: ``ahead``, but no
+    more than half its toleration (with a long interval, three looks ahead were more
+    than the default 300 s, and a cluster down for a moment had its pods moved at the
+    first look), unless that leaves less than a look and a half (a toleration of 10 s
+    would have a window one look could miss)."""
+    half = (deletion.at - deletion.since) / 2
+    return min(ahead, max(half, timedelta(seconds=1.5 * policy.interval)))
+
+
 def _tainted_down(node: Mapping[str, Any]) -> bool:
     """Whether the upper node controller has tainted the Node NoExecute for being down."""
     return any(
@@ -434,12 +444,7 @@ def stuck_pods(
                 # happens, as the taint manager leaves it (moved, a bare pod cut off from
                 # the upper cluster but running on below would run twice).
                 continue
-            # Never more than half its toleration ahead: with a long interval, three
-            # looks ahead were more than the default 300 s, and a cluster down for a
-            # moment had its pods moved at the first look.
-            soon = deletion is not None and now >= deletion.at - min(
-                ahead, (deletion.at - deletion.since) / 2
-            )
+            soon = deletion is not None and now >= deletion.at - _ahead_of(deletion, ahead, policy)
             if down[node] >= policy.cluster_down_timeout or soon:
                 deleted_at = deletion.at if deletion is not None else None
                 found.append(Stuck(pod, node, Why.CLUSTER_DOWN, down[node], "", deleted_at, soon))

@@ -314,18 +314,29 @@ def test_a_bare_pod_the_taint_manager_never_deletes_is_not_moved_past_the_limits
 
 
 @pytest.mark.parametrize(
-    ("interval", "down", "moved"),
-    [(10, 269, False), (10, 271, True), (60, 149, False), (60, 151, True), (120, 5, False)],
+    ("interval", "seconds", "down", "moved"),
+    [
+        (10, 300, 269, False),
+        (10, 300, 271, True),
+        (60, 300, 149, False),
+        (60, 300, 151, True),
+        (120, 300, 5, False),
+        (120, 300, 121, True),
+        # A short toleration: moved at once, as a window of half of it could be missed.
+        (10, 10, 1, True),
+        (10, 20, 4, False),
+        (10, 20, 6, True),
+    ],
 )
 def test_with_a_long_interval_a_pod_of_a_cluster_down_moves_looks_ahead(
-    interval: float, down: float, moved: bool
+    interval: float, seconds: int, down: float, moved: bool
 ) -> None:
-    """Three looks ahead, and never more than half its toleration: at one look a minute,
-    30 s ahead of the taint eviction often had no look in it; three looks at two minutes
-    are more than the default 300 s, and a cluster down for a moment had its pods moved
-    at the first look."""
+    """Three looks ahead, and never more than half its toleration unless that is less
+    than a look and a half: at one look a minute, 30 s ahead of the taint eviction often
+    had no look in it; three looks at two minutes are more than the default 300 s, and a
+    cluster down for a moment had its pods moved at the first look."""
     nodes = {**NODES_UP, "vk-lower-2": unreachable("vk-lower-2", down_for=down)}
-    stuck = stuck_pods([tolerating(300)], nodes, NOW, Policy(interval=interval))
+    stuck = stuck_pods([tolerating(seconds)], nodes, NOW, Policy(interval=interval))
     assert [s.why for s in stuck] == ([Why.CLUSTER_DOWN] if moved else [])
     assert all(s.lost_if_left for s in stuck)
 
@@ -1550,6 +1561,37 @@ async def test_a_move_cut_short_is_finished_once_the_original_is_no_longer_stuck
         "status": refused_status(made, "LowerClusterRefused", "denied", "2026-11-23T12:00:00Z"),
     }
     assert unfinished_moves([solo, refused]) == []
+
+
+async def test_the_copy_of_a_pod_waiting_out_a_failed_delete_is_not_taken_for_running_again() -> (
+    None
+):
+    """Its cluster down, its delete refused (a 500): waiting out the failed try it is not
+    among the cycle's stuck pods, and with its stale Running phase its copy was taken for
+    one of a pod that runs again and deleted; the taint manager then deleted the
+    original, and the pod ran nowhere."""
+    world = World(ROOM_IN_2)
+    world.nodes.apply({"type": "MODIFIED", "object": virtual("vk-lower-1", down_for=400)})
+    solo = pod("solo", owned=False, unschedulable_for=None, phase="Running")
+    world.add(solo)
+    waiting_below = {
+        **taken(pod_copy(solo, "vk-lower-2", NOW, 600)),
+        "status": {
+            "phase": "Pending",
+            "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}],
+        },
+    }
+    world.add(waiting_below)
+    world.client.delete_error = ApiError(500, {"message": "etcd timed out"})
+    await world.descheduler.cycle()
+    assert world.client.calls == [("delete", "apps/solo")]
+    world.client.delete_error = None
+    world.moment += 10
+    await world.descheduler.cycle()
+    assert world.client.calls == [("delete", "apps/solo")], "nothing before the retry"
+    world.moment += 21
+    await world.descheduler.cycle()
+    assert world.client.calls == [("delete", "apps/solo")] * 2
 
 
 async def test_a_pod_no_cluster_can_run_is_left_and_said_once() -> None:
