@@ -93,7 +93,9 @@ def _spread(constraint: Mapping[str, Any], where: str) -> None:
     skew = constraint.get("maxSkew")
     if not isinstance(skew, int) or not 0 < skew <= _INT32_MAX:
         raise Invalid(f"{where}.maxSkew: Invalid value: {skew!r}: must be greater than zero")
-    _topology_key(constraint.get("topologyKey"), f"{where}.topologyKey")
+    # Only that it is there: a spread's key is not held to a label key's form.
+    if not constraint.get("topologyKey"):
+        raise Invalid(f"{where}.topologyKey: Required value: can not be empty")
     when = constraint.get("whenUnsatisfiable")
     if when not in _SPREAD_WHEN:
         raise Invalid(
@@ -126,15 +128,10 @@ def _requirement(expression: Mapping[str, Any], operators: frozenset[str], where
         raise Invalid(f"{where}.values: Required value: needed for {operator}")
     if operator in (EXISTS, DOES_NOT_EXIST) and values:
         raise Invalid(f"{where}.values: Forbidden: none for {operator}")
-    if operator in (GT, LT):
-        if len(values) != 1:
-            raise Invalid(f"{where}.values: Required value: exactly one for {operator}")
-        try:
-            int(values[0], 10)
-        except ValueError:
-            raise Invalid(
-                f"{where}.values[0]: Invalid value: {values[0]!r}: not an integer"
-            ) from None
+    # The value's integer is not the apiserver's to check: the scheduler takes a term whose
+    # value does not parse for one that matches no node.
+    if operator in (GT, LT) and len(values) != 1:
+        raise Invalid(f"{where}.values: Required value: exactly one for {operator}")
 
 
 def _weight(weight: Any, where: str) -> None:
