@@ -41,6 +41,30 @@ class StashError(ValueError):
     """A stash annotation that cannot be read."""
 
 
+# Never federated, whatever their labels say: the cluster's own and ours (the webhook's
+# configuration leaves them out).
+PROTECTED_NAMESPACES = (
+    "kube-system",
+    keys.NODE_LEASE_NAMESPACE,
+    "kube-public",
+    keys.SYSTEM_NAMESPACE,
+)
+
+
+def guarded_by_webhook(
+    namespace: str, namespace_labels: Mapping[str, str], pod_labels: Mapping[str, str]
+) -> bool:
+    """Whether the webhook sees a pod's creates and updates, so that its stash is the
+    webhook's record (``stash_change_refusal``), as its configuration selects them: a
+    federated namespace, not one of the protected, and a pod that has not opted out. Any
+    other pod's stash is whatever its creator wrote."""
+    return (
+        namespace_labels.get(keys.FEDERATION_LABEL) == keys.FEDERATION_ENABLED
+        and namespace not in PROTECTED_NAMESPACES
+        and pod_labels.get(keys.FEDERATION_LABEL) != keys.FEDERATION_DISABLED
+    )
+
+
 def encode(originals: Mapping[str, Any]) -> str:
     return json.dumps(
         {"version": VERSION, "originals": originals}, sort_keys=True, separators=(",", ":")
@@ -81,13 +105,32 @@ def _project_node_selector(
     return (kept or None) if bound else {**kept, **VIRTUAL_NODE_SELECTOR}
 
 
+# Labels every virtual Node carries with a value of its own (virtual-kubelet's type, its
+# name as hostname), which lower nodes have other values of, if at all.
+OWN_LABEL_KEYS = frozenset({keys.NODE_TYPE_LABEL, keys.HOSTNAME_LABEL})
+# The operators by which a requirement picks nodes out; the others keep nodes away.
+SELECTING_OPERATORS = frozenset({"In", "Exists"})
+
+
+def _kept_above(expression: Mapping[str, Any], keep: Collection[str]) -> bool:
+    """On a cluster-level key; or keeping nodes away by a virtual Node's own label, which
+    may keep the pod off a virtual node (``type NotIn [virtual-kubelet]``, a hostname
+    NotIn naming one): below every lower node meets it, so only the upper scheduler can
+    (until 2026-11-29 it was stashed, and the pod was bound where it had excluded). One
+    about lower nodes (``type NotIn [gpu]``) holds of every virtual node."""
+    key = expression.get("key")
+    return key in keep or (
+        key in OWN_LABEL_KEYS and expression.get("operator") not in SELECTING_OPERATORS
+    )
+
+
 def _project_term(term: Mapping[str, Any], keep: Collection[str]) -> JSON:
-    """The term's expressions on cluster-level keys, and its requirements on the node's
-    name: in the upper cluster a name is a virtual node's, so a pin to one holds above
-    (dropped, the pod could be bound to another virtual node, whose lower nodes all
-    fail the pin)."""
+    """The term's expressions on cluster-level keys or keeping nodes away by a virtual
+    Node's own labels, and its requirements on the node's name: in the upper cluster a
+    name is a virtual node's, so a pin to one holds above (dropped, the pod could be
+    bound to another virtual node, whose lower nodes all fail the pin)."""
     projected: JSON = {}
-    expressions = [e for e in term.get("matchExpressions") or [] if e.get("key") in keep]
+    expressions = [e for e in term.get("matchExpressions") or [] if _kept_above(e, keep)]
     if expressions:
         projected["matchExpressions"] = expressions
     fields = [f for f in term.get("matchFields") or [] if f.get("key") == "metadata.name"]

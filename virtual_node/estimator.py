@@ -139,8 +139,11 @@ class FitEstimator:
         clock: Callable[[], float] = time.monotonic,
         budgets: SliceBudgets | None = None,
         host_access_namespaces: frozenset[str] = frozenset(),
+        stash_guarded: Callable[[Mapping[str, Any]], bool] = lambda _pod: True,
     ) -> None:
         self.state = state
+        # Whether the webhook guards an upper pod's stash (stash.guarded_by_webhook).
+        self.stash_guarded = stash_guarded
         # A pod the virtual node would refuse to create below fits nowhere here.
         self.host_access_namespaces = host_access_namespaces
         self.budgets = budgets or SliceBudgets(owner.origin)
@@ -548,7 +551,8 @@ class FitEstimator:
             raise QueryError(f"metadata.namespace must be a non-empty string, not {namespace!r}")
         try:
             lower = with_runtime_class(
-                desired_lower_pod(upper, self.mapping, self.owner), self._runtime_classes
+                desired_lower_pod(upper, self.mapping, self.owner, self.stash_guarded(upper)),
+                self._runtime_classes,
             )
             return lower, PodFacts.of(lower)
         # TranslationError and NamingError are ValueErrors; the others, parts of the pod

@@ -81,12 +81,18 @@ _PERMANENT = frozenset({400, 422})
 _PATCH_REFUSED = _PERMANENT | {403}
 
 
+# Whole seconds, and the kubelet's clock against the apiserver's: a container that ended
+# this close to its pod's deletion is taken for one the deletion ended.
+_DELETION_CLOCK_SLACK = timedelta(seconds=2)
+
+
 def ended_by_its_deletion(lower: Mapping[str, Any]) -> bool:
     """Whether a lower pod deleted (or removed) below was still running when its deletion
-    began: not finished then, or a container of it ended since (a kubelet writes a
-    deleted pod's terminal phase, Succeeded when its containers exit 0 on SIGTERM). One
-    that had finished before (a clean-up: the lower pod GC past its threshold, an
-    admin) was not."""
+    began: not finished then, or a container of it ended since, or with no word of when
+    (``ContainerStatusUnknown``, a container the deletion stopped before it started). A
+    kubelet writes a deleted pod's terminal phase, Succeeded when its containers exit 0
+    on SIGTERM. One that had finished before (a clean-up: the lower pod GC past its
+    threshold, an admin) was not."""
     metadata = lower.get("metadata") or {}
     deleted = metadata.get("deletionTimestamp")
     if not deleted:
@@ -95,16 +101,15 @@ def ended_by_its_deletion(lower: Mapping[str, Any]) -> bool:
     if status.get("phase") not in FINISHED:
         return True
     began = parse_time(deleted) - timedelta(seconds=metadata.get("deletionGracePeriodSeconds") or 0)
-    return any(
-        parse_time(finished_at) >= began
-        for field in ("initContainerStatuses", "containerStatuses")
-        for container in status.get(field) or []
-        if (
-            finished_at := ((container.get("state") or {}).get("terminated") or {}).get(
-                "finishedAt"
-            )
-        )
-    )
+    for field in ("initContainerStatuses", "containerStatuses"):
+        for container in status.get(field) or []:
+            ended = (container.get("state") or {}).get("terminated")
+            if ended is None:
+                continue
+            finished_at = ended.get("finishedAt")
+            if not finished_at or parse_time(finished_at) >= began - _DELETION_CLOCK_SLACK:
+                return True
+    return False
 
 
 def _ran(removed: Mapping[str, Any] | None, upper: Mapping[str, Any]) -> bool:
@@ -178,8 +183,11 @@ class LowerCluster:
         host_access_namespaces: frozenset[str] = frozenset(),
         heartbeat: KubeClient | None = None,
         outside_slices: Callable[[str], str | None] | None = None,
+        stash_guarded: Callable[[Mapping[str, Any]], bool] = lambda _pod: True,
     ) -> None:
         self.client = client
+        # Whether the webhook guards an upper pod's stash (stash.guarded_by_webhook).
+        self.stash_guarded = stash_guarded
         # The ping's client, when it is not ``client``: one whose requests wait for no
         # token (the kubelet's heartbeat client).
         self.heartbeat = heartbeat or client
@@ -406,7 +414,7 @@ class LowerCluster:
         upper_key = object_key(upper)
         removed = self._removed.get(upper_key)
         try:
-            desired = desired_lower_pod(upper, self.mapping, self.owner)
+            desired = desired_lower_pod(upper, self.mapping, self.owner, self.stash_guarded(upper))
         except (TranslationError, NamingError) as error:
             running = self._mirror_of(upper)
             if running is None:

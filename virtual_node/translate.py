@@ -12,7 +12,12 @@ import orjson
 from kubekit import keys
 from kubekit.fit import NODE_OPERATORS, requirement
 from kubekit.jsonvalue import json_copy
-from kubekit.stash import StashError, restore_scheduling, tolerates_provider_taint
+from kubekit.stash import (
+    SELECTING_OPERATORS,
+    StashError,
+    restore_scheduling,
+    tolerates_provider_taint,
+)
 from virtual_node.naming import NamespaceMapping
 
 JSON = dict[str, Any]
@@ -100,11 +105,25 @@ def is_service_account_token_volume(volume: Mapping[str, Any]) -> bool:
 
 
 def desired_lower_pod(
-    upper: Mapping[str, Any], mapping: NamespaceMapping, owner: Ownership
+    upper: Mapping[str, Any],
+    mapping: NamespaceMapping,
+    owner: Ownership,
+    stash_guarded: bool = True,
 ) -> JSON:
+    """The lower pod for ``upper``. Its stash is restored only when ``stash_guarded`` (the
+    webhook guards it, ``stash.guarded_by_webhook``): another pod's is what its creator
+    wrote, which would take it past what the upper admission held its spec to (a
+    namespace's PodNodeSelector), and such a pod is a TranslationError, not one made
+    without the fields it may mean (its namespace no longer federated)."""
     metadata = upper["metadata"]
     annotations = dict(metadata.get("annotations") or {})
     stash = annotations.pop(keys.STASH_ANNOTATION, None)
+    if stash is not None and not stash_guarded:
+        raise TranslationError(
+            f"annotation {keys.STASH_ANNOTATION} on a pod the webhook does not guard (its "
+            f"namespace not labelled {keys.FEDERATION_LABEL}={keys.FEDERATION_ENABLED}, or "
+            "the pod opted out): anyone may have written it, and it is not read"
+        )
     try:
         spec = restore_scheduling(upper["spec"], stash)  # a copy of our own from here
     except StashError as error:
@@ -535,13 +554,6 @@ def _drop_merged_label_keys(spec: JSON, labels: Mapping[str, str]) -> None:
                 _set_or_drop(term, field, [k for k in term[field] if k not in merged])
 
 
-# The operators by which a requirement on a virtual-node-only key picks the virtual node
-# out. One that only keeps nodes away (``type NotIn [gpu]``, a hostname NotIn) is met by
-# the virtual node and about the lower nodes: until 2026-11-29 it was dropped too, and the
-# pod landed on a lower node it had excluded.
-_SELECTING = ("In", "Exists")
-
-
 def _lower_node_term(
     term: Mapping[str, Any], cluster_labels: Mapping[str, str], node_name: str
 ) -> JSON | None:
@@ -557,12 +569,16 @@ def _lower_node_term(
         if key in own:
             parsed = requirement(expression, NODE_OPERATORS)
             fits = parsed is not None and parsed.accepts(own[key])
-            if expression.get("operator") in _SELECTING and fits:
+            # Only one that picks this virtual node out is met here; one that keeps
+            # nodes away and that it meets (``type NotIn [gpu]``) is about the lower
+            # nodes too (until 2026-11-29 dropped, and the pod landed on a lower GPU
+            # node it had excluded).
+            if expression.get("operator") in SELECTING_OPERATORS and fits:
                 continue  # about this virtual node, which it fits
-            if expression.get("operator") not in _SELECTING and not fits:
+            if expression.get("operator") not in SELECTING_OPERATORS and not fits:
                 # Keeps this virtual node away (a hostname NotIn naming it, type
-                # DoesNotExist): until 2026-11-29 it went below, which every lower node
-                # met, and the pod ran where it had excluded.
+                # DoesNotExist; the upper scheduler sees it too): below every lower node
+                # met it, and until 2026-11-29 the pod ran where it had excluded.
                 return None
         if key not in cluster_labels:
             kept.append(expression)

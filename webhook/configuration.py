@@ -31,13 +31,6 @@ TOLERATES_EVERY_TAINT = (
     " (!has(t.key) || t.key == '') && has(t.operator) && t.operator == 'Exists'"
     " && (!has(t.effect) || t.effect == '' || t.effect == 'NoSchedule'))"
 )
-# Never federated, whatever their labels say: the cluster's own and ours.
-PROTECTED_NAMESPACES = (
-    "kube-system",
-    keys.NODE_LEASE_NAMESPACE,
-    "kube-public",
-    keys.SYSTEM_NAMESPACE,
-)
 TIMEOUT_SECONDS = 5
 
 
@@ -115,7 +108,7 @@ def stash_webhook(client_config: JSON) -> JSON:
                 {
                     "key": "kubernetes.io/metadata.name",
                     "operator": "NotIn",
-                    "values": list(PROTECTED_NAMESPACES),
+                    "values": list(stash.PROTECTED_NAMESPACES),
                 },
             ]
         },

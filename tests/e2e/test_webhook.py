@@ -306,6 +306,43 @@ def test_pods_of_other_namespaces_are_untouched(federation: Federation) -> None:
     assert all(t["key"] != keys.PROVIDER_TAINT_KEY for t in created["spec"]["tolerations"])
 
 
+def test_a_stash_written_on_a_pod_the_webhook_does_not_guard_is_not_read(
+    federation: Federation,
+) -> None:
+    """Outside a federated namespace anyone may write the annotation, past what the upper
+    admission held the spec to: bound to a virtual node, the pod fails above and is never
+    made below with the fields it names."""
+    upper = federation.upper
+    upper.kubectl("create", "namespace", "wh-forged")
+    forged = stash.encode({"nodeSelector": {"disk": "hdd"}})
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "forged",
+            "namespace": "wh-forged",
+            "annotations": {keys.STASH_ANNOTATION: forged},
+        },
+        "spec": {
+            "nodeName": "vk-lower-1",
+            "tolerations": [{"key": keys.PROVIDER_TAINT_KEY, "operator": "Exists"}],
+            "terminationGracePeriodSeconds": 0,
+            "containers": [container()],
+        },
+    }
+    upper.kubectl("create", "-f", "-", input=json.dumps(pod))
+
+    def failed() -> Any:
+        found = get_json(upper, "pod", "-n", "wh-forged", "forged")
+        return found if found["status"].get("phase") == "Failed" else None
+
+    status = wait_for(failed, "the pod with a stash nobody guards Failed")["status"]
+    assert status["reason"] == "TranslationFailed"
+    assert "the webhook does not guard" in status["message"]
+    lower = federation.clusters["lower-1"]
+    assert lower.kubectl("get", "pod", "-n", "wh-forged", "forged", check=False).returncode != 0
+
+
 def test_server_side_dry_run_shows_the_stash(federation: Federation) -> None:
     upper = federation.upper
     apply(upper, federated_namespace("wh-dry"))

@@ -673,6 +673,13 @@ def test_a_pod_ended_by_its_deletion_is_told_from_one_cleaned_up_after_it_finish
     # Finished an hour before, removed by the lower pod GC (grace 0).
     done = lower_pod(phase="Succeeded", containerStatuses=[exited(0, "2026-11-29T09:00:00Z")])
     assert not ended_by_its_deletion(deleted_below(done, "2026-11-29T10:00:00Z", 0))
+    # Stopped before it started: terminated with no time (ContainerStatusUnknown).
+    unknown = {"name": "app", "state": {"terminated": {"exitCode": 137}}}
+    never = lower_pod(phase="Failed", containerStatuses=[unknown])
+    assert ended_by_its_deletion(deleted_below(never, "2026-11-29T10:00:30Z", 30))
+    # Ended a second before the deletion began, by the kubelet's clock: taken for ended by it.
+    close = lower_pod(phase="Succeeded", containerStatuses=[exited(0, "2026-11-29T09:59:59Z")])
+    assert ended_by_its_deletion(deleted_below(close, "2026-11-29T10:00:30Z", 30))
 
 
 async def test_a_finished_pod_cleaned_up_below_stays_as_it_ended(mirroring: Mirroring) -> None:

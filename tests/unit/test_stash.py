@@ -153,7 +153,12 @@ def test_upper_view_only_speaks_of_cluster_level_keys(spec: dict[str, Any]) -> N
         "nodeSelectorTerms", []
     ):
         assert term.get("matchExpressions") or term.get("matchFields")
-        assert all(e["key"] in kept for e in term.get("matchExpressions") or [])
+        # Or keeping nodes away by a virtual Node's own labels, which may keep it off one.
+        assert all(
+            e["key"] in kept
+            or (e["key"] in stash.OWN_LABEL_KEYS and e["operator"] not in stash.SELECTING_OPERATORS)
+            for e in term.get("matchExpressions") or []
+        )
         assert all(f["key"] == "metadata.name" for f in term.get("matchFields") or [])
 
 
@@ -548,3 +553,28 @@ def test_a_stash_may_change_only_as_the_webhook_changes_it() -> None:
     assert stash.stash_change_refusal(made_before, None, first) is None
     assert stash.stash_change_refusal({"nodeSelector": {"pool": "a"}}, None, first) is not None
     assert stash.stash_change_refusal(made_before, None, changed) is not None
+
+
+def test_requirements_keeping_nodes_away_by_a_virtual_nodes_own_labels_stay_above() -> None:
+    """Below every lower node meets them, so only the upper scheduler can keep the pod
+    off the virtual node they exclude: stashed, it was bound there, and then failed."""
+    away = [
+        {"key": keys.HOSTNAME_LABEL, "operator": "NotIn", "values": ["vk-lower-1"]},
+        {"key": keys.NODE_TYPE_LABEL, "operator": "DoesNotExist"},
+    ]
+    picking = {"key": keys.HOSTNAME_LABEL, "operator": "In", "values": ["worker-3"]}
+    terms = {"nodeSelectorTerms": [{"matchExpressions": [*away, picking]}]}
+    field = "requiredDuringSchedulingIgnoredDuringExecution"
+    view = stash.upper_view({"affinity": {"nodeAffinity": {field: terms}}})
+    assert view["affinity"]["nodeAffinity"][field] == {
+        "nodeSelectorTerms": [{"matchExpressions": away}]
+    }
+
+
+def test_the_webhook_guards_the_pods_its_configuration_selects() -> None:
+    federated = {keys.FEDERATION_LABEL: keys.FEDERATION_ENABLED}
+    opted_out = {keys.FEDERATION_LABEL: keys.FEDERATION_DISABLED}
+    assert stash.guarded_by_webhook("shop", federated, {})
+    assert not stash.guarded_by_webhook("shop", {}, {})
+    assert not stash.guarded_by_webhook("shop", federated, opted_out)
+    assert not stash.guarded_by_webhook("kube-system", federated, {})

@@ -129,6 +129,22 @@ def test_only_the_toleration_of_the_virtual_nodes_taint_stays_above() -> None:
     assert lower["spec"]["tolerations"] == [cloud, {**ours, "effect": "NoExecute"}]
 
 
+def test_a_stash_the_webhook_does_not_guard_is_not_read() -> None:
+    """Anyone may write it on a pod outside the webhook's reach: restored, it took the pod
+    past what the upper admission held its spec to (a namespace's PodNodeSelector)."""
+    pod = upper_pod(nodeSelector={"pool": "team-a"})
+    forged = stash_scheduling({"nodeSelector": {"pool": "team-b"}}, {})[1]
+    pod["metadata"]["annotations"] = {**pod["metadata"]["annotations"], **forged}
+    with pytest.raises(TranslationError, match="the webhook does not guard"):
+        desired_lower_pod(pod, NamespaceMapping(), OWNER, stash_guarded=False)
+    assert desired_lower_pod(pod, NamespaceMapping(), OWNER)["spec"]["nodeSelector"] == {
+        "pool": "team-b"
+    }
+    plain = upper_pod(nodeSelector={"pool": "team-a"})
+    lower = desired_lower_pod(plain, NamespaceMapping(), OWNER, stash_guarded=False)
+    assert lower["spec"]["nodeSelector"] == {"pool": "team-a"}
+
+
 def test_stashed_scheduling_fields_are_restored_below() -> None:
     original = {
         "nodeSelector": {"disk": "ssd", keys.CLUSTER_ID_LABEL: "lower-1"},
