@@ -399,10 +399,15 @@ def _ahead_of(deletion: TaintDeletion, ahead: timedelta, policy: Policy) -> time
     """How long before its deletion a pod of a cluster down is moved: ``ahead``, but no
     more than half its toleration (with a long interval, three looks ahead were more
     than the default 300 s, and a cluster down for a moment had its pods moved at the
-    first look), unless that leaves less than a look and a half (a toleration of 10 s
-    would have a window one look could miss)."""
-    half = (deletion.at - deletion.since) / 2
-    return min(ahead, max(half, timedelta(seconds=1.5 * policy.interval)))
+    first look), and no less than a look and a half (a toleration of 10 s would have a
+    window one look could miss), short of the first look's when the toleration leaves
+    room for both (two looks or more)."""
+    toleration = deletion.at - deletion.since
+    look = timedelta(seconds=policy.interval)
+    floor = 1.5 * look
+    if toleration >= 2 * look:
+        floor = min(floor, toleration - look)
+    return min(ahead, max(toleration / 2, floor))
 
 
 def _tainted_down(node: Mapping[str, Any]) -> bool:

@@ -324,8 +324,13 @@ def test_a_bare_pod_the_taint_manager_never_deletes_is_not_moved_past_the_limits
         (120, 300, 121, True),
         # A short toleration: moved at once, as a window of half of it could be missed.
         (10, 10, 1, True),
-        (10, 20, 4, False),
-        (10, 20, 6, True),
+        (10, 20, 9, False),
+        (10, 20, 11, True),
+        # Never at the first look when the toleration has room for two looks.
+        (150, 300, 149, False),
+        (150, 300, 151, True),
+        # One of two looks at most: the first may move it, else none would.
+        (200, 300, 1, True),
     ],
 )
 def test_with_a_long_interval_a_pod_of_a_cluster_down_moves_looks_ahead(
