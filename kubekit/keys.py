@@ -200,6 +200,9 @@ REFUSED_BEFORE_MADE = frozenset(
         LOWER_CLUSTER_REJECTED,
     }
 )
+# A pod carrying a stash the webhook does not guard: not made below while so (tried
+# again: its namespace's labels may not have been seen yet).
+STASH_NOT_GUARDED = "StashNotGuarded"
 
 # Quota slices (kubekit.slices). On upper namespaces: the size of a slice (JSON
 # {"cpu": "2", "memory": "4Gi"}), the placement ({cluster-id: slices}, which users may

@@ -51,18 +51,23 @@ PROTECTED_NAMESPACES = (
 )
 
 
-def guarded_by_webhook(
+def unguarded_reason(
     namespace: str, namespace_labels: Mapping[str, str], pod_labels: Mapping[str, str]
-) -> bool:
-    """Whether the webhook sees a pod's creates and updates, so that its stash is the
-    webhook's record (``stash_change_refusal``), as its configuration selects them: a
-    federated namespace, not one of the protected, and a pod that has not opted out. Any
-    other pod's stash is whatever its creator wrote."""
-    return (
-        namespace_labels.get(keys.FEDERATION_LABEL) == keys.FEDERATION_ENABLED
-        and namespace not in PROTECTED_NAMESPACES
-        and pod_labels.get(keys.FEDERATION_LABEL) != keys.FEDERATION_DISABLED
-    )
+) -> str | None:
+    """Why the webhook does not see a pod's creates and updates, so that its stash is not
+    the webhook's record (``stash_change_refusal``) but whatever its creator wrote; None
+    when it does, as its configuration selects pods: a federated namespace, not one of
+    the protected, and a pod that has not opted out."""
+    if namespace in PROTECTED_NAMESPACES:
+        return f"namespace {namespace} is never federated"
+    if namespace_labels.get(keys.FEDERATION_LABEL) != keys.FEDERATION_ENABLED:
+        return (
+            f"namespace {namespace} is not labelled "
+            f"{keys.FEDERATION_LABEL}={keys.FEDERATION_ENABLED}"
+        )
+    if pod_labels.get(keys.FEDERATION_LABEL) == keys.FEDERATION_DISABLED:
+        return f"the pod opted out ({keys.FEDERATION_LABEL}={keys.FEDERATION_DISABLED})"
+    return None
 
 
 def encode(originals: Mapping[str, Any]) -> str:

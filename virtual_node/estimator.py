@@ -139,11 +139,11 @@ class FitEstimator:
         clock: Callable[[], float] = time.monotonic,
         budgets: SliceBudgets | None = None,
         host_access_namespaces: frozenset[str] = frozenset(),
-        stash_guarded: Callable[[Mapping[str, Any]], bool] = lambda _pod: True,
+        stash_unguarded: Callable[[Mapping[str, Any]], str | None] = lambda _pod: None,
     ) -> None:
         self.state = state
-        # Whether the webhook guards an upper pod's stash (stash.guarded_by_webhook).
-        self.stash_guarded = stash_guarded
+        # Why the webhook does not guard an upper pod's stash, or None when it does.
+        self.stash_unguarded = stash_unguarded
         # A pod the virtual node would refuse to create below fits nowhere here.
         self.host_access_namespaces = host_access_namespaces
         self.budgets = budgets or SliceBudgets(owner.origin)
@@ -551,7 +551,7 @@ class FitEstimator:
             raise QueryError(f"metadata.namespace must be a non-empty string, not {namespace!r}")
         try:
             lower = with_runtime_class(
-                desired_lower_pod(upper, self.mapping, self.owner, self.stash_guarded(upper)),
+                desired_lower_pod(upper, self.mapping, self.owner, self.stash_unguarded(upper)),
                 self._runtime_classes,
             )
             return lower, PodFacts.of(lower)

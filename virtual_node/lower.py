@@ -46,6 +46,7 @@ from virtual_node.quotas import quota_caps, quotas_digest
 from virtual_node.references import DEFAULT_SERVICE_ACCOUNT, hand_made_refusal
 from virtual_node.translate import (
     Ownership,
+    StashNotGuarded,
     TranslationError,
     deletion_due,
     desired_lower_pod,
@@ -183,11 +184,11 @@ class LowerCluster:
         host_access_namespaces: frozenset[str] = frozenset(),
         heartbeat: KubeClient | None = None,
         outside_slices: Callable[[str], str | None] | None = None,
-        stash_guarded: Callable[[Mapping[str, Any]], bool] = lambda _pod: True,
+        stash_unguarded: Callable[[Mapping[str, Any]], str | None] = lambda _pod: None,
     ) -> None:
         self.client = client
-        # Whether the webhook guards an upper pod's stash (stash.guarded_by_webhook).
-        self.stash_guarded = stash_guarded
+        # Why the webhook does not guard an upper pod's stash, or None when it does.
+        self.stash_unguarded = stash_unguarded
         # The ping's client, when it is not ``client``: one whose requests wait for no
         # token (the kubelet's heartbeat client).
         self.heartbeat = heartbeat or client
@@ -414,9 +415,15 @@ class LowerCluster:
         upper_key = object_key(upper)
         removed = self._removed.get(upper_key)
         try:
-            desired = desired_lower_pod(upper, self.mapping, self.owner, self.stash_guarded(upper))
+            desired = desired_lower_pod(
+                upper, self.mapping, self.owner, self.stash_unguarded(upper)
+            )
         except (TranslationError, NamingError) as error:
             running = self._mirror_of(upper)
+            if running is None and isinstance(error, StashNotGuarded):
+                # Tried again: the namespace's labels may not be in the cache yet (made
+                # just before its pod, relabelled), and failed for good, a bare pod is lost.
+                return Refused(keys.STASH_NOT_GUARDED, str(error))
             if running is None:
                 return Rejected(keys.TRANSLATION_FAILED, str(error))
             # Made below already (its stash annotation edited since, say): it runs on as

@@ -41,7 +41,7 @@ from kubekit.leader import ElectionSettings
 from kubekit.loops import run_together
 from kubekit.serving import check_client_ca, check_kubeconfig, check_serving_pair
 from kubekit.slices import bound_outside_slices, held_namespaces
-from kubekit.stash import guarded_by_webhook
+from kubekit.stash import unguarded_reason
 from kubekit.timestamps import now_micro
 from kubekit.workqueue import WorkQueue
 from virtual_node.estimator import EstimatorServer, EstimatorService, FitEstimator
@@ -430,13 +430,13 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
         )
         upper_namespaces = upper_informers.informer(NAMESPACES)
 
-        def stash_guarded(pod: Mapping[str, Any]) -> bool:
+        def stash_unguarded(pod: Mapping[str, Any]) -> str | None:
             metadata = pod.get("metadata") or {}
             namespace = str(metadata.get("namespace") or "")
             found = upper_namespaces.get(namespace)
             if found is None:
-                return True  # not in the cache yet (made just before its pod)
-            return guarded_by_webhook(
+                return f"namespace {namespace} not seen yet"
+            return unguarded_reason(
                 namespace,
                 found.get("metadata", {}).get("labels") or {},
                 metadata.get("labels") or {},
@@ -447,7 +447,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             mapping,
             owner,
             host_access_namespaces=frozenset(config.host_access_namespaces),
-            stash_guarded=stash_guarded,
+            stash_unguarded=stash_unguarded,
         )
         # Upper namespaces holding slices here, as the lower ledger says (kept below).
         held_here: set[str] = set()
@@ -476,7 +476,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             estimator.host_access_namespaces,
             heartbeat=lower_heartbeat,
             outside_slices=outside_slices,
-            stash_guarded=stash_guarded,
+            stash_unguarded=stash_unguarded,
         )
         backend.watch_mirrored_pods(queue)
         events = EventReflector(

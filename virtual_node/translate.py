@@ -104,25 +104,29 @@ def is_service_account_token_volume(volume: Mapping[str, Any]) -> bool:
     )
 
 
+class StashNotGuarded(TranslationError):
+    """A stash on a pod the webhook does not guard; for now, maybe (the namespace's
+    labels not seen yet)."""
+
+
 def desired_lower_pod(
     upper: Mapping[str, Any],
     mapping: NamespaceMapping,
     owner: Ownership,
-    stash_guarded: bool = True,
+    stash_unguarded: str | None = None,
 ) -> JSON:
-    """The lower pod for ``upper``. Its stash is restored only when ``stash_guarded`` (the
-    webhook guards it, ``stash.guarded_by_webhook``): another pod's is what its creator
-    wrote, which would take it past what the upper admission held its spec to (a
-    namespace's PodNodeSelector), and such a pod is a TranslationError, not one made
-    without the fields it may mean (its namespace no longer federated)."""
+    """The lower pod for ``upper``. Its stash is restored only when the webhook guards it
+    (``stash_unguarded`` None, else why not: ``stash.unguarded_reason``): another pod's
+    is what its creator wrote, which would take it past what the upper admission held its
+    spec to (a namespace's PodNodeSelector), and such a pod is StashNotGuarded, not one
+    made without the fields it may mean (its namespace no longer federated)."""
     metadata = upper["metadata"]
     annotations = dict(metadata.get("annotations") or {})
     stash = annotations.pop(keys.STASH_ANNOTATION, None)
-    if stash is not None and not stash_guarded:
-        raise TranslationError(
-            f"annotation {keys.STASH_ANNOTATION} on a pod the webhook does not guard (its "
-            f"namespace not labelled {keys.FEDERATION_LABEL}={keys.FEDERATION_ENABLED}, or "
-            "the pod opted out): anyone may have written it, and it is not read"
+    if stash is not None and stash_unguarded is not None:
+        raise StashNotGuarded(
+            f"annotation {keys.STASH_ANNOTATION} is not read: the webhook does not guard "
+            f"this pod ({stash_unguarded}), and anyone may have written it"
         )
     try:
         spec = restore_scheduling(upper["spec"], stash)  # a copy of our own from here

@@ -312,7 +312,7 @@ def review_response(
     if request["operation"] == "UPDATE":
         forged = stash.stash_change_refusal(
             old.get("spec") or {}, old_stash, _annotations(pod).get(keys.STASH_ANNOTATION)
-        )
+        ) or _opting_in_or_out_with_a_stash(old, pod)
         if forged:
             return _review(_refused(response, 422, "Invalid", forged))
         # A pod the webhook stashed when it was made (an older one runs as it was), or one
@@ -338,6 +338,25 @@ def review_response(
             return _review(_refused(response, 422, "Invalid", str(error)))
         response = _with_patch(response, patch)
     return _review(response)
+
+
+def _opting_in_or_out_with_a_stash(old: Mapping[str, Any], pod: Mapping[str, Any]) -> str | None:
+    """Why a pod carrying a stash may not change its federation label: made opted out
+    (the webhook skipped it) with a stash written by hand, then opted in, that stash
+    would be read as the webhook's record."""
+
+    def label(of: Mapping[str, Any]) -> str | None:
+        return ((of.get("metadata") or {}).get("labels") or {}).get(keys.FEDERATION_LABEL)
+
+    carrying = keys.STASH_ANNOTATION in _annotations(old) or keys.STASH_ANNOTATION in (
+        _annotations(pod)
+    )
+    if not carrying or label(old) == label(pod):
+        return None
+    return (
+        f"label {keys.FEDERATION_LABEL} of a pod carrying annotation {keys.STASH_ANNOTATION} "
+        "cannot change: opted in, a stash the webhook never saw would be read as its record"
+    )
 
 
 def _unreadable_stash(text: str | None) -> str | None:

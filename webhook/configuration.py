@@ -34,17 +34,21 @@ TOLERATES_EVERY_TAINT = (
 TIMEOUT_SECONDS = 5
 
 
-def _stash_of(pod: str) -> str:
+def _metadata_value(pod: str, field: str, key: str) -> str:
     return (
-        f"(has({pod}.metadata.annotations) && '{keys.STASH_ANNOTATION}' in"
-        f" {pod}.metadata.annotations ? {pod}.metadata.annotations['{keys.STASH_ANNOTATION}']"
-        " : '')"
+        f"(has({pod}.metadata.{field}) && '{key}' in"
+        f" {pod}.metadata.{field} ? {pod}.metadata.{field}['{key}'] : '')"
     )
+
+
+def _changed(field: str, key: str) -> str:
+    return f"{_metadata_value('object', field, key)} != {_metadata_value('oldObject', field, key)}"
 
 
 ON_CREATE_OR_STASHED_SCHEDULING_CHANGE = (
     "request.operation == 'CREATE'"
-    f" || {_stash_of('object')} != {_stash_of('oldObject')}"
+    f" || {_changed('annotations', keys.STASH_ANNOTATION)}"
+    f" || {_changed('labels', keys.FEDERATION_LABEL)}"
     " || (has(oldObject.spec.schedulingGates)"
     " || has(oldObject.metadata.annotations)"
     f" && '{keys.STASH_ANNOTATION}' in oldObject.metadata.annotations) && ("
@@ -71,8 +75,9 @@ def stash_webhook(client_config: JSON) -> JSON:
       other webhooks may add scheduling fields after ours; called again, the webhook
       stashes them again (``kubekit.stash.stash_scheduling`` says how).
     - UPDATE too, but only of a stashed or gated pod's scheduling fields, or of the
-      stash annotation (``matchConditions``; written by hand, it would change where the
-      pod runs below past the admission the pod had):
+      stash annotation or the federation label (``matchConditions``; written by hand, or
+      read once the pod opts in, it would change where the pod runs below past the
+      admission the pod had):
       applying a pod's manifest again puts back the fields the webhook moved, which a
       running pod may not take, and a pod waiting on a scheduling gate may be given
       scheduling fields (``kubekit.stash.stash_update``). Other updates (labels,

@@ -16,6 +16,7 @@ import pytest
 from kubekit import keys
 from kubekit.client import NODES, PODS, ApiError
 from kubekit.informer import Informer
+from kubekit.stash import stash_scheduling
 from kubekit.workqueue import WorkQueue
 from tests.unit.fakeapi import FakeClient, not_found, status_error
 from virtual_node import lower as lower_module
@@ -68,6 +69,7 @@ def mirroring_with(
     host_access_namespaces: frozenset[str] = frozenset(),
     mapping: NamespaceMapping | None = None,
     outside_slices: Callable[[str], str | None] | None = None,
+    stash_unguarded: Callable[[Mapping[str, Any]], str | None] = lambda _pod: None,
 ) -> Mirroring:
     upper, lower = FakeClient(), FakeClient()
     upper_pods = Informer(client=upper, resource=PODS)
@@ -81,6 +83,7 @@ def mirroring_with(
         HOST_IP,
         host_access_namespaces=host_access_namespaces,
         outside_slices=outside_slices,
+        stash_unguarded=stash_unguarded,
     )
     controller = PodController(upper, upper_pods, backend, "vk-lower-1", WorkQueue("pods"))
     return Mirroring(upper, lower, upper_pods, lower_pods, controller)
@@ -720,6 +723,23 @@ async def test_a_bare_pod_ended_by_its_deletion_below_fails_whatever_its_exit_co
     await removed.controller.reconcile("shop/web")
     (failed,) = removed.upper_statuses()
     assert (failed["phase"], failed["reason"]) == ("Failed", "LowerPodDeleted")
+
+
+async def test_a_pod_with_a_stash_the_webhook_does_not_guard_waits_unmade() -> None:
+    """Not failed for good: the namespace's labels may not have been seen yet (made just
+    before its pod), and a bare pod failed is lost."""
+    why = "namespace shop not seen yet"
+    mirroring = mirroring_with(stash_unguarded=lambda _pod: why)
+    pod = upper_pod()
+    forged = stash_scheduling({"nodeSelector": {"pool": "team-b"}}, {})[1]
+    pod["metadata"]["annotations"] = {**(pod["metadata"].get("annotations") or {}), **forged}
+    mirroring.above(pod)
+    with pytest.raises(RetryLater, match="the webhook does not guard this pod"):
+        await mirroring.controller.reconcile("shop/web")
+    assert mirroring.lower.writes() == []
+    scheduled = mirroring.pod_scheduled()
+    assert (scheduled["status"], scheduled["reason"]) == ("False", "StashNotGuarded")
+    assert why in scheduled["message"]
 
 
 async def test_a_lower_pod_finished_then_removed_below_ends_as_it_ended(

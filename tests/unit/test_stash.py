@@ -574,7 +574,13 @@ def test_requirements_keeping_nodes_away_by_a_virtual_nodes_own_labels_stay_abov
 def test_the_webhook_guards_the_pods_its_configuration_selects() -> None:
     federated = {keys.FEDERATION_LABEL: keys.FEDERATION_ENABLED}
     opted_out = {keys.FEDERATION_LABEL: keys.FEDERATION_DISABLED}
-    assert stash.guarded_by_webhook("shop", federated, {})
-    assert not stash.guarded_by_webhook("shop", {}, {})
-    assert not stash.guarded_by_webhook("shop", federated, opted_out)
-    assert not stash.guarded_by_webhook("kube-system", federated, {})
+    assert stash.unguarded_reason("shop", federated, {}) is None
+    assert stash.unguarded_reason("shop", {}, {}) == (
+        "namespace shop is not labelled kubestrata.io/federation=enabled"
+    )
+    assert stash.unguarded_reason("shop", federated, opted_out) == (
+        "the pod opted out (kubestrata.io/federation=disabled)"
+    )
+    assert stash.unguarded_reason("kube-system", federated, {}) == (
+        "namespace kube-system is never federated"
+    )

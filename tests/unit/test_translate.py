@@ -11,6 +11,7 @@ from kubekit.stash import stash_scheduling
 from virtual_node.naming import NamespaceMapping, NamingError
 from virtual_node.translate import (
     Ownership,
+    StashNotGuarded,
     TranslationError,
     deletion_due,
     desired_lower_pod,
@@ -135,13 +136,14 @@ def test_a_stash_the_webhook_does_not_guard_is_not_read() -> None:
     pod = upper_pod(nodeSelector={"pool": "team-a"})
     forged = stash_scheduling({"nodeSelector": {"pool": "team-b"}}, {})[1]
     pod["metadata"]["annotations"] = {**pod["metadata"]["annotations"], **forged}
-    with pytest.raises(TranslationError, match="the webhook does not guard"):
-        desired_lower_pod(pod, NamespaceMapping(), OWNER, stash_guarded=False)
+    why = "namespace shop is not labelled kubestrata.io/federation=enabled"
+    with pytest.raises(StashNotGuarded, match=f"does not guard this pod \\({why}\\)"):
+        desired_lower_pod(pod, NamespaceMapping(), OWNER, stash_unguarded=why)
     assert desired_lower_pod(pod, NamespaceMapping(), OWNER)["spec"]["nodeSelector"] == {
         "pool": "team-b"
     }
     plain = upper_pod(nodeSelector={"pool": "team-a"})
-    lower = desired_lower_pod(plain, NamespaceMapping(), OWNER, stash_guarded=False)
+    lower = desired_lower_pod(plain, NamespaceMapping(), OWNER, stash_unguarded=why)
     assert lower["spec"]["nodeSelector"] == {"pool": "team-a"}
 
 

@@ -548,6 +548,25 @@ def test_a_stash_written_by_hand_after_admission_is_refused() -> None:
     assert patched(pod(stashed_spec), dropped) == old
 
 
+def test_a_pod_carrying_a_stash_may_not_opt_in_or_out() -> None:
+    """Made opted out (the webhook skipped it) with a stash written by hand, then opted
+    in, the stash was read as the webhook's record."""
+    forged = {keys.STASH_ANNOTATION: stash.encode({"nodeSelector": {"pool": "team-b"}})}
+    opted_out = pod({"containers": [{"name": "c", "image": "i"}]}, forged)
+    opted_out["metadata"]["labels"] = {keys.FEDERATION_LABEL: keys.FEDERATION_DISABLED}
+    opted_in = {**opted_out, "metadata": {**opted_out["metadata"], "labels": {}}}
+    refused = answer(review(opted_in, operation="UPDATE", oldObject=opted_out))
+    assert refused["status"]["code"] == 422
+    assert f"label {keys.FEDERATION_LABEL} of a pod carrying" in refused["status"]["message"]
+    back = answer(review(opted_out, operation="UPDATE", oldObject=opted_in))
+    assert back["allowed"] is False
+    # Without a stash, as it likes.
+    plain_out = pod({}, {})
+    plain_out["metadata"]["labels"] = {keys.FEDERATION_LABEL: keys.FEDERATION_DISABLED}
+    plain_in = {**plain_out, "metadata": {**plain_out["metadata"], "labels": {}}}
+    assert answer(review(plain_in, operation="UPDATE", oldObject=plain_out))["allowed"]
+
+
 def test_the_webhook_called_again_on_its_own_answer_to_a_gated_pod_takes_it() -> None:
     """After a later webhook's change in the same admission the stash it wrote differs
     from the stored one: entries it added to the node selector, a node affinity it
