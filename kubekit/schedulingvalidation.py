@@ -94,8 +94,7 @@ def _spread(constraint: Mapping[str, Any], where: str) -> None:
     if not isinstance(skew, int) or not 0 < skew <= _INT32_MAX:
         raise Invalid(f"{where}.maxSkew: Invalid value: {skew!r}: must be greater than zero")
     # Only that it is there: a spread's key is not held to a label key's form.
-    if not constraint.get("topologyKey"):
-        raise Invalid(f"{where}.topologyKey: Required value: can not be empty")
+    _present(constraint.get("topologyKey"), f"{where}.topologyKey")
     when = constraint.get("whenUnsatisfiable")
     if when not in _SPREAD_WHEN:
         raise Invalid(
@@ -139,9 +138,13 @@ def _weight(weight: Any, where: str) -> None:
         raise Invalid(f"{where}: Invalid value: {weight!r}: must be in the range 1-100")
 
 
-def _topology_key(key: Any, where: str) -> None:
+def _present(key: Any, where: str) -> None:
     if not key:
         raise Invalid(f"{where}: Required value: can not be empty")
+
+
+def _topology_key(key: Any, where: str) -> None:
+    _present(key, where)
     _label_key(key, where)
 
 

@@ -551,7 +551,7 @@ class FitEstimator:
             raise QueryError(f"metadata.namespace must be a non-empty string, not {namespace!r}")
         try:
             lower = with_runtime_class(
-                desired_lower_pod(upper, self.mapping, self.owner, self.stash_unguarded(upper)),
+                desired_lower_pod(upper, self.mapping, self.owner, self.stash_unguarded),
                 self._runtime_classes,
             )
             return lower, PodFacts.of(lower)

@@ -415,9 +415,7 @@ class LowerCluster:
         upper_key = object_key(upper)
         removed = self._removed.get(upper_key)
         try:
-            desired = desired_lower_pod(
-                upper, self.mapping, self.owner, self.stash_unguarded(upper)
-            )
+            desired = desired_lower_pod(upper, self.mapping, self.owner, self.stash_unguarded)
         except (TranslationError, NamingError) as error:
             running = self._mirror_of(upper)
             if running is None and isinstance(error, StashNotGuarded):
@@ -482,13 +480,13 @@ class LowerCluster:
             await self.client.delete_exact(PODS, lower, grace_period_seconds=0)
             return Waiting()
         self._removed.pop(upper_key, None)
-        if lower["metadata"].get("deletionTimestamp") and not ended_by_its_deletion(lower):
-            # Finished, then cleaned up below: it ends above as it ended there (a
-            # controlled pod deleted for it, a Job's finished pod went with its logs).
-            if finished:
-                return Waiting()
-            return Mirrored(upper_status(lower, upper, self.host_ip), resource_version(lower))
         if lower["metadata"].get("deletionTimestamp"):
+            if not ended_by_its_deletion(lower):
+                # Finished, then cleaned up below: it ends above as it ended there (a
+                # controlled pod deleted for it, a Job's finished pod went with its logs).
+                if finished:
+                    return Waiting()
+                return Mirrored(upper_status(lower, upper, self.host_ip), resource_version(lower))
             return EndingBelow(
                 upper_status(lower, upper, self.host_ip),
                 lower["metadata"].get("deletionGracePeriodSeconds"),

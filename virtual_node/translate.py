@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,20 +113,21 @@ def desired_lower_pod(
     upper: Mapping[str, Any],
     mapping: NamespaceMapping,
     owner: Ownership,
-    stash_unguarded: str | None = None,
+    stash_unguarded: Callable[[Mapping[str, Any]], str | None] = lambda _pod: None,
 ) -> JSON:
     """The lower pod for ``upper``. Its stash is restored only when the webhook guards it
-    (``stash_unguarded`` None, else why not: ``stash.unguarded_reason``): another pod's
-    is what its creator wrote, which would take it past what the upper admission held its
-    spec to (a namespace's PodNodeSelector), and such a pod is StashNotGuarded, not one
-    made without the fields it may mean (its namespace no longer federated)."""
+    (``stash_unguarded`` of the pod None, else why not: ``stash.unguarded_reason``; asked
+    of pods with a stash only): another pod's is what its creator wrote, which would take
+    it past what the upper admission held its spec to (a namespace's PodNodeSelector),
+    and such a pod is StashNotGuarded, not one made without the fields it may mean (its
+    namespace no longer federated)."""
     metadata = upper["metadata"]
     annotations = dict(metadata.get("annotations") or {})
     stash = annotations.pop(keys.STASH_ANNOTATION, None)
-    if stash is not None and stash_unguarded is not None:
+    if stash is not None and (why := stash_unguarded(upper)) is not None:
         raise StashNotGuarded(
             f"annotation {keys.STASH_ANNOTATION} is not read: the webhook does not guard "
-            f"this pod ({stash_unguarded}), and anyone may have written it"
+            f"this pod ({why}), and anyone may have written it"
         )
     try:
         spec = restore_scheduling(upper["spec"], stash)  # a copy of our own from here

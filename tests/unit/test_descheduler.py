@@ -336,10 +336,11 @@ def test_a_bare_pod_the_taint_manager_never_deletes_is_not_moved_past_the_limits
 def test_with_a_long_interval_a_pod_of_a_cluster_down_moves_looks_ahead(
     interval: float, seconds: int, down: float, moved: bool
 ) -> None:
-    """Three looks ahead, and never more than half its toleration unless that is less
-    than a look and a half: at one look a minute, 30 s ahead of the taint eviction often
-    had no look in it; three looks at two minutes are more than the default 300 s, and a
-    cluster down for a moment had its pods moved at the first look."""
+    """Three looks ahead, no more than half its toleration, no less than a look and a half,
+    and never back to the first look when the toleration has room for two: at one look
+    a minute, 30 s ahead of the taint eviction often had no look in it; three looks at
+    two minutes are more than the default 300 s, and a cluster down for a moment had its
+    pods moved at the first look."""
     nodes = {**NODES_UP, "vk-lower-2": unreachable("vk-lower-2", down_for=down)}
     stuck = stuck_pods([tolerating(seconds)], nodes, NOW, Policy(interval=interval))
     assert [s.why for s in stuck] == ([Why.CLUSTER_DOWN] if moved else [])

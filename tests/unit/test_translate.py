@@ -138,12 +138,12 @@ def test_a_stash_the_webhook_does_not_guard_is_not_read() -> None:
     pod["metadata"]["annotations"] = {**pod["metadata"]["annotations"], **forged}
     why = "namespace shop is not labelled kubestrata.io/federation=enabled"
     with pytest.raises(StashNotGuarded, match=f"does not guard this pod \\({why}\\)"):
-        desired_lower_pod(pod, NamespaceMapping(), OWNER, stash_unguarded=why)
+        desired_lower_pod(pod, NamespaceMapping(), OWNER, stash_unguarded=lambda _pod: why)
     assert desired_lower_pod(pod, NamespaceMapping(), OWNER)["spec"]["nodeSelector"] == {
         "pool": "team-b"
     }
     plain = upper_pod(nodeSelector={"pool": "team-a"})
-    lower = desired_lower_pod(plain, NamespaceMapping(), OWNER, stash_unguarded=why)
+    lower = desired_lower_pod(plain, NamespaceMapping(), OWNER, stash_unguarded=lambda _p: why)
     assert lower["spec"]["nodeSelector"] == {"pool": "team-a"}
 
 
