@@ -6,12 +6,13 @@ every pod of a cluster. Each read gives the caller its own copy, so no handler c
 what another one sees.
 
 The client-go reflector's behaviour: a paginated list gives a snapshot and a
-resourceVersion; a watch from there with bookmarks keeps it current; a watch that ends
-or breaks is resumed from the last version seen, after a jittered backoff if it broke;
-one silent for two minutes, while the apiserver sends a bookmark about every minute, is
-presumed dead and opened again at once (client-go pings its HTTP/2 connections for the
-same reason: a connection whose peer vanished without closing it holds the cache still
-until TCP gives up, hours later);
+resourceVersion (taken in one piece if its pages outlive the snapshot); a watch from
+there with bookmarks keeps it current; a watch that ends or breaks is resumed from the
+last version seen, after a jittered backoff if it broke; one silent for two minutes,
+while the apiserver sends a bookmark about every minute, is presumed dead and opened
+again at once (client-go pings its HTTP/2 connections for the same reason: a
+connection whose peer vanished without closing it holds the cache still until TCP
+gives up, hours later);
 410 Gone (the version was compacted away) means list again, and the new snapshot is
 compared with the cache so handlers see exactly the adds, updates and deletes they
 missed. One informer per kind is shared by every handler that needs it.
@@ -109,6 +110,17 @@ class SnapshotDiff:
     added: list[str]
     updated: list[str]
     deleted: list[str]
+
+
+def _take_page(page: JSON, listed: dict[str, JSON]) -> None:
+    kind = page.get("kind", "").removesuffix("List")
+    api_version = page.get("apiVersion")
+    for obj in page.get("items", []):
+        # List items come without kind/apiVersion; watch objects have them.
+        obj.setdefault("kind", kind)
+        obj.setdefault("apiVersion", api_version)
+        strip_for_cache(obj)
+        listed[object_key(obj)] = obj
 
 
 def _uid(obj: Mapping[str, Any]) -> str:
@@ -366,20 +378,32 @@ class Informer:
         self.backoff.reset()
         self._resumed.set()
 
+    async def _list(self) -> tuple[dict[str, JSON], str]:
+        """Every object, by key, and the list's resourceVersion."""
+        listed: dict[str, JSON] = {}
+        pages = 0
+        try:
+            async for page in self.client.list_pages(
+                self.resource, self.namespace, limit=self.page_size, **self._selectors()
+            ):
+                pages += 1
+                _take_page(page, listed)
+        except ApiError as error:
+            if error.status != 410 or pages == 0:
+                raise
+            # The first page's snapshot was compacted away while the later pages were
+            # fetched (a list slower than etcd's compaction interval): listed in pages
+            # again it would expire again, so it is taken in one piece (client-go's
+            # pager falls back the same way).
+            log.info("%r: list expired between pages; listing in one piece", self)
+            listed = {}
+            page = await self.client.list(self.resource, self.namespace, **self._selectors())
+            _take_page(page, listed)
+        return listed, page["metadata"]["resourceVersion"]
+
     async def _relist(self) -> None:
         began = time.monotonic()
-        listed: dict[str, JSON] = {}
-        async for page in self.client.list_pages(
-            self.resource, self.namespace, limit=self.page_size, **self._selectors()
-        ):
-            kind = page.get("kind", "").removesuffix("List")
-            api_version = page.get("apiVersion")
-            for obj in page.get("items", []):
-                # List items come without kind/apiVersion; watch objects have them.
-                obj.setdefault("kind", kind)
-                obj.setdefault("apiVersion", api_version)
-                strip_for_cache(obj)
-                listed[object_key(obj)] = obj
+        listed, resource_version = await self._list()
         self.relists += 1
         diff = diff_snapshot(
             {key: cached.resource_version for key, cached in self._store.items()}, listed
@@ -389,7 +413,7 @@ class Informer:
         changed = time.monotonic()
         self._unsettled = dict.fromkeys(self._store, changed)
         self._by_namespace = namespace_index(self._store)
-        self.resource_version = page["metadata"]["resourceVersion"]
+        self.resource_version = resource_version
         for key in diff.added:
             self._notify("on_add", listed[key])
         for key in diff.updated:

@@ -227,6 +227,52 @@ async def test_objects_cached_before_a_relist_are_told_deleted_as_they_were() ->
     ]
 
 
+class ExpiringBetweenPages:
+    """A server whose second page is refused 410 Expired, as when etcd compacts the first
+    page's snapshot away; a list in one piece gives what is there now."""
+
+    def __init__(self) -> None:
+        self.whole_lists: list[dict[str, Any]] = []
+
+    async def list_pages(self, resource: Resource, namespace: str | None, **query: Any) -> Any:
+        yield {
+            "kind": "PodList",
+            "metadata": {"resourceVersion": "9", "continue": "next"},
+            "items": [pod("a"), pod("b")],
+        }
+        raise ApiError(410, {"reason": "Expired", "message": "continue token too old"})
+
+    async def list(self, resource: Resource, namespace: str | None, **query: Any) -> JSON:
+        self.whole_lists.append(query)
+        return {"kind": "PodList", "metadata": {"resourceVersion": "12"}, "items": [pod("b")]}
+
+
+async def test_a_list_expiring_between_pages_is_taken_in_one_piece() -> None:
+    server = ExpiringBetweenPages()
+    cache = Informer(server, Resource("", "v1", "pods"), label_selector="app=shop")  # type: ignore[arg-type]
+    recorder = Recorder()
+    cache.add_handler(recorder)
+    await cache._relist()
+    assert server.whole_lists == [{"labelSelector": "app=shop", "fieldSelector": None}]
+    assert cache.keys() == ["shop/b"], "a is gone since the first page"
+    assert cache.resource_version == "12"
+    assert recorder.events == [("add", "shop/b")]
+
+
+class ExpiringAtOnce(ExpiringBetweenPages):
+    async def list_pages(self, resource: Resource, namespace: str | None, **query: Any) -> Any:
+        raise ApiError(410, {"reason": "Expired", "message": "too old"})
+        yield {}
+
+
+async def test_a_list_refused_on_its_first_page_is_not_taken_in_one_piece() -> None:
+    server = ExpiringAtOnce()
+    cache = Informer(server, Resource("", "v1", "pods"))  # type: ignore[arg-type]
+    with pytest.raises(ApiError):
+        await cache._relist()
+    assert server.whole_lists == []
+
+
 async def test_an_object_made_again_under_its_name_while_not_watching_is_a_delete_and_add() -> None:
     """A StatefulSet's pod deleted and made again while the watch was down: told as an
     update, a handler keyed by UID never heard the old one end (its held room, its copy
