@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -89,6 +90,9 @@ CREDENTIALS_READ_TIMEOUT = 30.0
 PLUGIN_KILL_WAIT = 5.0
 # A Retry-After beyond this is waited this long (the apiserver names 1 to 10 seconds).
 LONGEST_WAIT_WHEN_TOLD = 10.0
+# How long the requests under way when a new client certificate is read may finish on
+# their connections, made with the old one, before those are closed.
+OLD_CERTIFICATE_CONNECTIONS_SECONDS = 30.0
 
 
 class KubeconfigError(Exception):
@@ -280,20 +284,27 @@ class KubeconfigCredentials:
     does: a ``tokenFile`` (a projected token its kubelet rotates), an exec plugin's (run
     again once its token is within five minutes of expiring; EKS's last 15 minutes) or an
     auth provider's. Read once only, it expired and every call was refused for good (the
-    lower cluster taken for unreachable, its pods evicted). The client certificate and the
-    TLS context stay as they were at the start."""
+    lower cluster taken for unreachable, its pods evicted). A client certificate that
+    changed (its files rewritten by whoever rotates it, or a plugin's new one) is handed to
+    ``on_new_certificate``, as client-go's rotating dialer does."""
 
-    def __init__(self, loader: k8s_config.kube_config.KubeConfigLoader) -> None:
+    def __init__(
+        self,
+        loader: k8s_config.kube_config.KubeConfigLoader,
+        configuration: k8s_client.Configuration,
+    ) -> None:
         self.loader = loader
         self._read_at = time.monotonic()
         self._reading: asyncio.Task[None] | None = None
+        self._certificate = _certificate_files(configuration)
+        self.on_new_certificate: Callable[[str, str | None], None] | None = None
 
     def refresh(self, configuration: k8s_client.Configuration) -> None:
-        """The library's hook before each request's token is taken: starts a read when
-        one is due, and the request goes on with the token held, which an exec plugin
-        renews five minutes before it expires. A request waiting on a plugin's run was
-        cut by its own deadline (a Lease renewal's 10 s), the run started again by the
-        next request and cut again, the cluster taken for unreachable meanwhile."""
+        """Called before each request: starts a read when one is due, and the request
+        goes on with the credentials held, which an exec plugin renews five minutes
+        before they expire. A request waiting on a plugin's run was cut by its own
+        deadline (a Lease renewal's 10 s), the run started again by the next request and
+        cut again, the cluster taken for unreachable meanwhile."""
         if (
             self._reading is None
             and time.monotonic() - self._read_at >= CREDENTIALS_REFRESH_SECONDS
@@ -304,6 +315,13 @@ class KubeconfigCredentials:
         try:
             async with asyncio.timeout(CREDENTIALS_READ_TIMEOUT):
                 await self.loader.load_and_set(configuration)
+            certificate = _certificate_files(configuration)
+            cert_file = configuration.cert_file
+            if cert_file and certificate != self._certificate and self.on_new_certificate:
+                # Kept as it was if the new one cannot be loaded (its key not written yet):
+                # looked at again at the next read.
+                self.on_new_certificate(cert_file, configuration.key_file)
+            self._certificate = certificate
         # A plugin may fail any way it likes (its cloud out of reach, hung): the token held
         # may still do, and the requests say if it does not.
         except Exception as error:
@@ -341,6 +359,8 @@ class KubeClient:
         # the apiserver that sent it here.
         self._streams = streams
         self._dialing_spare: asyncio.Task[None] | None = None
+        # Requests pools left for a new client certificate, closing.
+        self._closing: set[asyncio.Task[None]] = set()
 
     @classmethod
     async def connect(cls, settings: ClientSettings) -> KubeClient:
@@ -369,8 +389,7 @@ class KubeClient:
                         f"{settings.kubeconfig}: credentials not read in "
                         f"{CREDENTIALS_READ_TIMEOUT:g} s (an exec plugin that does not end?)"
                     ) from error
-                credentials = KubeconfigCredentials(loader)
-                configuration.refresh_api_key_hook = credentials.refresh
+                credentials = KubeconfigCredentials(loader, configuration)
             context = _ssl_context(configuration)
         # The library checks little of a file's shape: a list or an empty file fails as a
         # TypeError, bytes not UTF-8 as a ValueError. A missing certificate file fails as
@@ -381,15 +400,8 @@ class KubeClient:
             raise KubeconfigError(f"{where}: {error or type(error).__name__}") from error
         configuration.connection_pool_maxsize = settings.connections
         api = k8s_client.ApiClient(configuration)
-        # The library's session trusts the environment, so aiohttp looks up proxies and
-        # ~/.netrc in a worker thread on every request: most of a busy controller's CPU.
-        # A kubeconfig's proxy-url is still honoured (the library passes it per request).
         await api.rest_client.pool_manager.close()
-        api.rest_client.pool_manager = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=settings.connections, ssl=context),
-            trust_env=False,
-            read_bufsize=2**21,  # watch events of large objects (etcd allows 1.5 MiB)
-        )
+        api.rest_client.pool_manager = _requests_session(context, settings.connections)
         refusals = aiohttp.TraceConfig()
         refusals.on_request_end.append(_keep_refusal)
         streams = aiohttp.ClientSession(
@@ -397,11 +409,36 @@ class KubeClient:
             trust_env=False,
             trace_configs=[refusals],
         )
-        return cls(api, TokenBucket(settings.qps, settings.burst), streams, credentials)
+        client = cls(api, TokenBucket(settings.qps, settings.burst), streams, credentials)
+        if credentials is not None:
+            credentials.on_new_certificate = partial(client._use_certificate, context)
+        return client
+
+    def _use_certificate(
+        self, context: ssl.SSLContext, cert_file: str, key_file: str | None
+    ) -> None:
+        """New connections present the new certificate; those of the requests pool, kept
+        alive as long as requests keep them busy, are closed once the requests under way
+        had time to finish (a watch among them is resumed), or they would present the old
+        one until it expired, and every request be refused. The streams' pool keeps its
+        connections: each is a user's session, and an idle one is closed in seconds."""
+        context.load_cert_chain(cert_file, keyfile=key_file)
+        log.info("new client certificate %s", cert_file)
+        rest = self.api.rest_client
+        old = rest.pool_manager
+        rest.pool_manager = _requests_session(
+            context, self.api.configuration.connection_pool_maxsize
+        )
+        task = asyncio.create_task(_close_later(old, OLD_CERTIFICATE_CONNECTIONS_SECONDS))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
         if self._dialing_spare is not None:
             self._dialing_spare.cancel()
+        for closing in list(self._closing):
+            closing.cancel()
+            await asyncio.wait([closing])
         if self.credentials is not None:
             await self.credentials.close()
         await self._streams.close()
@@ -478,7 +515,7 @@ class KubeClient:
         if not streaming:
             await self.limiter.acquire()
         headers = {"Accept": "application/json", "Content-Type": content_type}
-        await self.api.update_params_for_auth(headers, [], ["BearerToken"])
+        await self._authorize(headers)
         params = [(k, _query_value(v)) for k, v in (query or {}).items() if v is not None]
         session: aiohttp.ClientSession = (
             self._streams if streaming else self.api.rest_client.pool_manager
@@ -519,6 +556,13 @@ class KubeClient:
             )
         return response
 
+    async def _authorize(self, headers: dict[str, str]) -> None:
+        # Not in the library's hook before a token is taken: a kubeconfig with a client
+        # certificate and no token never calls it, and its certificate was never read again.
+        if self.credentials is not None:
+            self.credentials.refresh(self.api.configuration)
+        await self.api.update_params_for_auth(headers, [], ["BearerToken"])
+
     def _url(self, path: str) -> str:
         return str(self.api.configuration.host).rstrip("/") + path
 
@@ -540,7 +584,7 @@ class KubeClient:
         """Opens a WebSocket to the apiserver (exec, attach, portforward subresources) over
         the client's credentials, on its pool of streams."""
         headers: dict[str, str] = {}
-        await self.api.update_params_for_auth(headers, [], ["BearerToken"])
+        await self._authorize(headers)
         refusal: dict[str, bytes] = {}
         token = _REFUSAL.set(refusal)
         try:
@@ -891,6 +935,37 @@ def keep_alive(connection: Any) -> None:
     ):
         if hasattr(socket, option):  # Linux's; others keep their system's timings
             connection.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
+def _requests_session(context: ssl.SSLContext, connections: int) -> aiohttp.ClientSession:
+    # The library's session trusts the environment, so aiohttp looks up proxies and
+    # ~/.netrc in a worker thread on every request: most of a busy controller's CPU.
+    # A kubeconfig's proxy-url is still honoured (the library passes it per request).
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=connections, ssl=context),
+        trust_env=False,
+        read_bufsize=2**21,  # watch events of large objects (etcd allows 1.5 MiB)
+    )
+
+
+async def _close_later(session: aiohttp.ClientSession, delay: float) -> None:
+    try:
+        await asyncio.sleep(delay)
+    finally:
+        await session.close()
+
+
+def _certificate_files(configuration: k8s_client.Configuration) -> tuple[Any, ...] | None:
+    """What tells a client certificate from the next: its files' names and versions."""
+    if not configuration.cert_file:
+        return None
+    files = (configuration.cert_file, configuration.key_file)
+    return tuple((name, *_version(name)) for name in files if name)
+
+
+def _version(path: str) -> tuple[int, int, int]:
+    status = os.stat(path)
+    return status.st_ino, status.st_mtime_ns, status.st_size
 
 
 def _ssl_context(configuration: k8s_client.Configuration) -> ssl.SSLContext:

@@ -16,6 +16,7 @@ import yaml
 from aiohttp import web
 
 from kubekit import client as kubeclient
+from kubekit import pki
 from kubekit.client import ClientSettings, KubeClient, KubeconfigError, Resource
 from tests.unit.tlsserver import serving_over_tls
 
@@ -329,3 +330,41 @@ async def test_what_a_plugin_that_answered_left_running_is_killed(tmp_path: Path
             while running(left):
                 assert loop.time() < deadline, "what the plugin left still runs"
                 await asyncio.sleep(0.05)
+
+
+def common_names() -> tuple[web.Application, list[str]]:
+    """An apiserver that lists the name in the client certificate of each request."""
+    seen: list[str] = []
+
+    async def get(request: web.Request) -> web.Response:
+        assert request.transport is not None
+        subject = dict(pair[0] for pair in request.transport.get_extra_info("peercert")["subject"])
+        seen.append(subject["commonName"])
+        return web.json_response({"metadata": {"name": "a"}})
+
+    app = web.Application()
+    app.router.add_get("/api/v1/namespaces/ns/configmaps/a", get)
+    return app, seen
+
+
+@pytest.mark.usefixtures("refreshed_at_each_request")
+async def test_a_client_certificate_rewritten_in_place_is_presented_on_new_connections(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kubeclient, "OLD_CERTIFICATE_CONNECTIONS_SECONDS", 0.05)
+    app, seen = common_names()
+    async with serving_over_tls(tmp_path, app, client_certificates=True) as server:
+        kubeconfig = server.kubeconfig(tmp_path)
+        async with await KubeClient.connect(ClientSettings(str(kubeconfig))) as client:
+            await client.get(CONFIGMAPS, "a", "ns")
+            assert seen == ["user"]
+            # Rotated where the kubeconfig names it, as a kubelet or cert-manager does; the
+            # connection the first request left in the pool is not used any more.
+            first_pool = client.api.rest_client.pool_manager
+            pki.issue(server.ca, tmp_path / "user", "user-rotated", client=True)
+            await tokens_until(client, seen, "user-rotated")
+            for _ in range(3):
+                await client.get(CONFIGMAPS, "a", "ns")
+            assert seen[-4:] == ["user-rotated"] * 4
+            await asyncio.sleep(0.3)
+            assert first_pool.closed, "its connections were made with the old certificate"

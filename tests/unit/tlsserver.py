@@ -35,12 +35,20 @@ class TlsServer:
 
 @asynccontextmanager
 async def serving_over_tls(
-    directory: Path, app: web.Application, server_names: tuple[str, ...] = ("127.0.0.1",)
+    directory: Path,
+    app: web.Application,
+    server_names: tuple[str, ...] = ("127.0.0.1",),
+    client_certificates: bool = False,
 ) -> AsyncIterator[TlsServer]:
+    """Serves ``app``; with ``client_certificates``, only to clients presenting one its CA
+    signed."""
     ca = pki.create_ca(directory, "test")
     serving = pki.issue(ca, directory / "server", "server", server_names=server_names)
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(serving.cert_path, serving.key_path)
+    if client_certificates:
+        context.load_verify_locations(ca.cert_path)
+        context.verify_mode = ssl.CERT_REQUIRED
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=context)
