@@ -15,6 +15,7 @@ import contextlib
 import contextvars
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -86,6 +87,9 @@ RETRIES_WHEN_TOLD = 10
 # plugin's run, killed past it) may take, the first one included.
 CREDENTIALS_REFRESH_SECONDS = 60.0
 CREDENTIALS_READ_TIMEOUT = 30.0
+# After a request refused as unauthenticated, the credentials are read again at once, but
+# not again sooner than this: the other requests sent with the same token are refused too.
+CREDENTIALS_REREAD_WHEN_REFUSED_SECONDS = 10.0
 # How long a killed plugin is waited for (its pipes may be held by what escaped it).
 PLUGIN_KILL_WAIT = 5.0
 # A Retry-After beyond this is waited this long (the apiserver names 1 to 10 seconds).
@@ -296,6 +300,7 @@ class KubeconfigCredentials:
         self.loader = loader
         self._read_at = time.monotonic()
         self._reading: asyncio.Task[None] | None = None
+        self._reread_when_refused_at = -math.inf
         self._certificate = _certificate_files(configuration)
         self.on_new_certificate: Callable[[str, str | None], None] | None = None
 
@@ -310,6 +315,18 @@ class KubeconfigCredentials:
             and time.monotonic() - self._read_at >= CREDENTIALS_REFRESH_SECONDS
         ):
             self._reading = asyncio.get_running_loop().create_task(self._read(configuration))
+
+    def refused(self) -> None:
+        """A request was refused as unauthenticated (401): the credentials are read again
+        at the next request, and an exec plugin run again though its token has not
+        expired (revoked, or a clock ahead of ours), as client-go does. Until then every
+        request was refused up to five minutes before the token's end (EKS's ten)."""
+        now = time.monotonic()
+        if now - self._reread_when_refused_at >= CREDENTIALS_REREAD_WHEN_REFUSED_SECONDS:
+            self._reread_when_refused_at = now
+            self._read_at = -math.inf
+            # The library's record of when the plugin's token expires.
+            vars(self.loader).pop("exec_plugin_expiry", None)
 
     async def _read(self, configuration: k8s_client.Configuration) -> None:
         try:
@@ -541,6 +558,7 @@ class KubeClient:
         metrics.API_REQUEST_DURATION.labels(verb, resource).observe(time.perf_counter() - sent)
         metrics.API_REQUESTS.labels(verb, resource, str(response.status)).inc()
         if response.status >= 300:
+            self._refused(response.status)
             text = await response.text()
             response.release()
             try:
@@ -562,6 +580,10 @@ class KubeClient:
         if self.credentials is not None:
             self.credentials.refresh(self.api.configuration)
         await self.api.update_params_for_auth(headers, [], ["BearerToken"])
+
+    def _refused(self, status: int) -> None:
+        if status == 401 and self.credentials is not None:
+            self.credentials.refused()
 
     def _url(self, path: str) -> str:
         return str(self.api.configuration.host).rstrip("/") + path
@@ -604,6 +626,7 @@ class KubeClient:
                 **self._connection_options(),
             )
         except aiohttp.WSServerHandshakeError as error:
+            self._refused(error.status)
             raise ApiError(
                 error.status, _status_body(refusal.get("body")) or error.message, "GET", path
             ) from error

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from kubekit import client as kubeclient
 from kubekit import pki
-from kubekit.client import ClientSettings, KubeClient, KubeconfigError, Resource
+from kubekit.client import ApiError, ClientSettings, KubeClient, KubeconfigError, Resource
 from tests.unit.tlsserver import serving_over_tls
 
 CONFIGMAPS = Resource("", "v1", "configmaps")
@@ -83,6 +83,36 @@ async def test_an_exec_plugin_s_expired_token_is_fetched_again(tmp_path: Path) -
             await client.get(CONFIGMAPS, "a", "ns")
             assert seen == ["Bearer token-1"], "the token held, while it is read again"
             await tokens_until(client, seen, "Bearer token-2")
+
+
+async def test_an_exec_plugin_s_token_refused_before_it_expires_is_fetched_again(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "plugin.py"
+    script.write_text(PLUGIN.replace("2020-01-01", "2100-01-01"))
+    seen: list[str] = []
+
+    async def get(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization", ""))
+        if seen[-1] == "Bearer token-1":  # revoked
+            return web.json_response({"kind": "Status", "code": 401}, status=401)
+        return web.json_response({"metadata": {"name": "a"}})
+
+    app = web.Application()
+    app.router.add_get("/api/v1/namespaces/ns/configmaps/a", get)
+    async with serving_over_tls(tmp_path, app) as server:
+        kubeconfig = with_user(server.kubeconfig(tmp_path), exec_user(script, tmp_path / "runs"))
+        async with await KubeClient.connect(ClientSettings(str(kubeconfig))) as client:
+            with pytest.raises(ApiError) as refused:
+                await client.get(CONFIGMAPS, "a", "ns")
+            assert refused.value.status == 401
+            for _ in range(100):
+                with contextlib.suppress(ApiError):
+                    await client.get(CONFIGMAPS, "a", "ns")
+                    break
+                await asyncio.sleep(0.05)
+            assert seen[-1] == "Bearer token-2"
+            assert (tmp_path / "runs").read_text() == "2", "run once more, not at each 401"
 
 
 def exec_user(script: Path, *args: Path) -> dict[str, object]:
