@@ -128,6 +128,7 @@ def namespace_quota(quotas: Iterable[Mapping[str, Any]]) -> dict[str, int]:
 
 
 DEFAULT_SLICE_SIZE = Amount(cpu=2000, memory=4 * 2**30)
+LARGEST_SLICE = 2**63 - 1
 
 
 def slice_size(annotation: str | None, default: Amount = DEFAULT_SLICE_SIZE) -> Amount:
@@ -151,6 +152,9 @@ def slice_size(annotation: str | None, default: Amount = DEFAULT_SLICE_SIZE) -> 
     for resource in declared:
         if size.get(resource) <= 0:
             raise SliceError(f"the slice size's {resource} must be above 0")
+        if size.get(resource) > LARGEST_SLICE:
+            # Past what a promise carries (an int64 of millicores or bytes).
+            raise SliceError(f"the slice size's {resource} is too large: {declared[resource]}")
     return Amount(
         cpu=size.cpu if "cpu" in declared else default.cpu,
         memory=size.memory if "memory" in declared else default.memory,

@@ -313,6 +313,8 @@ class SliceController:
                 f"slices of {changed.describe()} cannot become {size.describe()} while "
                 "the namespace has pods: set the size back, or delete its pods to re-slice",
             )
+            # Its pods' end is told by no object this controller watches.
+            self.queue.add_after(name, self.retry_after)
             return
         # A cap added or removed changes what a slice holds, not where slices are: they
         # stay where they were (placed afresh, the pods elsewhere would run unpromised).

@@ -115,6 +115,7 @@ def test_slice_size(annotation: str | None, expected: Amount) -> None:
         ('{"cpu": "-1"}', "above 0"),
         ('{"cpu": true}', "quantity"),
         ('{"memory": "lots"}', "invalid quantity"),
+        ('{"cpu": "1e16"}', "too large"),
     ],
 )
 def test_a_bad_slice_size_says_what_is_wrong(annotation: str, message: str) -> None:

@@ -542,6 +542,7 @@ async def test_a_slice_size_change_is_refused_while_pods_run_and_reslices_otherw
     assert w.pool.promised("a") == [] and w.pool.promised("b") == []
     [(reason, message)] = w.events()
     assert reason == "SliceSizeChangeRefused" and "cpu 2 cannot become cpu 1" in message
+    assert "team" in w.controller.queue._delayed, "looked at again: its pods' end is not told"
     # No pods: re-sliced into 4 slices of 1 CPU, every old promise rewritten.
     await w.controller.reconcile("team")
     assert (w.pool.promised("a"), w.pool.promised("b")) == ([2], [2])
