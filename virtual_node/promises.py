@@ -159,7 +159,9 @@ class SlicePromises:
             try:
                 if entry.slices:
                     await self.ensure_namespace(lower_namespace)
-                await self._hold_to(lower_namespace, entry)
+                    await self._hold_to(lower_namespace, entry)
+                else:
+                    await self._take_quota_back(lower_namespace)
             except API_ERRORS as error:
                 log.warning("%s: quota not brought to its promise: %s", lower_namespace, error)
         nodes = self._node_room()
@@ -232,22 +234,33 @@ class SlicePromises:
         if slices:
             # Before the ledger names it: the namespace-wide copies it sets off need it.
             await self.ensure_namespace(lower_namespace)
+        else:
+            # Before the ledger forgets it: the entry gone, nothing would look at the
+            # namespace here again, and a quota left by a delete that failed would cap
+            # its pods for good (and have every container declare cpu and memory).
+            await self._take_quota_back(lower_namespace)
         try:
             await self.client.update_configmap_data(
                 keys.SYSTEM_NAMESPACE, keys.SLICE_LEDGER_CONFIGMAP, record
             )
         except SliceError as error:
             raise PromiseRefused(str(error)) from None
-        await self._hold_to(lower_namespace, entry)
+        if slices:
+            await self._hold_to(lower_namespace, entry)
+
+    async def _take_quota_back(self, lower_namespace: str) -> None:
+        """Deletes the namespace's slice quota if this upper cluster's virtual node made
+        it: another tenant's, in a lower namespace both map to, is theirs."""
+        try:
+            quota = await self.client.get(RESOURCEQUOTAS, keys.SLICE_QUOTA, lower_namespace)
+        except ApiError as error:
+            if is_not_found(error):
+                return
+            raise
+        if self.owner.owns(quota):
+            await self.client.delete_exact(RESOURCEQUOTAS, quota)
 
     async def _hold_to(self, lower_namespace: str, entry: LedgerEntry) -> None:
-        if not entry.slices:
-            try:
-                await self.client.delete(RESOURCEQUOTAS, keys.SLICE_QUOTA, lower_namespace)
-            except ApiError as error:
-                if not is_not_found(error):
-                    raise
-            return
         body: dict[str, Any] = {
             "apiVersion": "v1",
             "kind": "ResourceQuota",

@@ -34,6 +34,7 @@ class LowerApi(FakeClient):
         self.ledger: dict[str, Any] | None = None
         self.quotas: dict[str, dict[str, Any]] = {}
         self.conflicts = 0
+        self.refuse_quota_deletes = 0
 
     async def request(
         self,
@@ -76,10 +77,14 @@ class LowerApi(FakeClient):
                 raise not_found("resourcequotas", keys.SLICE_QUOTA)
             return self.quotas[namespace]
         if method == "DELETE":
+            if self.refuse_quota_deletes:
+                self.refuse_quota_deletes -= 1
+                raise ApiError(503, {"reason": "ServiceUnavailable", "message": "etcd is slow"})
             if self.quotas.pop(namespace, None) is None:
                 raise not_found("resourcequotas", keys.SLICE_QUOTA)
             return {}
-        self.quotas[namespace] = {**body, "metadata": {**body["metadata"], "resourceVersion": "1"}}
+        metadata = {**body["metadata"], "resourceVersion": "1", "uid": f"uid-{namespace}"}
+        self.quotas[namespace] = {**body, "metadata": metadata}
         return self.quotas[namespace]
 
     def promised(self) -> dict[str, LedgerEntry]:
@@ -380,3 +385,26 @@ def test_a_pod_counting_nothing_is_uncounted_after_the_others() -> None:
     budgets.uncount("a")
     budgets.uncount("zero")
     assert budgets.room_for("ns", "new", SLICE.times(2)) == (1, "")
+
+
+async def test_a_take_back_whose_quota_delete_fails_keeps_its_entry_to_be_tried_again() -> None:
+    api = LowerApi()
+    promises, _ = tenant(api, "t1", informer(NODES, node("n1", "8")))
+    await promises.promise("team", 2, SLICE, "0")
+    api.refuse_quota_deletes = 1
+    with pytest.raises(ApiError):
+        await promises.promise("team", 0, SLICE, "0")
+    assert "t1-team" in api.quotas
+    assert (await promises.room("team")).held == 2, "still held: the take-back is retried"
+    await promises.promise("team", 0, SLICE, "0")
+    assert api.promised() == {} and api.quotas == {}
+
+
+async def test_a_take_back_leaves_another_tenant_s_quota_alone() -> None:
+    api = LowerApi()
+    nodes = informer(NODES, node("n1", "8"))
+    await tenant(api, "t1", nodes)[0].promise("team", 2, SLICE, "0")
+    other = same_lower_namespace_other_origin(api, nodes)
+    with pytest.raises(PromiseRefused):
+        await other.promise("team", 0, SLICE, "0")
+    assert "t1-team" in api.quotas and "t1-team" in api.promised()
