@@ -226,8 +226,15 @@ class SliceController:
     async def sweep(self) -> None:
         """Finds the namespaces the lower clusters hold slices for that no longer exist
         above or have no quota (deleted or unsliced while this process was away), or
-        whose placement leaves that cluster out: their reconcile takes the slices back."""
+        whose placement leaves that cluster out: their reconcile takes the slices back.
+        And those placed in a cluster that left the pool: their reconcile places the
+        slices it held where there is room."""
         clusters = self._nodes_by_cluster()
+        for namespace in self.namespaces.items():
+            annotations = namespace["metadata"].get("annotations") or {}
+            record = applied(annotations.get(keys.SLICE_APPLIED_ANNOTATION))
+            if record is not None and record.slices.keys() - clusters.keys():
+                self.queue.add(namespace["metadata"]["name"])
         answers = await asyncio.gather(
             *(self.pool.sliced_namespaces(node, self.timeout) for node in clusters.values())
         )

@@ -506,6 +506,26 @@ async def test_namespaces_deleted_or_unsliced_while_away_are_found_and_taken_bac
     assert w.pool.clusters["b"].ledger == {}
 
 
+async def test_the_slices_of_a_cluster_that_left_the_pool_are_placed_elsewhere() -> None:
+    w = world(
+        a=Cluster((8,), ledger={"team": (1, 2 * CPU)}),
+        b=Cluster((8,), ledger={"team": (1, 2 * CPU)}),
+        c=Cluster((8,)),
+    )
+    w.put(w.namespaces, recorded(Applied(Amount(cpu=2 * CPU), {"a": 1, "b": 1})))
+    w.put(w.quotas, quota("4"))
+    await w.drain()
+    assert w.pool.promised("c") == []
+    del w.pool.nodes["vk-a"]  # its virtual node deleted: nothing above changes
+    await w.controller.sweep()
+    assert await w.drain() == ["team"]
+    assert w.pool.promised("c") == [1], "what a held is placed again"
+    w.sync_namespace()
+    await w.drain()  # the watch's update
+    await w.controller.sweep()
+    assert await w.drain() == [], "placed around it: not looked at again"
+
+
 async def test_a_cluster_back_after_the_namespace_was_placed_elsewhere_gives_its_slices_back() -> (
     None
 ):
