@@ -51,6 +51,14 @@ PROTECTED_NAMESPACES = (
 )
 
 
+def is_federated(namespace: str, namespace_labels: Mapping[str, str]) -> bool:
+    """Whether the webhook federates a namespace's pods (those that do not opt out)."""
+    return (
+        namespace not in PROTECTED_NAMESPACES
+        and namespace_labels.get(keys.FEDERATION_LABEL) == keys.FEDERATION_ENABLED
+    )
+
+
 def unguarded_reason(
     namespace: str, namespace_labels: Mapping[str, str], pod_labels: Mapping[str, str]
 ) -> str | None:

@@ -52,6 +52,7 @@ from kubekit.slices import (
     slices_of,
     without_room,
 )
+from kubekit.stash import is_federated
 from kubekit.timestamps import now_rfc3339
 from kubekit.workqueue import WorkQueue
 from multischeduler.extender import EstimatorFailure, VirtualNode
@@ -204,10 +205,14 @@ class SliceController:
 
     def placement_of(self, namespace: str) -> dict[str, int] | None:
         """Where a namespace's pods may go: {cluster-id: slices} when its quota is sliced
-        (empty until placed), None when it has no quota and its pods go anywhere."""
-        if not namespace_quota(self.quotas.items(namespace)):
-            return None
+        (empty until placed), None when it is not (no quota, or not federated) and its
+        pods go anywhere."""
         found = self.namespaces.get(namespace)
+        # Not seen yet (the cache behind the pod's creation): its quota holds it back.
+        if not namespace_quota(self.quotas.items(namespace)) or (
+            found is not None and not self._sliced(found)
+        ):
+            return None
         annotations = (found or {}).get("metadata", {}).get("annotations") or {}
         record = applied(annotations.get(keys.SLICE_APPLIED_ANNOTATION))
         return dict(record.slices) if record is not None else {}
@@ -242,8 +247,8 @@ class SliceController:
             if isinstance(answer, EstimatorFailure):
                 continue
             for name in answer.namespaces:
-                gone = self.namespaces.get(name) is None
-                if gone or not namespace_quota(self.quotas.items(name)):
+                found = self.namespaces.get(name)
+                if found is None or not self._sliced(found):
                     self._suspects.add(name)
                     self.queue.add(name)
                 elif cluster not in (self.placement_of(name) or {}):
@@ -252,6 +257,15 @@ class SliceController:
                     self.queue.add(name)
 
     # -- one namespace ---------------------------------------------------------------------
+
+    def _sliced(self, namespace: Mapping[str, Any]) -> bool:
+        """Whether a namespace's quota is sliced: only a federated namespace's pods go to
+        virtual nodes. Any other's slices would hold room its pods never use, and its
+        Secrets be copied into lower clusters other tenants share."""
+        metadata = namespace["metadata"]
+        return is_federated(metadata["name"], metadata.get("labels") or {}) and bool(
+            namespace_quota(self.quotas.items(metadata["name"]))
+        )
 
     def _nodes_by_cluster(self) -> dict[str, str]:
         """Cluster id -> the name of its virtual node (one per cluster and tenant)."""
@@ -266,7 +280,8 @@ class SliceController:
         clusters = self._nodes_by_cluster()
         annotations = (namespace or {}).get("metadata", {}).get("annotations") or {}
         before = applied(annotations.get(keys.SLICE_APPLIED_ANNOTATION))
-        quota = namespace_quota(self.quotas.items(name)) if namespace is not None else {}
+        sliced = namespace is not None and self._sliced(namespace)
+        quota = namespace_quota(self.quotas.items(name)) if sliced else {}
         if not quota:
             if namespace is not None and before is not None and before.slices:
                 # A quota replaced (`kubectl replace --force`, a tool that deletes and

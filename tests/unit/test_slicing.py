@@ -110,7 +110,14 @@ class FakePool:
 
 
 def namespace(name: str = "team", **annotations: str) -> dict[str, Any]:
-    return {"metadata": {"name": name, "uid": f"uid-{name}", "annotations": annotations}}
+    return {
+        "metadata": {
+            "name": name,
+            "uid": f"uid-{name}",
+            "labels": {keys.FEDERATION_LABEL: keys.FEDERATION_ENABLED},
+            "annotations": annotations,
+        }
+    }
 
 
 def recorded(before: Applied, placement: str | None = None, **annotations: str) -> dict[str, Any]:
@@ -746,3 +753,17 @@ async def test_where_a_namespace_s_pods_may_go() -> None:
     await w.controller.reconcile("team")
     w.sync_namespace()
     assert w.controller.placement_of("team") == {"a": 2}
+
+
+async def test_a_namespace_not_federated_is_not_sliced_and_its_slices_are_taken_back() -> None:
+    w = world(a=Cluster((8,), ledger={"team": (1, 2 * CPU)}), b=Cluster((8,)))
+    unfederated = recorded(Applied(Amount(cpu=2 * CPU), {"a": 1}))
+    del unfederated["metadata"]["labels"]
+    w.put(w.namespaces, unfederated)
+    w.put(w.quotas, quota("4"))
+    w.put(w.quotas, quota("4", namespace="monitoring"))
+    w.put(w.namespaces, {"metadata": {"name": "monitoring", "uid": "uid-monitoring"}})
+    await w.drain()
+    assert w.pool.clusters["a"].ledger == {} and w.pool.clusters["b"].ledger == {}
+    assert w.controller.placement_of("team") is None
+    assert w.controller.placement_of("monitoring") is None
