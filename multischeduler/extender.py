@@ -19,6 +19,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, g
 
 from kubekit import keys, metrics
 from kubekit.client import JSON
+from kubekit.estimatorapi import RESERVATION_SECONDS
 from kubekit.estimatorapi.estimator_pb2 import PodEstimate
 from kubekit.slices import no_slices_here
 
@@ -281,7 +282,7 @@ def chosen_cluster(answers: Mapping[str, Answer], score: Score) -> str | None:
 class _Decision:
     at: float
     estimates: dict[str, PodEstimate]
-    reserved: set[str]
+    reserved: dict[str, float]  # node -> when its estimator reserved room
     pod: bytes  # as the estimators were asked about it
 
 
@@ -300,17 +301,25 @@ def room_to_give_back(reserved: Collection[str], uid: str, now: JSON | None) -> 
 class Decisions:
     """What each pod's filter learnt, by pod UID: the estimates prioritize scores right
     after, and the nodes holding room that bind, or the pod leaving the scheduler's queue,
-    must release. Forgotten then, or after ``reservations_for`` seconds (the estimators
-    give such room back on their own then too), so a pod never bound costs nothing for
-    long. The pods that left the queue are kept for ``left_for`` seconds: the scheduler
+    must release. A reservation is taken for lapsed after ``reservations_for`` seconds,
+    a little before its estimator gives the room back on its own: a bind later than that
+    (a volume bound first) holds room again rather than bind the pod without. Forgotten
+    when bound or gone, or after ``kept_for`` seconds, so a pod never bound costs nothing
+    for long. The pods that left the queue are kept for ``left_for`` seconds: the scheduler
     may still be filtering one (its cycle goes on with the pod it took from the queue),
     and what that filter reserves must go back at once, not lapse unannounced."""
 
     def __init__(
-        self, *, scores_for: float = 5.0, reservations_for: float = 60.0, left_for: float = 30.0
+        self,
+        *,
+        scores_for: float = 5.0,
+        reservations_for: float = RESERVATION_SECONDS - 5,
+        kept_for: float = 60.0,
+        left_for: float = 30.0,
     ) -> None:
         self.scores_for = scores_for
         self.reservations_for = reservations_for
+        self.kept_for = kept_for
         self.left_for = left_for
         self._by_uid: OrderedDict[str, _Decision] = OrderedDict()
         self._left: OrderedDict[str, float] = OrderedDict()
@@ -329,18 +338,18 @@ class Decisions:
         """Remembers what the filter learnt; returns the nodes holding room to give back
         now, those it reserved for a pod that has left the queue meanwhile."""
         estimates = {n: a for n, a in answers.items() if isinstance(a, PodEstimate)}
-        reserved = reserved_nodes(answers) - set(released)
+        reserved = dict.fromkeys(reserved_nodes(answers) - set(released), now)
         self._expire(now)
         if uid in self._left:
-            return reserved
+            return set(reserved)
         earlier = self._by_uid.pop(uid, None)
         if earlier is not None:
             # A second filter of the same pod (a nominated node first, then all) adds to
-            # what the first one reserved.
+            # what the first one reserved, less what this filter gave back: kept, bind
+            # would take the pod for held there and bind it without room.
             estimates = {**earlier.estimates, **estimates}
-            # Less what this filter gave back: kept, bind would take the pod for held
-            # there and bind it without room.
-            reserved |= earlier.reserved - set(released)
+            kept = {n: at for n, at in earlier.reserved.items() if n not in released}
+            reserved = kept | reserved
         self._by_uid[uid] = _Decision(now, estimates, reserved, pod)
         return set()
 
@@ -356,10 +365,13 @@ class Decisions:
         return dict(decision.estimates)
 
     def take_reserved(self, uid: str, now: float) -> set[str]:
-        """The nodes holding room for the pod, forgetting the pod."""
+        """The nodes holding room for the pod, their reservation not lapsed, forgetting
+        the pod."""
         self._expire(now)
         decision = self._by_uid.pop(uid, None)
-        return set() if decision is None else decision.reserved
+        if decision is None:
+            return set()
+        return {n for n, at in decision.reserved.items() if now - at <= self.reservations_for}
 
     def left_queue(self, uid: str, now: float) -> set[str]:
         """The pod left the scheduler's queue (bound or deleted): the nodes holding room
@@ -372,7 +384,7 @@ class Decisions:
     def _expire(self, now: float) -> None:
         while self._by_uid:
             uid, oldest = next(iter(self._by_uid.items()))
-            if now - oldest.at <= self.reservations_for:
+            if now - oldest.at <= self.kept_for:
                 break
             del self._by_uid[uid]
         while self._left:

@@ -31,6 +31,7 @@ from kubekit.client import API_ERRORS
 from kubekit.clusterstate import ClusterState, Estimate
 from kubekit.estimatorapi import (
     MAX_HOLD_SECONDS,
+    RESERVATION_SECONDS,
     estimator_pb2,
     estimator_pb2_grpc,
     server_keepalive_options,
@@ -64,10 +65,6 @@ log = logging.getLogger(__name__)
 
 JSON = dict[str, Any]
 
-# How long room reserved for a pod the extender let through is held when neither its
-# binding here nor a release arrives (the scheduler chose another node and the release
-# was lost, or the binding failed).
-RESERVATION_SECONDS = 30.0
 _FINISHED = frozenset({"Succeeded", "Failed"})
 # The longest the estimator's thread waits for the interpreter while the virtual node's
 # loop is busy (Python's default is 5 ms, a whole answer's budget).

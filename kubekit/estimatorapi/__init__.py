@@ -3,6 +3,11 @@
 # The longest a hold for a defragmentation may last (HoldRequest.seconds).
 MAX_HOLD_SECONDS = 3600.0
 
+# How long room an estimator reserved for a pod (EstimateRequest.reserve) is held when
+# neither its binding there nor a release arrives (the scheduler chose another node and
+# the release was lost, or the binding failed).
+RESERVATION_SECONDS = 30.0
+
 # The estimator's connections are pinged this often when idle, and dropped when a ping is
 # not answered within KEEPALIVE_TIMEOUT_MS: a connection a network dropped silently (no
 # reset: a node gone, a NAT's table flushed) failed every call by its deadline until the

@@ -24,6 +24,7 @@ from kubekit.client import (
     STORAGECLASSES,
 )
 from kubekit.clusterstate import ClusterState
+from kubekit.estimatorapi import RESERVATION_SECONDS
 from kubekit.estimatorapi.estimator_pb2 import (
     DefragmentRequest,
     EstimateRequest,
@@ -39,7 +40,6 @@ from kubekit.informer import Informer
 from kubekit.slices import Amount, LedgerEntry
 from virtual_node.estimator import (
     MAX_REPLICAS,
-    RESERVATION_SECONDS,
     EstimatorService,
     FitEstimator,
     QueryError,

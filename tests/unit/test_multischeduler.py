@@ -16,6 +16,7 @@ import yaml
 from harness.federation import scheduler_extender
 from kubekit import keys, pki
 from kubekit.client import NODES
+from kubekit.estimatorapi import RESERVATION_SECONDS
 from kubekit.estimatorapi.estimator_pb2 import PodEstimate
 from kubekit.ratelimit import TokenBucket
 from multischeduler.estimators import TokenFile
@@ -281,13 +282,24 @@ def test_preferred_weights_count_only_among_the_candidates() -> None:
 
 
 def test_decisions_keep_estimates_briefly_and_reservations_longer() -> None:
-    decisions = Decisions(scores_for=5, reservations_for=60)
+    decisions = Decisions(scores_for=5, reservations_for=25)
     decisions.remember("u1", {"vk-a": fitting(reserved_node="n"), "vk-b": NO_ROOM}, now=100)
     assert set(decisions.estimates("u1", now=104)) == {"vk-a", "vk-b"}
     assert decisions.estimates("u1", now=106) == {}
     assert decisions.estimates("other", now=100) == {}
-    assert decisions.take_reserved("u1", now=150) == {"vk-a"}
-    assert decisions.take_reserved("u1", now=150) == set()
+    assert decisions.take_reserved("u1", now=125) == {"vk-a"}
+    assert decisions.take_reserved("u1", now=125) == set()
+
+
+def test_a_reservation_is_taken_for_lapsed_before_its_estimator_drops_it() -> None:
+    """A bind 40 s after filter (a volume bound first): the estimator gave the room back
+    at 30 s, so bind must hold it again, and needs the pod for that."""
+    decisions = Decisions()
+    assert decisions.reservations_for < RESERVATION_SECONDS
+    decisions.remember("u1", {"vk-a": fitting(reserved_node="n")}, now=0, pod=b"pod")
+    decisions.remember("u1", {"vk-b": fitting(reserved_node="m")}, now=20, pod=b"pod")
+    assert decisions.pod("u1") == b"pod"
+    assert decisions.take_reserved("u1", now=40) == {"vk-b"}, "vk-a's lapsed at 30"
 
 
 def test_a_second_filter_of_a_pod_adds_to_the_first() -> None:
@@ -308,7 +320,7 @@ def test_a_second_filter_that_gave_back_the_first_s_room_does_not_count_it_held(
 
 
 def test_decisions_are_forgotten_after_a_while() -> None:
-    decisions = Decisions(reservations_for=60)
+    decisions = Decisions(kept_for=60)
     decisions.remember("old", {"vk-a": fitting(reserved_node="n")}, now=0)
     decisions.remember("new", {"vk-a": fitting(reserved_node="n")}, now=30)
     decisions.remember("newer", {"vk-a": fitting(reserved_node="n")}, now=61)
