@@ -393,14 +393,13 @@ class FitEstimator:
         # Made below: its quota's usage has it now.
         self.quotas.uncount(uid)
         # Counted on a node below (bound, or nominated there): its assumption goes, or
-        # the room would be counted twice.
-        if counted_node(pod) is not None:
+        # the room would be counted twice. Finished below, it takes no room at all,
+        # though its upper pod may not say so yet (its status copied up after a restart).
+        if counted_node(pod) is not None or (pod.get("status") or {}).get("phase") in _FINISHED:
             self._landed.add(uid)
             self._drop_assumption(uid)
             return
-        if (pod.get("status") or {}).get("phase") in _FINISHED or pod["metadata"].get(
-            "deletionTimestamp"
-        ):
+        if pod["metadata"].get("deletionTimestamp"):
             return
         # Waiting below (a nomination withdrawn, or seen first after a restart, when its
         # upper pod was assumed on the node it would take now): counted where it is

@@ -243,6 +243,24 @@ def test_a_finished_upper_pod_holds_nothing() -> None:
     assert cluster.fits("4") == 1
 
 
+@pytest.mark.parametrize("upper_first", [True, False])
+def test_a_pod_finished_below_holds_nothing_though_its_upper_pod_says_running(
+    upper_first: bool,
+) -> None:
+    """After a restart, before its final status is copied up."""
+    cluster = Cluster()
+    pod = {**upper_pod("job", "3"), "status": {"phase": "Running"}}
+    finished = {**pinned_to(lower_copy(pod, "big"), "big"), "status": {"phase": "Succeeded"}}
+    if upper_first:
+        cluster.upper_pods.apply({"type": "ADDED", "object": pod})
+        cluster.lower_pods.apply({"type": "ADDED", "object": finished})
+    else:
+        cluster.lower_pods.apply({"type": "ADDED", "object": finished})
+        cluster.upper_pods.apply({"type": "ADDED", "object": pod})
+    assert cluster.fits("4") == 1
+    assert cluster.estimator.held_node("uid-job") is None
+
+
 def test_reservations_never_oversubscribe_a_burst() -> None:
     cluster = Cluster()
     placed = [
