@@ -79,6 +79,9 @@ class Extender:
     _giving_back: Background = field(default_factory=Background, init=False)
     # When a failed estimator's Node was last read again and told of no restart.
     _read_again_at: dict[str, float] = field(default_factory=dict, init=False)
+    # The pods each such estimator failed since: one tried again may follow the Node's
+    # change that told of a restart, ahead of the watch, and gets a read of its own.
+    _failed_since_read: dict[str, set[str]] = field(default_factory=dict, init=False)
 
     async def _estimate(
         self, names: list[str], pod: bytes, pod_key: str, reserve: bool
@@ -108,7 +111,7 @@ class Extender:
             pod = orjson.dumps(args.pod)
             asked = {name: self.pool.estimator_of(name) for name in virtual}
             answers |= await self._estimate(virtual, pod, args.pod_key, reserve=True)
-            answers |= await self._ask_restarted(answers, asked, pod, args.pod_key, began)
+            answers |= await self._ask_restarted(answers, asked, pod, args, began)
             chosen = chosen_cluster(answers, self.score)
             # Room held elsewhere until the binding would turn the next pods of a burst
             # away from clusters that still have it.
@@ -158,7 +161,7 @@ class Extender:
         answers: Mapping[str, Answer],
         asked: Mapping[str, tuple[str, str] | None],
         pod: bytes,
-        pod_key: str,
+        args: ExtenderArgs,
         began: float,
     ) -> dict[str, Answer]:
         """Asks again, once, the virtual nodes whose estimator failed but is not the one
@@ -169,18 +172,22 @@ class Extender:
         estimator would fail them, and no further change would bring them back for
         minutes."""
         now = self.clock()
-        # A Node read again lately with nothing new is not read at every decision: with
-        # one virtual node down, each pod's filter waited on a read of it.
+        failed_here = [n for n, a in answers.items() if isinstance(a, EstimatorFailure)]
+        # A Node read again lately with nothing new is not read at every decision (with
+        # one virtual node down, each pod's filter waited on a read of it), but it is for
+        # a pod it failed before: tried again, the pod may follow the Node's change.
         failed = [
             n
-            for n, a in answers.items()
-            if isinstance(a, EstimatorFailure)
-            and now - self._read_again_at.get(n, -READ_AGAIN_INTERVAL) >= READ_AGAIN_INTERVAL
+            for n in failed_here
+            if now - self._read_again_at.get(n, -READ_AGAIN_INTERVAL) >= READ_AGAIN_INTERVAL
+            or args.uid in self._failed_since_read.get(n, ())
         ]
+        for name in failed_here:
+            self._failed_since_read.setdefault(name, set()).add(args.uid)
         if not failed:
             return {}
         if self.clock() - began + LOOKUP_TIMEOUT + self.estimator_timeout > FILTER_BUDGET:
-            log.info("%s: no time left to ask again %s", pod_key, ", ".join(failed))
+            log.info("%s: no time left to ask again %s", args.pod_key, ", ".join(failed))
             return {}
         restarted = []
         for name, node in zip(failed, await self._read_nodes(failed), strict=True):
@@ -191,11 +198,12 @@ class Extender:
             if current is not None and current != asked.get(name):
                 restarted.append(name)
                 self._read_again_at.pop(name, None)
+                self._failed_since_read.pop(name, None)
             else:
                 self._read_again_at[name] = now
         if not restarted:
             return {}
-        return await self._estimate(restarted, pod, pod_key, reserve=True)
+        return await self._estimate(restarted, pod, args.pod_key, reserve=True)
 
     async def prioritize(self, args: ExtenderArgs) -> list[JSON]:
         known = self.decisions.estimates(args.uid, self.clock())
@@ -253,7 +261,10 @@ class Extender:
         nothing else tells the extender where a pod went; room filter kept on a virtual node
         for a pod the scheduler then put on an ordinary node (or one deleted while it
         waited) would otherwise turn the next pods away from that cluster until it lapses."""
-        reserved = self.decisions.left_queue(str(pod["metadata"]["uid"]), self.clock())
+        uid = str(pod["metadata"]["uid"])
+        for failed in self._failed_since_read.values():
+            failed.discard(uid)
+        reserved = self.decisions.left_queue(uid, self.clock())
         if reserved:
             self._give_back_later(pod, reserved)
 

@@ -804,6 +804,16 @@ async def test_an_estimator_restarted_before_the_node_cache_heard_is_asked_again
     reads = len(federation.node_reads)
     await federation.filter("vk-a", pod=named("q", "u2"))
     assert len(federation.node_reads) == reads
+    # Restarted again within those seconds: the scheduler, told by the Node's change,
+    # tries again the pods it turned away, and for each the Node is read afresh.
+    again = FakeEstimator("a", fits(0.9))
+    federation.estimators["vk-a"] = again
+    federation.upper_nodes["vk-a"] = virtual_node_object(
+        "vk-a", await federation.serve(again), started="3"
+    )
+    result = await federation.filter("vk-a", pod=named("q", "u2"))
+    assert result["NodeNames"] == ["vk-a"], result
+    assert len(again.estimates) == 1
 
 
 async def filtered_while_restarting(
