@@ -45,7 +45,7 @@ from placement import NODE_FILE, POD_FILE, TRACE_DIR, read_nodes, read_pods, spl
 from harness.localcluster import free_port
 from kubekit import keys, pki
 from kubekit.clusterstate import ClusterState
-from multischeduler.estimators import EstimatorPool, channel_credentials
+from multischeduler.estimators import CaFile, EstimatorPool
 from multischeduler.extender import ExtenderArgs
 from multischeduler.server import Extender
 from virtual_node.estimator import EstimatorService, FitEstimator, serve
@@ -120,7 +120,7 @@ async def no_lookup(_resource: object, _namespace: str | None, _name: str) -> No
 async def decide(
     ca: Path, ports: dict[str, int], pods: list[dict[str, Any]], count: int, gap: float
 ) -> list[float]:
-    pool = EstimatorPool(channel_credentials(ca))
+    pool = EstimatorPool(CaFile(ca))
     for cluster_id, port in ports.items():
         pool.put(virtual_node_object(f"vk-{cluster_id}", cluster_id, port))
     names = sorted(pool.nodes)

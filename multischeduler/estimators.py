@@ -92,6 +92,11 @@ _NOT_ACTED_ON = frozenset(
 )
 
 
+def _version(path: Path) -> tuple[int, int, int]:
+    status = path.stat()
+    return status.st_ino, status.st_mtime_ns, status.st_size
+
+
 class TokenFile:
     """A bearer token file, read again when it changes."""
 
@@ -101,12 +106,41 @@ class TokenFile:
         self._token = ""
 
     def token(self) -> str:
-        status = self.path.stat()
-        seen = (status.st_ino, status.st_mtime_ns, status.st_size)
+        seen = _version(self.path)
         if seen != self._seen:
             self._token = self.path.read_text().strip()
             self._seen = seen
         return self._token
+
+
+class CaFile:
+    """The CA bundle the estimators' certificates are checked against (None: the
+    system's roots), read again when its file changes: read once, a rotated in-cluster
+    CA failed every estimator re-issued by the new one until a restart."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._seen = _version(path) if path is not None else None
+        self.credentials = grpc.ssl_channel_credentials(
+            root_certificates=path.read_bytes() if path is not None else None
+        )
+
+    def renewed(self) -> bool:
+        """Whether the file changed since it was last read, taking it then; a file that
+        cannot be read (being replaced) is kept as it was, and looked at next time."""
+        if self.path is None:
+            return False
+        try:
+            seen = _version(self.path)
+            if seen == self._seen:
+                return False
+            self.credentials = grpc.ssl_channel_credentials(self.path.read_bytes())
+        except OSError as error:
+            log.warning("estimator CA %s not read again: %s", self.path, error)
+            return False
+        self._seen = seen
+        log.info("estimator CA %s read again", self.path)
+        return True
 
 
 # gRPC waits up to two minutes between attempts to reach an estimator that was down and
@@ -264,12 +298,12 @@ class EstimatorPool:
 
     def __init__(
         self,
-        credentials: grpc.ChannelCredentials,
+        ca: CaFile,
         token: TokenFile | None = None,
         release_delay: float = RELEASE_DELAY,
         skip_late_seconds: float = SKIP_LATE_SECONDS,
     ) -> None:
-        self.credentials = credentials
+        self.ca = ca
         self.token = token
         self.release_delay = release_delay
         self.skip_late_seconds = skip_late_seconds
@@ -333,12 +367,7 @@ class EstimatorPool:
             del self._estimators[node.name]
             self._close(current)
         if node.address is not None:
-            channel = grpc.aio.secure_channel(
-                node.address, self.credentials, (*CHANNEL_OPTIONS, *client_keepalive_options())
-            )
-            self._estimators[node.name] = _Estimator(
-                node.address, node.started, channel, EstimatorStub(channel)
-            )
+            self._open(node.name, node.address, node.started)
             log.info("%s (cluster %s): estimator at %s", node.name, node.cluster_id, node.address)
             return True
         log.warning("%s: no %s annotation", node.name, keys.ESTIMATOR_ADDRESS_ANNOTATION)
@@ -355,6 +384,22 @@ class EstimatorPool:
         estimator = self._estimators.pop(name, None)
         if estimator is not None:
             self._close(estimator)
+
+    def _open(self, name: str, address: str, started: str) -> None:
+        channel = grpc.aio.secure_channel(
+            address, self.ca.credentials, (*CHANNEL_OPTIONS, *client_keepalive_options())
+        )
+        self._estimators[name] = _Estimator(address, started, channel, EstimatorStub(channel))
+
+    def _follow_ca(self) -> None:
+        """Opens every channel again when the CA changed: one open now reconnects, after
+        any drop, checking against the CA it was made with. Room waiting to be given back
+        through a channel closed so lapses on its own, as when an estimator restarts."""
+        if not self.ca.renewed():
+            return
+        for name, estimator in list(self._estimators.items()):
+            self._close(estimator)
+            self._open(name, estimator.address, estimator.started)
 
     def _close(self, estimator: _Estimator) -> None:
         if estimator.flush_timer is not None:
@@ -373,6 +418,7 @@ class EstimatorPool:
     ) -> dict[str, Answer]:
         """Asks the estimators of ``names`` at once; every call has the same deadline and
         fails on its own."""
+        self._follow_ca()
         try:
             metadata = self._metadata()
         except OSError as error:
@@ -505,6 +551,7 @@ class EstimatorPool:
         self, name: str, call: Callable[[EstimatorAsyncStub, Metadata], Awaitable[Response]]
     ) -> Response | EstimatorFailure:
         """One call to the estimator of ``name``, its failures as answers."""
+        self._follow_ca()
         estimator = self._estimators.get(name)
         if estimator is None:
             return EstimatorFailure(
@@ -659,13 +706,6 @@ class EstimatorPool:
         await self._background.wait()
 
 
-def channel_credentials(ca_file: Path | None) -> grpc.ChannelCredentials:
-    """TLS that trusts ``ca_file``, or the system's roots without one."""
-    return grpc.ssl_channel_credentials(
-        root_certificates=ca_file.read_bytes() if ca_file is not None else None
-    )
-
-
 def add_estimator_client_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--estimator-ca-file",
@@ -690,7 +730,7 @@ class EstimatorClient:
 
     def pool(self) -> EstimatorPool:
         token = TokenFile(self.token_file) if self.token_file else None
-        return EstimatorPool(channel_credentials(self.ca_file), token)
+        return EstimatorPool(CaFile(self.ca_file), token)
 
 
 def estimator_client(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EstimatorClient:

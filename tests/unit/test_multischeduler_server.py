@@ -33,9 +33,9 @@ from kubekit.informer import FunctionHandler, Informer
 from multischeduler import server as extender_server
 from multischeduler.estimators import (
     LATE_IN_A_ROW_TO_SKIP,
+    CaFile,
     EstimatorPool,
     TokenFile,
-    channel_credentials,
 )
 from multischeduler.extender import BindingArgs, EstimatorFailure, OnEstimatorError
 from multischeduler.server import Callers, Extender, make_app
@@ -321,7 +321,7 @@ async def federation(tmp_path: Path) -> AsyncIterator[Federation]:
     token = tmp_path / "token"
     token.write_text("sesame\n")
     ca = pki.ca_path(serving_pair(tmp_path))
-    pool = EstimatorPool(channel_credentials(ca), TokenFile(token))
+    pool = EstimatorPool(CaFile(ca), TokenFile(token))
     nodes = Informer(client=None, resource=NODES)  # type: ignore[arg-type]
     nodes.add_handler(pool.handler())
     for ordinary in ("worker", "worker-1", "worker-2"):
@@ -523,12 +523,31 @@ async def test_a_certificate_from_another_ca_fails_the_node(
 ) -> None:
     address = await federation.estimator("vk-a", fits(0.5))
     other_ca = pki.ca_path(pki.serving_pair(tmp_path / "other", "other", ("127.0.0.1",)))
-    federation.extender.pool.credentials = channel_credentials(other_ca)
+    federation.extender.pool.ca = CaFile(other_ca)
     federation.virtual_node("vk-a", None, "MODIFIED")
     federation.virtual_node("vk-a", address, "MODIFIED")
     result = await federation.filter("vk-a")
     assert "vk-a" in result["FailedAndUnresolvableNodes"]
     assert federation.estimate_calls() == 0
+
+
+async def test_an_estimator_ca_rewritten_is_trusted_by_every_channel(
+    federation: Federation, tmp_path: Path
+) -> None:
+    """The in-cluster ca.crt rotated: the channels open, made with the old CA, reconnect
+    checking against it; each is made again."""
+    address = await federation.estimator("vk-a", fits(0.5))
+    other_ca = pki.ca_path(pki.serving_pair(tmp_path / "other", "other", ("127.0.0.1",)))
+    trusted = tmp_path / "trusted.crt"
+    trusted.write_bytes(other_ca.read_bytes())
+    federation.extender.pool.ca = CaFile(trusted)
+    federation.virtual_node("vk-a", None, "MODIFIED")
+    federation.virtual_node("vk-a", address, "MODIFIED")
+    result = await federation.filter("vk-a")
+    assert "vk-a" in result["FailedAndUnresolvableNodes"]
+    trusted.write_bytes(pki.ca_path(serving_pair(tmp_path)).read_bytes())
+    result = await federation.filter("vk-a")
+    assert result["NodeNames"] == ["vk-a"], result
 
 
 async def test_nodes_that_change_or_go_are_followed(federation: Federation) -> None:
@@ -1013,7 +1032,7 @@ async def test_health_and_metrics(federation: Federation) -> None:
 
 
 async def test_a_restarted_estimator_gets_a_fresh_channel(tmp_path: Path) -> None:
-    pool = EstimatorPool(channel_credentials(pki.ca_path(serving_pair(tmp_path))))
+    pool = EstimatorPool(CaFile(pki.ca_path(serving_pair(tmp_path))))
 
     def put(started: str) -> object:
         annotations = {
@@ -1038,7 +1057,7 @@ async def test_a_node_read_while_the_watch_told_of_a_newer_one_is_not_taken(
 ) -> None:
     """A read begun before the watch's news of a restarted estimator, answered after it,
     put the older Node back: the new estimator's channel closed, every pod failed there."""
-    pool = EstimatorPool(channel_credentials(pki.ca_path(serving_pair(tmp_path))))
+    pool = EstimatorPool(CaFile(pki.ca_path(serving_pair(tmp_path))))
     informer = Informer(client=None, resource=NODES)  # type: ignore[arg-type]
     informer.add_handler(pool.handler())
     try:
@@ -1253,7 +1272,7 @@ async def extender_over_https(
     async def lookup(_resource: Resource, _namespace: str | None, _name: str) -> None:
         return None
 
-    pool = EstimatorPool(grpc.ssl_channel_credentials(), TokenFile(tmp_path / "token"))
+    pool = EstimatorPool(CaFile(None), TokenFile(tmp_path / "token"))
     extender = Extender(pool, bind, lookup)
     return await https_client(make_app(extender, callers), tmp_path, caller), bindings
 
