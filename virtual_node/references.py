@@ -448,13 +448,33 @@ def copy_differs(lower: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
     return bool(labels != wanted["labels"] or annotations != wanted["annotations"])
 
 
+# What the apiserver refuses to change in an object, by kind (a Secret's type, an
+# EndpointSlice's address type, a PriorityClass's value and preemption policy).
+_IMMUTABLE_FIELDS = {
+    "Secret": (("type", "Opaque"),),
+    "EndpointSlice": (("addressType", None),),
+    "PriorityClass": (("value", 0), ("preemptionPolicy", "PreemptLowerPriority")),
+}
+
+
 def made_again(lower: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
-    """Whether the copy must be deleted and made again rather than updated: a Service
-    that is to become headless, or stop being so. Its cluster IP cannot change, and an
-    update leaving it out keeps the old one (the apiserver fills it in from the stored
-    Service), so the copy would stay as it was."""
+    """Whether the copy must be deleted and made again rather than updated: a field the
+    apiserver will not change differs, or the copy is an immutable ConfigMap or Secret
+    whose data (or immutability) differs, or a Service is to become headless or stop
+    being so (its cluster IP cannot change, and an update leaving it out keeps the old
+    one: the apiserver fills it in from the stored Service). Any other update refused is
+    retried, the copy kept: made again, it would be refused too, and gone meanwhile from
+    the pods that use it."""
+    kind = desired.get("kind")
+    if any(
+        lower.get(field, default) != desired.get(field, default)
+        for field, default in _IMMUTABLE_FIELDS.get(str(kind), ())
+    ):
+        return True
+    if kind in ("ConfigMap", "Secret") and lower.get("immutable"):
+        return any(lower.get(f) != desired.get(f) for f in ("data", "binaryData", "immutable"))
     spec: Mapping[str, Any] = desired.get("spec") or {}
-    if desired.get("kind") != "Service" or spec.get("type") == "ExternalName":
+    if kind != "Service" or spec.get("type") == "ExternalName":
         return False
     headless = (lower.get("spec") or {}).get("clusterIP") == "None"
     return bool(headless != (spec.get("clusterIP") == "None"))

@@ -582,27 +582,24 @@ class Reflector:
         try:
             await self.lower.replace(resource, replacement(lower, desired), namespace)
         except ApiError as error:
-            if resource is PERSISTENTVOLUMECLAIMS and error.status in (403, 422):
-                # Never made again: a claim deleted below may take its volume's data along.
-                # A growth its class does not allow (403) or an unbound claim's (422) is
-                # left out; its labels and annotations still go.
-                log.warning(
-                    "claim %s/%s: update refused below, left as it is: %s",
-                    namespace,
-                    desired["metadata"]["name"],
-                    error.message,
-                )
-                without_growth = replacement(lower, {**desired, "spec": lower.get("spec") or {}})
-                if without_growth != replacement(lower, desired):
-                    with contextlib.suppress(ApiError):
-                        await self.lower.replace(resource, without_growth, namespace)
-                if error.status == 403 and _QUOTA_REFUSAL in error.message:
-                    # A lower quota's refusal lasts only until it is raised or room is
-                    # freed: tried again with backoff (nothing else brings the claim back).
-                    raise
-                return
-            if error.status != 422:
+            # Any other refusal (a lower admission policy's 422, say) is retried with
+            # backoff, the copy kept: ``made_again`` knows what only a new copy takes.
+            if resource is not PERSISTENTVOLUMECLAIMS or error.status not in (403, 422):
                 raise
-            # An immutable copy cannot change: it is made again.
-            await self.lower.delete_exact(resource, lower)
-            await self._create(resource, desired, namespace)
+            # Never made again: a claim deleted below may take its volume's data along.
+            # A growth its class does not allow (403) or an unbound claim's (422) is left
+            # out; its labels and annotations still go.
+            log.warning(
+                "claim %s/%s: update refused below, left as it is: %s",
+                namespace,
+                desired["metadata"]["name"],
+                error.message,
+            )
+            without_growth = replacement(lower, {**desired, "spec": lower.get("spec") or {}})
+            if without_growth != replacement(lower, desired):
+                with contextlib.suppress(ApiError):
+                    await self.lower.replace(resource, without_growth, namespace)
+            if error.status == 403 and _QUOTA_REFUSAL in error.message:
+                # A lower quota's refusal lasts only until it is raised or room is freed:
+                # tried again with backoff (nothing else brings the claim back).
+                raise

@@ -471,6 +471,23 @@ def test_a_service_that_becomes_headless_or_stops_being_so_is_made_again_below()
     assert not made_again(allocated, desired_service(alias, MAPPING, OWNER)), "an update does"
 
 
+def test_a_copy_whose_immutable_fields_differ_is_made_again_below() -> None:
+    settings = {"kind": "ConfigMap", "metadata": {"name": "s"}, "data": {"k": "v1"}}
+    frozen = {**settings, "immutable": True}
+    assert made_again(frozen, {**frozen, "data": {"k": "v2"}})
+    assert made_again(frozen, settings), "no longer immutable"
+    assert not made_again(frozen, {**frozen, "metadata": {"name": "s", "labels": {"a": "b"}}})
+    assert not made_again(settings, {**settings, "data": {"k": "v2"}}), "an update does"
+    secret = {"kind": "Secret", "metadata": {"name": "t"}, "data": {}}
+    assert made_again(secret, {**secret, "type": "kubernetes.io/tls"})
+    assert not made_again(secret, {**secret, "type": "Opaque"}), "Opaque when left out"
+    endpoints = {"kind": "EndpointSlice", "metadata": {"name": "e"}, "addressType": "IPv4"}
+    assert made_again(endpoints, {**endpoints, "addressType": "IPv6"})
+    priority = {"kind": "PriorityClass", "metadata": {"name": "p"}, "value": 10}
+    assert made_again(priority, {**priority, "value": 20})
+    assert not made_again(priority, {**priority, "description": "high"})
+
+
 def test_lower_endpoint_slice_is_ours_without_upper_node_names() -> None:
     upper = {
         "metadata": {

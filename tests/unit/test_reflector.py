@@ -183,7 +183,8 @@ async def test_what_every_cluster_makes_itself_is_not_copied() -> None:
     assert r.lower.writes() == []
 
 
-async def test_a_copy_follows_its_upper_object_and_goes_with_its_last_pod() -> None:
+async def account_copied() -> Reflecting:
+    """The service account a pod uses, copied below (resourceVersion 9 there)."""
     r = reflecting()
     r.above("serviceaccounts", account())
     r.above(None, pod(serviceAccountName="builder"))
@@ -192,6 +193,11 @@ async def test_a_copy_follows_its_upper_object_and_goes_with_its_last_pod() -> N
     lower_metadata = {**copy["metadata"], "uid": "lower-sa", "resourceVersion": "9"}
     r.below("serviceaccounts", {**copy, "metadata": lower_metadata})
     r.lower.requests.clear()
+    return r
+
+
+async def test_a_copy_follows_its_upper_object_and_goes_with_its_last_pod() -> None:
+    r = await account_copied()
 
     r.above("serviceaccounts", account(imagePullSecrets=[{"name": "registry"}]), "MODIFIED")
     await r.drain()
@@ -204,6 +210,17 @@ async def test_a_copy_follows_its_upper_object_and_goes_with_its_last_pod() -> N
     r.above(None, pod(serviceAccountName="builder"), "DELETED")
     await r.drain()
     assert r.lower.writes() == [("DELETE", f"{ACCOUNTS}/builder")]
+
+
+async def test_a_copy_whose_update_is_refused_below_is_kept_and_tried_again() -> None:
+    """A lower admission policy refuses the update (422): made again, the copy would be
+    refused too, and gone from the pods meanwhile."""
+    r = await account_copied()
+    r.lower.answer("PUT", f"{ACCOUNTS}/builder", status_error(422, "Invalid", "denied by policy"))
+    r.above("serviceaccounts", account(imagePullSecrets=[{"name": "registry"}]), "MODIFIED")
+    with pytest.raises(ApiError, match="denied by policy"):
+        await r.reflector.reconcile(("serviceaccounts", "shop", "builder"))
+    assert r.lower.writes() == [("PUT", f"{ACCOUNTS}/builder")]
 
 
 async def test_a_priority_class_copy_is_cluster_wide_and_swept_when_unused() -> None:
