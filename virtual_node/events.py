@@ -16,6 +16,7 @@ from kubekit.informer import FunctionHandler, Informer, object_key
 from kubekit.ratelimit import ItemBackoff
 from kubekit.timestamps import parse_time
 from kubekit.workqueue import WorkQueue
+from virtual_node.naming import NamespaceMapping, NamingError
 from virtual_node.translate import Ownership
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,8 @@ class EventReflector:
         upper: KubeClient,
         lower_events: Informer,
         lower_pods: Informer,
+        upper_pods: Informer,
+        mapping: NamespaceMapping,
         owner: Ownership,
         cluster_id: str,
         queue: WorkQueue[str],
@@ -142,6 +145,8 @@ class EventReflector:
         self.upper = upper
         self.lower_events = lower_events
         self.lower_pods = lower_pods
+        self.upper_pods = upper_pods
+        self.mapping = mapping
         self.owner = owner
         self.cluster_id = cluster_id
         self.queue = queue
@@ -184,6 +189,22 @@ class EventReflector:
         await self._load_copies()
         await self.queue.run_workers(workers, self.reconcile, max_retries=EVENT_ATTEMPTS)
 
+    def _mirrors(self, lower_pod: Mapping[str, Any]) -> bool:
+        """Whether the lower pod is the copy of an upper pod bound to this node: whoever
+        may make pods below may give one our labels, and annotations naming any upper
+        namespace (kube-system, say) and pod, whose events would then be written there."""
+        metadata = lower_pod["metadata"]
+        annotations = metadata.get("annotations") or {}
+        namespace = annotations.get(keys.UPPER_NAMESPACE_ANNOTATION)
+        try:
+            if not namespace or self.mapping.lower(namespace) != metadata.get("namespace"):
+                return False
+        except NamingError:
+            return False
+        upper_pod = self.upper_pods.get(f"{namespace}/{metadata['name']}")
+        uid = annotations.get(keys.UPPER_UID_ANNOTATION)
+        return upper_pod is not None and upper_pod["metadata"].get("uid") == uid
+
     async def _load_copies(self) -> None:
         """Learns the copies made before a restart, so they are not sent again: with
         thousands of pods that would take the event budget for minutes. Without them
@@ -208,7 +229,7 @@ class EventReflector:
             self._wait_for_pod(key, event)  # or it is about an earlier pod of the name
             return
         self._waiting.pop(key, None)
-        if not self.owner.owns(pod):
+        if not self.owner.owns(pod) or not self._mirrors(pod):
             return
         body = upper_event(event, pod, self.owner, self.cluster_id)
         if body is None:

@@ -483,6 +483,8 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
             upper_events,
             lower_event_informers.informer(EVENTS, field_selector="involvedObject.kind=Pod"),
             backend.pods,
+            upper_pods,
+            mapping,
             owner,
             config.cluster_id,
             event_queue(),

