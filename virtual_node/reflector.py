@@ -245,12 +245,16 @@ class Reflector:
             self.queue.add(account)
 
     def _enqueue_slices_of(self, ref: Key) -> None:
+        for key in self._slices_of(ref):
+            self.queue.add(key)
+
+    def _slices_of(self, ref: Key) -> Iterator[Key]:
         kind, namespace, name = ref
         if kind != "services":
             return
         for endpoint_slice in self.upper_objects["endpointslices"].items(namespace):
             if service_of_slice(endpoint_slice) == name:
-                self.queue.add(("endpointslices", namespace, endpoint_slice["metadata"]["name"]))
+                yield ("endpointslices", namespace, endpoint_slice["metadata"]["name"])
 
     def _upper_changed(self, kind: Kind, obj: Mapping[str, Any]) -> None:
         metadata = obj["metadata"]
@@ -322,6 +326,16 @@ class Reflector:
         wanted = {*self._users, *self._taken}
         for namespace in self._synced:
             wanted.update(self._upper_keys_of(namespace))
+        # Every copy below (a kept claim, a slice, an account wanted for its token), and
+        # what goes with a Service (its slices) or a token Secret (its account).
+        for kind, informer in self.lower_copies.items():
+            copies = (self._key_of_copy(kind, copy) for copy in informer.items())
+            wanted.update(key for key in copies if key is not None)
+        for key in list(wanted):
+            wanted.update(self._slices_of(key))
+            account = self._account_of_token(key)
+            if account is not None:
+                wanted.add(account)
         for key in wanted:
             self.queue.forget(key)
             self.queue.add(key)

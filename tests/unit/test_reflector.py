@@ -726,15 +726,21 @@ async def test_a_cluster_wide_namesake_below_is_used_as_it_is() -> None:
     assert r.lower.writes() == [("POST", PRIORITY_CLASSES)]
 
 
-async def test_endpoint_slices_go_below_only_beside_our_own_copy_of_their_service() -> None:
-    """kube-proxy and DNS group slices by the Service name they carry: beside the lower
-    cluster's own Service of that name, they would send its clients to our pods."""
+def serving_front() -> Reflecting:
+    """Pod web-1 above, selected by Service front, whose EndpointSlice is front-abc."""
     r = reflecting()
     r.above(None, pod("web-1", {"app": "web"}))
     r.above("services", named("Service", "front", spec={"selector": {"app": "web"}}))
     endpoint_slice = named("EndpointSlice", "front-abc", addressType="IPv4", endpoints=[])
     endpoint_slice["metadata"]["labels"] = {"kubernetes.io/service-name": "front"}
     r.above("endpointslices", endpoint_slice)
+    return r
+
+
+async def test_endpoint_slices_go_below_only_beside_our_own_copy_of_their_service() -> None:
+    """kube-proxy and DNS group slices by the Service name they carry: beside the lower
+    cluster's own Service of that name, they would send its clients to our pods."""
+    r = serving_front()
     services, slices = (
         "/api/v1/namespaces/shop/services",
         ("/apis/discovery.k8s.io/v1/namespaces/shop/endpointslices"),
@@ -793,6 +799,29 @@ async def test_a_copy_that_failed_while_the_lower_cluster_was_away_is_made_when_
     assert r.queue.retries(key) == 0
     await r.drain()
     assert r.lower.writes() == [("POST", ACCOUNTS)]
+
+
+async def test_a_resync_reconciles_the_slices_of_the_services_copied_and_every_copy() -> None:
+    """A slice's update failed while the lower cluster was away: not a pod's reference,
+    it was left to its backoff, and clients below routed to dead pods for minutes."""
+    r = serving_front()
+    slice_key: Key = ("endpointslices", "shop", "front-abc")
+    kept: Key = ("persistentvolumeclaims", "shop", "data")
+    data = named("PersistentVolumeClaim", "data", spec={})
+    copy = desired_copy(data, NamespaceMapping(), OWNER)
+    r.below("persistentvolumeclaims", {**copy, "metadata": {**copy["metadata"], "uid": "lower"}})
+    await r.drain()
+    for key in (slice_key, kept):
+        for _ in range(12):
+            r.queue.add_rate_limited(key)
+    r.reflector.resync()
+    assert r.queue.retries(slice_key) == r.queue.retries(kept) == 0
+    queued = set()
+    while len(r.queue):
+        key = await r.queue.get()
+        queued.add(key)
+        r.queue.done(key)
+    assert {slice_key, kept} <= queued
 
 
 async def test_an_endpoint_slice_deleted_above_goes_below_at_once() -> None:
