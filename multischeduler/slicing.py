@@ -371,9 +371,9 @@ class SliceController:
             # as too long, say) is why, not only "no lower clusters".
             unheard = "; ".join(f"{c} did not answer: {why}" for c, why in view.silent.items())
             message = f"{target.message}; {unheard}" if unheard else target.message
-            await self._tell(namespace, False, "SlicesNotPlaced", message)
             if before is not None:
                 await self._annotate(namespace, before)
+            await self._tell(namespace, False, "SlicesNotPlaced", message)
             self.queue.add_after(name, self.retry_after)
             return
         rooms, promised, rewrite = view.rooms, view.held, set(view.unreadable)
@@ -544,9 +544,13 @@ class SliceController:
         }
         if all(annotations.get(key) == value for key, value in wanted.items()):
             return
-        await self.client.patch(
-            NAMESPACES, namespace["metadata"]["name"], {"metadata": {"annotations": wanted}}
-        )
+        # Of the namespace as this reconcile read it: a placement a user wrote meanwhile
+        # (the promises take seconds) is not overwritten unseen but refused 409, and the
+        # retry reads it.
+        metadata = {"annotations": wanted}
+        if version := namespace["metadata"].get("resourceVersion"):
+            metadata["resourceVersion"] = version
+        await self.client.patch(NAMESPACES, namespace["metadata"]["name"], {"metadata": metadata})
 
     async def _tell(
         self, namespace: Mapping[str, Any], placed: bool | None, reason: str, message: str

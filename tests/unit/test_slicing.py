@@ -767,3 +767,16 @@ async def test_a_namespace_not_federated_is_not_sliced_and_its_slices_are_taken_
     assert w.pool.clusters["a"].ledger == {} and w.pool.clusters["b"].ledger == {}
     assert w.controller.placement_of("team") is None
     assert w.controller.placement_of("monitoring") is None
+
+
+async def test_the_placement_is_written_on_the_namespace_as_read() -> None:
+    """A placement a user wrote while the promises were made is refused 409 (and read
+    by the retry), not overwritten unseen."""
+    w = world(a=Cluster((8,)))
+    read = namespace()
+    read["metadata"]["resourceVersion"] = "41"
+    w.put(w.namespaces, read)
+    w.put(w.quotas, quota("2"))
+    await w.controller.reconcile("team")
+    [patch] = [r for r in w.client.requests if r.method == "PATCH" and "/status" not in r.path]
+    assert patch.body["metadata"]["resourceVersion"] == "41"
