@@ -87,14 +87,14 @@ def quotas_digest(caps: Iterable[str], changes: int) -> str:
 
 def quota_usage(pod: JSON) -> dict[str, int]:
     """What creating the pod adds to a quota's usage, per quota resource name (thousandths):
-    pods, requests (bare and ``requests.``-prefixed for cpu, memory and ephemeral storage,
-    prefixed for extended resources and hugepages) and limits."""
+    pods, requests (bare and ``requests.``-prefixed for cpu, memory, ephemeral storage and
+    hugepages, prefixed for extended resources) and limits."""
     usage = {"pods": 1000, "count/pods": 1000}
     for name, amount in milli(pod_requests(pod)).items():
         if name == "pods" or not amount:
             continue
         usage[f"requests.{name}"] = amount
-        if name in _COMPUTE:
+        if name in _COMPUTE or name.startswith("hugepages-"):
             usage[name] = amount
     for name, amount in milli(pod_limits(pod)).items():
         if name in _COMPUTE and amount:

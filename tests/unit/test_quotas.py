@@ -64,7 +64,8 @@ def test_quotas_capping_only_some_pods_or_the_slices_own_are_not_read(
 
 def test_a_pod_uses_what_quota_admission_counts() -> None:
     app = container(
-        {"cpu": "500m", "memory": "1Gi", "nvidia.com/gpu": "1"}, {"cpu": "1", "memory": "2Gi"}
+        {"cpu": "500m", "memory": "1Gi", "nvidia.com/gpu": "1", "hugepages-2Mi": "4Mi"},
+        {"cpu": "1", "memory": "2Gi"},
     )
     init = {**container({"cpu": "2"}, {"cpu": "2"}), "name": "init"}
     usage = quota_usage(pod(app, initContainers=[init], overhead={"cpu": "100m"}))
@@ -77,6 +78,9 @@ def test_a_pod_uses_what_quota_admission_counts() -> None:
         "memory": 2**30 * 1000,
         "requests.memory": 2**30 * 1000,
         "requests.nvidia.com/gpu": 1000,
+        # Hugepages bare as well, as cpu and memory are (an extended resource is not).
+        "hugepages-2Mi": 4 * 2**20 * 1000,
+        "requests.hugepages-2Mi": 4 * 2**20 * 1000,
         "limits.cpu": 2100,
         "limits.memory": 2 * 2**30 * 1000,
     }
