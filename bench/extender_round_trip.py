@@ -102,6 +102,7 @@ def virtual_node_object(name: str, cluster_id: str, port: int) -> dict[str, Any]
             "name": name,
             "labels": {
                 keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
+                keys.PROVEN_VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
                 keys.CLUSTER_ID_LABEL: cluster_id,
             },
             "annotations": {keys.ESTIMATOR_ADDRESS_ANNOTATION: f"127.0.0.1:{port}"},

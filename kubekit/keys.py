@@ -18,6 +18,10 @@ CLUSTER_ID_LABEL = f"{PREFIX}/cluster-id"
 # node or admission plugin (PodNodeSelector, RuntimeClass) gives another value.
 VIRTUAL_NODE_LABEL = f"{PREFIX}/virtual-node"
 VIRTUAL_NODE_LABEL_VALUE = "true"
+# On virtual Nodes too, under the prefix the NodeRestriction admission plugin keeps
+# kubelets from setting on their own Node: the multischeduler and the descheduler send
+# their token to a Node's estimator only with it (a kubelet may label itself virtual).
+PROVEN_VIRTUAL_NODE_LABEL = "node-restriction.kubernetes.io/kubestrata-virtual-node"
 NODE_TYPE_LABEL = "type"
 NODE_TYPE_VIRTUAL = "virtual-kubelet"
 HOSTNAME_LABEL = "kubernetes.io/hostname"

@@ -358,20 +358,31 @@ class EstimatorPool:
             return False
         self.nodes[node.name] = node
         current = self._estimators.get(node.name)
-        if current is not None and (current.address, current.started) == (
-            node.address,
-            node.started,
+        if (
+            current is not None
+            and node.proven
+            and (current.address, current.started) == (node.address, node.started)
         ):
             return False
         if current is not None:
             del self._estimators[node.name]
             self._close(current)
-        if node.address is not None:
+        if node.address is not None and node.proven:
             self._open(node.name, node.address, node.started)
             log.info("%s (cluster %s): estimator at %s", node.name, node.cluster_id, node.address)
             return True
-        log.warning("%s: no %s annotation", node.name, keys.ESTIMATOR_ADDRESS_ANNOTATION)
+        log.warning("%s: %s", node.name, self._no_estimator(node.name))
         return False
+
+    def _no_estimator(self, name: str) -> str:
+        node = self.nodes.get(name)
+        if node is not None and not node.proven:
+            return (
+                f"the node is not labelled {keys.PROVEN_VIRTUAL_NODE_LABEL}="
+                f"{keys.VIRTUAL_NODE_LABEL_VALUE}, which a kubelet cannot set on its Node: "
+                "its estimator is not asked"
+            )
+        return f"the node has no {keys.ESTIMATOR_ADDRESS_ANNOTATION} annotation"
 
     def remove(self, obj: JSON) -> None:
         name = str(obj["metadata"]["name"])
@@ -438,9 +449,7 @@ class EstimatorPool:
     ) -> Answer:
         estimator = self._estimators.get(name)
         if estimator is None:
-            return EstimatorFailure(
-                f"the node has no {keys.ESTIMATOR_ADDRESS_ANNOTATION} annotation"
-            )
+            return EstimatorFailure(self._no_estimator(name))
         loop = asyncio.get_running_loop()
         if (left := estimator.skipped_until - loop.time()) > 0:
             return EstimatorFailure(
@@ -554,9 +563,7 @@ class EstimatorPool:
         self._follow_ca()
         estimator = self._estimators.get(name)
         if estimator is None:
-            return EstimatorFailure(
-                f"the node has no {keys.ESTIMATOR_ADDRESS_ANNOTATION} annotation"
-            )
+            return EstimatorFailure(self._no_estimator(name))
         try:
             metadata = self._metadata()
         except OSError as error:

@@ -83,6 +83,9 @@ class VirtualNode:
     address: str | None
     # When that estimator started: a restarted one is connected to afresh.
     started: str = ""
+    # Labelled as only a virtual node's own identity can (not a kubelet): its estimator
+    # may be sent the caller's token.
+    proven: bool = True
 
 
 def virtual_node(node: Mapping[str, Any]) -> VirtualNode | None:
@@ -100,6 +103,7 @@ def virtual_node(node: Mapping[str, Any]) -> VirtualNode | None:
         cluster_id=str(labels.get(keys.CLUSTER_ID_LABEL, "")),
         address=str(address) if address else None,
         started=str(annotations.get(keys.ESTIMATOR_STARTED_ANNOTATION, "")),
+        proven=labels.get(keys.PROVEN_VIRTUAL_NODE_LABEL) == keys.VIRTUAL_NODE_LABEL_VALUE,
     )
 
 

@@ -113,6 +113,7 @@ _IDENTITY_LABELS = frozenset(
     {
         keys.NODE_TYPE_LABEL,
         keys.VIRTUAL_NODE_LABEL,
+        keys.PROVEN_VIRTUAL_NODE_LABEL,
         keys.HOSTNAME_LABEL,
         keys.OS_LABEL,
         keys.ARCH_LABEL,
@@ -135,6 +136,7 @@ def node_labels(identity: NodeIdentity, report: NodeReport) -> dict[str, str]:
         **report.labels,
         keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL,
         keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
+        keys.PROVEN_VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
         keys.HOSTNAME_LABEL: identity.name,
         keys.OS_LABEL: report.labels.get(keys.OS_LABEL, "linux"),
         keys.ARCH_LABEL: report.labels.get(keys.ARCH_LABEL, "amd64"),

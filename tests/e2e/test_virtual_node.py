@@ -43,6 +43,7 @@ def test_virtual_nodes_are_registered_with_labels_taint_and_lease(federation: Fe
     labels = node["metadata"]["labels"]
     assert labels[keys.NODE_TYPE_LABEL] == "virtual-kubelet"
     assert labels[keys.VIRTUAL_NODE_LABEL] == keys.VIRTUAL_NODE_LABEL_VALUE
+    assert labels[keys.PROVEN_VIRTUAL_NODE_LABEL] == keys.VIRTUAL_NODE_LABEL_VALUE
     assert labels[keys.HOSTNAME_LABEL] == "vk-lower-1"
     assert labels[keys.CLUSTER_ID_LABEL] == "lower-1"
     assert (labels["kubernetes.io/os"], labels["kubernetes.io/arch"]) == ("linux", "amd64")

@@ -98,6 +98,7 @@ def virtual(name: str, down_for: float | None = None, cordoned: bool = False) ->
             "name": name,
             "labels": {
                 keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
+                keys.PROVEN_VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
                 keys.CLUSTER_ID_LABEL: name.removeprefix("vk-"),
             },
         },

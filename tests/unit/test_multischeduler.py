@@ -139,6 +139,7 @@ def node(name: str, labels: dict[str, str], annotations: dict[str, str] | None =
                 {
                     keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL,
                     keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
+                    keys.PROVEN_VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
                     keys.CLUSTER_ID_LABEL: "lower-1",
                 },
                 {keys.ESTIMATOR_ADDRESS_ANNOTATION: "10.0.0.5:10351"},
@@ -146,8 +147,13 @@ def node(name: str, labels: dict[str, str], annotations: dict[str, str] | None =
             VirtualNode("vk-lower-1", "lower-1", "10.0.0.5:10351"),
         ),
         (
-            node("vk-x", {keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE}),
-            VirtualNode("vk-x", "", None),
+            # A kubelet may label its own Node virtual, not under node-restriction.
+            node(
+                "vk-x",
+                {keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE},
+                {keys.ESTIMATOR_ADDRESS_ANNOTATION: "10.0.0.7:10351"},
+            ),
+            VirtualNode("vk-x", "", "10.0.0.7:10351", proven=False),
         ),
     ],
 )

@@ -275,6 +275,7 @@ def virtual_node_object(name: str, address: str | None, started: str = "") -> di
         annotations[keys.ESTIMATOR_STARTED_ANNOTATION] = started
     labels = {
         keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
+        keys.PROVEN_VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
         keys.CLUSTER_ID_LABEL: cluster_of(name),
     }
     return {"metadata": {"name": name, "labels": labels, "annotations": annotations}}
@@ -516,6 +517,23 @@ async def test_unreachable_and_unannounced_estimators_fail_their_nodes(
         f"{keys.ESTIMATOR_ADDRESS_ANNOTATION} annotation"
     )
     assert failed["vk-gone"].startswith("vk-gone: estimator unavailable: 127.0.0.1:1: ")
+
+
+async def test_a_node_a_kubelet_could_have_labelled_virtual_is_not_sent_the_token(
+    federation: Federation,
+) -> None:
+    """NodeRestriction lets a kubelet set our virtual-node label on its own Node, not one
+    under node-restriction.kubernetes.io/: its "estimator" would get the token, which
+    binds any pod."""
+    await federation.estimator("vk-a", fits(0.5))
+    address = await federation.estimator("vk-b", fits(0.9))
+    claimed = virtual_node_object("vk-b", address, started="2")
+    del claimed["metadata"]["labels"][keys.PROVEN_VIRTUAL_NODE_LABEL]
+    federation.nodes.apply({"type": "MODIFIED", "object": claimed})
+    result = await federation.filter("vk-a", "vk-b")
+    assert result["NodeNames"] == ["vk-a"]
+    assert "cannot set" in result["FailedAndUnresolvableNodes"]["vk-b"]
+    assert federation.estimators["vk-b"].estimates == []
 
 
 async def test_a_certificate_from_another_ca_fails_the_node(
@@ -1039,7 +1057,10 @@ async def test_a_restarted_estimator_gets_a_fresh_channel(tmp_path: Path) -> Non
             keys.ESTIMATOR_ADDRESS_ANNOTATION: "127.0.0.1:1",
             keys.ESTIMATOR_STARTED_ANNOTATION: started,
         }
-        labels = {keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE}
+        labels = {
+            keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
+            keys.PROVEN_VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
+        }
         pool.put({"metadata": {"name": "vk-a", "labels": labels, "annotations": annotations}})
         return pool._estimators["vk-a"].channel
 
