@@ -163,18 +163,12 @@ class ClusterState:
     # -- assumptions -----------------------------------------------------------------------
 
     def assume(self, key: str, pod: JSON | PodFacts, node_name: str | None = None) -> str | None:
-        """Counts the pod on ``node_name``, or on the node it would take: the fitting one
-        left with the most room (the lowest best fit), ties to the first name, as the
-        stock scheduler's LeastAllocated spreads pods. Returns that node, or None when
-        none fits (then nothing is assumed).
-
-        Spreading within a cluster keeps room on every node for what comes next: on the
-        production trace of bench/placement.py, packing each pod on its tightest node
-        strands GPUs behind the cpu of the pods packed beside them."""
+        """Counts the pod on ``node_name``, or on the node it would take (``_home``).
+        Returns that node, or None when none fits (then nothing is assumed)."""
         self.forget(key)
         facts = facts_of(pod)
         if node_name is None:
-            node_name = _roomiest(self._evaluate(facts).scores)
+            node_name = self._home(facts, self._evaluate(facts).scores)
             if node_name is None:
                 return None
         self._place((True, key), node_name, facts)
@@ -191,7 +185,7 @@ class ClusterState:
         node_name, facts = placed
         self.forget(key)
         scores = self._evaluate(facts).scores
-        chosen = node_name if node_name in scores else _roomiest(scores)
+        chosen = node_name if node_name in scores else self._home(facts, scores)
         if chosen is not None:
             self._place((True, key), chosen, facts)
         return chosen
@@ -210,11 +204,7 @@ class ClusterState:
         facts = facts_of(pod)
         evaluation = self._evaluate(facts)
         scores = evaluation.scores
-        preferred = (
-            max(fit.preference(facts, self._nodes[n].labels, n) for n in scores)
-            if facts.preferred and scores
-            else 0
-        )
+        preferences = self._preferences(facts, scores)
         return Estimate(
             total_nodes=len(self._nodes),
             fitting=tuple(scores),
@@ -223,9 +213,37 @@ class ClusterState:
             best_fit=max(scores.values(), default=0.0),
             # The free share is one minus the requested share, resource by resource.
             least_allocated=1.0 - min(scores.values()) if scores else 0.0,
-            preferred=preferred,
-            roomiest=_roomiest(scores),
+            preferred=max(preferences.values(), default=0),
+            roomiest=self._home(facts, scores, preferences),
         )
+
+    def _preferences(self, facts: PodFacts, scores: Mapping[str, float]) -> dict[str, int]:
+        """The weight of the pod's preferred node affinity each fitting node matches."""
+        if not facts.preferred:
+            return {}
+        return {n: fit.preference(facts, self._nodes[n].labels, n) for n in scores}
+
+    def _home(
+        self,
+        facts: PodFacts,
+        scores: Mapping[str, float],
+        preferences: Mapping[str, int] | None = None,
+    ) -> str | None:
+        """The node the pod would take: of the fitting ones matching the most of its
+        preferred node affinity, the one left with the most room (the lowest best fit),
+        ties to the first name, as the stock scheduler's LeastAllocated spreads pods. The
+        pod is pinned there below: a cluster chosen for the preference its nodes meet
+        must put the pod on one that meets it.
+
+        Spreading within a cluster keeps room on every node for what comes next: on the
+        production trace of bench/placement.py, packing each pod on its tightest node
+        strands GPUs behind the cpu of the pods packed beside them."""
+        if preferences is None:
+            preferences = self._preferences(facts, scores)
+        if preferences:
+            top = max(preferences.values())
+            scores = {n: s for n, s in scores.items() if preferences[n] == top}
+        return _roomiest(scores)
 
     def largest_free_slot(
         self, counted_taint_keys: Collection[str] = ()
@@ -366,7 +384,7 @@ class ClusterState:
         homes: list[str | None] = []
         try:
             for index, facts in enumerate(pods):
-                home = _roomiest(self._evaluate(facts).scores)
+                home = self._home(facts, self._evaluate(facts).scores)
                 homes.append(home)
                 if home is not None:
                     ref = (True, f"{_SIMULATED}{index}")

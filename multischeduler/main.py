@@ -143,8 +143,8 @@ def parse_args(argv: Sequence[str]) -> Config:
         "--score",
         choices=[choice.value for choice in Score],
         default=Score.BEST_FIT.value,
-        help="best-fit prefers the cluster left with the least stranded room on the node the "
-        "pod takes; least-allocated the emptiest (default %(default)s)",
+        help="best-fit prefers the cluster whose tightest fitting node is left with the least "
+        "stranded room; least-allocated the one with the emptiest (default %(default)s)",
     )
     parser.add_argument(
         "--slice-headroom",

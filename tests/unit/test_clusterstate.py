@@ -219,6 +219,25 @@ def test_preferred() -> None:
     assert cluster.estimate(query).preferred == 3
 
 
+def test_the_pod_takes_the_roomiest_of_the_nodes_it_prefers_most() -> None:
+    """The cluster was chosen for the preference a node of it meets: pinned to the
+    roomiest node instead, the pod ran where it preferred not to."""
+    cluster = state(
+        node("big", cpu="32", labels={"disk": "hdd"}),
+        node("ssd-1", cpu="4", labels={"disk": "ssd"}),
+        node("ssd-2", cpu="8", labels={"disk": "ssd"}),
+    )
+    term = {"matchExpressions": [{"key": "disk", "operator": "In", "values": ["ssd"]}]}
+    prefers = {
+        "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "preference": term}]
+    }
+    query = needs("2", affinity={"nodeAffinity": prefers})
+    estimate = cluster.estimate(query)
+    assert (estimate.preferred, estimate.roomiest) == (100, "ssd-2")
+    assert cluster.assume("uid-1", query) == "ssd-2"
+    assert cluster.assume("uid-2", needs("2")) == "big", "no preference: the roomiest"
+
+
 def test_assume_takes_the_roomiest_node_and_forget_gives_it_back() -> None:
     cluster = state(node("roomy", cpu="8"), node("snug", cpu="2"))
     assert cluster.assume("uid-1", needs("2")) == "roomy"
