@@ -121,24 +121,30 @@ class CaFile:
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self._seen = _version(path) if path is not None else None
-        self.credentials = grpc.ssl_channel_credentials(
-            root_certificates=path.read_bytes() if path is not None else None
-        )
+        self._bundle = path.read_bytes() if path is not None else None
+        self.credentials = grpc.ssl_channel_credentials(root_certificates=self._bundle)
 
     def renewed(self) -> bool:
-        """Whether the file changed since it was last read, taking it then; a file that
-        cannot be read (being replaced) is kept as it was, and looked at next time."""
+        """Whether the bundle changed since it was last read, taking it then; a file that
+        cannot be read (being replaced) is kept as it was, and looked at next time. The
+        file is read only when it was written again, and counts as changed only if what
+        it holds did: a kubelet writes every file of a projected service-account volume
+        anew with each token (hourly), its CA the same."""
         if self.path is None:
             return False
         try:
             seen = _version(self.path)
             if seen == self._seen:
                 return False
-            self.credentials = grpc.ssl_channel_credentials(self.path.read_bytes())
+            bundle = self.path.read_bytes()
         except OSError as error:
             log.warning("estimator CA %s not read again: %s", self.path, error)
             return False
         self._seen = seen
+        if bundle == self._bundle:
+            return False
+        self._bundle = bundle
+        self.credentials = grpc.ssl_channel_credentials(bundle)
         log.info("estimator CA %s read again", self.path)
         return True
 
@@ -405,12 +411,14 @@ class EstimatorPool:
     def _follow_ca(self) -> None:
         """Opens every channel again when the CA changed: one open now reconnects, after
         any drop, checking against the CA it was made with. Room waiting to be given back
-        through a channel closed so lapses on its own, as when an estimator restarts."""
+        goes through the new channel; a call under way on the old one ends with it (a
+        Release among them lapses on its own, as when an estimator restarts)."""
         if not self.ca.renewed():
             return
         for name, estimator in list(self._estimators.items()):
             self._close(estimator)
             self._open(name, estimator.address, estimator.started)
+            self._queue_releases(name, self._estimators[name], estimator.releases)
 
     def _close(self, estimator: _Estimator) -> None:
         if estimator.flush_timer is not None:

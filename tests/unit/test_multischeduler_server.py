@@ -566,6 +566,21 @@ async def test_an_estimator_ca_rewritten_is_trusted_by_every_channel(
     trusted.write_bytes(pki.ca_path(serving_pair(tmp_path)).read_bytes())
     result = await federation.filter("vk-a")
     assert result["NodeNames"] == ["vk-a"], result
+    # Written again as it was (a kubelet writes a projected ca.crt anew with each token):
+    # the channels stay.
+    channel = federation.extender.pool._estimators["vk-a"].channel
+    again = tmp_path / "trusted.new"
+    again.write_bytes(trusted.read_bytes())
+    again.replace(trusted)
+    await federation.filter("vk-a")
+    assert federation.extender.pool._estimators["vk-a"].channel is channel
+    # Rotated while room waits to be given back: it goes through the new channel.
+    federation.extender.pool.release(["vk-a"], "u9")
+    trusted.write_bytes(trusted.read_bytes() + other_ca.read_bytes())
+    await federation.filter("vk-a", pod=named("q", "u2"))
+    assert federation.extender.pool._estimators["vk-a"].channel is not channel
+    asked = federation.estimators["vk-a"].estimates
+    assert list(asked[-1].release_pod_uids) == ["u9"], "given back with the next call"
 
 
 async def test_nodes_that_change_or_go_are_followed(federation: Federation) -> None:
