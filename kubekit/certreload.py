@@ -45,7 +45,7 @@ class CertificateFiles:
             cert, key = self.cert_file.read_bytes(), self.key_file.read_bytes()
             if cert + key == self._seen:
                 return None
-            with _written(cert, key) as (cert_file, key_file):
+            with written_pair(cert, key) as (cert_file, key_file):
                 pki.server_ssl_context(cert_file, key_file)
         except (OSError, ssl.SSLError) as error:
             log.warning("certificate %s not reloaded yet: %s", self.cert_file, error)
@@ -56,7 +56,7 @@ class CertificateFiles:
 
 
 @contextlib.contextmanager
-def _written(cert: bytes, key: bytes) -> Iterator[tuple[Path, Path]]:
+def written_pair(cert: bytes, key: bytes) -> Iterator[tuple[Path, Path]]:
     """A certificate and key written to files of a private directory, for the APIs that
     load from files only; removed on exit."""
     with tempfile.TemporaryDirectory(prefix="kubestrata-cert-") as directory:
@@ -96,7 +96,7 @@ class ReloadingContext:
         if pair is None and trusted is None:
             return False
         try:
-            with _written(*(pair or self._pair)) as (cert_file, key_file):
+            with written_pair(*(pair or self._pair)) as (cert_file, key_file):
                 context = pki.server_ssl_context(
                     cert_file, key_file, trusted if trusted is not None else self._trusted
                 )

@@ -25,6 +25,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -36,6 +37,7 @@ from kubernetes_asyncio.config import ConfigException
 from kubernetes_asyncio.config.exec_provider import ExecProvider
 
 from kubekit import metrics
+from kubekit.certreload import written_pair
 from kubekit.ratelimit import TokenBucket
 
 JSON = dict[str, Any]
@@ -438,8 +440,18 @@ class KubeClient:
         alive as long as requests keep them busy, are closed once the requests under way
         had time to finish (a watch among them is resumed), or they would present the old
         one until it expired, and every request be refused. The streams' pool keeps its
-        connections: each is a user's session, and an idle one is closed in seconds."""
-        context.load_cert_chain(cert_file, keyfile=key_file)
+        connections: each is a user's session, and an idle one is closed in seconds.
+
+        The pair is tried on a scratch context first, from the bytes then loaded: one
+        that does not go together (the certificate written, its key not yet) fails there,
+        and the context in use keeps the old pair. Loaded into it, OpenSSL takes the new
+        certificate, drops the old key and fails, and every new connection presented no
+        certificate at all."""
+        cert = Path(cert_file).read_bytes()
+        key = Path(key_file).read_bytes() if key_file else cert
+        with written_pair(cert, key) as (checked_cert, checked_key):
+            ssl.create_default_context().load_cert_chain(checked_cert, checked_key)
+            context.load_cert_chain(checked_cert, checked_key)
         log.info("new client certificate %s", cert_file)
         rest = self.api.rest_client
         old = rest.pool_manager

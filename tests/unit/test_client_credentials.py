@@ -391,7 +391,17 @@ async def test_a_client_certificate_rewritten_in_place_is_presented_on_new_conne
             # Rotated where the kubeconfig names it, as a kubelet or cert-manager does; the
             # connection the first request left in the pool is not used any more.
             first_pool = client.api.rest_client.pool_manager
-            pki.issue(server.ca, tmp_path / "user", "user-rotated", client=True)
+            rotated = pki.issue(server.ca, tmp_path / "next", "user-rotated", client=True)
+            # The certificate written, its key not yet: the old pair is kept whole (loaded
+            # into the context in use, the new certificate went with no key, and new
+            # connections presented none).
+            (tmp_path / "user.crt").write_bytes(rotated.cert_path.read_bytes())
+            await client.get(CONFIGMAPS, "a", "ns")
+            await asyncio.sleep(0.1)  # the read beside it
+            # At once, so that all but one make a connection of their own.
+            await asyncio.gather(*(client.get(CONFIGMAPS, "a", "ns") for _ in range(4)))
+            assert seen[-4:] == ["user"] * 4
+            (tmp_path / "user.key").write_bytes(rotated.key_path.read_bytes())
             await tokens_until(client, seen, "user-rotated")
             for _ in range(3):
                 await client.get(CONFIGMAPS, "a", "ns")
