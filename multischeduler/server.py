@@ -59,8 +59,11 @@ FILTER_BUDGET = 4.5
 # 4 s after a hold of up to 2 s ran past the scheduler's 5 s, which took the bind for
 # failed while the Binding was still being made).
 BIND_BUDGET = 4.5
-# How often at most the Node of an estimator that keeps failing is read again.
+# How often at most the Node of an estimator that keeps failing is read again, and for
+# a pod it failed before, tried again (the scheduler retries every such pod at once
+# when the Node changes: the first one's read finds a restart for all).
 READ_AGAIN_INTERVAL = 5.0
+READ_AGAIN_FOR_RETRY_INTERVAL = 1.0
 
 
 @dataclass
@@ -179,8 +182,12 @@ class Extender:
         failed = [
             n
             for n in failed_here
-            if now - self._read_again_at.get(n, -READ_AGAIN_INTERVAL) >= READ_AGAIN_INTERVAL
-            or args.uid in self._failed_since_read.get(n, ())
+            if now - self._read_again_at.get(n, -READ_AGAIN_INTERVAL)
+            >= (
+                READ_AGAIN_FOR_RETRY_INTERVAL
+                if args.uid in self._failed_since_read.get(n, ())
+                else READ_AGAIN_INTERVAL
+            )
         ]
         for name in failed_here:
             self._failed_since_read.setdefault(name, set()).add(args.uid)
