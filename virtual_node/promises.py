@@ -249,15 +249,16 @@ class SlicePromises:
             await self._hold_to(lower_namespace, entry)
 
     async def _take_quota_back(self, lower_namespace: str) -> None:
-        """Deletes the namespace's slice quota if this upper cluster's virtual node made
-        it: another tenant's, in a lower namespace both map to, is theirs."""
+        """Deletes the namespace's slice quota if a virtual node of this upper cluster made
+        it (under this node name or an earlier one): another tenant's, in a lower
+        namespace both map to, is theirs."""
         try:
             quota = await self.client.get(RESOURCEQUOTAS, keys.SLICE_QUOTA, lower_namespace)
         except ApiError as error:
             if is_not_found(error):
                 return
             raise
-        if self.owner.owns(quota):
+        if self.owner.upper_cluster_owns(quota):
             await self.client.delete_exact(RESOURCEQUOTAS, quota)
 
     async def _hold_to(self, lower_namespace: str, entry: LedgerEntry) -> None:

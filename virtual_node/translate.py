@@ -85,8 +85,17 @@ class Ownership:
         return _selector(self.namespace_labels())
 
     def owns(self, lower: Mapping[str, Any]) -> bool:
-        labels = lower.get("metadata", {}).get("labels") or {}
-        return all(labels.get(k) == v for k, v in self.labels().items())
+        return _labelled(lower, self.labels())
+
+    def upper_cluster_owns(self, lower: Mapping[str, Any]) -> bool:
+        """Made by a virtual node of this upper cluster, under this node name or an
+        earlier one (a namespace, a slice quota: the upper cluster's, not one node's)."""
+        return _labelled(lower, self.namespace_labels())
+
+
+def _labelled(obj: Mapping[str, Any], wanted: Mapping[str, str]) -> bool:
+    labels = obj.get("metadata", {}).get("labels") or {}
+    return all(labels.get(k) == v for k, v in wanted.items())
 
 
 def _selector(labels: Mapping[str, str]) -> str:

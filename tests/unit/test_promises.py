@@ -137,17 +137,22 @@ def tenant(
     return promises, made
 
 
-def same_lower_namespace_other_origin(api: LowerApi, nodes: Informer) -> SlicePromises:
-    """A second tenant whose namespace "team" is t1-team below too (both without a
-    prefix, say)."""
+def mapped_like_t1(api: LowerApi, nodes: Informer, owner: Ownership) -> SlicePromises:
+    """A virtual node of ``owner`` whose namespace "team" is t1-team below."""
     return SlicePromises(
         api,
         nodes,
         informer(PODS),
         NamespaceMapping("prefix", "t1"),
-        Ownership("t2", "vk-t2", "lower-1"),
-        tenant(api, "t2", nodes)[0].ensure_namespace,
+        owner,
+        tenant(api, owner.origin, nodes)[0].ensure_namespace,
     )
+
+
+def same_lower_namespace_other_origin(api: LowerApi, nodes: Informer) -> SlicePromises:
+    """A second tenant whose namespace "team" is t1-team below too (both without a
+    prefix, say)."""
+    return mapped_like_t1(api, nodes, Ownership("t2", "vk-t2", "lower-1"))
 
 
 async def test_a_promise_is_recorded_and_the_lower_namespace_held_to_it() -> None:
@@ -398,6 +403,15 @@ async def test_a_take_back_whose_quota_delete_fails_keeps_its_entry_to_be_tried_
     assert (await promises.room("team")).held == 2, "still held: the take-back is retried"
     await promises.promise("team", 0, SLICE, "0")
     assert api.promised() == {} and api.quotas == {}
+
+
+async def test_a_take_back_deletes_a_quota_made_under_the_node_s_earlier_name() -> None:
+    api = LowerApi()
+    nodes = informer(NODES, node("n1", "8"))
+    await tenant(api, "t1", nodes)[0].promise("team", 2, SLICE, "0")
+    renamed = mapped_like_t1(api, nodes, Ownership("t1", "vk-renamed", "lower-1"))
+    await renamed.promise("team", 0, SLICE, "0")
+    assert api.quotas == {}
 
 
 async def test_a_take_back_leaves_another_tenant_s_quota_alone() -> None:
