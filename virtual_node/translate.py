@@ -873,6 +873,8 @@ def upper_status(lower: Mapping[str, Any], upper: Mapping[str, Any], host_ip: st
     for field in _STATUS_FIELDS:
         if field in lower_status:
             status[field] = json_copy(lower_status[field])
+    _keep_terminal_phase(status, upper_status)
+    _of_upper_containers(status, upper.get("spec") or {})
     upper_conditions = upper_status.get("conditions") or []
     gates = [g["conditionType"] for g in upper.get("spec", {}).get("readinessGates") or []]
     conditions = _with_upper_scheduling(status.get("conditions") or [], upper_conditions)
@@ -886,6 +888,60 @@ def upper_status(lower: Mapping[str, Any], upper: Mapping[str, Any], host_ip: st
         status["hostIPs"] = [{"ip": host_ip}]
     _observe_generation(status, lower, upper)
     return status
+
+
+def _keep_terminal_phase(status: JSON, upper_status: Mapping[str, Any]) -> None:
+    """A pod never leaves Succeeded or Failed, as a kubelet forces the phase the apiserver
+    has (the apiserver does not refuse the change): the virtual node's Failed for a bare
+    pod deleted below went back to Succeeded when the lower pod, still stopping, said so.
+    Its reason and message go with it unless the lower pod, in that phase, has its own."""
+    phase = upper_status.get("phase")
+    if phase not in ("Succeeded", "Failed"):
+        return
+    if status.get("phase") == phase and status.get("reason"):
+        return
+    for field in ("phase", "reason", "message"):
+        if field in upper_status:
+            status[field] = upper_status[field]
+        else:
+            status.pop(field, None)
+
+
+# Each kind of container, and its statuses' field.
+_CONTAINER_STATUSES = (
+    ("containers", "containerStatuses"),
+    ("initContainers", "initContainerStatuses"),
+    ("ephemeralContainers", "ephemeralContainerStatuses"),
+)
+
+
+def _of_upper_containers(status: JSON, upper_spec: Mapping[str, Any]) -> None:
+    """The statuses of the upper pod's own containers only, each with the mounts of its
+    container above: a lower mutating webhook (a service mesh's) adds containers below,
+    whose statuses read as the pod's (READY 2/1, their restarts, exit codes a Job's
+    failure policy matches), and the lower service-account token volume has a name of its
+    own. A kubelet reports one status per container of the spec, its mounts the spec's."""
+    for containers, field in _CONTAINER_STATUSES:
+        if field not in status:
+            continue
+        declared = {c.get("name"): c for c in upper_spec.get(containers) or []}
+        status[field] = [
+            _with_upper_mounts(container_status, declared[container_status.get("name")])
+            for container_status in status[field] or []
+            if container_status.get("name") in declared
+        ]
+
+
+def _with_upper_mounts(container_status: JSON, container: Mapping[str, Any]) -> JSON:
+    if "volumeMounts" not in container_status:
+        return container_status
+    above = {m.get("mountPath"): m for m in container.get("volumeMounts") or []}
+    container_status["volumeMounts"] = [
+        {**mount, "name": above[mount.get("mountPath")].get("name")}
+        for mount in container_status["volumeMounts"] or []
+        if mount.get("mountPath") in above
+    ]
+    return container_status
 
 
 def _observe_generation(status: JSON, lower: Mapping[str, Any], upper: Mapping[str, Any]) -> None:
@@ -1015,6 +1071,7 @@ def _gated_ready(
         "lastTransitionTime": since,
         "reason": "ReadinessGatesNotReady",
         "message": ", ".join(unready),
+        **{k: condition[k] for k in ("observedGeneration",) if k in condition},
     }
 
 

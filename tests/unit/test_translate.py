@@ -417,6 +417,53 @@ def test_status_comes_up_with_the_virtual_node_as_host() -> None:
     assert status["containerStatuses"] == [{"name": "app", "ready": True}]
 
 
+def test_only_the_upper_containers_statuses_come_up_with_their_mounts_above() -> None:
+    """A lower mesh injects istio-init and istio-proxy: READY read 2/1 above."""
+    token = "/var/run/secrets/kubernetes.io/serviceaccount"
+    lower = {
+        "status": {
+            "phase": "Running",
+            "initContainerStatuses": [{"name": "istio-init", "ready": True}],
+            "containerStatuses": [
+                {
+                    "name": "app",
+                    "ready": True,
+                    "volumeMounts": [
+                        {"name": "kube-api-access-lower", "mountPath": token},
+                        {"name": "data", "mountPath": "/data"},
+                        {"name": "istio-envoy", "mountPath": "/etc/istio/proxy"},
+                    ],
+                },
+                {"name": "istio-proxy", "ready": True, "restartCount": 3},
+            ],
+        }
+    }
+    status = upper_status(lower, upper_pod(), host_ip="127.0.0.2")
+    assert status["initContainerStatuses"] == []
+    [app] = status["containerStatuses"]
+    assert app["volumeMounts"] == [
+        {"name": "kube-api-access-abcde", "mountPath": token},
+        {"name": "data", "mountPath": "/data"},
+    ]
+
+
+@pytest.mark.parametrize("below", ["Succeeded", "Running"])
+def test_a_pod_never_leaves_a_terminal_phase_above(below: str) -> None:
+    """The virtual node said Failed (a bare pod deleted below); its lower pod, still
+    stopping, says otherwise."""
+    upper = upper_pod()
+    upper["status"] = {"phase": "Failed", "reason": "LowerPodDeleted", "message": "gone"}
+    status = upper_status({"status": {"phase": below}}, upper, host_ip="127.0.0.2")
+    assert (status["phase"], status["reason"], status["message"]) == (
+        "Failed",
+        "LowerPodDeleted",
+        "gone",
+    )
+    lower = {"status": {"phase": "Failed", "reason": "Evicted", "message": "disk"}}
+    status = upper_status(lower, upper, host_ip="127.0.0.2")
+    assert (status["reason"], status["message"]) == ("Evicted", "disk"), "its own stands"
+
+
 def test_the_upper_generation_is_observed_once_the_lower_kubelet_caught_up() -> None:
     """A 1.35 kubelet reports status.observedGeneration and its conditions'; the lower
     pod's generations are its own (it starts at 1 whatever the upper pod's count)."""
@@ -610,6 +657,18 @@ RUNNING_BELOW = {
 
 def test_a_readiness_gate_stays_above_and_is_not_asked_of_the_lower_cluster() -> None:
     assert "readinessGates" not in desired_lower_pod(gated_pod(), NamespaceMapping(), OWNER)["spec"]
+
+
+def test_the_ready_condition_a_gate_holds_back_observes_the_generation() -> None:
+    upper = gated_pod()
+    upper["metadata"]["generation"] = 3
+    lower: dict[str, Any] = copy.deepcopy(RUNNING_BELOW)
+    lower["status"]["conditions"][0]["observedGeneration"] = 1
+    lower["metadata"] = {"generation": 1}
+    lower["status"]["observedGeneration"] = 1
+    status = upper_status(lower, upper, host_ip="127.0.0.2")
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert (ready["reason"], ready["observedGeneration"]) == ("ReadinessGatesNotReady", 3)
 
 
 def test_a_pod_ready_below_is_not_ready_above_until_its_gate_is_true() -> None:
