@@ -204,15 +204,15 @@ class SliceController:
         self.queue.add(name)
 
     def placement_of(self, namespace: str) -> dict[str, int] | None:
-        """Where a namespace's pods may go: {cluster-id: slices} when it has a quota
-        (empty until placed, and for good when the namespace is not federated: a pod
-        made to select virtual nodes there would run on room promised to others), None
-        when it has none and its pods go anywhere."""
-        if not namespace_quota(self.quotas.items(namespace)):
-            return None
+        """Where a namespace's pods may go: {cluster-id: slices} when its quota is sliced
+        (empty until placed), None when it is not (no quota, or not federated) and its
+        pods go anywhere."""
         found = self.namespaces.get(namespace)
-        if found is not None and not self._sliced(found):
-            return {}
+        # Not seen yet (the cache behind the pod's creation): its quota holds it back.
+        if not namespace_quota(self.quotas.items(namespace)) or (
+            found is not None and not self._sliced(found)
+        ):
+            return None
         annotations = (found or {}).get("metadata", {}).get("annotations") or {}
         record = applied(annotations.get(keys.SLICE_APPLIED_ANNOTATION))
         return dict(record.slices) if record is not None else {}
@@ -309,17 +309,6 @@ class SliceController:
                 self._suspects.discard(name)
             if namespace is None:
                 self._told.pop(name, None)
-            elif namespace_quota(self.quotas.items(name)):
-                # Refused on every virtual node (``placement_of``), saying why.
-                await self._annotate(namespace, None)
-                await self._tell(
-                    namespace,
-                    False,
-                    "NamespaceNotFederated",
-                    f"the namespace is not labelled {keys.FEDERATION_LABEL}="
-                    f"{keys.FEDERATION_ENABLED}: its quota is not sliced, and its pods go to "
-                    "no virtual node",
-                )
             else:
                 await self._annotate(namespace, None)
                 await self._tell(namespace, None, "", "")

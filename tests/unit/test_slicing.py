@@ -765,13 +765,8 @@ async def test_a_namespace_not_federated_is_not_sliced_and_its_slices_are_taken_
     w.put(w.namespaces, {"metadata": {"name": "monitoring", "uid": "uid-monitoring"}})
     await w.drain()
     assert w.pool.clusters["a"].ledger == {} and w.pool.clusters["b"].ledger == {}
-    # Its pods made to select virtual nodes anyway go to none: they would run on room
-    # promised to others.
-    assert w.controller.placement_of("team") == {}
-    assert w.controller.placement_of("monitoring") == {}
-    assert w.controller.placement_of("no-quota") is None
-    reason, message = w.events()[-1]
-    assert reason == "NamespaceNotFederated" and "is not labelled" in message
+    assert w.controller.placement_of("team") is None
+    assert w.controller.placement_of("monitoring") is None
 
 
 async def test_the_placement_is_written_on_the_namespace_as_read() -> None:
