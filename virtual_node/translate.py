@@ -920,27 +920,37 @@ def _of_upper_containers(status: JSON, upper_spec: Mapping[str, Any]) -> None:
     container above: a lower mutating webhook (a service mesh's) adds containers below,
     whose statuses read as the pod's (READY 2/1, their restarts, exit codes a Job's
     failure policy matches), and the lower service-account token volume has a name of its
-    own. A kubelet reports one status per container of the spec, its mounts the spec's."""
+    own. A kubelet reports one status per container of the spec, its mounts the spec's.
+    An empty list is left out, as the apiserver stores it: kept, the status written would
+    never equal the status read back, and be written again at every reconcile."""
     for containers, field in _CONTAINER_STATUSES:
         if field not in status:
             continue
         declared = {c.get("name"): c for c in upper_spec.get(containers) or []}
-        status[field] = [
-            _with_upper_mounts(container_status, declared[container_status.get("name")])
-            for container_status in status[field] or []
-            if container_status.get("name") in declared
-        ]
+        _set_or_drop(
+            status,
+            field,
+            [
+                _with_upper_mounts(container_status, declared[container_status.get("name")])
+                for container_status in status[field] or []
+                if container_status.get("name") in declared
+            ],
+        )
 
 
 def _with_upper_mounts(container_status: JSON, container: Mapping[str, Any]) -> JSON:
     if "volumeMounts" not in container_status:
         return container_status
     above = {m.get("mountPath"): m for m in container.get("volumeMounts") or []}
-    container_status["volumeMounts"] = [
-        {**mount, "name": above[mount.get("mountPath")].get("name")}
-        for mount in container_status["volumeMounts"] or []
-        if mount.get("mountPath") in above
-    ]
+    _set_or_drop(
+        container_status,
+        "volumeMounts",
+        [
+            {**mount, "name": above[mount.get("mountPath")].get("name")}
+            for mount in container_status["volumeMounts"] or []
+            if mount.get("mountPath") in above
+        ],
+    )
     return container_status
 
 
