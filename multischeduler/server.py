@@ -60,8 +60,8 @@ FILTER_BUDGET = 4.5
 # failed while the Binding was still being made).
 BIND_BUDGET = 4.5
 # How often at most the Node of an estimator that keeps failing is read again, and for
-# a pod it failed before, tried again (the scheduler retries every such pod at once
-# when the Node changes: the first one's read finds a restart for all).
+# one pod it failed before, tried again (the scheduler's backoff keeps a pod's tries a
+# second apart at least).
 READ_AGAIN_INTERVAL = 5.0
 READ_AGAIN_FOR_RETRY_INTERVAL = 1.0
 
@@ -82,9 +82,10 @@ class Extender:
     _giving_back: Background = field(default_factory=Background, init=False)
     # When a failed estimator's Node was last read again and told of no restart.
     _read_again_at: dict[str, float] = field(default_factory=dict, init=False)
-    # The pods each such estimator failed since: one tried again may follow the Node's
-    # change that told of a restart, ahead of the watch, and gets a read of its own.
-    _failed_since_read: dict[str, set[str]] = field(default_factory=dict, init=False)
+    # The pods each such estimator failed, and when each last read its Node: one tried
+    # again may follow the Node's change that told of a restart, ahead of the watch, and
+    # gets a read of its own.
+    _failed_pods: dict[str, dict[str, float]] = field(default_factory=dict, init=False)
 
     async def _estimate(
         self, names: list[str], pod: bytes, pod_key: str, reserve: bool
@@ -178,19 +179,18 @@ class Extender:
         failed_here = [n for n, a in answers.items() if isinstance(a, EstimatorFailure)]
         # A Node read again lately with nothing new is not read at every decision (with
         # one virtual node down, each pod's filter waited on a read of it), but it is for
-        # a pod it failed before: tried again, the pod may follow the Node's change.
+        # a pod it failed before, once a second at most: tried again, the pod may follow
+        # the Node's change. Any other pod's read since does not count: the restart may
+        # have come after it.
         failed = [
             n
             for n in failed_here
-            if now - self._read_again_at.get(n, -READ_AGAIN_INTERVAL)
-            >= (
-                READ_AGAIN_FOR_RETRY_INTERVAL
-                if args.uid in self._failed_since_read.get(n, ())
-                else READ_AGAIN_INTERVAL
-            )
+            if now - self._read_again_at.get(n, -READ_AGAIN_INTERVAL) >= READ_AGAIN_INTERVAL
+            or now - self._failed_pods.get(n, {}).get(args.uid, now)
+            >= READ_AGAIN_FOR_RETRY_INTERVAL
         ]
         for name in failed_here:
-            self._failed_since_read.setdefault(name, set()).add(args.uid)
+            self._failed_pods.setdefault(name, {}).setdefault(args.uid, -READ_AGAIN_INTERVAL)
         if not failed:
             return {}
         if self.clock() - began + LOOKUP_TIMEOUT + self.estimator_timeout > FILTER_BUDGET:
@@ -205,9 +205,10 @@ class Extender:
             if current is not None and current != asked.get(name):
                 restarted.append(name)
                 self._read_again_at.pop(name, None)
-                self._failed_since_read.pop(name, None)
+                self._failed_pods.pop(name, None)
             else:
                 self._read_again_at[name] = now
+                self._failed_pods[name][args.uid] = now
         if not restarted:
             return {}
         return await self._estimate(restarted, pod, args.pod_key, reserve=True)
@@ -269,8 +270,8 @@ class Extender:
         for a pod the scheduler then put on an ordinary node (or one deleted while it
         waited) would otherwise turn the next pods away from that cluster until it lapses."""
         uid = str(pod["metadata"]["uid"])
-        for failed in self._failed_since_read.values():
-            failed.discard(uid)
+        for failed in self._failed_pods.values():
+            failed.pop(uid, None)
         reserved = self.decisions.left_queue(uid, self.clock())
         if reserved:
             self._give_back_later(pod, reserved)
