@@ -13,7 +13,7 @@ import aiohttp
 
 from kubekit import keys
 from kubekit.client import CONNECTION_ERRORS, PODS, ApiError, KubeClient
-from kubekit.informer import Informer
+from kubekit.informer import Informer, object_key
 from kubekit.timestamps import parse_time
 from virtual_node.kubeletapi import channels, metrics
 from virtual_node.kubeletapi.provider import (
@@ -245,12 +245,21 @@ class LowerKubelet:
         except NamingError:
             return None
 
-    def _lower_path(self, pod: Mapping[str, Any], subresource: str) -> str:
-        metadata = pod["metadata"]
+    def _copy_below(self, metadata: Mapping[str, Any]) -> JSON | None:
+        """The lower pod made from this very upper pod: not a namesake of another tenant
+        or of the lower cluster's (the upper pod failed NameConflict), nor one an earlier
+        upper pod of the name left."""
         key = self._lower_key(metadata)
         lower = self.lower_pods.get(key) if key is not None else None
         annotations = (lower or {}).get("metadata", {}).get("annotations") or {}
-        if lower is None or annotations.get(keys.UPPER_UID_ANNOTATION) != metadata["uid"]:
+        if lower is None or annotations.get(keys.UPPER_UID_ANNOTATION) != metadata.get("uid"):
+            return None
+        return lower
+
+    def _lower_path(self, pod: Mapping[str, Any], subresource: str) -> str:
+        metadata = pod["metadata"]
+        lower = self._copy_below(metadata)
+        if lower is None:
             raise ProviderError(
                 NOT_THERE_YET,
                 f"pod {metadata['namespace']}/{metadata['name']} is not running below yet",
@@ -342,13 +351,15 @@ class LowerKubelet:
         )
 
     def _mirrored_by_lower_key(self) -> dict[str, metrics.UpperPod]:
-        """lower namespace/name → the upper pod, of the pods we mirror."""
+        """lower namespace/name → the upper pod, of the pods we mirror: a namesake's usage
+        below is not theirs (a kubelet reports only the pods it runs)."""
         mirrored = {}
         for pod in self.upper_pods.items():
             metadata = pod["metadata"]
-            lower_key = self._lower_key(metadata)
-            if lower_key is None:
-                continue  # never made below: no usage
+            lower = self._copy_below(metadata)
+            if lower is None:
+                continue  # not made below (yet, or its name taken there): no usage
+            lower_key = object_key(lower)
             mirrored[lower_key] = metrics.UpperPod(
                 metadata["namespace"],
                 metadata["name"],

@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.x509.oid import NameOID
 from multidict import MultiDict
 
-from kubekit import pki
+from kubekit import keys, pki
 from kubekit.client import PODS, ApiError, ClientSettings, KubeClient
 from kubekit.informer import Informer
 from kubekit.keys import UPPER_UID_ANNOTATION
@@ -853,6 +853,14 @@ def test_a_pod_whose_namespace_has_no_name_below_spoils_no_other_pods_metrics() 
         metadata = {"name": "web", "namespace": namespace, "uid": f"uid-{namespace}"}
         pod = {"metadata": metadata, "spec": {"nodeName": "vk-lower-1"}, "status": {}}
         upper_pods.apply({"type": "ADDED", "object": pod})
+    copy = {
+        "metadata": {
+            "name": "web",
+            "namespace": "tenant-shop",
+            "annotations": {keys.UPPER_UID_ANNOTATION: "uid-shop"},
+        }
+    }
+    lower_pods.apply({"type": "ADDED", "object": copy})
     kubelet = LowerKubelet(
         "vk-lower-1",
         upper_pods,
@@ -861,6 +869,12 @@ def test_a_pod_whose_namespace_has_no_name_below_spoils_no_other_pods_metrics() 
         NamespaceMapping("prefix", "tenant"),
     )
     assert list(kubelet._mirrored_by_lower_key()) == ["tenant-shop/web"]
+    # A namesake below (another tenant's, or one an earlier pod of the name left): its
+    # usage is not the upper pod's.
+    for namesake in ({}, {keys.UPPER_UID_ANNOTATION: "uid-earlier"}):
+        copy["metadata"]["annotations"] = namesake
+        lower_pods.apply({"type": "MODIFIED", "object": copy})
+        assert kubelet._mirrored_by_lower_key() == {}
     stranded = kubelet.pod(long_namespace, "web")
     assert stranded is not None
     with pytest.raises(ProviderError) as refused:
