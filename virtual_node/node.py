@@ -390,7 +390,9 @@ def status_patch(previous: Mapping[str, Any], current: Mapping[str, Any]) -> JSO
 
 
 def status_changed(previous: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
-    """Whether anything but heartbeat times differs."""
+    """Whether anything but heartbeat times differs. An empty map is the same as none: the
+    apiserver leaves an empty capacity out (no lower node counting), and a status read
+    back without it was taken for changed, and patched at every wake-up."""
 
     def essence(status: Mapping[str, Any]) -> Any:
         conditions = sorted(
@@ -398,8 +400,8 @@ def status_changed(previous: Mapping[str, Any], current: Mapping[str, Any]) -> b
             for c in status.get("conditions") or []
         )
         return (
-            status.get("allocatable"),
-            status.get("capacity"),
+            status.get("allocatable") or {},
+            status.get("capacity") or {},
             conditions,
             status.get("addresses"),
             status.get("daemonEndpoints"),

@@ -26,6 +26,7 @@ from virtual_node.node import (
     registration,
     registration_patch,
     report_annotations,
+    status_changed,
     status_patch,
     without_foreign_resources,
 )
@@ -917,3 +918,12 @@ async def test_a_start_is_not_held_back_by_a_lease_renewal_on_its_way() -> None:
     controller = nodecontroller.NodeController(upper, identity(), SilentLowerCluster(False))
     async with asyncio.timeout(5):
         assert await controller.renewing_lease_while(asyncio.sleep(0, "read")) == "read"
+
+
+def test_an_empty_capacity_is_the_same_as_the_none_the_apiserver_gives_back() -> None:
+    """No lower node counts: the map sent empty comes back left out, and was patched at
+    every wake-up."""
+    sent = {"capacity": {}, "allocatable": {}, "conditions": [{"type": "Ready", "status": "True"}]}
+    read_back = {"conditions": [{"type": "Ready", "status": "True"}]}
+    assert not status_changed(read_back, sent)
+    assert status_changed(read_back, {**sent, "capacity": {"cpu": "1"}})
