@@ -537,6 +537,30 @@ def test_a_restarted_container_and_a_pod_made_again_count_anew() -> None:
     assert again[APP] == pytest.approx(0.25 * 30)
 
 
+def test_a_container_whose_start_is_not_known_for_a_while_counts_on() -> None:
+    """The upper status does not show it running (it exited, it is restarting) while the
+    lower metrics still list it: started again at 0, the counter ran backwards, and
+    metrics-server skipped the container."""
+    counters = CpuCounters()
+    at = 5000.0
+    p = P._replace(container_starts=(("app", 1000.0),))
+    first = _samples(prometheus_text(LOWER_METRICS, {"lower-default/p": p}, counters, now=at))
+    unknown = p._replace(container_starts=())
+    later = _samples(
+        prometheus_text(LOWER_METRICS, {"lower-default/p": unknown}, counters, now=at + 10)
+    )
+    assert later[APP] == pytest.approx(first[APP] + 0.25 * 10)
+    known = _samples(prometheus_text(LOWER_METRICS, {"lower-default/p": p}, counters, now=at + 20))
+    assert known[APP] == pytest.approx(later[APP] + 0.25 * 10), "the same start: no restart"
+    # First seen with no start, then one learned from before: the same counter still.
+    counters = CpuCounters()
+    seen = _samples(prometheus_text(LOWER_METRICS, {"lower-default/p": unknown}, counters, now=at))
+    learned = _samples(
+        prometheus_text(LOWER_METRICS, {"lower-default/p": p}, counters, now=at + 10)
+    )
+    assert learned[APP] == pytest.approx(seen[APP] + 0.25 * 10)
+
+
 def test_a_restarted_virtual_node_reports_no_cpu_spike() -> None:
     """metrics-server holds the last process's sample of a container that ran at 0.25
     core for a day, then at 1 core; the new process's first samples give a rate no

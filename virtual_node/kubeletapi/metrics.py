@@ -83,6 +83,11 @@ class CpuCounters:
         if self._first_reading is None:
             self._first_reading = now
         seen = self._seen.get(key)
+        if seen is not None and _goes_on(seen[0], counted, seen[1]):
+            # The start not known now (the container not running in the upper status:
+            # exited, restarting), or known at last: the same counter, under the known.
+            counted = counted if _start_of(counted) is not None else seen[0]
+            seen = (counted, seen[1], seen[2])
         if seen is None or seen[0] != counted:
             ran = (
                 cores * max(0.0, now - max(since, self._first_reading))
@@ -109,6 +114,20 @@ class CpuCounters:
         for key in list(self._seen):
             if key and "/".join(key.split("/")[:2]) not in keep:
                 del self._seen[key]
+
+
+def _start_of(counted: object) -> float | None:
+    return counted[1] if isinstance(counted, tuple) and len(counted) == 2 else None
+
+
+def _goes_on(before: object, now: object, last_time: float) -> bool:
+    """Whether a container counter named ``before`` goes on as ``now``, each a (pod UID,
+    start) pair: the same pod, and the start unknown on one side (a start learned later
+    than the counter's last advance is a restart since)."""
+    if not (isinstance(before, tuple) and isinstance(now, tuple)) or before[:1] != now[:1]:
+        return before == now
+    was, start = _start_of(before), _start_of(now)
+    return was == start or start is None or (was is None and start <= last_time)
 
 
 def mirrored_pod_metrics(
