@@ -317,6 +317,10 @@ class LowerKubelet:
             raise _unavailable(error) from error
 
     async def _metrics(self, plural: str) -> list[JSON]:
+        if not (self.upper_pods.synced.is_set() and self.lower_pods.synced.is_set()):
+            # Served from the caches as they are, the node would read idle, running
+            # nothing (`kubectl top node` about 0, not `<unknown>`).
+            raise ProviderError(503, "the virtual node is starting: its pods are not listed yet")
         try:
             listed = await self.lower.request("GET", f"{METRICS_GROUP}/{plural}")
         except ApiError as error:

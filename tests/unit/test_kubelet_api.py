@@ -1140,3 +1140,21 @@ async def test_a_lower_port_connection_that_drops_says_so_on_its_error_stream(
         assert await port.receive() == b""
     expected = "the connection to the lower cluster broke" if ending == "dropped" else ""
     assert port.error() == expected
+
+
+async def test_metrics_wait_for_the_pod_caches_to_be_listed() -> None:
+    """Served from empty caches at a restart, the node read idle (`kubectl top node` about
+    0, not `<unknown>`)."""
+    upper_pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
+    lower_pods = Informer(client=None, resource=PODS)  # type: ignore[arg-type]
+    kubelet = LowerKubelet(
+        "vk-lower-1",
+        upper_pods,
+        lower_pods,
+        None,  # type: ignore[arg-type]
+        NamespaceMapping(),
+    )
+    for serve in (kubelet.resource_metrics, kubelet.cadvisor_metrics, kubelet.stats_summary):
+        with pytest.raises(ProviderError) as starting:
+            await serve()
+        assert starting.value.status == 503
