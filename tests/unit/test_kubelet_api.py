@@ -420,6 +420,7 @@ def _samples(text: str) -> dict[str, float]:
 
 
 APP = 'container_cpu_usage_seconds_total{container="app",namespace="default",pod="p"}'
+APP_START = 'container_start_time_seconds{container="app",namespace="default",pod="p"}'
 MAIN = 'container_cpu_usage_seconds_total{container="main",namespace="team",pod="q"}'
 NODE = "node_cpu_usage_seconds_total"
 POD_Q = 'pod_cpu_usage_seconds_total{namespace="team",pod="q"}'
@@ -550,6 +551,7 @@ def test_a_container_whose_start_is_not_known_for_a_while_counts_on() -> None:
         prometheus_text(LOWER_METRICS, {"lower-default/p": unknown}, counters, now=at + 10)
     )
     assert later[APP] == pytest.approx(first[APP] + 0.25 * 10)
+    assert later[APP_START] == 1000.0, "its start as its counter knows it"
     known = _samples(prometheus_text(LOWER_METRICS, {"lower-default/p": p}, counters, now=at + 20))
     assert known[APP] == pytest.approx(later[APP] + 0.25 * 10), "the same start: no restart"
     # First seen with no start, then one learned from before: the same counter still.
@@ -559,6 +561,17 @@ def test_a_container_whose_start_is_not_known_for_a_while_counts_on() -> None:
         prometheus_text(LOWER_METRICS, {"lower-default/p": p}, counters, now=at + 10)
     )
     assert learned[APP] == pytest.approx(seen[APP] + 0.25 * 10)
+    # A start learned that is later than the counter's beginning is a restart since: its
+    # counter counts from it, or the whole history read as used since then.
+    # (Another scraper advanced it after the restart, its start still unknown.)
+    counters = CpuCounters()
+    for then in (at, at + 15):
+        prometheus_text(LOWER_METRICS, {"lower-default/p": unknown}, counters, now=then)
+    restarted = p._replace(container_starts=(("app", at + 12.0),))
+    after = _samples(
+        prometheus_text(LOWER_METRICS, {"lower-default/p": restarted}, counters, now=at + 20)
+    )
+    assert after[APP] == pytest.approx(0.25 * 8)
 
 
 def test_a_restarted_virtual_node_reports_no_cpu_spike() -> None:

@@ -56,8 +56,8 @@ class CpuCounters:
     """Cumulative CPU seconds per key, advanced by each observed rate."""
 
     def __init__(self) -> None:
-        # key -> (what it counts, when last advanced, total)
-        self._seen: dict[str, tuple[object, float, float]] = {}
+        # key -> (what it counts, when last advanced, total, when the counter began)
+        self._seen: dict[str, tuple[object, float, float, float]] = {}
         # The first reading's time: a container that started before it counts from it.
         # Counted from its start at today's rate, it read a restarted virtual node's
         # whole history at that rate, and metrics-server, holding the last process's
@@ -83,22 +83,29 @@ class CpuCounters:
         if self._first_reading is None:
             self._first_reading = now
         seen = self._seen.get(key)
-        if seen is not None and _goes_on(seen[0], counted, seen[1]):
+        if seen is not None and _goes_on(seen[0], counted, seen[3]):
             # The start not known now (the container not running in the upper status:
             # exited, restarting), or known at last: the same counter, under the known.
             counted = counted if _start_of(counted) is not None else seen[0]
-            seen = (counted, seen[1], seen[2])
+            seen = (counted, *seen[1:])
         if seen is None or seen[0] != counted:
             ran = (
                 cores * max(0.0, now - max(since, self._first_reading))
                 if since is not None
                 else 0.0
             )
-            seen = (counted, now, COUNTER_START_SECONDS + ran)
-        _, last_time, total = seen
+            seen = (counted, now, COUNTER_START_SECONDS + ran, now)
+        _, last_time, total, began = seen
         total += cores * max(0.0, now - last_time)
-        self._seen[key] = (counted, now, total)
+        self._seen[key] = (counted, now, total, began)
         return total
+
+    def start(self, key: str) -> float | None:
+        """The start of what the counter of ``key`` counts, when known: written with it
+        while the upper status does not tell it (metrics-server skips a container whose
+        start reads earlier than before, and one with none reads 0)."""
+        seen = self._seen.get(key)
+        return _start_of(seen[0]) if seen is not None else None
 
     @property
     def first_reading(self) -> float | None:
@@ -120,14 +127,15 @@ def _start_of(counted: object) -> float | None:
     return counted[1] if isinstance(counted, tuple) and len(counted) == 2 else None
 
 
-def _goes_on(before: object, now: object, last_time: float) -> bool:
+def _goes_on(before: object, now: object, began: float) -> bool:
     """Whether a container counter named ``before`` goes on as ``now``, each a (pod UID,
-    start) pair: the same pod, and the start unknown on one side (a start learned later
-    than the counter's last advance is a restart since)."""
+    start) pair: the same pod, and the start unknown on one side. A start learned that
+    is later than the counter's beginning is a restart since: carried on, the counter's
+    whole history read as used since that start (a spike of dozens of cores)."""
     if not (isinstance(before, tuple) and isinstance(now, tuple)) or before[:1] != now[:1]:
         return before == now
     was, start = _start_of(before), _start_of(now)
-    return was == start or start is None or (was is None and start <= last_time)
+    return was == start or start is None or (was is None and start <= began)
 
 
 def mirrored_pod_metrics(
@@ -149,6 +157,8 @@ class ContainerUsage(NamedTuple):
     memory: int
     # Cumulative, when counters are kept.
     cpu_seconds: float = 0.0
+    # When the container started, as the upper status says, else as its counter knows.
+    started: float | None = None
 
 
 class PodUsage(NamedTuple):
@@ -196,7 +206,9 @@ def node_usage(
             key = f"{upper.namespace}/{upper.name}/{name}"
             started = starts.get(name)
             cpu_seconds = advanced(key, cores, (upper.uid, started), started)
-            containers.append(ContainerUsage(name, cores, _bytes(usage), cpu_seconds))
+            if started is None and counters is not None:
+                started = counters.start(key)
+            containers.append(ContainerUsage(name, cores, _bytes(usage), cpu_seconds, started))
         pod_cores = sum((c.cores for c in containers), Fraction(0))
         pod_memory = sum(c.memory for c in containers)
         pod_key = f"{upper.namespace}/{upper.name}"
@@ -246,8 +258,7 @@ def summary(
         starts = dict(pod.upper.container_starts)
         containers = []
         for c in pod.containers:
-            started = starts.get(c.name)
-            start = {"startTime": _rfc3339(started)} if started is not None else {}
+            start = {"startTime": _rfc3339(c.started)} if c.started is not None else {}
             containers.append(
                 {"name": c.name, **start, **figures(c.cores, c.memory, c.cpu_seconds)}
             )
@@ -302,7 +313,6 @@ def prometheus_text(
     for pod in usage.pods:
         upper = pod.upper
         pod_labels = _labels(namespace=upper.namespace, pod=upper.name)
-        starts = dict(upper.container_starts)
         for container in pod.containers:
             labels = _labels(container=container.name, namespace=upper.namespace, pod=upper.name)
             container_cpu.append(
@@ -311,10 +321,9 @@ def prometheus_text(
             container_memory.append(
                 f"container_memory_working_set_bytes{{{labels}}} {container.memory} {stamp}"
             )
-            started = starts.get(container.name)
-            if started is not None:
+            if container.started is not None:
                 container_start.append(
-                    f"container_start_time_seconds{{{labels}}} {started!r} {stamp}"
+                    f"container_start_time_seconds{{{labels}}} {container.started!r} {stamp}"
                 )
         pod_cpu.append(f"pod_cpu_usage_seconds_total{{{pod_labels}}} {pod.cpu_seconds:.9f} {stamp}")
         pod_memory.append(f"pod_memory_working_set_bytes{{{pod_labels}}} {pod.memory} {stamp}")
@@ -388,7 +397,6 @@ def cadvisor_text(
     for pod in node_usage(pod_metrics, mirrored, counters, now).pods:
         upper = pod.upper
         images = dict(upper.container_images)
-        starts = dict(upper.container_starts)
         for container in pod.containers:
             common = {
                 "container": container.name,
@@ -404,10 +412,10 @@ def cadvisor_text(
                 f"container_memory_working_set_bytes{{{_labels(**common)}}} "
                 f"{container.memory} {stamp}"
             )
-            started = starts.get(container.name)
-            if started is not None:
+            if container.started is not None:
                 start.append(
-                    f"container_start_time_seconds{{{_labels(**common)}}} {started!r} {stamp}"
+                    f"container_start_time_seconds{{{_labels(**common)}}} "
+                    f"{container.started!r} {stamp}"
                 )
     lines = [
         *_family(
