@@ -59,9 +59,8 @@ FILTER_BUDGET = 4.5
 # 4 s after a hold of up to 2 s ran past the scheduler's 5 s, which took the bind for
 # failed while the Binding was still being made).
 BIND_BUDGET = 4.5
-# How often at most the Node of an estimator that keeps failing is read again, and for
-# one pod it failed before, tried again (the scheduler's backoff keeps a pod's tries a
-# second apart at least).
+# How often at most the Node of an estimator that keeps failing is read again, counted
+# from the end of the last read; a second for a pod it failed before, tried again.
 READ_AGAIN_INTERVAL = 5.0
 READ_AGAIN_FOR_RETRY_INTERVAL = 1.0
 
@@ -82,10 +81,9 @@ class Extender:
     _giving_back: Background = field(default_factory=Background, init=False)
     # When a failed estimator's Node was last read again and told of no restart.
     _read_again_at: dict[str, float] = field(default_factory=dict, init=False)
-    # The pods each such estimator failed, and when each last read its Node: one tried
-    # again may follow the Node's change that told of a restart, ahead of the watch, and
-    # gets a read of its own.
-    _failed_pods: dict[str, dict[str, float]] = field(default_factory=dict, init=False)
+    # The pods each such estimator failed: one tried again may follow the Node's change
+    # that told of a restart, ahead of the watch.
+    _failed_pods: dict[str, set[str]] = field(default_factory=dict, init=False)
 
     async def _estimate(
         self, names: list[str], pod: bytes, pod_key: str, reserve: bool
@@ -177,41 +175,52 @@ class Extender:
         minutes."""
         now = self.clock()
         failed_here = [n for n, a in answers.items() if isinstance(a, EstimatorFailure)]
+        # Heard of by the watch during the call: asked, no read needed.
+        restarted = [n for n in failed_here if self._restarted(n, asked)]
         # A Node read again lately with nothing new is not read at every decision (with
-        # one virtual node down, each pod's filter waited on a read of it), but it is for
-        # a pod it failed before, once a second at most: tried again, the pod may follow
-        # the Node's change. Any other pod's read since does not count: the restart may
-        # have come after it.
+        # one virtual node down, each pod's filter waited on a read of it): every 5 s, or
+        # every second for a pod it failed before, which, tried again, may follow the
+        # Node's change that told of a restart. A restart within a second of the last
+        # read is found by a pod's try after that second, or once the watch tells of it.
         failed = [
             n
             for n in failed_here
-            if now - self._read_again_at.get(n, -READ_AGAIN_INTERVAL) >= READ_AGAIN_INTERVAL
-            or now - self._failed_pods.get(n, {}).get(args.uid, now)
-            >= READ_AGAIN_FOR_RETRY_INTERVAL
+            if n not in restarted
+            and now - self._read_again_at.get(n, -READ_AGAIN_INTERVAL)
+            >= (
+                READ_AGAIN_FOR_RETRY_INTERVAL
+                if args.uid in self._failed_pods.get(n, ())
+                else READ_AGAIN_INTERVAL
+            )
         ]
         for name in failed_here:
-            self._failed_pods.setdefault(name, {}).setdefault(args.uid, -READ_AGAIN_INTERVAL)
-        if not failed:
+            self._failed_pods.setdefault(name, set()).add(args.uid)
+        if not failed and not restarted:
             return {}
         if self.clock() - began + LOOKUP_TIMEOUT + self.estimator_timeout > FILTER_BUDGET:
-            log.info("%s: no time left to ask again %s", args.pod_key, ", ".join(failed))
+            log.info("%s: no time left to ask again %s", args.pod_key, ", ".join(failed_here))
             return {}
-        restarted = []
-        for name, node in zip(failed, await self._read_nodes(failed), strict=True):
-            if isinstance(node, BaseException):
-                log.warning("%s: not read again (%s)", name, node)
-                continue
-            current = self.pool.estimator_of(name)
-            if current is not None and current != asked.get(name):
-                restarted.append(name)
-                self._read_again_at.pop(name, None)
-                self._failed_pods.pop(name, None)
-            else:
-                self._read_again_at[name] = now
-                self._failed_pods[name][args.uid] = now
+        if failed:
+            for name, node in zip(failed, await self._read_nodes(failed), strict=True):
+                if isinstance(node, BaseException):
+                    log.warning("%s: not read again (%s)", name, node)
+                elif self._restarted(name, asked):
+                    restarted.append(name)
+                else:
+                    # From the read's end: with the apiserver slow to answer, counted
+                    # from its start, every pod tried again waited on a read.
+                    self._read_again_at[name] = self.clock()
+        for name in restarted:
+            self._read_again_at.pop(name, None)
+            self._failed_pods.pop(name, None)
         if not restarted:
             return {}
         return await self._estimate(restarted, pod, args.pod_key, reserve=True)
+
+    def _restarted(self, name: str, asked: Mapping[str, tuple[str, str] | None]) -> bool:
+        """Whether the pool names another estimator for ``name`` than the one asked."""
+        current = self.pool.estimator_of(name)
+        return current is not None and current != asked.get(name)
 
     async def prioritize(self, args: ExtenderArgs) -> list[JSON]:
         known = self.decisions.estimates(args.uid, self.clock())
@@ -271,7 +280,7 @@ class Extender:
         waited) would otherwise turn the next pods away from that cluster until it lapses."""
         uid = str(pod["metadata"]["uid"])
         for failed in self._failed_pods.values():
-            failed.pop(uid, None)
+            failed.discard(uid)
         reserved = self.decisions.left_queue(uid, self.clock())
         if reserved:
             self._give_back_later(pod, reserved)
