@@ -445,6 +445,10 @@ def test_only_the_upper_containers_statuses_come_up_with_their_mounts_above() ->
         {"name": "kube-api-access-abcde", "mountPath": token},
         {"name": "data", "mountPath": "/data"},
     ]
+    only_injected = [{"name": "istio-envoy", "mountPath": "/etc/istio/proxy"}]
+    lower["status"]["containerStatuses"][0]["volumeMounts"] = only_injected
+    [app] = upper_status(lower, upper_pod(), host_ip="127.0.0.2")["containerStatuses"]
+    assert "volumeMounts" not in app
 
 
 @pytest.mark.parametrize("below", ["Succeeded", "Running"])
