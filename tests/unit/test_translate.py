@@ -420,7 +420,7 @@ def test_status_comes_up_with_the_virtual_node_as_host() -> None:
 def test_only_the_upper_containers_statuses_come_up_with_their_mounts_above() -> None:
     """A lower mesh injects istio-init and istio-proxy: READY read 2/1 above."""
     token = "/var/run/secrets/kubernetes.io/serviceaccount"
-    lower = {
+    lower: dict[str, Any] = {
         "status": {
             "phase": "Running",
             "initContainerStatuses": [{"name": "istio-init", "ready": True}],
