@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import ssl
 import tempfile
 from collections.abc import Iterator
@@ -19,6 +20,13 @@ from kubekit import pki
 log = logging.getLogger(__name__)
 
 RELOAD_SECONDS = 10.0
+
+
+def file_version(path: str | Path) -> tuple[int, int, int]:
+    """What tells a file from the same one written again (replaced, or rewritten in
+    place), without reading it."""
+    status = os.stat(path)
+    return status.st_ino, status.st_mtime_ns, status.st_size
 
 
 class CertificateFiles:

@@ -37,7 +37,7 @@ from kubernetes_asyncio.config import ConfigException
 from kubernetes_asyncio.config.exec_provider import ExecProvider
 
 from kubekit import metrics
-from kubekit.certreload import written_pair
+from kubekit.certreload import file_version, written_pair
 from kubekit.ratelimit import TokenBucket
 
 JSON = dict[str, Any]
@@ -995,12 +995,7 @@ def _certificate_files(configuration: k8s_client.Configuration) -> tuple[Any, ..
     if not configuration.cert_file:
         return None
     files = (configuration.cert_file, configuration.key_file)
-    return tuple((name, *_version(name)) for name in files if name)
-
-
-def _version(path: str) -> tuple[int, int, int]:
-    status = os.stat(path)
-    return status.st_ino, status.st_mtime_ns, status.st_size
+    return tuple((name, *file_version(name)) for name in files if name)
 
 
 def _ssl_context(configuration: k8s_client.Configuration) -> ssl.SSLContext:

@@ -23,6 +23,7 @@ import grpc
 import grpc.aio
 
 from kubekit import keys
+from kubekit.certreload import file_version
 from kubekit.client import JSON
 from kubekit.estimatorapi import client_keepalive_options
 from kubekit.estimatorapi.estimator_pb2 import (
@@ -92,11 +93,6 @@ _NOT_ACTED_ON = frozenset(
 )
 
 
-def _version(path: Path) -> tuple[int, int, int]:
-    status = path.stat()
-    return status.st_ino, status.st_mtime_ns, status.st_size
-
-
 class TokenFile:
     """A bearer token file, read again when it changes."""
 
@@ -106,7 +102,7 @@ class TokenFile:
         self._token = ""
 
     def token(self) -> str:
-        seen = _version(self.path)
+        seen = file_version(self.path)
         if seen != self._seen:
             self._token = self.path.read_text().strip()
             self._seen = seen
@@ -120,7 +116,7 @@ class CaFile:
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
-        self._seen = _version(path) if path is not None else None
+        self._seen = file_version(path) if path is not None else None
         self._bundle = path.read_bytes() if path is not None else None
         self.credentials = grpc.ssl_channel_credentials(root_certificates=self._bundle)
 
@@ -133,7 +129,7 @@ class CaFile:
         if self.path is None:
             return False
         try:
-            seen = _version(self.path)
+            seen = file_version(self.path)
             if seen == self._seen:
                 return False
             bundle = self.path.read_bytes()

@@ -17,7 +17,7 @@ from kubekit.ratelimit import ItemBackoff
 from kubekit.timestamps import parse_time
 from kubekit.workqueue import WorkQueue
 from virtual_node.naming import NamespaceMapping, NamingError
-from virtual_node.translate import Ownership
+from virtual_node.translate import Ownership, made_from
 
 log = logging.getLogger(__name__)
 
@@ -202,8 +202,7 @@ class EventReflector:
         except NamingError:
             return False
         upper_pod = self.upper_pods.get(f"{namespace}/{metadata['name']}")
-        uid = annotations.get(keys.UPPER_UID_ANNOTATION)
-        return upper_pod is not None and upper_pod["metadata"].get("uid") == uid
+        return upper_pod is not None and made_from(lower_pod, upper_pod)
 
     async def _load_copies(self) -> None:
         """Learns the copies made before a restart, so they are not sent again: with

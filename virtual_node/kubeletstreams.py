@@ -11,7 +11,6 @@ from typing import Any
 
 import aiohttp
 
-from kubekit import keys
 from kubekit.client import CONNECTION_ERRORS, PODS, ApiError, KubeClient
 from kubekit.informer import Informer, object_key
 from kubekit.timestamps import parse_time
@@ -25,6 +24,7 @@ from virtual_node.kubeletapi.provider import (
     RemoteProcess,
 )
 from virtual_node.naming import NamespaceMapping, NamingError
+from virtual_node.translate import made_from
 
 METRICS_GROUP = "/apis/metrics.k8s.io/v1beta1"
 # Container runtimes that wrap Go's os/exec error (kwok among them) report a non-zero
@@ -245,20 +245,17 @@ class LowerKubelet:
         except NamingError:
             return None
 
-    def _copy_below(self, metadata: Mapping[str, Any]) -> JSON | None:
+    def _copy_below(self, pod: Mapping[str, Any]) -> JSON | None:
         """The lower pod made from this very upper pod: not a namesake of another tenant
         or of the lower cluster's (the upper pod failed NameConflict), nor one an earlier
         upper pod of the name left."""
-        key = self._lower_key(metadata)
+        key = self._lower_key(pod["metadata"])
         lower = self.lower_pods.get(key) if key is not None else None
-        annotations = (lower or {}).get("metadata", {}).get("annotations") or {}
-        if lower is None or annotations.get(keys.UPPER_UID_ANNOTATION) != metadata.get("uid"):
-            return None
-        return lower
+        return lower if lower is not None and made_from(lower, pod) else None
 
     def _lower_path(self, pod: Mapping[str, Any], subresource: str) -> str:
         metadata = pod["metadata"]
-        lower = self._copy_below(metadata)
+        lower = self._copy_below(pod)
         if lower is None:
             raise ProviderError(
                 NOT_THERE_YET,
@@ -360,7 +357,7 @@ class LowerKubelet:
         mirrored = {}
         for pod in self.upper_pods.items():
             metadata = pod["metadata"]
-            lower = self._copy_below(metadata)
+            lower = self._copy_below(pod)
             if lower is None:
                 continue  # not made below (yet, or its name taken there): no usage
             lower_key = object_key(lower)

@@ -54,6 +54,7 @@ from virtual_node.translate import (
     host_access_refusal,
     left_unpinned,
     lower_pod_patch,
+    made_from,
     pinned_to,
     resize_patch,
     resources_record_patch,
@@ -116,7 +117,7 @@ def ended_by_its_deletion(lower: Mapping[str, Any]) -> bool:
 def _ran(removed: Mapping[str, Any] | None, upper: Mapping[str, Any]) -> bool:
     """Whether the lower pod last seen removed was this upper pod's, and a node below had
     taken it (or it had finished)."""
-    if removed is None or not _made_from(removed, upper):
+    if removed is None or not made_from(removed, upper):
         return False
     status = removed.get("status") or {}
     return bool(status.get("hostIP")) or status.get("phase") in FINISHED
@@ -450,7 +451,7 @@ class LowerCluster:
                 if lower is None:
                     if (
                         removed is not None
-                        and _made_from(removed, upper)
+                        and made_from(removed, upper)
                         and (removed.get("status") or {}).get("phase") in FINISHED
                         and not ended_by_its_deletion(removed)
                     ):
@@ -475,7 +476,7 @@ class LowerCluster:
                 f"pod {namespace}/{name} already exists in lower cluster {self.owner.cluster_id} "
                 "and was not created by this virtual node; it is left alone",
             )
-        if not _made_from(lower, upper):
+        if not made_from(lower, upper):
             # Left by an earlier upper pod of the same name: it goes before ours is made.
             await self.client.delete_exact(PODS, lower, grace_period_seconds=0)
             return Waiting()
@@ -553,7 +554,7 @@ class LowerCluster:
             return None
         if lower is None or not self.owner.owns(lower):
             return None
-        return lower if _made_from(lower, upper) else None
+        return lower if made_from(lower, upper) else None
 
     def _refused_namespace(self, upper: Mapping[str, Any]) -> Rejected | None:
         why = self.mapping.refusal(upper["metadata"]["namespace"])
@@ -734,8 +735,8 @@ class LowerCluster:
         lower = self.pods.get(f"{namespace}/{metadata['name']}") or await self._get_live(
             namespace, metadata["name"]
         )
-        if lower is None or not self.owner.owns(lower) or not _made_from(lower, upper):
-            if removed is not None and _made_from(removed, upper):
+        if lower is None or not self.owner.owns(lower) or not made_from(lower, upper):
+            if removed is not None and made_from(removed, upper):
                 return Gone(upper_status(removed, upper, self.host_ip))
             return Gone()
         grace = upper["metadata"].get("deletionGracePeriodSeconds")
@@ -775,11 +776,6 @@ def _refused_volume(desired: Mapping[str, Any]) -> Rejected | None:
         if what := hand_made_template(volume):
             return Rejected(keys.VOLUME_REFUSED, hand_made_refusal(what))
     return None
-
-
-def _made_from(lower: Mapping[str, Any], upper: Mapping[str, Any]) -> bool:
-    annotations = lower["metadata"].get("annotations") or {}
-    return bool(annotations.get(keys.UPPER_UID_ANNOTATION) == upper["metadata"]["uid"])
 
 
 async def _once(

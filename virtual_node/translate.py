@@ -93,6 +93,13 @@ class Ownership:
         return _labelled(lower, self.namespace_labels())
 
 
+def made_from(lower: Mapping[str, Any], upper: Mapping[str, Any]) -> bool:
+    """Whether the lower pod was made from this very upper pod, not from an earlier one
+    of its name (nor is another's namesake)."""
+    annotations = lower["metadata"].get("annotations") or {}
+    return bool(annotations.get(keys.UPPER_UID_ANNOTATION) == upper["metadata"]["uid"])
+
+
 def _labelled(obj: Mapping[str, Any], wanted: Mapping[str, str]) -> bool:
     labels = obj.get("metadata", {}).get("labels") or {}
     return all(labels.get(k) == v for k, v in wanted.items())

@@ -105,6 +105,12 @@ class Cluster:
         for name, cpu in (("big", "4"), ("small", "2")):
             self.lower_nodes.apply({"type": "ADDED", "object": node(name, cpu)})
 
+    def listed(self, upper: dict[str, Any], lower: dict[str, Any], upper_first: bool) -> None:
+        """The pod and its lower copy listed in either order, as after a restart."""
+        caches = [(self.upper_pods, upper), (self.lower_pods, lower)]
+        for cache, pod in caches if upper_first else caches[::-1]:
+            cache.apply({"type": "ADDED", "object": pod})
+
     def fits(self, cpu: str, replicas: int = 1) -> int:
         pod = upper_pod("query", cpu)
         return self.estimator.answer(orjson.dumps(pod), replicas).estimate.max_replicas
@@ -220,12 +226,7 @@ def test_a_waiting_lower_copy_is_counted_on_the_node_it_is_pinned_to(upper_first
     cluster = Cluster()
     pod = upper_pod("web", "1")
     waiting = pinned_to(lower_copy(pod, None), "small")
-    if upper_first:
-        cluster.upper_pods.apply({"type": "ADDED", "object": pod})
-        cluster.lower_pods.apply({"type": "ADDED", "object": waiting})
-    else:
-        cluster.lower_pods.apply({"type": "ADDED", "object": waiting})
-        cluster.upper_pods.apply({"type": "ADDED", "object": pod})
+    cluster.listed(pod, waiting, upper_first)
     assert cluster.estimator.held_node("uid-web") == "small"
     assert cluster.fits("4") == 1, "the 4-cpu node is free"
     assert cluster.fits("2") == 1, "one cpu left on the pinned node: only the big one"
@@ -251,12 +252,7 @@ def test_a_pod_finished_below_holds_nothing_though_its_upper_pod_says_running(
     cluster = Cluster()
     pod = {**upper_pod("job", "3"), "status": {"phase": "Running"}}
     finished = {**pinned_to(lower_copy(pod, "big"), "big"), "status": {"phase": "Succeeded"}}
-    if upper_first:
-        cluster.upper_pods.apply({"type": "ADDED", "object": pod})
-        cluster.lower_pods.apply({"type": "ADDED", "object": finished})
-    else:
-        cluster.lower_pods.apply({"type": "ADDED", "object": finished})
-        cluster.upper_pods.apply({"type": "ADDED", "object": pod})
+    cluster.listed(pod, finished, upper_first)
     assert cluster.fits("4") == 1
     assert cluster.estimator.held_node("uid-job") is None
 
