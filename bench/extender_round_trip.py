@@ -62,7 +62,9 @@ class Admitting(Authorizer):
     def __init__(self) -> None:
         pass
 
-    async def authenticate(self, peercert: dict[str, Any] | None, authorization: str) -> User:
+    async def authenticate(
+        self, peercert: dict[str, Any] | None, authorization: str, audience: str | None = None
+    ) -> User:
         return User(name="extender")
 
     async def authorize_node_access(self, user: User, verb: str, subresource: str) -> None:

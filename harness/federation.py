@@ -64,11 +64,20 @@ MAX_LOWER = POD_CIDRS - 1
 
 @dataclass(frozen=True)
 class Identity:
-    """What a component authenticates with in one cluster: the token of the ServiceAccount
-    its manifests give it, alone (for the estimators) and in a kubeconfig."""
+    """What a component authenticates with in one cluster: a kubeconfig with the token of
+    the ServiceAccount its manifests give it, and where to write that account's tokens
+    for other audiences."""
 
     kubeconfig: Path
-    token_file: Path
+    account: str
+
+    def token_file(self, cluster: KubectlClient, audience: str) -> Path:
+        """The account's token for ``audience``, written beside the kubeconfig, as the
+        manifests project it."""
+        path = self.kubeconfig.with_suffix(f".{audience.replace('/', '-')}.token")
+        path.write_text(cluster.service_account_token(self.account, audience))
+        path.chmod(0o600)
+        return path
 
 
 def tenant_name(index: int) -> str:
@@ -495,7 +504,7 @@ class Federation:
                 f"--client-ca-file={pki.ca_path(scheduler)}",
                 f"--client-name={SCHEDULER_CLIENT_NAME}",
                 f"--estimator-ca-file={tenant.ca.cert_path}",
-                f"--estimator-token-file={identity.token_file}",
+                f"--estimator-token-file={identity.token_file(tenant, keys.ESTIMATOR_AUDIENCE)}",
                 # As the descheduler's: a restarted one holds the slices' Lease at once.
                 f"--leader-elect-identity={name}",
             ],
@@ -534,7 +543,7 @@ class Federation:
             "descheduler",
             f"--kubeconfig={identity.kubeconfig}",
             f"--estimator-ca-file={tenant.ca.cert_path}",
-            f"--estimator-token-file={identity.token_file}",
+            f"--estimator-token-file={identity.token_file(tenant, keys.ESTIMATOR_AUDIENCE)}",
             f"--health-address={LOOPBACK}",
             f"--health-port={free_port()}",
             # As the virtual nodes': a restarted descheduler holds its Lease at once.
@@ -549,16 +558,13 @@ class Federation:
         then runs with its ServiceAccount's token and nothing more, which proves the RBAC
         is enough."""
         cluster.kubectl("apply", "-k", str(MANIFESTS / "namespace"))
-        token = cluster.service_account_token(account, rbac)
-        directory = self.state_dir / component
-        token_file = directory / f"{cluster.name}.token"
-        token_file.parent.mkdir(parents=True, exist_ok=True)
-        token_file.write_text(token)
-        token_file.chmod(0o600)
+        cluster.kubectl("apply", "-k" if rbac.is_dir() else "-f", str(rbac))
         kubeconfig = cluster.write_token_kubeconfig(
-            directory / f"{cluster.name}.kubeconfig", account, token
+            self.state_dir / component / f"{cluster.name}.kubeconfig",
+            account,
+            cluster.service_account_token(account),
         )
-        return Identity(kubeconfig, token_file)
+        return Identity(kubeconfig, account)
 
     def start_component(self, name: str, kubestrata_args: list[str]) -> ManagedProcess:
         process = ManagedProcess(

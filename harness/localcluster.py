@@ -189,13 +189,16 @@ class KubectlClient:
         """The stock kubectl against this cluster, running on while the caller acts."""
         return subprocess.Popen(self.kubectl_argv(*args), **popen)
 
-    def service_account_token(self, account: str, rbac: Path) -> str:
-        """Applies ``rbac`` (a kustomization directory or a file of the manifests) and
-        returns a year-long token of ServiceAccount ``account``, from the TokenRequest
-        API as a pod would get one."""
-        self.kubectl("apply", "-k" if rbac.is_dir() else "-f", str(rbac))
+    def service_account_token(self, account: str, audience: str | None = None) -> str:
+        """A year-long token of our ServiceAccount ``account``, from the TokenRequest API
+        as a pod would get one, for ``audience`` (default: the apiserver)."""
         return self.kubectl(
-            "create", "token", account, f"--namespace={keys.SYSTEM_NAMESPACE}", "--duration=8760h"
+            "create",
+            "token",
+            account,
+            f"--namespace={keys.SYSTEM_NAMESPACE}",
+            "--duration=8760h",
+            *([f"--audience={audience}"] if audience else []),
         ).stdout.strip()
 
     def write_token_kubeconfig(self, path: Path, user: str, token: str) -> Path:

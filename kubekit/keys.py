@@ -141,6 +141,9 @@ CLAIM_BINDING_ANNOTATIONS = frozenset(
 # On virtual Nodes: where the fit estimator of the lower cluster listens (host:port, gRPC
 # over TLS with the kubelet API's serving certificate).
 ESTIMATOR_ADDRESS_ANNOTATION = f"{PREFIX}/estimator-address"
+# The audience of the tokens estimators accept: one an apiserver refuses (its audiences
+# are its own), so an estimator, which sees its callers' tokens, cannot act as them.
+ESTIMATOR_AUDIENCE = f"{PREFIX}/estimator"
 # When that estimator started (RFC 3339): its reservations are gone, and the change makes
 # the upper kube-scheduler retry the pods the extender failed while it was away (a Node
 # annotation change is a cluster event; an extender's rejection waits for one).

@@ -66,7 +66,8 @@ Metadata = tuple[tuple[str, str], ...]
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 IN_CLUSTER_CA = SERVICE_ACCOUNT_DIR / "ca.crt"
-IN_CLUSTER_TOKEN = SERVICE_ACCOUNT_DIR / "token"
+# Where the manifests project the ServiceAccount's token for keys.ESTIMATOR_AUDIENCE.
+ESTIMATOR_TOKEN = Path("/var/run/secrets/kubestrata.io/estimator/token")
 
 RELEASE_TIMEOUT = 5.0
 # Releases ride on the next Estimate call to the same estimator (a decision's surplus
@@ -727,8 +728,9 @@ def add_estimator_client_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--estimator-token-file",
         type=Path,
-        help="bearer token sent to the estimators, read again when it changes (default: the "
-        "in-cluster service-account token when present, else none)",
+        help="bearer token sent to the estimators, read again when it changes; they accept "
+        f"only tokens for audience {keys.ESTIMATOR_AUDIENCE} (default: {ESTIMATOR_TOKEN} "
+        "when present, where the manifests project one, else none)",
     )
 
 
@@ -745,7 +747,8 @@ class EstimatorClient:
 
 
 def estimator_client(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EstimatorClient:
-    """The estimator flags, checked; the in-cluster CA and token when not given."""
+    """The estimator flags, checked; the in-cluster CA and the projected token when not
+    given."""
     for flag, path in (
         ("--estimator-ca-file", args.estimator_ca_file),
         ("--estimator-token-file", args.estimator_token_file),
@@ -754,7 +757,7 @@ def estimator_client(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             parser.error(f"{flag}: no such file: {path}")
     return EstimatorClient(
         args.estimator_ca_file or _if_present(IN_CLUSTER_CA),
-        args.estimator_token_file or _if_present(IN_CLUSTER_TOKEN),
+        args.estimator_token_file or _if_present(ESTIMATOR_TOKEN),
     )
 
 

@@ -781,9 +781,10 @@ _STREAMED = metrics.ESTIMATOR_REQUEST_DURATION.labels("EstimateStream")
 
 
 class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
-    """The gRPC face of a FitEstimator. Callers authenticate with a bearer token
-    (TokenReview) and need ``get`` on this node's ``nodes/estimator`` (a
-    SubjectAccessReview): the kubelet API's checks, with their caches.
+    """The gRPC face of a FitEstimator. Callers authenticate with a bearer token for
+    ``keys.ESTIMATOR_AUDIENCE`` (TokenReview) and need ``get`` on this node's
+    ``nodes/estimator`` (a SubjectAccessReview): the kubelet API's checks, with their
+    caches.
 
     ``home``: the loop the promises' lower client belongs to, when the service runs on
     another (``serve`` runs it on a thread of its own)."""
@@ -817,7 +818,9 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServicer):
         authorization = metadata.get("authorization", "")
         try:
             user = await self.authorizer.authenticate(
-                None, authorization if isinstance(authorization, str) else ""
+                None,
+                authorization if isinstance(authorization, str) else "",
+                keys.ESTIMATOR_AUDIENCE,
             )
             await self.authorizer.authorize_node_access(user, verb, "estimator")
         except AuthError as error:

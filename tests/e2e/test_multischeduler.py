@@ -15,17 +15,19 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
+import subprocess
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
-from harness.federation import Federation, virtual_node_name
+from harness.federation import MULTISCHEDULER_ACCOUNT, Federation, virtual_node_name
 from harness.localcluster import LocalCluster, NodeSpec
 from kubekit import keys
 from kubekit.estimatorapi import estimator_pb2, estimator_pb2_grpc
@@ -447,8 +449,11 @@ def estimator_address(federation: Federation, node: str) -> str:
     return str(annotations[keys.ESTIMATOR_ADDRESS_ANNOTATION])
 
 
-def multischeduler_token(federation: Federation) -> str:
-    return (federation.state_dir / "multischeduler" / "upper.token").read_text()
+def multischeduler_token(
+    federation: Federation, audience: str | None = keys.ESTIMATOR_AUDIENCE
+) -> str:
+    """A token of the multischeduler's ServiceAccount, by default one it sends."""
+    return federation.upper.service_account_token(MULTISCHEDULER_ACCOUNT, audience)
 
 
 async def estimate(
@@ -581,7 +586,7 @@ def test_room_kept_for_a_pod_deleted_while_it_waited_comes_back_at_once(
 
 
 def test_the_estimator_answers_only_callers_allowed_to_get_nodes_estimator(
-    fragmented: Federation,
+    fragmented: Federation, tmp_path: Path
 ) -> None:
     address = estimator_address(fragmented, "vk-lower-2")
     host, _, port = address.rpartition(":")
@@ -597,10 +602,25 @@ def test_the_estimator_answers_only_callers_allowed_to_get_nodes_estimator(
     assert asyncio.run(ask("")) == grpc.StatusCode.UNAUTHENTICATED
     assert asyncio.run(ask("not-a-token")) == grpc.StatusCode.UNAUTHENTICATED
     # A real identity without get on nodes/estimator.
-    stranger = fragmented.upper.kubectl("create", "token", "default", "-n", "default").stdout
+    stranger = fragmented.upper.kubectl(
+        "create", "token", "default", "-n", "default", f"--audience={keys.ESTIMATOR_AUDIENCE}"
+    ).stdout
     assert asyncio.run(ask(stranger.strip())) == grpc.StatusCode.PERMISSION_DENIED
     # The multischeduler's own token (its ServiceAccount may get nodes/estimator).
-    assert asyncio.run(ask(multischeduler_token(fragmented))) == grpc.StatusCode.OK
+    sent = multischeduler_token(fragmented)
+    assert asyncio.run(ask(sent)) == grpc.StatusCode.OK
+    # The token it sends every estimator is no good to the apiserver, and the one the
+    # apiserver takes is no good to an estimator: an estimator cannot act as its caller.
+    with_sent = fragmented.upper.write_token_kubeconfig(tmp_path / "sent", "sent", sent)
+    refused = subprocess.run(
+        [str(fragmented.upper.toolchain.kubectl), f"--kubeconfig={with_sent}", "get", "nodes"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode != 0 and "Unauthorized" in refused.stderr, refused.stderr
+    for_the_apiserver = multischeduler_token(fragmented, audience=None)
+    assert asyncio.run(ask(for_the_apiserver)) == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_the_extender_binds_for_the_upper_scheduler_alone(fragmented: Federation) -> None:

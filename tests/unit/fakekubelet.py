@@ -160,7 +160,9 @@ class FakeAuthorizer(Authorizer):
     def __init__(self) -> None:  # no upper apiserver to ask
         self.checks: list[tuple[str, str, str]] = []
 
-    async def authenticate(self, peercert: dict[str, Any] | None, authorization: str) -> User:
+    async def authenticate(
+        self, peercert: dict[str, Any] | None, authorization: str, audience: str | None = None
+    ) -> User:
         if not authorization:
             raise AuthError(401, "Unauthorized: no client certificate or bearer token")
         return User(authorization.removeprefix("Bearer "))

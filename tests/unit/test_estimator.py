@@ -405,7 +405,11 @@ class Admitting(Authorizer):
     def __init__(self) -> None:
         pass
 
-    async def authenticate(self, peercert: dict[str, Any] | None, authorization: str) -> User:
+    async def authenticate(
+        self, peercert: dict[str, Any] | None, authorization: str, audience: str | None = None
+    ) -> User:
+        # Every caller's token must be for the estimators alone.
+        assert audience == keys.ESTIMATOR_AUDIENCE
         return User(name="extender")
 
     async def authorize_node_access(self, user: User, verb: str, subresource: str) -> None:

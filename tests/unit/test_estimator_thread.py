@@ -63,7 +63,9 @@ class StallingFromTheSecondCall(Admitting):
         self.asked = 0
         self.holding = threading.Event()  # set on the estimator's own thread
 
-    async def authenticate(self, peercert: dict[str, Any] | None, authorization: str) -> User:
+    async def authenticate(
+        self, peercert: dict[str, Any] | None, authorization: str, audience: str | None = None
+    ) -> User:
         self.asked += 1
         if self.asked > 1:
             self.holding.set()

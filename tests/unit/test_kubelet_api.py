@@ -970,6 +970,47 @@ async def test_a_refusal_names_every_subresource_checked() -> None:
     assert reviewed_subresources(client) == ["healthz", "proxy", "proxy"]
 
 
+TOKEN_REVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
+
+
+def token_reviewed(*audiences: str) -> dict[str, Any]:
+    return {"status": {"authenticated": True, "user": {"username": "ms"}, "audiences": audiences}}
+
+
+async def test_a_token_for_an_audience_is_reviewed_for_it_alone() -> None:
+    """The estimator takes tokens for its audience only: a token for the apiserver, which
+    every estimator would see, is not one; nor is a token the apiserver's review passes
+    without telling audiences. A token let in for the apiserver is reviewed again for
+    the estimator, not taken from the cache."""
+    client = FakeClient()
+    client.answer(
+        "POST",
+        TOKEN_REVIEWS,
+        token_reviewed("https://kubernetes.default.svc"),
+        {"status": {"authenticated": False, "error": "token audiences are invalid"}},
+        {"status": {"authenticated": True, "user": {"username": "ms"}}},
+        token_reviewed(keys.ESTIMATOR_AUDIENCE),
+    )
+    authorizer = Authorizer(client, "vk-1")
+    assert (await authorizer.authenticate(None, "Bearer api")).name == "ms"
+    for answer in (
+        "Unauthorized: token audiences are invalid",
+        f"Unauthorized: the token is not for audience {keys.ESTIMATOR_AUDIENCE}",
+    ):
+        with pytest.raises(AuthError) as refused:
+            await authorizer.authenticate(None, "Bearer api", keys.ESTIMATOR_AUDIENCE)
+        assert (refused.value.status, refused.value.message) == (401, answer)
+    user = await authorizer.authenticate(None, "Bearer for-us", keys.ESTIMATOR_AUDIENCE)
+    assert user.name == "ms"
+    assert await authorizer.authenticate(None, "Bearer for-us", keys.ESTIMATOR_AUDIENCE) == user
+    assert [r.body["spec"] for r in client.requests] == [
+        {"token": "api"},
+        {"token": "api", "audiences": [keys.ESTIMATOR_AUDIENCE]},
+        {"token": "api", "audiences": [keys.ESTIMATOR_AUDIENCE]},
+        {"token": "for-us", "audiences": [keys.ESTIMATOR_AUDIENCE]},
+    ]
+
+
 async def flooded(authorizer: Authorizer) -> list[asyncio.Task[User]]:
     """Bad tokens enough to fill the reviews' places, waiting; one more is told 429."""
     flood = [

@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 import yaml
 
+from kubekit import keys
+from multischeduler.estimators import ESTIMATOR_TOKEN
 from virtual_node.main import parse_args
 
 MANIFESTS = Path(__file__).parents[2] / "manifests"
@@ -291,3 +293,23 @@ def test_every_component_is_restarted_when_wedged() -> None:
             ports = {p["name"] for p in container["ports"]}
             probe = container["livenessProbe"]["httpGet"]
             assert probe["path"] == "/healthz" and probe["port"] in ports, path
+
+
+def test_the_estimators_callers_mount_a_token_for_the_estimators_alone() -> None:
+    """The estimators refuse any token not for their audience: one for the apiserver,
+    sent to every virtual node, let each act as the multischeduler or the descheduler."""
+    callers = 0
+    for path, deployment in deployments():
+        spec = deployment["spec"]["template"]["spec"]
+        [container] = spec["containers"]
+        if container["args"][0] not in ("multischeduler", "descheduler"):
+            continue
+        callers += 1
+        [mount] = [
+            m for m in container["volumeMounts"] if m["mountPath"] == str(ESTIMATOR_TOKEN.parent)
+        ]
+        [volume] = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+        [source] = volume["projected"]["sources"]
+        assert source["serviceAccountToken"]["audience"] == keys.ESTIMATOR_AUDIENCE, path
+        assert source["serviceAccountToken"]["path"] == ESTIMATOR_TOKEN.name, path
+    assert callers == 2

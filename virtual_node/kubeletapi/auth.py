@@ -150,31 +150,39 @@ class Authorizer:
         # Reviews waiting, by whether the answer was yes before (on the ``home`` loop only).
         self._pending_reviews = {False: 0, True: 0}
 
-    async def authenticate(self, peercert: dict[str, Any] | None, authorization: str) -> User:
+    async def authenticate(
+        self, peercert: dict[str, Any] | None, authorization: str, audience: str | None = None
+    ) -> User:
+        """``audience``: the one a bearer token must be for; none, the upper apiserver's
+        own (as a kubelet's tokens are)."""
         user = user_from_certificate(peercert)
         if user is not None:
             return user
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() == "bearer" and token.strip():
-            return await self._review_token(token.strip())
+            return await self._review_token(token.strip(), audience)
         raise AuthError(401, "Unauthorized: no client certificate or bearer token")
 
-    async def _review_token(self, token: str) -> User:
-        cached: User | None = self._tokens.get(token)
+    async def _review_token(self, token: str, audience: str | None) -> User:
+        key = (token, audience)
+        cached: User | None = self._tokens.get(key)
         if cached is not None:
             return cached
+        spec: dict[str, Any] = {"token": token}
+        if audience is not None:
+            spec["audiences"] = [audience]
         review = await self._post(
             "/apis/authentication.k8s.io/v1/tokenreviews",
-            {
-                "apiVersion": "authentication.k8s.io/v1",
-                "kind": "TokenReview",
-                "spec": {"token": token},
-            },
-            passed_before=self._tokens.lapsed(token) is not None,
+            {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "spec": spec},
+            passed_before=self._tokens.lapsed(key) is not None,
         )
         status = review.get("status") or {}
         if not status.get("authenticated"):
             raise AuthError(401, "Unauthorized: " + (status.get("error") or "invalid token"))
+        # An authenticator that does not know audiences answers without them: such a
+        # token could be one for the apiserver itself.
+        if audience is not None and audience not in (status.get("audiences") or ()):
+            raise AuthError(401, f"Unauthorized: the token is not for audience {audience}")
         info = status.get("user") or {}
         user = User(
             info.get("username", ""),
@@ -182,7 +190,7 @@ class Authorizer:
             tuple(info.get("groups") or ()),
             tuple(sorted((k, tuple(v)) for k, v in (info.get("extra") or {}).items())),
         )
-        self._tokens.put(token, user, TOKEN_TTL)
+        self._tokens.put(key, user, TOKEN_TTL)
         return user
 
     async def authorize(self, user: User, method: str, path: str) -> None:
