@@ -166,7 +166,9 @@ class VirtualNodeConfig:
         NamespaceMapping(self.namespace_strategy, self.namespace_prefix)  # validates
         for name in ("counted_taint_keys", "host_access_namespaces"):
             value = getattr(self, name)
-            if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
+            if not isinstance(value, (list, tuple)) or not all(
+                isinstance(v, str) and v for v in value
+            ):
                 raise ValueError(f"{name} must be a list of non-empty strings, not {value!r}")
             object.__setattr__(self, name, tuple(value))  # a YAML list is a list
         if self.log_level not in logs.LEVELS or self.log_format not in logs.FORMATS:
@@ -300,7 +302,8 @@ def parse_args(argv: Sequence[str]) -> VirtualNodeConfig:
         known = {f.name for f in fields(VirtualNodeConfig)}
         unknown = set(loaded) - known
         if unknown:
-            parser.error(f"{args.config}: unknown keys {', '.join(sorted(unknown))}")
+            # A key YAML reads as a number or a boolean (`1:`, `yes:`) is unknown too.
+            parser.error(f"{args.config}: unknown keys {', '.join(sorted(map(str, unknown)))}")
         values.update(loaded)
     values.update({k: v for k, v in vars(args).items() if k != "config" and v is not None})
     missing = [k for k in ("lower_kubeconfig", "cluster_id") if not values.get(k)]

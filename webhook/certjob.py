@@ -43,6 +43,10 @@ from webhook.server import inject_ca_bundle
 log = logging.getLogger("webhook.certjob")
 
 
+MAX_RENEW_BEFORE_DAYS = 36_500
+MAX_CA_OVERLAP_MINUTES = 525_600
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="kubestrata webhook-cert", description=__doc__)
     parser.add_argument("--kubeconfig", help="of the upper cluster (default: in-cluster)")
@@ -80,10 +84,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     logs.configure(args.log_level, args.log_format)
     check_kubeconfig(parser, args.kubeconfig)
-    if args.renew_before_days < 0:
-        parser.error("--renew-before-days must be at least 0")
-    if args.ca_overlap_minutes < 0:
-        parser.error("--ca-overlap-minutes must be at least 0")
+    # Past these a timedelta overflows; a certificate lives for far less.
+    if not 0 <= args.renew_before_days <= MAX_RENEW_BEFORE_DAYS:
+        parser.error(f"--renew-before-days must be from 0 to {MAX_RENEW_BEFORE_DAYS}")
+    if not 0 <= args.ca_overlap_minutes <= MAX_CA_OVERLAP_MINUTES:
+        parser.error(f"--ca-overlap-minutes must be from 0 to {MAX_CA_OVERLAP_MINUTES}")
     return args
 
 

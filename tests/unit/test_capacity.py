@@ -427,6 +427,8 @@ def test_the_virtual_node_takes_lists_from_repeated_flags_or_its_file(tmp_path: 
         ("a: [", "--config: while parsing"),
         ("42", "a mapping of settings, not int"),
         (b"cluster_id: \xff", "--config: 'utf-8' codec can't decode"),
+        ("1: 2\nno: 1\n", "unknown keys 1, False"),
+        ("counted_taint_keys: 5", "counted_taint_keys must be a list of non-empty strings"),
     ],
 )
 def test_a_bad_config_file_is_one_line_not_a_traceback(

@@ -17,6 +17,7 @@ from hypothesis import given
 from kubekit import keys, pki, stash
 from kubekit.schedulingvalidation import Invalid, check_scheduling_fields
 from tests.unit.test_stash import specs
+from webhook import certjob
 from webhook.admission import BadReview, keep_off_response, parse_review, review_response
 from webhook.configuration import (
     KEEP_OFF_PATH,
@@ -832,3 +833,22 @@ def test_a_bracketed_ipv6_listen_address_is_bound_and_named_without_its_brackets
     certificate = x509.load_pem_x509_certificate(config.cert_file.read_bytes())
     names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert names.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("::1")]
+
+
+@pytest.mark.parametrize(
+    ("flag", "words"),
+    [
+        ("--renew-before-days=inf", "--renew-before-days must be from 0 to 36500"),
+        ("--renew-before-days=1e12", "--renew-before-days must be from 0 to 36500"),
+        ("--renew-before-days=-1", "--renew-before-days must be from 0 to 36500"),
+        ("--ca-overlap-minutes=nan", "--ca-overlap-minutes must be from 0 to 525600"),
+    ],
+)
+def test_the_certificate_job_s_periods_past_a_timedelta_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, words: str
+) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text("apiVersion: v1\nkind: Config\n")
+    with pytest.raises(SystemExit):
+        certjob.parse_args([f"--kubeconfig={kubeconfig}", flag])
+    assert words in capsys.readouterr().err
