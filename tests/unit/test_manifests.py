@@ -295,6 +295,20 @@ def test_every_component_is_restarted_when_wedged() -> None:
             assert probe["path"] == "/healthz" and probe["port"] in ports, path
 
 
+def test_a_component_serving_only_once_its_caches_are_filled_has_minutes_to_start() -> None:
+    """The multischeduler opens its port once its watches have listed: after a
+    control-plane restart that can take minutes, and a liveness probe 30 s in killed
+    both replicas into a back-off while nothing was scheduled."""
+    [(_, deployment)] = [
+        (p, d) for p, d in deployments() if d["metadata"]["name"] == "kubestrata-multischeduler"
+    ]
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    startup = container["startupProbe"]
+    assert startup["httpGet"] == container["livenessProbe"]["httpGet"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
+    assert "initialDelaySeconds" not in container["livenessProbe"]
+
+
 def test_the_estimators_callers_mount_a_token_for_the_estimators_alone() -> None:
     """The estimators refuse any token not for their audience: one for the apiserver,
     sent to every virtual node, let each act as the multischeduler or the descheduler."""
