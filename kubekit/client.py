@@ -703,6 +703,12 @@ class KubeClient:
         try:
             body = await response.read()
             result: JSON = orjson.loads(body) if body.strip() else {}
+        except orjson.JSONDecodeError as error:
+            # A 2xx that is no apiserver's: a proxy's or load balancer's page in front of
+            # it. Told as a bad gateway, which every caller retries, not a crash.
+            raise ApiError(
+                502, f"the answer is not JSON ({error}): {body[:200]!r}", method, path
+            ) from error
         finally:
             response.release()
         return result

@@ -377,6 +377,10 @@ class LowerCluster:
         version: JSON = await self.heartbeat.request(
             "GET", "/version", timeout=PING_REQUEST_SECONDS, retry_when_told=False
         )
+        if not isinstance(version, dict):
+            raise ApiError(
+                502, f"the version is not an object: {version!r:.200}", "GET", "/version"
+            )
         return version
 
     def report(self, reachable: bool) -> NodeReport:

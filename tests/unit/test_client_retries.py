@@ -105,3 +105,22 @@ async def test_a_timeout_bounds_the_call_with_its_retries(tmp_path: Path) -> Non
                 await client.create(CONFIGMAPS, {"metadata": {"name": "a"}}, "ns", timeout=2.5)
     assert refused.value.status == 429
     assert len(bodies) == 3, "sent at 0, 1 and 2 s; a fourth would start at 3 s"
+
+
+async def test_an_answer_that_is_not_json_is_a_bad_gateway_not_a_crash(tmp_path: Path) -> None:
+    """A proxy in front of the apiserver answering 200 with its own HTML page: every
+    caller retries an API error, and the virtual node's Lease loop had died on the
+    decoding error instead."""
+
+    async def maintenance(request: web.Request) -> web.Response:
+        return web.Response(text="<html>down for maintenance</html>", content_type="text/html")
+
+    app = web.Application()
+    app.router.add_get("/version", maintenance)
+    async with serving_over_tls(tmp_path, app) as server:
+        settings = ClientSettings(str(server.kubeconfig(tmp_path)))
+        async with await KubeClient.connect(settings) as client:
+            with pytest.raises(ApiError) as refused:
+                await client.request("GET", "/version")
+    assert refused.value.status == 502
+    assert "not JSON" in refused.value.message and "maintenance" in refused.value.message

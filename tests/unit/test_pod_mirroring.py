@@ -1219,6 +1219,18 @@ async def test_a_lower_apiserver_without_its_etcd_is_unreachable(mirroring: Mirr
     assert await backend.ping() is False
 
 
+@pytest.mark.usefixtures("no_ping_pause")
+async def test_a_version_that_is_not_an_object_is_an_unreachable_cluster(
+    mirroring: Mirroring,
+) -> None:
+    """A proxy's answer at /version: the Lease loop had died on reading it."""
+    backend = mirroring.controller.backend
+    assert isinstance(backend, LowerCluster)
+    listed: Any = ["v1.35.4"]
+    mirroring.lower.answer("GET", "/version", *[listed] * lower_module.PING_ATTEMPTS)
+    assert await backend.ping() is False and not backend.reachable
+
+
 @pytest.fixture
 def no_ping_pause(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lower_module, "PING_PAUSE_SECONDS", 0.0)
