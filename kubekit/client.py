@@ -83,6 +83,10 @@ CONNECTION_ERRORS: tuple[type[Exception], ...] = (
 
 log = logging.getLogger(__name__)
 
+# How long a stream's connection may take to open (a watch's, a log's): past it, an
+# apiserver whose packets are dropped is unreachable, not waited on for the kernel's
+# two minutes.
+STREAM_CONNECT_SECONDS = 10.0
 # client-go's REST client: as many retries of a request the server said to send again.
 RETRIES_WHEN_TOLD = 10
 # How often a kubeconfig's credentials are read again, and how long a read (an exec
@@ -668,12 +672,16 @@ class KubeClient:
     async def stream(
         self, path: str, query: Mapping[str, Any], *, timeout: float | None = None
     ) -> aiohttp.ClientResponse:
-        """A GET whose body the caller reads as it arrives (logs); the caller releases it."""
+        """A GET whose body the caller reads as it arrives (logs); the caller releases it.
+        Only the connection is timed, not the answer: a followed log of a quiet container
+        may send nothing, its headers included, for as long as it stays quiet."""
         response = await self._open(
             "GET",
             path,
             query=query,
-            timeout=aiohttp.ClientTimeout(total=timeout, sock_read=None),
+            timeout=aiohttp.ClientTimeout(
+                total=timeout, sock_connect=STREAM_CONNECT_SECONDS, sock_read=None
+            ),
             streaming=True,
         )
         if response.connection is not None:
@@ -859,7 +867,9 @@ class KubeClient:
         """Yields the watch events of one watch request, until the server ends it.
         An ERROR event is raised as ``ApiError`` with its Status."""
         query = {**query, "watch": "true"}
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=read_timeout)
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=STREAM_CONNECT_SECONDS, sock_read=read_timeout
+        )
         response = await self._open("GET", resource.path(namespace), query=query, timeout=timeout)
         # Lines are split here rather than by aiohttp, whose line reader refuses lines
         # over 64 KiB: one event carries a whole object, up to the 1.5 MiB etcd limit.

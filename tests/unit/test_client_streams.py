@@ -9,9 +9,12 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
+import pytest
 from aiohttp import web
 
-from kubekit.client import ClientSettings, KubeClient
+from kubekit import client as client_module
+from kubekit import pki
+from kubekit.client import CONNECTION_ERRORS, ClientSettings, KubeClient
 from tests.unit.tlsserver import serving_over_tls
 
 STREAMS = 5
@@ -127,3 +130,37 @@ async def test_streams_connections_are_kept_alive_by_tcp(tmp_path: Path) -> None
         socket_ = await client.websocket("/exec", [], ())
         stack.push_async_callback(socket_.close)
         assert (await socket_.receive_bytes()) == b"hello"
+
+
+async def test_a_log_stream_to_an_apiserver_that_never_answers_its_handshake_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An apiserver whose packets are dropped: `kubectl logs` through the virtual node
+    waited out the kernel's two minutes of connect tries (or for good, with a peer that
+    accepts and says nothing) before its 502."""
+    monkeypatch.setattr(client_module, "STREAM_CONNECT_SECONDS", 0.2)
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def silent(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    ca = pki.create_ca(tmp_path, "test")
+    kubeconfig = pki.write_kubeconfig(
+        tmp_path / "kubeconfig",
+        cluster="silent",
+        server=f"https://127.0.0.1:{port}",
+        ca=ca.cert_path,
+        user=pki.issue(ca, tmp_path / "user", "user", client=True),
+    )
+    try:
+        async with await KubeClient.connect(ClientSettings(str(kubeconfig))) as client:
+            opening = asyncio.ensure_future(client.stream("/logs", {}))
+            done, _ = await asyncio.wait({opening}, timeout=10)
+            opening.cancel()
+            assert done, "still waiting for the handshake"
+            assert isinstance(opening.exception(), CONNECTION_ERRORS)
+    finally:
+        server.close()
+    assert accepted, "the connection was made; its handshake never answered"
