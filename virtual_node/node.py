@@ -54,19 +54,61 @@ class NodeReport:
 
 
 _NOT_SHARED = {keys.HOSTNAME_LABEL, keys.NODE_TYPE_LABEL}
+# The kubernetes.io and k8s.io labels a kubelet may set on its own Node (the
+# NodeRestriction admission plugin's list); the others there are the cluster admins'.
+_KUBELET_LABELS = frozenset(
+    {
+        "kubernetes.io/hostname",
+        "kubernetes.io/os",
+        "kubernetes.io/arch",
+        "beta.kubernetes.io/os",
+        "beta.kubernetes.io/arch",
+        "beta.kubernetes.io/instance-type",
+        "node.kubernetes.io/instance-type",
+        "topology.kubernetes.io/region",
+        "topology.kubernetes.io/zone",
+        "failure-domain.beta.kubernetes.io/region",
+        "failure-domain.beta.kubernetes.io/zone",
+    }
+)
+
+
+def _in_domain(prefix: str, domain: str) -> bool:
+    return prefix == domain or prefix.endswith("." + domain)
+
+
+def kubelet_may_set(key: str) -> bool:
+    """Whether a kubelet may give its own Node this label. A lower node's label outside
+    this (`node-role.kubernetes.io/control-plane`, `node-restriction.kubernetes.io/...`,
+    which exists so that only the admins above place workloads by it) is the lower
+    admins' word about their node, not the virtual node's to make above; nor is one of
+    ours."""
+    prefix, slash, _ = key.rpartition("/")
+    if not slash:
+        return True
+    if _in_domain(prefix, "node-restriction.kubernetes.io") or _in_domain(prefix, keys.PREFIX):
+        return False
+    if key in _KUBELET_LABELS or any(
+        _in_domain(prefix, d) for d in ("kubelet.kubernetes.io", "node.kubernetes.io")
+    ):
+        return True
+    return not (_in_domain(prefix, "kubernetes.io") or _in_domain(prefix, "k8s.io"))
 
 
 def shared_labels(
     lower_nodes: Iterable[Mapping[str, Any]], counted_taint_keys: Collection[str] = ()
 ) -> dict[str, str]:
     """Labels with one value on every lower node that counts in the capacity (region,
-    zone, ...): they hold for the whole cluster, so the virtual node carries them too."""
+    zone, ...): they hold for the whole cluster, so the virtual node carries them too,
+    those a kubelet may set on its Node."""
     shared: dict[str, str] | None = None
     for node in lower_nodes:
         if not node_counts(node, counted_taint_keys):
             continue
         labels = {
-            k: v for k, v in (node["metadata"].get("labels") or {}).items() if k not in _NOT_SHARED
+            k: v
+            for k, v in (node["metadata"].get("labels") or {}).items()
+            if k not in _NOT_SHARED and kubelet_may_set(k)
         }
         shared = (
             labels if shared is None else {k: v for k, v in shared.items() if labels.get(k) == v}

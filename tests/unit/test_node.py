@@ -26,6 +26,7 @@ from virtual_node.node import (
     registration,
     registration_patch,
     report_annotations,
+    shared_labels,
     status_changed,
     status_patch,
     without_foreign_resources,
@@ -927,3 +928,39 @@ def test_an_empty_capacity_is_the_same_as_the_none_the_apiserver_gives_back() ->
     read_back = {"conditions": [{"type": "Ready", "status": "True"}]}
     assert not status_changed(read_back, sent)
     assert status_changed(read_back, {**sent, "capacity": {"cpu": "1"}})
+
+
+def test_the_lower_nodes_share_only_labels_a_kubelet_may_set_on_its_own_node() -> None:
+    """A label the lower admins keep to themselves (the NodeRestriction plugin keeps
+    kubelets off node-restriction.kubernetes.io and node-role.kubernetes.io) is theirs:
+    carried up, an upper workload selecting it was placed into a cluster another admin
+    runs, and a one-node lower cluster made its virtual node a control plane."""
+    common = {
+        ZONE: "eu-1a",
+        "topology.kubernetes.io/region": "eu",
+        "node.kubernetes.io/instance-type": "m5.large",
+        "kubelet.kubernetes.io/managed": "yes",
+        "nvidia.com/gpu.product": "A100",
+        "team": "ml",
+        "node-role.kubernetes.io/control-plane": "",
+        "node-restriction.kubernetes.io/pci-zone": "true",
+        "example.node-restriction.kubernetes.io/tier": "gold",
+        "kubernetes.io/role": "worker",
+        "k8s.io/owner": "ops",
+        "kubestrata.io/virtual-node": "true",
+    }
+    lower = [
+        {
+            "metadata": {"name": n, "labels": {**common, keys.HOSTNAME_LABEL: n}},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+        }
+        for n in ("a", "b")
+    ]
+    assert shared_labels(lower) == {
+        ZONE: "eu-1a",
+        "topology.kubernetes.io/region": "eu",
+        "node.kubernetes.io/instance-type": "m5.large",
+        "kubelet.kubernetes.io/managed": "yes",
+        "nvidia.com/gpu.product": "A100",
+        "team": "ml",
+    }
