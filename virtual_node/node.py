@@ -268,8 +268,8 @@ def without_foreign_resources(status: Mapping[str, Any], ours: Collection[str]) 
     }
 
 
-def registration(identity: NodeIdentity, report: NodeReport) -> JSON:
-    """The Node to create when none exists."""
+def registration(identity: NodeIdentity, report: NodeReport, cordoned: bool = False) -> JSON:
+    """The Node to create when none exists; ``cordoned``, unschedulable."""
     labels = node_labels(identity, report)
     return {
         "apiVersion": "v1",
@@ -283,7 +283,10 @@ def registration(identity: NodeIdentity, report: NodeReport) -> JSON:
                 keys.NODE_RESOURCE_KEYS_ANNOTATION: keys_record(report.allocatable),
             },
         },
-        "spec": {"taints": [provider_taint()] if identity.taint else []},
+        "spec": {
+            "taints": [provider_taint()] if identity.taint else [],
+            **({"unschedulable": True} if cordoned else {}),
+        },
         "status": node_status(identity, report),
     }
 

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from kubekit import keys
 from kubekit.client import (
@@ -115,6 +115,10 @@ class NodeController:
         # The resources we advertised that may be on the Node still (a former run's, as
         # recorded on it): only those are ever written as null.
         self._resource_keys: set[str] = set()
+        # Whether the Node was cordoned when last seen: one deleted then (cordon, drain,
+        # delete, the usual way to retire a node) is made again cordoned, not open to
+        # new pods.
+        self._cordoned = False
         # Called once the Node is Ready again after its lower cluster was unreachable.
         self.on_reachable = on_reachable
         self._reachable_unannounced = False
@@ -230,9 +234,16 @@ class NodeController:
         except ApiError as error:
             if not is_not_found(error):
                 raise
-            created = await self.upper.create(NODES, registration(self.identity, report))
-            log.info("registered node %s", self.identity.name)
+            created = await self.upper.create(
+                NODES, registration(self.identity, report, self._cordoned)
+            )
+            log.info(
+                "registered node %s%s",
+                self.identity.name,
+                " cordoned, as it was when deleted" if self._cordoned else "",
+            )
             self._node_uid = created["metadata"]["uid"]
+            self._seen(created)
             # A Node made again (deleted meanwhile) has none of what we sent the last:
             # nor its conditions' transition times.
             self._annotations = {}
@@ -252,6 +263,7 @@ class NodeController:
             if patch:
                 existing = await self.upper.patch(NODES, self.identity.name, patch)
             self._node_uid = existing["metadata"]["uid"]
+            self._seen(existing)
             self._last_status = existing.get("status") or {}
             self._resource_keys = recorded_resource_keys(existing)
             self._annotations = dict(existing["metadata"].get("annotations") or {})
@@ -426,7 +438,7 @@ class NodeController:
         if not metadata:
             return
         try:
-            await self.upper.patch(NODES, self.identity.name, {"metadata": metadata})
+            self._seen(await self.upper.patch(NODES, self.identity.name, {"metadata": metadata}))
         except ApiError as error:
             if is_not_found(error) or not (labels and annotations):
                 raise
@@ -440,6 +452,9 @@ class NodeController:
             return
         self._sent_annotations({**annotations, **with_labels})
         self._labels = wanted
+
+    def _seen(self, node: Mapping[str, Any]) -> None:
+        self._cordoned = bool((node.get("spec") or {}).get("unschedulable"))
 
     def _log_labels_of_others(self, labels: Mapping[str, str]) -> None:
         for key, value in labels.items():
@@ -467,6 +482,7 @@ class NodeController:
         try:
             if self._status_unknown:
                 node = await self.upper.get(NODES, self.identity.name)
+                self._seen(node)
                 self._last_status = node.get("status") or {}
                 self._status_unknown = False
             try:
@@ -498,6 +514,7 @@ class NodeController:
             log.warning("node %s was deleted; registering it again", self.identity.name)
             await self.register()
             return
+        self._seen(node)
         self._last_status = node.get("status") or status
         # The rest went as null; the record follows at the next metadata sent.
         self._resource_keys = set(status["capacity"]) | set(status["allocatable"])

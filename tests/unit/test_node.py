@@ -571,6 +571,30 @@ async def test_a_node_deleted_is_registered_again_at_the_next_lease_renewal() ->
     assert owner["uid"] == "uid-2", "the new Node's"
 
 
+@pytest.mark.parametrize("uncordoned_before", [False, True])
+async def test_a_node_deleted_while_cordoned_is_registered_again_cordoned(
+    uncordoned_before: bool,
+) -> None:
+    """Cordon, drain, delete: the usual way to retire a node. Made again open, the Node
+    took new pods within seconds of its deletion; made again cordoned, it takes none
+    until uncordoned (or the virtual node is stopped)."""
+    upper = FakeClient()
+    controller = nodecontroller.NodeController(upper, identity(), FlakyLowerCluster(True))
+    controller.reachable = True
+    await controller.register()
+    seen = [{"metadata": {"name": "vk-lower-1"}, "spec": {"unschedulable": True}}]
+    if uncordoned_before:
+        seen.append({"metadata": {"name": "vk-lower-1"}, "spec": {}})
+    upper.answer("PATCH", "/api/v1/nodes/vk-lower-1/status", *seen)
+    for _ in seen:
+        await controller.update_status(force=True)
+    upper.answer("PATCH", "/api/v1/nodes/vk-lower-1/status", status_error(404, "NotFound", "gone"))
+    upper.requests.clear()
+    await controller.update_status(force=True)
+    [created] = [r.body for r in upper.requests if (r.method, r.path) == ("POST", "/api/v1/nodes")]
+    assert created["spec"].get("unschedulable", False) is not uncordoned_before
+
+
 async def test_after_an_outage_a_condition_moves_from_what_the_node_holds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
