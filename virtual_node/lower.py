@@ -462,8 +462,14 @@ class LowerCluster:
                         # Finished, then removed below (a TTL, the pod GC) before its
                         # last status came up: it ends above as it ended there.
                         return Mirrored(upper_status(removed, upper, self.host_ip), "")
+                    gone = f"pod {namespace}/{name} is gone from lower cluster "
                     return Vanished(
-                        f"pod {namespace}/{name} is gone from lower cluster {self.owner.cluster_id}"
+                        gone + self.owner.cluster_id,
+                        # Its last update (the exit codes) and its removal often land in
+                        # one reconcile.
+                        upper_status(removed, upper, self.host_ip)
+                        if removed is not None and made_from(removed, upper)
+                        else None,
                     )
             else:
                 self._removed.pop(upper_key, None)

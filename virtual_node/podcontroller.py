@@ -59,9 +59,11 @@ class Gone:
 
 @dataclass(frozen=True)
 class Vanished:
-    """The lower pod existed and was deleted or evicted by someone else."""
+    """The lower pod existed and was deleted or evicted by someone else; with the status
+    it last reported (the upper pod's form) when its removal was seen, as ``Gone``."""
 
     message: str
+    last_status: JSON | None = None
 
 
 @dataclass(frozen=True)
@@ -237,8 +239,8 @@ class PodController:
                     )
                 else:
                     await self._set_status(upper, status)
-            case Vanished(message):
-                await self._lost(upper, message)
+            case Vanished(message, last_status):
+                await self._lost(upper, message, last_status)
             case Rejected(reason, message):
                 if upper.get("status", {}).get("phase") not in FINISHED:
                     await self.event(upper, "Warning", reason, message)
@@ -287,15 +289,19 @@ class PodController:
             raise
         return resource_version(written)
 
-    async def _lost(self, upper: Mapping[str, Any], message: str) -> None:
+    async def _lost(
+        self, upper: Mapping[str, Any], message: str, last_status: JSON | None = None
+    ) -> None:
         """A lower pod gone behind our back: a controlled pod is deleted so its owner
-        makes a new one; a bare pod is marked Failed, as a kubelet would after losing it."""
+        makes a new one; a bare pod is marked Failed, as a kubelet would after losing it,
+        over the exit codes its containers ended with below when they were seen."""
         await self.event(upper, "Warning", "LowerPodDeleted", message)
         if _controlled(upper):
             await self.upper.delete_exact(PODS, upper, grace_period_seconds=0)
         else:
+            as_it_ended = upper if last_status is None else {**upper, "status": last_status}
             await self._set_status(
-                upper, failed_status(upper, "LowerPodDeleted", message, now_rfc3339())
+                upper, failed_status(as_it_ended, "LowerPodDeleted", message, now_rfc3339())
             )
 
     async def event(self, pod: Mapping[str, Any], kind: str, reason: str, message: str) -> None:

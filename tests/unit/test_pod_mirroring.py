@@ -714,15 +714,18 @@ async def test_a_bare_pod_ended_by_its_deletion_below_fails_whatever_its_exit_co
     assert (failed["phase"], failed["reason"]) == ("Failed", "LowerPodDeleted")
     assert failed["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
     assert mirroring.upper_event_reasons() == ["LowerPodDeleted"]
-    # Removed with that status before a reconcile saw it ending: the same.
+    # Removed with its last status before a reconcile saw it ending: the same, over the
+    # exit codes that status holds (until 2026-11-29 every container's was 137, unknown).
     removed = mirroring_with()
     removed.above(pod)
     removed.below(lower_pod(phase="Running"))
-    removed.below(stopped, "DELETED")
+    killed = lower_pod(phase="Failed", containerStatuses=[exited(3, "2026-11-29T10:00:02Z")])
+    removed.below(deleted_below(killed, "2026-11-29T10:00:30Z", 30), "DELETED")
     removed.lower.answer("GET", f"{LOWER_POD_PATH}/web", not_found("pods", "web"))
     await removed.controller.reconcile("shop/web")
     (failed,) = removed.upper_statuses()
     assert (failed["phase"], failed["reason"]) == ("Failed", "LowerPodDeleted")
+    assert failed["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 3
 
 
 async def test_a_pod_with_a_stash_the_webhook_does_not_guard_waits_unmade() -> None:
