@@ -598,8 +598,10 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
                 backend,
                 config,
                 lambda key: (
-                    (pod := upper_pods.get(key)) is not None
+                    pod
+                    if (pod := upper_pods.get(key)) is not None
                     and (pod.get("status") or {}).get("phase") not in FINISHED
+                    else None
                 ),
             )
         )
@@ -666,7 +668,9 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
 
 
 async def until_made_under_this_mapping(
-    backend: LowerCluster, config: VirtualNodeConfig, running: Callable[[str], bool]
+    backend: LowerCluster,
+    config: VirtualNodeConfig,
+    running: Callable[[str], Mapping[str, Any] | None],
 ) -> None:
     """Holds the start while pods of ours below were made under another namespace
     mapping (``--namespace-strategy`` or ``--namespace-prefix`` changed since) for upper
