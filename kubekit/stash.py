@@ -28,7 +28,16 @@ JSON = dict[str, Any]
 VERSION = 1
 FIELDS = ("nodeSelector", "affinity", "tolerations", "topologySpreadConstraints")
 DEFAULT_KEEP_KEYS = frozenset({keys.CLUSTER_ID_LABEL, "topology.kubernetes.io/region"})
-VIRTUAL_NODE_SELECTOR = {keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE}
+# The entry the webhook gives a federated pod's node selector: a label every virtual Node
+# carries, which a kubelet cannot give its own Node (the NodeRestriction plugin). Until
+# 2026-11-29 it was kubestrata.io/virtual-node, which any kubelet could set on itself to
+# draw federated pods (their Secrets with them); pods given that one keep it.
+VIRTUAL_NODE_SELECTOR = {keys.PROVEN_VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE}
+# Every entry the webhook ever gave: its own, never the pod's.
+WEBHOOK_SELECTOR_ENTRIES = {
+    **VIRTUAL_NODE_SELECTOR,
+    keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
+}
 PROVIDER_TOLERATION: JSON = {
     "key": keys.PROVIDER_TAINT_KEY,
     "operator": "Equal",
@@ -495,13 +504,13 @@ def _puts_back(field: str, value: Any, old: Any, restored: Any) -> bool:
     return (
         _own_entries(old).items()
         <= value.items()
-        <= {**(restored or {}), **VIRTUAL_NODE_SELECTOR}.items()
+        <= {**(restored or {}), **WEBHOOK_SELECTOR_ENTRIES}.items()
     )
 
 
 def _own_entries(selector: Mapping[str, str] | None) -> dict[str, str]:
     """An upper node selector but the virtual nodes' own entry the webhook adds."""
-    return {k: v for k, v in (selector or {}).items() if VIRTUAL_NODE_SELECTOR.get(k) != v}
+    return {k: v for k, v in (selector or {}).items() if WEBHOOK_SELECTOR_ENTRIES.get(k) != v}
 
 
 def _only_node_affinity_changed(old: Mapping[str, Any] | None, value: Any) -> bool:

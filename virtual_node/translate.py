@@ -181,6 +181,7 @@ def desired_lower_pod(
         {
             keys.CLUSTER_ID_LABEL: owner.cluster_id,
             keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
+            keys.PROVEN_VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
         },
         owner.node_name,
     )

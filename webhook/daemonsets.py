@@ -24,6 +24,7 @@ OFF_VIRTUAL_NODES: JSON = {"key": keys.CLUSTER_ID_LABEL, "operator": "DoesNotExi
 # Labels every virtual Node carries with these values, and no ordinary node.
 VIRTUAL_NODE_LABELS = {
     keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
+    keys.PROVEN_VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
     keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL,
 }
 
@@ -37,7 +38,7 @@ def _means_virtual_nodes(expression: Mapping[str, Any]) -> bool:
     wanted = VIRTUAL_NODE_LABELS.get(str(key))
     return wanted is not None and (
         (operator == "In" and wanted in (expression.get("values") or []))
-        or (operator == "Exists" and key == keys.VIRTUAL_NODE_LABEL)
+        or (operator == "Exists" and key != keys.NODE_TYPE_LABEL)
     )
 
 

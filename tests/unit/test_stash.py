@@ -135,11 +135,12 @@ def test_stashing_twice_changes_nothing(spec: dict[str, Any]) -> None:
 def test_upper_view_only_speaks_of_cluster_level_keys(spec: dict[str, Any]) -> None:
     stashed, _ = stash_scheduling(spec, {})
     kept = {keys.CLUSTER_ID_LABEL, "topology.kubernetes.io/region"}
-    # And the virtual nodes' own label, which keeps the pod off ordinary upper nodes.
+    # And the virtual nodes' own label, which keeps the pod off ordinary upper nodes: one
+    # a kubelet cannot set on its own Node.
     selector = stashed.get("nodeSelector") or {}
     if not spec.get("nodeName"):
-        assert selector[keys.VIRTUAL_NODE_LABEL] == keys.VIRTUAL_NODE_LABEL_VALUE
-    assert set(selector) - {keys.VIRTUAL_NODE_LABEL} <= kept
+        assert selector[keys.PROVEN_VIRTUAL_NODE_LABEL] == keys.VIRTUAL_NODE_LABEL_VALUE
+    assert set(selector) - {keys.PROVEN_VIRTUAL_NODE_LABEL} <= kept
     for constraint in stashed.get("topologySpreadConstraints") or []:
         assert constraint["topologyKey"] in kept
     assert PROVIDER_TOLERATION in stashed["tolerations"] or any(
@@ -387,6 +388,23 @@ def test_an_applied_manifest_without_the_provider_toleration_keeps_it() -> None:
 
 GATED = {"schedulingGates": [{"name": "example.com/quota"}]}
 GPU_TYPE = {"type": "gpu"}
+
+
+def test_a_pod_given_the_entry_of_before_keeps_it_and_gains_no_stash_entry() -> None:
+    """Until 2026-11-29 the webhook selected kubestrata.io/virtual-node, which a kubelet
+    may set on its own Node; a pod given it then keeps it (the field is immutable), an
+    apply without it puts it back, and it is never taken for one of the pod's own: a copy
+    made of it (the descheduler's) gets today's entry, with the same stash."""
+    before = {"nodeSelector": {keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE}}
+    stashed, annotations = stash_scheduling({"nodeSelector": dict(GPU_TYPE)}, {})
+    admitted = {**stashed, **before}
+    copied, copy_annotations = stash_scheduling(admitted, annotations)
+    assert copied == stashed and copy_annotations == annotations
+    updated, _ = update(admitted, annotations, {**admitted, "nodeSelector": dict(GPU_TYPE)})
+    assert updated["nodeSelector"] == before["nodeSelector"]
+    assert restore_scheduling(updated, annotations[keys.STASH_ANNOTATION])["nodeSelector"] == (
+        GPU_TYPE
+    )
 
 
 def test_a_pod_keeps_to_virtual_nodes_above_whatever_its_own_type_entry() -> None:

@@ -1412,10 +1412,12 @@ def test_virtual_kubelets_usual_targeting_is_met_here_and_goes() -> None:
     selector = {keys.NODE_TYPE_LABEL: keys.NODE_TYPE_VIRTUAL, "disk": "ssd"}
     lower = desired_lower_pod(upper_pod(nodeSelector=selector), NamespaceMapping(), OWNER)
     assert lower["spec"]["nodeSelector"] == {"disk": "ssd"}
-    # The label the webhook selects above, written by a user into the original.
-    selector = {keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE, "disk": "ssd"}
-    lower = desired_lower_pod(upper_pod(nodeSelector=selector), NamespaceMapping(), OWNER)
-    assert lower["spec"]["nodeSelector"] == {"disk": "ssd"}
+    # The labels the webhook selects above (the one it gave before 2026-11-29 too),
+    # written by a user into the original.
+    for label in (keys.VIRTUAL_NODE_LABEL, keys.PROVEN_VIRTUAL_NODE_LABEL):
+        selector = {label: keys.VIRTUAL_NODE_LABEL_VALUE, "disk": "ssd"}
+        lower = desired_lower_pod(upper_pod(nodeSelector=selector), NamespaceMapping(), OWNER)
+        assert lower["spec"]["nodeSelector"] == {"disk": "ssd"}
     pinned = required_terms(node_term((keys.HOSTNAME_LABEL, "In", ["vk-lower-1", "vk-lower-2"])))
     assert lower_affinity(pinned) is None
 

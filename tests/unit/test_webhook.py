@@ -122,8 +122,10 @@ def test_a_pod_gets_the_provider_toleration_and_keeps_cluster_level_selectors() 
         "nodeSelector": {"disk": "ssd", keys.CLUSTER_ID_LABEL: "lower-1"},
     }
     result = patched(pod(spec), answer(review(pod(spec))))
+    # The virtual nodes' label a kubelet cannot set on itself (until 2026-11-29 ours,
+    # which a kubelet could, drawing federated pods).
     assert result["spec"]["nodeSelector"] == {
-        keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
+        keys.PROVEN_VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
         keys.CLUSTER_ID_LABEL: "lower-1",
     }
     assert result["spec"]["tolerations"] == [stash.PROVIDER_TOLERATION]
@@ -350,6 +352,17 @@ def test_a_daemonset_tolerating_every_taint_is_kept_off_virtual_nodes_in_every_t
                 {"matchExpressions": [{"key": keys.VIRTUAL_NODE_LABEL, "operator": "Exists"}]}
             ),
         },
+        {"tolerations": EVERY_TAINT, "nodeSelector": {keys.PROVEN_VIRTUAL_NODE_LABEL: "true"}},
+        {
+            "tolerations": EVERY_TAINT,
+            "affinity": required(
+                {
+                    "matchExpressions": [
+                        {"key": keys.PROVEN_VIRTUAL_NODE_LABEL, "operator": "Exists"}
+                    ]
+                }
+            ),
+        },
     ],
     ids=[
         "no-toleration",
@@ -363,6 +376,8 @@ def test_a_daemonset_tolerating_every_taint_is_kept_off_virtual_nodes_in_every_t
         "selects-the-virtual-kubelet-type",
         "requires-the-virtual-kubelet-type",
         "requires-the-virtual-node-label",
+        "selects-the-proven-virtual-node-label",
+        "requires-the-proven-virtual-node-label",
     ],
 )
 def test_a_daemonset_that_stays_off_or_means_virtual_nodes_is_left_alone(
@@ -816,7 +831,8 @@ def test_a_pod_outside_federation_tolerating_every_taint_is_kept_off_virtual_nod
     left_alone = [
         pod_review({**spec, "nodeName": "worker-1"}),  # a static pod's mirror
         pod_review(spec, ownerReferences=[{"kind": "DaemonSet", "uid": "d", "controller": True}]),
-        pod_review({**spec, "nodeSelector": {keys.VIRTUAL_NODE_LABEL: "true"}}),  # federated
+        pod_review({**spec, "nodeSelector": stash.VIRTUAL_NODE_SELECTOR}),  # federated
+        pod_review({**spec, "nodeSelector": {keys.VIRTUAL_NODE_LABEL: "true"}}),  # before
         pod_review({"tolerations": [{"key": "gpu", "operator": "Exists"}]}),
     ]
     for review in left_alone:
