@@ -191,6 +191,12 @@ class _Cached:
 _TRANSIENT: tuple[type[Exception], ...] = (*CONNECTION_ERRORS, ValueError)
 
 
+def _expired(error: ApiError) -> bool:
+    """A resourceVersion the server no longer has: 410, or its reasons (as client-go's
+    IsResourceExpired and IsGone read them, a Status without a code included)."""
+    return error.status == 410 or error.reason in ("Expired", "Gone")
+
+
 def _beyond_the_server(error: ApiError) -> bool:
     """The apiserver's "Too large resource version" (504, cause ResourceVersionTooLarge)."""
     body = error.body if isinstance(error.body, dict) else {}
@@ -308,13 +314,13 @@ class Informer:
                     # good) is listed again; after a pause, or lists that expire before
                     # their watch starts would follow each other. Other errors (403, 429,
                     # 5xx) retry what failed, with the backoff growing.
-                    if error.status == 410 or _beyond_the_server(error):
+                    if _expired(error) or _beyond_the_server(error):
                         need_list = True
                         log.info(
                             "%r: resourceVersion %s too %s, listing again",
                             self,
                             self.resource_version,
-                            "old" if error.status == 410 else "large",
+                            "old" if _expired(error) else "large",
                         )
                         await self._pause(error, logging.INFO)
                     else:
@@ -462,7 +468,7 @@ class Informer:
         strip_for_cache(obj)
         version = resource_version(obj)
         if kind == "BOOKMARK":
-            self.resource_version = version
+            self._watched_to(version)
             return
         key = object_key(obj)
         if kind == "DELETED":
@@ -482,7 +488,14 @@ class Informer:
             if not known:
                 self._by_namespace.setdefault(namespace_of(key), set()).add(key)
             self._notify("on_update" if known else "on_add", obj)
-        self.resource_version = version
+        self._watched_to(version)
+
+    def _watched_to(self, version: str) -> None:
+        # An event without a version (a proxy's, not an apiserver's) says nothing of where
+        # the watch is: an empty one would have the next watch start from now, with no
+        # deletion told of what went meanwhile.
+        if version:
+            self.resource_version = version
 
     @staticmethod
     def _cached(obj: JSON) -> _Cached:

@@ -100,6 +100,10 @@ def test_apply_watch_events_updates_cache_and_handlers() -> None:
     assert cache.get("ns/a") is None
     assert recorder.events == [("add", "ns/a"), ("update", "ns/a"), ("delete", "ns/a")]
     assert cache.resource_version == "10"
+    # A bookmark without a version (a proxy's): the next watch would start from now,
+    # told of no deletion made meanwhile.
+    cache.apply({"type": "BOOKMARK", "object": {"metadata": {}}})
+    assert cache.resource_version == "10"
 
 
 def test_a_namespace_reads_only_its_own_objects_as_they_come_and_go() -> None:
@@ -458,6 +462,8 @@ async def run_for(server: WatchAnswering, seconds: float) -> None:
     "error",
     [
         ApiError(410, {"reason": "Expired", "code": 410}, "WATCH"),
+        # A Status without its code (a proxy's), which the client takes for a 500.
+        ApiError(500, {"reason": "Expired"}, "WATCH"),
         # The server's etcd restored from a backup: its resourceVersions went back.
         ApiError(
             504,
@@ -469,7 +475,7 @@ async def run_for(server: WatchAnswering, seconds: float) -> None:
             "WATCH",
         ),
     ],
-    ids=["gone", "too large"],
+    ids=["gone", "expired without a code", "too large"],
 )
 async def test_a_watch_from_a_version_the_server_lacks_lists_again_after_a_pause(
     error: ApiError,
