@@ -330,20 +330,14 @@ class LowerCluster:
         namespace, name = upper_key.split("/", 1)
         return f"{self.mapping.lower(namespace)}/{name}"
 
-    def made_under_another_mapping(
-        self, running: Callable[[str], Mapping[str, Any] | None]
-    ) -> list[tuple[str, str]]:
-        """Those of our pods below made under another namespace mapping from an upper pod
-        ``running`` (there, not finished; None otherwise): the others are the orphan
-        sweep's. Made from it, by its UID: a pod given our labels below by anyone who may
-        create pods there names an upper pod it was not made from, and would hold up the
-        start for good."""
-        stale = []
-        for lower_key, upper_key in made_under_another_mapping(self._mirrored, self.mapping):
-            upper, lower = running(upper_key), self.pods.get(lower_key)
-            if upper is not None and lower is not None and made_from(lower, upper):
-                stale.append((lower_key, upper_key))
-        return stale
+    def made_under_another_mapping(self, running: Callable[[str], bool]) -> list[tuple[str, str]]:
+        """Those of our pods below made under another namespace mapping whose upper pod
+        is ``running`` (there, not finished): the others are the orphan sweep's."""
+        return [
+            (lower_key, upper_key)
+            for lower_key, upper_key in made_under_another_mapping(self._mirrored, self.mapping)
+            if running(upper_key)
+        ]
 
     # -- NodeProvider ----------------------------------------------------------------------
 

@@ -598,10 +598,8 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
                 backend,
                 config,
                 lambda key: (
-                    pod
-                    if (pod := upper_pods.get(key)) is not None
+                    (pod := upper_pods.get(key)) is not None
                     and (pod.get("status") or {}).get("phase") not in FINISHED
-                    else None
                 ),
             )
         )
@@ -668,9 +666,7 @@ async def mirror(config: VirtualNodeConfig, health: Health) -> None:
 
 
 async def until_made_under_this_mapping(
-    backend: LowerCluster,
-    config: VirtualNodeConfig,
-    running: Callable[[str], Mapping[str, Any] | None],
+    backend: LowerCluster, config: VirtualNodeConfig, running: Callable[[str], bool]
 ) -> None:
     """Holds the start while pods of ours below were made under another namespace
     mapping (``--namespace-strategy`` or ``--namespace-prefix`` changed since) for upper
