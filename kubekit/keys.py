@@ -142,7 +142,9 @@ CLAIM_BINDING_ANNOTATIONS = frozenset(
 # over TLS with the kubelet API's serving certificate).
 ESTIMATOR_ADDRESS_ANNOTATION = f"{PREFIX}/estimator-address"
 # The audience of the tokens estimators accept: one an apiserver refuses (its audiences
-# are its own), so an estimator, which sees its callers' tokens, cannot act as them.
+# are its own), so an estimator, which sees its callers' tokens, cannot replay them
+# against the apiserver. Every estimator takes it: one can still replay a caller's token
+# against the others.
 ESTIMATOR_AUDIENCE = f"{PREFIX}/estimator"
 # When that estimator started (RFC 3339): its reservations are gone, and the change makes
 # the upper kube-scheduler retry the pods the extender failed while it was away (a Node
