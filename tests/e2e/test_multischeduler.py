@@ -27,7 +27,7 @@ import pytest
 
 from harness.federation import MULTISCHEDULER_ACCOUNT, Federation, virtual_node_name
 from harness.localcluster import LocalCluster, NodeSpec
-from kubekit import keys
+from kubekit import keys, stash
 from kubekit.estimatorapi import estimator_pb2, estimator_pb2_grpc
 
 from .helpers import (
@@ -513,9 +513,7 @@ def test_a_federated_pod_is_not_bound_to_an_ordinary_node_the_scheduler_prefers(
             "elsewhere Running on vk-lower-1",
         )
         above = upper_pod(fragmented, "elsewhere")
-        assert above["spec"]["nodeSelector"] == {
-            keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE
-        }
+        assert above["spec"]["nodeSelector"] == stash.VIRTUAL_NODE_SELECTOR
         (below,) = lower_pods(fragmented, "app=elsewhere").values()
         assert below["spec"]["nodeSelector"] == POOL
     finally:

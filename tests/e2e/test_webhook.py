@@ -92,7 +92,7 @@ def test_node_selector_and_affinity_are_stashed_above_and_restored_below(
     above = wait_for(scheduled, "the pod scheduled in the upper cluster")
     assert above["spec"]["nodeName"] == "vk-lower-1"
     assert above["spec"]["nodeSelector"] == {
-        keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
+        keys.PROVEN_VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
         keys.CLUSTER_ID_LABEL: "lower-1",
     }
     assert "affinity" not in above["spec"]
