@@ -75,6 +75,9 @@ UPPER_IMAGES_ANNOTATION = f"{PREFIX}/upper-images"
 # On a lower pod: each container's resources as the upper pod gave them when it was made
 # or last resized (a lower admission webhook may have changed the ones the pod has).
 UPPER_RESOURCES_ANNOTATION = f"{PREFIX}/upper-resources"
+# On a lower pod: why its lower apiserver refused for good the resize to the resources
+# recorded above (the upper pod's PodResizePending says so while they stay asked for).
+RESIZE_REFUSED_ANNOTATION = f"{PREFIX}/resize-refused"
 
 # The webhook's stash of scheduling fields on federated pods (kubekit.stash).
 STASH_ANNOTATION = f"{PREFIX}/scheduling-stash"

@@ -20,7 +20,7 @@ from kubekit.client import (
     is_not_found,
 )
 from kubekit.informer import FunctionHandler, Informer, object_key, resource_version
-from kubekit.timestamps import parse_time
+from kubekit.timestamps import now_rfc3339, parse_time
 from kubekit.workqueue import WorkQueue
 from virtual_node.capacity import (
     PodUsage,
@@ -59,6 +59,7 @@ from virtual_node.translate import (
     resize_patch,
     resources_record_patch,
     upper_status,
+    with_resize_refusal,
 )
 from virtual_node.volumes import hand_made_template
 
@@ -533,6 +534,7 @@ class LowerCluster:
                 retry = True
                 debug = None
         resize = resize_patch(lower, desired)
+        resize_deferred = None
         for patch, subresource in (
             (lower_pod_patch(lower, desired, resize_pending=resize is not None), ""),
             (resize, "resize"),
@@ -543,17 +545,21 @@ class LowerCluster:
                 if refusal is not None:
                     refusals.append(refusal)
                     retry = retry or again
-                if subresource == "resize" and not again:
+                if subresource == "resize" and again:
+                    resize_deferred = refusal
+                elif subresource == "resize":
                     # Made, or refused for good: not asked for again on the next sync.
-                    lower, _, _ = await self._patch(lower, resources_record_patch(desired), "")
+                    lower, _, _ = await self._patch(
+                        lower, resources_record_patch(desired, refusal), ""
+                    )
         # A finished pod takes no change: nothing to try again for.
         done = (lower.get("status") or {}).get("phase") in FINISHED
-        return Mirrored(
-            upper_status(lower, upper, self.host_ip),
-            resource_version(lower),
-            tuple(refusals),
-            retry and not done,
-        )
+        status = upper_status(lower, upper, self.host_ip)
+        if not done:
+            status = with_resize_refusal(
+                status, lower, desired, upper, resize_deferred, now_rfc3339()
+            )
+        return Mirrored(status, resource_version(lower), tuple(refusals), retry and not done)
 
     def _mirror_of(self, upper: Mapping[str, Any]) -> JSON | None:
         """The lower pod made from this very upper pod, if any."""

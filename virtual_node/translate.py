@@ -747,6 +747,9 @@ def lower_pod_patch(
             want.pop(keys.UPPER_RESOURCES_ANNOTATION, None)
         change: JSON = {k: v for k, v in want.items() if have.get(k) != v}
         change.update({k: None for k in from_above.get(field, ()) if k in have and k not in want})
+        if keys.UPPER_RESOURCES_ANNOTATION in change and keys.RESIZE_REFUSED_ANNOTATION in have:
+            # A refusal speaks of the resources recorded with it, not of these.
+            change[keys.RESIZE_REFUSED_ANNOTATION] = None
         if change:
             metadata[field] = change
     if metadata:
@@ -773,11 +776,64 @@ def _resources_record(spec: Mapping[str, Any]) -> str:
     return orjson.dumps(resources, option=orjson.OPT_SORT_KEYS).decode()
 
 
-def resources_record_patch(desired: Mapping[str, Any]) -> JSON:
+def resources_record_patch(desired: Mapping[str, Any], refusal: str | None) -> JSON:
     """The patch recording on the lower pod the resources the upper pod gives it now,
-    once a resize asked for them was made or refused for good."""
+    once a resize asked for them was made, or refused for good (``refusal``: why)."""
     record = desired["metadata"]["annotations"][keys.UPPER_RESOURCES_ANNOTATION]
-    return {"metadata": {"annotations": {keys.UPPER_RESOURCES_ANNOTATION: record}}}
+    return {
+        "metadata": {
+            "annotations": {
+                keys.UPPER_RESOURCES_ANNOTATION: record,
+                keys.RESIZE_REFUSED_ANNOTATION: refusal,
+            }
+        }
+    }
+
+
+def with_resize_refusal(
+    status: JSON,
+    lower: Mapping[str, Any],
+    desired: Mapping[str, Any],
+    upper: Mapping[str, Any],
+    deferred: str | None,
+    now: str,
+) -> JSON:
+    """``status`` with the PodResizePending a kubelet writes for a resize it cannot make,
+    where the lower apiserver refused the resize before any lower kubelet saw it:
+    ``Deferred`` for one refused for now (``deferred``: why; a quota full today),
+    ``Infeasible`` for one refused for good, while the upper pod still asks for those
+    resources. Without it the upper pod waited with no word, and the upper scheduler
+    counted the requests asked for rather than those the pod has."""
+    annotations = (lower.get("metadata") or {}).get("annotations") or {}
+    refused = annotations.get(keys.RESIZE_REFUSED_ANNOTATION)
+    if deferred is not None:
+        reason, message = "Deferred", deferred
+    elif isinstance(refused, str) and annotations.get(keys.UPPER_RESOURCES_ANNOTATION) == (
+        desired["metadata"]["annotations"].get(keys.UPPER_RESOURCES_ANNOTATION)
+    ):
+        reason, message = "Infeasible", refused
+    else:
+        return status
+    before: Mapping[str, Any] = next(
+        (
+            c
+            for c in (upper.get("status") or {}).get("conditions") or []
+            if c.get("type") == "PodResizePending"
+        ),
+        {},
+    )
+    pending = {
+        "type": "PodResizePending",
+        "status": "True",
+        "reason": reason,
+        "message": message,
+        "lastProbeTime": None,
+        "lastTransitionTime": before.get("lastTransitionTime")
+        if before.get("status") == "True" and before.get("reason") == reason
+        else now,
+    }
+    conditions = [c for c in status.get("conditions") or [] if c.get("type") != "PodResizePending"]
+    return {**status, "conditions": [*conditions, pending]}
 
 
 def _but_seconds(toleration: Mapping[str, Any]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -1348,6 +1349,63 @@ async def test_a_resize_is_recorded_once_made_or_refused_for_good(
     writes = [path for _, path in mirroring.lower.writes()]
     assert writes[0] == resize_path
     assert (f"{LOWER_POD_PATH}/web" in writes[1:]) is recorded
+
+
+def resize_pending(mirroring: Mirroring) -> list[tuple[str, str]]:
+    return [
+        (c["reason"], c["message"])
+        for status in mirroring.upper_statuses()
+        for c in status.get("conditions") or []
+        if c["type"] == "PodResizePending"
+    ]
+
+
+@pytest.mark.parametrize(("answer", "reason"), [(403, "Deferred"), (422, "Infeasible")])
+async def test_a_resize_the_lower_apiserver_refuses_is_pending_above(
+    mirroring: Mirroring, answer: int, reason: str
+) -> None:
+    """As a kubelet tells of a resize it cannot make: Deferred for a quota full today,
+    Infeasible for one refused for good, as long as the upper pod asks for it. Until
+    2026-11-29 the pod said nothing, and the upper scheduler counted the requests asked
+    for."""
+    sized = [{"name": "app", "image": "nginx", "resources": {"requests": {"cpu": "300m"}}}]
+    mirroring.above(upper_pod(containers=sized))
+    below = lower_pod(phase="Running")
+    below["spec"]["containers"][0]["resources"] = {"requests": {"cpu": "100m"}}
+    below["metadata"]["annotations"][keys.UPPER_RESOURCES_ANNOTATION] = (
+        '{"app":{"requests":{"cpu":"100m"}}}'
+    )
+    mirroring.below(below)
+    refusal = status_error(answer, "Refused", "exceeded quota")
+    mirroring.lower.answer("PATCH", f"{LOWER_POD_PATH}/web/resize", refusal)
+    recorded = copy.deepcopy(below)
+    recorded["metadata"]["annotations"] |= {
+        keys.UPPER_RESOURCES_ANNOTATION: '{"app":{"requests":{"cpu":"300m"}}}',
+        keys.RESIZE_REFUSED_ANNOTATION: "lower cluster lower-1 refused the pod's resize: "
+        "exceeded quota",
+    }
+    mirroring.lower.answer("PATCH", f"{LOWER_POD_PATH}/web", recorded)
+    with contextlib.suppress(RetryLater):
+        await mirroring.controller.reconcile("shop/web")
+    message = "lower cluster lower-1 refused the pod's resize: exceeded quota"
+    assert resize_pending(mirroring) == [(reason, message)]
+    if answer == 422:
+        # Refused for good: not asked again, and said while the pod asks for it.
+        mirroring.below(recorded, "MODIFIED")
+        mirroring.upper.requests.clear()
+        mirroring.lower.requests.clear()
+        mirroring.above(upper_pod(containers=sized), "MODIFIED")
+        await mirroring.controller.reconcile("shop/web")
+        assert all(not path.endswith("/resize") for _, path in mirroring.lower.writes())
+        assert resize_pending(mirroring) == [(reason, message)]
+        # Asked back to what it has: the record follows, the refusal goes.
+        back = [{**sized[0], "resources": {"requests": {"cpu": "100m"}}}]
+        mirroring.above(upper_pod(containers=back), "MODIFIED")
+        mirroring.upper.requests.clear()
+        await mirroring.controller.reconcile("shop/web")
+        (patch,) = [r.body for r in mirroring.lower.requests if r.method == "PATCH"][-1:]
+        assert patch["metadata"]["annotations"][keys.RESIZE_REFUSED_ANNOTATION] is None
+        assert resize_pending(mirroring) == []
 
 
 async def test_the_lower_cluster_is_pinged_on_the_heartbeat_client() -> None:

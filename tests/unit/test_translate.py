@@ -930,7 +930,9 @@ def test_a_resize_above_is_a_resize_below() -> None:
     # written once the resize is made.
     assert lower_pod_patch(lower, desired, resize_pending=True) is None
     # A record left behind (its write failed) is brought up to date with no resize due.
-    assert lower_pod_patch(lower, desired) == resources_record_patch(desired)
+    record = resources_record_patch(desired, None)
+    del record["metadata"]["annotations"][keys.RESIZE_REFUSED_ANNOTATION]  # none to clear
+    assert lower_pod_patch(lower, desired) == record
     older = copy.deepcopy(lower)
     del older["metadata"]["annotations"][keys.UPPER_RESOURCES_ANNOTATION]
     assert lower_pod_patch(older, desired) is None, "made before the record: none written"
@@ -967,7 +969,7 @@ def test_resources_a_lower_webhook_changed_are_resized_only_when_they_change_abo
         "spec": {"containers": [{"name": "app", "resources": {"requests": {"cpu": "300m"}}}]}
     }
     lower["metadata"]["annotations"].update(
-        resources_record_patch(resized)["metadata"]["annotations"]
+        resources_record_patch(resized, None)["metadata"]["annotations"]
     )
     assert resize_patch(lower, resized) is None, "recorded once made"
 
