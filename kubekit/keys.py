@@ -13,14 +13,16 @@ NODE_LEASE_NAMESPACE = "kube-node-lease"
 # On virtual Nodes: which lower cluster a Node stands for. Also what the webhook keeps on
 # pods and the schedulers select on.
 CLUSTER_ID_LABEL = f"{PREFIX}/cluster-id"
-# On virtual Nodes, and in every federated pod's node selector above (the webhook's): it
-# keeps the pod off the upper cluster's ordinary nodes. A key of our own, which no lower
-# node or admission plugin (PodNodeSelector, RuntimeClass) gives another value.
+# On virtual Nodes: how the components find them. Until 2026-11-29 also the webhook's entry
+# in every federated pod's node selector, which pods admitted then keep; a kubelet may
+# set it on its own Node, so it proves nothing.
 VIRTUAL_NODE_LABEL = f"{PREFIX}/virtual-node"
 VIRTUAL_NODE_LABEL_VALUE = "true"
 # On virtual Nodes too, under the prefix the NodeRestriction admission plugin keeps
-# kubelets from setting on their own Node: the multischeduler and the descheduler send
-# their token to a Node's estimator only with it (a kubelet may label itself virtual).
+# kubelets from setting on their own Node: the webhook's entry in every federated pod's
+# node selector (keeping it off the upper cluster's ordinary nodes; a key of our own,
+# which no lower node or admission plugin gives another value), and the multischeduler
+# and the descheduler ask a Node's estimator only with it.
 PROVEN_VIRTUAL_NODE_LABEL = "node-restriction.kubernetes.io/kubestrata-virtual-node"
 NODE_TYPE_LABEL = "type"
 NODE_TYPE_VIRTUAL = "virtual-kubelet"

@@ -422,7 +422,9 @@ def stash_update(
         ):
             # Entries added (one changed or dropped is the apiserver's to refuse).
             stashed = originals.get(field, old) or {}
-            added = {k: v for k, v in (value or {}).items() if k not in (old or {})}
+            # The webhook's entries (today's, or the one it gave before) are never the
+            # pod's own, whoever writes them.
+            added = {k: v for k, v in _own_entries(value).items() if k not in (old or {})}
             for key, wanted in added.items():
                 if key in stashed and stashed[key] != wanted:
                     raise StashRefused(
@@ -431,7 +433,13 @@ def stash_update(
                         "entry cannot be changed"
                     )
             originals[field] = {**stashed, **added}
-            above = {**(old or {}), **(_project_node_selector(added, keep) or {})}
+            projected = _project_node_selector(added, keep) or {}
+            if _own_entries(old) != (old or {}):
+                # Given an entry of the webhook's already (the one before 2026-11-29,
+                # say): kept, not joined by today's, so a call again on this answer
+                # changes nothing more.
+                projected = _own_entries(projected)
+            above = {**(old or {}), **projected}
             _set_or_drop(new_spec, field, above or old)
             tolerations = list(new_spec.get("tolerations") or [])
             if PROVIDER_TOLERATION not in tolerations:

@@ -150,7 +150,8 @@ def report_annotations(report: NodeReport) -> dict[str, str | None]:
 
 
 # The labels node_labels always sets: ours whatever the Node holds (federated pods select
-# the virtual-node label; the scheduler reads the OS and the architecture).
+# the node-restriction one, the components find virtual Nodes by the virtual-node one;
+# the scheduler reads the OS and the architecture).
 _IDENTITY_LABELS = frozenset(
     {
         keys.NODE_TYPE_LABEL,

@@ -21,7 +21,9 @@ from kubekit.stash import tolerates_every_taint, tolerates_provider_taint
 JSON = dict[str, Any]
 
 OFF_VIRTUAL_NODES: JSON = {"key": keys.CLUSTER_ID_LABEL, "operator": "DoesNotExist"}
-# Labels every virtual Node carries with these values, and no ordinary node.
+# Labels every virtual Node carries with these values: a DaemonSet asking for one means
+# virtual nodes (an ordinary node may carry the first or the last too, set by its kubelet
+# or admins; never the second).
 VIRTUAL_NODE_LABELS = {
     keys.VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
     keys.PROVEN_VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,

@@ -481,6 +481,28 @@ def test_stashing_an_update_again_changes_nothing(
     assert stash_update(stashed, old_stash, *once) == once
 
 
+@pytest.mark.parametrize("entry", [keys.VIRTUAL_NODE_LABEL, keys.PROVEN_VIRTUAL_NODE_LABEL])
+def test_a_gated_pod_of_either_webhook_entry_given_more_keeps_its_entry_alone(
+    entry: str,
+) -> None:
+    """A gated pod admitted with the entry of before 2026-11-29 (or today's) that a
+    queueing controller gives a lower node's entry: its entry stays the only one of the
+    webhook's above, neither entry joins the stash as the pod's, and the webhook called
+    again on its own answer changes nothing more."""
+    stashed, annotations = stash_scheduling({**GATED, "nodeSelector": {"disk": "ssd"}}, {})
+    admitted = {**stashed, "nodeSelector": {entry: keys.VIRTUAL_NODE_LABEL_VALUE}}
+    other = ({*stash.WEBHOOK_SELECTOR_ENTRIES} - {entry}).pop()
+    given = {"flavor": "spot", entry: "true", other: "true"}
+    updated, updated_annotations = update(
+        admitted, annotations, {**admitted, "nodeSelector": given}
+    )
+    assert updated["nodeSelector"] == {entry: keys.VIRTUAL_NODE_LABEL_VALUE}
+    restored = restore_scheduling(updated, updated_annotations[keys.STASH_ANNOTATION])
+    assert restored["nodeSelector"] == {"disk": "ssd", "flavor": "spot"}
+    again = stash_update(admitted, annotations[keys.STASH_ANNOTATION], updated, updated_annotations)
+    assert again == (updated, updated_annotations)
+
+
 def test_a_gated_pod_asking_for_another_value_of_a_stashed_key_is_refused() -> None:
     """The apiserver sees no entry for the key above and would take it; the stashed one
     would be lost."""
