@@ -46,6 +46,10 @@ class VirtualNodeStatus:
     # estimator): the biggest pod the cluster could still take.
     largest_free_slot: dict[str, str]
     pods: int  # bound to the virtual node and not finished
+    # Labelled as a virtual node under node-restriction.kubernetes.io, which no kubelet
+    # can set on itself: federated pods and the multischeduler take only such a Node.
+    # Without it: a virtual node before 2026-11-29, or a kubelet that labelled itself.
+    proven: bool
 
 
 def _ready(node: Mapping[str, Any]) -> str:
@@ -125,6 +129,8 @@ def statuses(
                 ),
                 largest_free_slot=_slot(node),
                 pods=len(pods.get(name, ())),
+                proven=(metadata.get("labels") or {}).get(keys.PROVEN_VIRTUAL_NODE_LABEL)
+                == keys.VIRTUAL_NODE_LABEL_VALUE,
             )
         )
     return sorted(rows, key=lambda row: row.node)
@@ -158,7 +164,18 @@ def _slot_text(slot: Mapping[str, str]) -> str:
     return f"{', '.join(parts)} on {slot.get('node', '?')}"
 
 
-HEADER = ("NODE", "CLUSTER", "READY", "LEASE", "CPU", "MEMORY", "GPU", "LARGEST SLOT", "PODS")
+HEADER = (
+    "NODE",
+    "CLUSTER",
+    "READY",
+    "LEASE",
+    "CPU",
+    "MEMORY",
+    "GPU",
+    "LARGEST SLOT",
+    "PODS",
+    "PROVEN",
+)
 
 
 def table(rows: Sequence[VirtualNodeStatus]) -> str:
@@ -174,6 +191,7 @@ def table(rows: Sequence[VirtualNodeStatus]) -> str:
             _gpus(row.free),
             _slot_text(row.largest_free_slot),
             str(row.pods),
+            "yes" if row.proven else "no",
         )
         for row in rows
     ]

@@ -66,7 +66,7 @@ def test_status_shows_each_virtual_node_and_the_largest_slot_fragmentation_leave
     assert shown is not None
     assert set(shown) == {"vk-lower-1", "vk-lower-2"}
     row = shown["vk-lower-2"]
-    assert row["cluster"] == "lower-2" and row["ready"] == "True"
+    assert row["cluster"] == "lower-2" and row["ready"] == "True" and row["proven"] is True
     assert 0 <= row["lease_age_seconds"] < 40
     node = get_json(upper, "node", "vk-lower-2")
     assert set(row["free"]) == set(node["status"]["allocatable"])

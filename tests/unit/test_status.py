@@ -15,7 +15,10 @@ def virtual_node(
     return {
         "metadata": {
             "name": name,
-            "labels": {keys.CLUSTER_ID_LABEL: cluster},
+            "labels": {
+                keys.CLUSTER_ID_LABEL: cluster,
+                keys.PROVEN_VIRTUAL_NODE_LABEL: keys.VIRTUAL_NODE_LABEL_VALUE,
+            },
             "annotations": annotations,
         },
         "status": {
@@ -24,6 +27,14 @@ def virtual_node(
             + ([{"type": "Ready", "status": ready}] if ready else []),
         },
     }
+
+
+def unproven(name: str, cluster: str, ready: str = "True", **free: str) -> dict[str, Any]:
+    """A Node labelled virtual without the label no kubelet can set: a virtual node before
+    2026-11-29, or a kubelet that labelled itself."""
+    node = virtual_node(name, cluster, ready, **free)
+    del node["metadata"]["labels"][keys.PROVEN_VIRTUAL_NODE_LABEL]
+    return node
 
 
 def bound_pod(**requests: str) -> dict[str, Any]:
@@ -45,7 +56,7 @@ def test_one_row_per_virtual_node_from_its_node_lease_and_pods() -> None:
                 memory="120Gi",
                 **{"nvidia.com/gpu": "3", "amd.com/gpu": "1"},
             ),
-            virtual_node("vk-lower-1", "lower-1", ready="", cpu="0", memory="0"),
+            unproven("vk-lower-1", "lower-1", ready="", cpu="0", memory="0"),
         ],
         {"vk-lower-2": lease("2026-11-25T02:59:55.500000Z")},
         {
@@ -64,6 +75,7 @@ def test_one_row_per_virtual_node_from_its_node_lease_and_pods() -> None:
             free={"cpu": "0", "memory": "0"},
             largest_free_slot={},
             pods=1,
+            proven=False,
         ),
         VirtualNodeStatus(
             node="vk-lower-2",
@@ -79,14 +91,15 @@ def test_one_row_per_virtual_node_from_its_node_lease_and_pods() -> None:
                 "nvidia.com/gpu": "2",
             },
             pods=12,
+            proven=True,
         ),
     ]
     slot = "7 cpu, 30Gi, 2 gpu on lower-2-node-1"
     left = "NODE         CLUSTER   READY     LEASE   CPU      MEMORY   GPU   "
     assert table(rows).splitlines() == [
-        f"{left}{'LARGEST SLOT':<36}   PODS",
-        f"vk-lower-1   lower-1   Unknown   -       0        0        -     {'-':<36}   1",
-        f"vk-lower-2   lower-2   True      4s      32500m   105Gi    3     {slot}   12",
+        f"{left}{'LARGEST SLOT':<36}   PODS   PROVEN",
+        f"vk-lower-1   lower-1   Unknown   -       0        0        -     {'-':<36}   1      no",
+        f"vk-lower-2   lower-2   True      4s      32500m   105Gi    3     {slot}   12     yes",
     ]
     document = json.loads(as_json(rows))
     assert document["virtualNodes"][1]["lease_age_seconds"] == 4.5
