@@ -131,9 +131,20 @@ def service_of_slice(endpoint_slice: Mapping[str, Any]) -> str:
     return str((endpoint_slice["metadata"].get("labels") or {}).get(keys.SERVICE_NAME_LABEL, ""))
 
 
-def synced_namespace_wide(kind: Kind, name: str) -> bool:
+# The upper apiserver's own Service. Copied below into a pod's namespace, it would take
+# the place of the lower apiserver's in the pods' KUBERNETES_SERVICE_HOST (the kubelet
+# lets a pod's own namespace's `kubernetes` win), and send in-cluster clients, with the
+# lower token and CA, to the upper apiserver.
+APISERVER_SERVICE = ("services", "default", "kubernetes")
+
+
+def synced_namespace_wide(kind: Kind, name: str, namespace: str = "") -> bool:
     """Whether an object is kept below for a namespace holding quota slices there."""
-    return kind in NAMESPACE_WIDE and (kind, name) not in _MADE_IN_EVERY_NAMESPACE
+    return (
+        kind in NAMESPACE_WIDE
+        and (kind, name) not in _MADE_IN_EVERY_NAMESPACE
+        and (kind, namespace, name) != APISERVER_SERVICE
+    )
 
 
 def token_account(secret: Mapping[str, Any]) -> str | None:

@@ -366,7 +366,7 @@ class Reflector:
         kind, namespace, name = key
         return key in self._users or (
             namespace in self._synced
-            and synced_namespace_wide(kind, name)
+            and synced_namespace_wide(kind, name, namespace)
             and (kind != "persistentvolumeclaims" or self._claim_may_bind_here(namespace, name))
         )
 

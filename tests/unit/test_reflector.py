@@ -433,6 +433,22 @@ async def test_a_namespace_holding_slices_has_everything_copied_before_any_pod()
     ]
 
 
+async def test_a_sliced_default_namespace_gets_no_copy_of_the_upper_apiservers_service() -> None:
+    """Copied below, `kubernetes` would win over the lower apiserver's in the pods'
+    KUBERNETES_SERVICE_HOST, sending their in-cluster clients to the upper apiserver."""
+    r = reflecting()
+    for name in ("kubernetes", "web"):
+        service = named("Service", name, spec={"ports": [{"port": 443}]})
+        service["metadata"]["namespace"] = "default"
+        r.above("services", service)
+    r.reflector.sync_namespaces({"default"})
+    await r.drain()
+    assert r.lower.writes() == [("POST", "/api/v1/namespaces/default/services")]
+    assert [b["metadata"]["name"] for b in r.created("/api/v1/namespaces/default/services")] == [
+        "web"
+    ]
+
+
 async def test_a_namespace_holding_slices_gets_no_copy_of_another_clusters_claims() -> None:
     """Bound above to a volume, waiting for another node, or not yet given one: unused
     here, its copy would have a disk of its own provisioned (and one copied while its node
