@@ -139,6 +139,9 @@ def desired_lower_pod(
     namespace no longer federated)."""
     metadata = upper["metadata"]
     annotations = dict(metadata.get("annotations") or {})
+    # Ours to write below, never the pod's: written above, it told of a refusal that
+    # never was, and the upper scheduler counted the pod at what it has.
+    annotations.pop(keys.RESIZE_REFUSED_ANNOTATION, None)
     stash = annotations.pop(keys.STASH_ANNOTATION, None)
     if stash is not None and (why := stash_unguarded(upper)) is not None:
         raise StashNotGuarded(
@@ -822,11 +825,14 @@ def with_resize_refusal(
         ),
         {},
     )
+    generation = (upper.get("metadata") or {}).get("generation")
     pending = {
         "type": "PodResizePending",
         "status": "True",
         "reason": reason,
         "message": message,
+        # The generation whose resize was refused, as a kubelet observes the one it acts on.
+        **({"observedGeneration": generation} if isinstance(generation, int) else {}),
         "lastProbeTime": None,
         "lastTransitionTime": before.get("lastTransitionTime")
         if before.get("status") == "True" and before.get("reason") == reason
@@ -894,7 +900,12 @@ def resize_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> JSON
         )
     ):
         return None
-    recorded = _recorded(current, keys.UPPER_RESOURCES_ANNOTATION)
+    # After a refusal the record holds resources the pod never got: each container is
+    # compared as it runs, or one left out of the next resize stayed as it was.
+    refused = keys.RESIZE_REFUSED_ANNOTATION in (
+        (current.get("metadata") or {}).get("annotations") or {}
+    )
+    recorded = None if refused else _recorded(current, keys.UPPER_RESOURCES_ANNOTATION)
     spec: JSON = {}
     for kind in ("containers", "initContainers"):
         have = {c["name"]: c.get("resources") or {} for c in current["spec"].get(kind) or []}

@@ -28,6 +28,7 @@ from virtual_node.translate import (
     terminated_status,
     updated_tolerations,
     upper_status,
+    with_resize_refusal,
 )
 
 OWNER = Ownership(origin="upper-uid-0", node_name="vk-lower-1", cluster_id="lower-1")
@@ -936,6 +937,30 @@ def test_a_resize_above_is_a_resize_below() -> None:
     older = copy.deepcopy(lower)
     del older["metadata"]["annotations"][keys.UPPER_RESOURCES_ANNOTATION]
     assert lower_pod_patch(older, desired) is None, "made before the record: none written"
+
+
+def test_a_resize_refusal_is_ours_below_and_speaks_of_what_it_refused() -> None:
+    """Written on the upper pod, the refusal annotation never goes below (it told of a
+    refusal that never was). After a refusal for good, the next resize compares each
+    container as it runs: one left as it was asked above (recorded, never made) is
+    resized too. The condition observes the generation whose resize it refuses."""
+    upper = upper_pod(containers=[sized("100m"), sized("100m", name="side")])
+    upper["metadata"]["annotations"][keys.RESIZE_REFUSED_ANNOTATION] = "forged"
+    lower = desired_lower_pod(upper, NamespaceMapping(), OWNER)
+    assert keys.RESIZE_REFUSED_ANNOTATION not in lower["metadata"]["annotations"]
+    both = upper_pod(containers=[sized("200m"), sized("200m", name="side")])
+    asked = desired_lower_pod(both, NamespaceMapping(), OWNER)
+    lower["metadata"]["annotations"].update(
+        resources_record_patch(asked, "refused")["metadata"]["annotations"]
+    )
+    one = upper_pod(containers=[sized("300m"), sized("200m", name="side")])
+    patch = resize_patch(lower, desired_lower_pod(one, NamespaceMapping(), OWNER))
+    assert patch is not None
+    assert [c["name"] for c in patch["spec"]["containers"]] == ["app", "side"]
+    both["metadata"]["generation"] = 3
+    status = with_resize_refusal({}, lower, asked, both, None, "2026-11-29T10:00:00Z")
+    (condition,) = status["conditions"]
+    assert (condition["reason"], condition["observedGeneration"]) == ("Infeasible", 3)
 
 
 def test_only_sidecars_among_init_containers_are_resized() -> None:
