@@ -138,13 +138,9 @@ def service_of_slice(endpoint_slice: Mapping[str, Any]) -> str:
 APISERVER_SERVICE = ("services", "default", "kubernetes")
 
 
-def synced_namespace_wide(kind: Kind, name: str, namespace: str = "") -> bool:
+def synced_namespace_wide(kind: Kind, name: str) -> bool:
     """Whether an object is kept below for a namespace holding quota slices there."""
-    return (
-        kind in NAMESPACE_WIDE
-        and (kind, name) not in _MADE_IN_EVERY_NAMESPACE
-        and (kind, namespace, name) != APISERVER_SERVICE
-    )
+    return kind in NAMESPACE_WIDE and (kind, name) not in _MADE_IN_EVERY_NAMESPACE
 
 
 def token_account(secret: Mapping[str, Any]) -> str | None:

@@ -37,6 +37,7 @@ from kubekit.workqueue import WorkQueue
 from virtual_node.lower import ClaimNotCopied, NameTaken
 from virtual_node.naming import NamespaceMapping, NamingError
 from virtual_node.references import (
+    APISERVER_SERVICE,
     JSON,
     Kind,
     copied_from,
@@ -364,9 +365,11 @@ class Reflector:
         """Referred to by a pod here, or of a namespace holding quota slices here (a claim
         only once the upper scheduler chose this node for it)."""
         kind, namespace, name = key
+        if key == APISERVER_SERVICE:
+            return False
         return key in self._users or (
             namespace in self._synced
-            and synced_namespace_wide(kind, name, namespace)
+            and synced_namespace_wide(kind, name)
             and (kind != "persistentvolumeclaims" or self._claim_may_bind_here(namespace, name))
         )
 

@@ -825,13 +825,13 @@ def with_resize_refusal(
         ),
         {},
     )
-    generation = (upper.get("metadata") or {}).get("generation")
+    # The generation the rest of the status observes: the refusal is news of it.
+    generation = status.get("observedGeneration")
     pending = {
         "type": "PodResizePending",
         "status": "True",
         "reason": reason,
         "message": message,
-        # The generation whose resize was refused, as a kubelet observes the one it acts on.
         **({"observedGeneration": generation} if isinstance(generation, int) else {}),
         "lastProbeTime": None,
         "lastTransitionTime": before.get("lastTransitionTime")
@@ -900,12 +900,7 @@ def resize_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> JSON
         )
     ):
         return None
-    # After a refusal the record holds resources the pod never got: each container is
-    # compared as it runs, or one left out of the next resize stayed as it was.
-    refused = keys.RESIZE_REFUSED_ANNOTATION in (
-        (current.get("metadata") or {}).get("annotations") or {}
-    )
-    recorded = None if refused else _recorded(current, keys.UPPER_RESOURCES_ANNOTATION)
+    recorded = _recorded(current, keys.UPPER_RESOURCES_ANNOTATION)
     spec: JSON = {}
     for kind in ("containers", "initContainers"):
         have = {c["name"]: c.get("resources") or {} for c in current["spec"].get(kind) or []}

@@ -447,6 +447,15 @@ async def test_a_sliced_default_namespace_gets_no_copy_of_the_upper_apiservers_s
     assert [b["metadata"]["name"] for b in r.created("/api/v1/namespaces/default/services")] == [
         "web"
     ]
+    # Nor for a pod it would select, were it given a selector.
+    selecting = named("Service", "kubernetes", spec={"selector": {"app": "web"}})
+    selecting["metadata"]["namespace"] = "default"
+    r.above("services", selecting, "MODIFIED")
+    web = pod("web-1", {"app": "web"})
+    web["metadata"]["namespace"] = "default"
+    r.above(None, web)
+    await r.drain()
+    assert len(r.created("/api/v1/namespaces/default/services")) == 1
 
 
 async def test_a_namespace_holding_slices_gets_no_copy_of_another_clusters_claims() -> None:

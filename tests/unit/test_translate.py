@@ -939,28 +939,27 @@ def test_a_resize_above_is_a_resize_below() -> None:
     assert lower_pod_patch(older, desired) is None, "made before the record: none written"
 
 
-def test_a_resize_refusal_is_ours_below_and_speaks_of_what_it_refused() -> None:
+def test_a_resize_refusal_is_ours_below_and_observes_what_the_status_does() -> None:
     """Written on the upper pod, the refusal annotation never goes below (it told of a
-    refusal that never was). After a refusal for good, the next resize compares each
-    container as it runs: one left as it was asked above (recorded, never made) is
-    resized too. The condition observes the generation whose resize it refuses."""
-    upper = upper_pod(containers=[sized("100m"), sized("100m", name="side")])
+    refusal that never was). The condition observes the generation the rest of the
+    status does: a kubelet never reports one ahead of it."""
+    upper = upper_pod(containers=[sized("100m")])
     upper["metadata"]["annotations"][keys.RESIZE_REFUSED_ANNOTATION] = "forged"
     lower = desired_lower_pod(upper, NamespaceMapping(), OWNER)
     assert keys.RESIZE_REFUSED_ANNOTATION not in lower["metadata"]["annotations"]
-    both = upper_pod(containers=[sized("200m"), sized("200m", name="side")])
-    asked = desired_lower_pod(both, NamespaceMapping(), OWNER)
+    bigger = upper_pod(containers=[sized("200m")])
+    asked = desired_lower_pod(bigger, NamespaceMapping(), OWNER)
     lower["metadata"]["annotations"].update(
         resources_record_patch(asked, "refused")["metadata"]["annotations"]
     )
-    one = upper_pod(containers=[sized("300m"), sized("200m", name="side")])
-    patch = resize_patch(lower, desired_lower_pod(one, NamespaceMapping(), OWNER))
-    assert patch is not None
-    assert [c["name"] for c in patch["spec"]["containers"]] == ["app", "side"]
-    both["metadata"]["generation"] = 3
-    status = with_resize_refusal({}, lower, asked, both, None, "2026-11-29T10:00:00Z")
+    assert resize_patch(lower, asked) is None, "refused for good: not asked again"
+    bigger["metadata"]["generation"] = 5
+    status = with_resize_refusal(
+        {"observedGeneration": 4}, lower, asked, bigger, None, "2026-11-29T10:00:00Z"
+    )
     (condition,) = status["conditions"]
-    assert (condition["reason"], condition["observedGeneration"]) == ("Infeasible", 3)
+    assert (condition["reason"], condition["message"]) == ("Infeasible", "refused")
+    assert condition["observedGeneration"] == 4
 
 
 def test_only_sidecars_among_init_containers_are_resized() -> None:
