@@ -743,15 +743,23 @@ def lower_pod_patch(
         ):
             # Recorded with the images it records, not written to a pod on its own.
             want.pop(keys.UPPER_IMAGES_ANNOTATION, None)
+        asked = want.get(keys.UPPER_RESOURCES_ANNOTATION)
         if field == "annotations" and (
-            resize_pending or keys.UPPER_RESOURCES_ANNOTATION not in have
+            resize_pending
+            or keys.UPPER_RESOURCES_ANNOTATION not in have
+            or asked == refused_resources(current)
         ):
             # Made before resources were recorded: compared as it runs, nothing written.
+            # Refused for good: the record keeps what the pod was last given.
             want.pop(keys.UPPER_RESOURCES_ANNOTATION, None)
         change: JSON = {k: v for k, v in want.items() if have.get(k) != v}
         change.update({k: None for k in from_above.get(field, ()) if k in have and k not in want})
-        if keys.UPPER_RESOURCES_ANNOTATION in change and keys.RESIZE_REFUSED_ANNOTATION in have:
-            # A refusal speaks of the resources recorded with it, not of these.
+        if (
+            field == "annotations"
+            and keys.RESIZE_REFUSED_ANNOTATION in have
+            and asked != refused_resources(current)
+        ):
+            # The upper pod no longer asks for what was refused: asked again, it is tried.
             change[keys.RESIZE_REFUSED_ANNOTATION] = None
         if change:
             metadata[field] = change
@@ -781,16 +789,36 @@ def _resources_record(spec: Mapping[str, Any]) -> str:
 
 def resources_record_patch(desired: Mapping[str, Any], refusal: str | None) -> JSON:
     """The patch recording on the lower pod the resources the upper pod gives it now,
-    once a resize asked for them was made, or refused for good (``refusal``: why)."""
+    once a resize asked for them was made; or, refused for good (``refusal``: why), the
+    refusal with the resources it refused, the record kept as the pod was last given: a
+    later resize compares with what the pod has, not with what it was refused."""
     record = desired["metadata"]["annotations"][keys.UPPER_RESOURCES_ANNOTATION]
-    return {
-        "metadata": {
-            "annotations": {
-                keys.UPPER_RESOURCES_ANNOTATION: record,
-                keys.RESIZE_REFUSED_ANNOTATION: refusal,
-            }
+    annotations: dict[str, str | None] = (
+        {keys.UPPER_RESOURCES_ANNOTATION: record, keys.RESIZE_REFUSED_ANNOTATION: None}
+        if refusal is None
+        else {
+            keys.RESIZE_REFUSED_ANNOTATION: orjson.dumps(
+                {"message": refusal, "resources": record}
+            ).decode()
         }
-    }
+    )
+    return {"metadata": {"annotations": annotations}}
+
+
+def _refusal(lower: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The message and the resources record of the resize refused for good, if any."""
+    refused = _recorded(lower, keys.RESIZE_REFUSED_ANNOTATION)
+    if refused is None:
+        return None
+    message, resources = refused.get("message"), refused.get("resources")
+    if not isinstance(message, str) or not isinstance(resources, str):
+        return None
+    return message, resources
+
+
+def refused_resources(lower: Mapping[str, Any]) -> str | None:
+    refusal = _refusal(lower)
+    return None if refusal is None else refusal[1]
 
 
 def with_resize_refusal(
@@ -807,14 +835,13 @@ def with_resize_refusal(
     ``Infeasible`` for one refused for good, while the upper pod still asks for those
     resources. Without it the upper pod waited with no word, and the upper scheduler
     counted the requests asked for rather than those the pod has."""
-    annotations = (lower.get("metadata") or {}).get("annotations") or {}
-    refused = annotations.get(keys.RESIZE_REFUSED_ANNOTATION)
+    refused = _refusal(lower)
     if deferred is not None:
         reason, message = "Deferred", deferred
-    elif isinstance(refused, str) and annotations.get(keys.UPPER_RESOURCES_ANNOTATION) == (
+    elif refused is not None and refused[1] == (
         desired["metadata"]["annotations"].get(keys.UPPER_RESOURCES_ANNOTATION)
     ):
-        reason, message = "Infeasible", refused
+        reason, message = "Infeasible", refused[0]
     else:
         return status
     before: Mapping[str, Any] = next(
@@ -894,12 +921,13 @@ def resize_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> JSON
     record = ((current.get("metadata") or {}).get("annotations") or {}).get(
         keys.UPPER_RESOURCES_ANNOTATION
     )
-    if record is not None and record == (
-        ((desired.get("metadata") or {}).get("annotations") or {}).get(
-            keys.UPPER_RESOURCES_ANNOTATION
-        )
-    ):
+    wanted = ((desired.get("metadata") or {}).get("annotations") or {}).get(
+        keys.UPPER_RESOURCES_ANNOTATION
+    )
+    if record is not None and record == wanted:
         return None
+    if wanted is not None and wanted == refused_resources(current):
+        return None  # refused for good: not asked again until the upper pod asks otherwise
     recorded = _recorded(current, keys.UPPER_RESOURCES_ANNOTATION)
     spec: JSON = {}
     for kind in ("containers", "initContainers"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -1378,19 +1379,27 @@ async def test_a_resize_the_lower_apiserver_refuses_is_pending_above(
     mirroring.below(below)
     refusal = status_error(answer, "Refused", "exceeded quota")
     mirroring.lower.answer("PATCH", f"{LOWER_POD_PATH}/web/resize", refusal)
+    message = "lower cluster lower-1 refused the pod's resize: exceeded quota"
+    # Refused for good: the refusal is recorded with what it refused, and the record
+    # keeps what the pod was last given (a later resize compares with that).
     recorded = copy.deepcopy(below)
-    recorded["metadata"]["annotations"] |= {
-        keys.UPPER_RESOURCES_ANNOTATION: '{"app":{"requests":{"cpu":"300m"}}}',
-        keys.RESIZE_REFUSED_ANNOTATION: "lower cluster lower-1 refused the pod's resize: "
-        "exceeded quota",
-    }
+    refused = {"message": message, "resources": '{"app":{"requests":{"cpu":"300m"}}}'}
+    recorded["metadata"]["annotations"][keys.RESIZE_REFUSED_ANNOTATION] = json.dumps(
+        refused, separators=(",", ":")
+    )
     mirroring.lower.answer("PATCH", f"{LOWER_POD_PATH}/web", recorded)
     with contextlib.suppress(RetryLater):
         await mirroring.controller.reconcile("shop/web")
-    message = "lower cluster lower-1 refused the pod's resize: exceeded quota"
     assert resize_pending(mirroring) == [(reason, message)]
-    if answer == 422:
-        # Refused for good: not asked again, and said while the pod asks for it.
+    record_patches = [r.body for r in mirroring.lower.requests if r.path == f"{LOWER_POD_PATH}/web"]
+    if answer == 403:
+        assert record_patches == [], "a quota may have room later: nothing recorded"
+    else:
+        (record_patch,) = record_patches
+        annotations = record_patch["metadata"]["annotations"]
+        assert keys.UPPER_RESOURCES_ANNOTATION not in annotations
+        assert json.loads(annotations[keys.RESIZE_REFUSED_ANNOTATION]) == refused
+        # Not asked again, and said while the pod asks for it.
         mirroring.below(recorded, "MODIFIED")
         mirroring.upper.requests.clear()
         mirroring.lower.requests.clear()
@@ -1398,7 +1407,7 @@ async def test_a_resize_the_lower_apiserver_refuses_is_pending_above(
         await mirroring.controller.reconcile("shop/web")
         assert all(not path.endswith("/resize") for _, path in mirroring.lower.writes())
         assert resize_pending(mirroring) == [(reason, message)]
-        # Asked back to what it has: the record follows, the refusal goes.
+        # Asked back to what it has: the refusal goes.
         back = [{**sized[0], "resources": {"requests": {"cpu": "100m"}}}]
         mirroring.above(upper_pod(containers=back), "MODIFIED")
         mirroring.upper.requests.clear()

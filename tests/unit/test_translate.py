@@ -962,6 +962,33 @@ def test_a_resize_refusal_is_ours_below_and_observes_what_the_status_does() -> N
     assert condition["observedGeneration"] == 4
 
 
+def test_after_a_refusal_for_good_each_container_is_compared_with_what_it_was_given() -> None:
+    """Both containers asked for 200m and refused for good: the record keeps what they
+    were given (100m), so a later resize of one still brings the other to what it asks,
+    and one a lower webhook changed when the pod was made is still left alone."""
+
+    def desired(app: str, side: str) -> dict[str, Any]:
+        containers = [sized(app), sized(side, name="side"), sized("100m", name="log")]
+        return desired_lower_pod(upper_pod(containers=containers), NamespaceMapping(), OWNER)
+
+    lower = desired("100m", "100m")
+    lower["spec"]["containers"][2] = sized("250m", name="log")  # a lower webhook's minimum
+    both = desired("200m", "200m")
+    lower["metadata"]["annotations"].update(
+        resources_record_patch(both, "refused")["metadata"]["annotations"]
+    )
+    assert resize_patch(lower, both) is None, "refused for good: not asked again"
+    assert lower_pod_patch(lower, both) is None, "nor recorded as given"
+    for app, resized in (("300m", ["app", "side"]), ("100m", ["side"])):
+        one = desired(app, "200m")
+        patch = resize_patch(lower, one)
+        assert patch is not None
+        assert [c["name"] for c in patch["spec"]["containers"]] == resized
+        cleared = lower_pod_patch(lower, one, resize_pending=True)
+        assert cleared is not None
+        assert cleared["metadata"]["annotations"] == {keys.RESIZE_REFUSED_ANNOTATION: None}
+
+
 def test_only_sidecars_among_init_containers_are_resized() -> None:
     def pod(cpu: str) -> dict[str, Any]:
         return {
