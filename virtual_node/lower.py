@@ -454,23 +454,21 @@ class LowerCluster:
                 # lag behind our own create. Made again, a pod that ran would run twice.
                 lower = await self._get_live(namespace, name)
                 if lower is None:
+                    mine = removed if removed is not None and made_from(removed, upper) else None
                     if (
-                        removed is not None
-                        and made_from(removed, upper)
-                        and (removed.get("status") or {}).get("phase") in FINISHED
-                        and not ended_by_its_deletion(removed)
+                        mine is not None
+                        and (mine.get("status") or {}).get("phase") in FINISHED
+                        and not ended_by_its_deletion(mine)
                     ):
                         # Finished, then removed below (a TTL, the pod GC) before its
                         # last status came up: it ends above as it ended there.
-                        return Mirrored(upper_status(removed, upper, self.host_ip), "")
-                    gone = f"pod {namespace}/{name} is gone from lower cluster "
+                        return Mirrored(upper_status(mine, upper, self.host_ip), "")
+                    gone = f"pod {namespace}/{name} is gone from lower cluster"
                     return Vanished(
-                        gone + self.owner.cluster_id,
+                        f"{gone} {self.owner.cluster_id}",
                         # Its last update (the exit codes) and its removal often land in
                         # one reconcile.
-                        upper_status(removed, upper, self.host_ip)
-                        if removed is not None and made_from(removed, upper)
-                        else None,
+                        None if mine is None else upper_status(mine, upper, self.host_ip),
                     )
             else:
                 self._removed.pop(upper_key, None)

@@ -735,6 +735,7 @@ def lower_pod_patch(
     patch: JSON = {}
     metadata: JSON = {}
     from_above = _upper_keys(current)
+    refused = refused_resources(current)
     for field in ("labels", "annotations"):
         have = current["metadata"].get(field) or {}
         want = dict(desired["metadata"].get(field) or {})
@@ -745,20 +746,14 @@ def lower_pod_patch(
             want.pop(keys.UPPER_IMAGES_ANNOTATION, None)
         asked = want.get(keys.UPPER_RESOURCES_ANNOTATION)
         if field == "annotations" and (
-            resize_pending
-            or keys.UPPER_RESOURCES_ANNOTATION not in have
-            or asked == refused_resources(current)
+            resize_pending or keys.UPPER_RESOURCES_ANNOTATION not in have or asked == refused
         ):
             # Made before resources were recorded: compared as it runs, nothing written.
             # Refused for good: the record keeps what the pod was last given.
             want.pop(keys.UPPER_RESOURCES_ANNOTATION, None)
         change: JSON = {k: v for k, v in want.items() if have.get(k) != v}
         change.update({k: None for k in from_above.get(field, ()) if k in have and k not in want})
-        if (
-            field == "annotations"
-            and keys.RESIZE_REFUSED_ANNOTATION in have
-            and asked != refused_resources(current)
-        ):
+        if field == "annotations" and keys.RESIZE_REFUSED_ANNOTATION in have and asked != refused:
             # The upper pod no longer asks for what was refused: asked again, it is tried.
             change[keys.RESIZE_REFUSED_ANNOTATION] = None
         if change:

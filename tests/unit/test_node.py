@@ -959,13 +959,16 @@ def test_the_lower_nodes_share_only_labels_a_kubelet_may_set_on_its_own_node() -
     kubelets off node-restriction.kubernetes.io and node-role.kubernetes.io) is theirs:
     carried up, an upper workload selecting it was placed into a cluster another admin
     runs, and a one-node lower cluster made its virtual node a control plane."""
-    common = {
+    carried = {
         ZONE: "eu-1a",
         "topology.kubernetes.io/region": "eu",
         "node.kubernetes.io/instance-type": "m5.large",
         "kubelet.kubernetes.io/managed": "yes",
         "nvidia.com/gpu.product": "A100",
         "team": "ml",
+    }
+    common = {
+        **carried,
         "node-role.kubernetes.io/control-plane": "",
         "node-restriction.kubernetes.io/pci-zone": "true",
         "example.node-restriction.kubernetes.io/tier": "gold",
@@ -980,11 +983,4 @@ def test_the_lower_nodes_share_only_labels_a_kubelet_may_set_on_its_own_node() -
         }
         for n in ("a", "b")
     ]
-    assert shared_labels(lower) == {
-        ZONE: "eu-1a",
-        "topology.kubernetes.io/region": "eu",
-        "node.kubernetes.io/instance-type": "m5.large",
-        "kubelet.kubernetes.io/managed": "yes",
-        "nvidia.com/gpu.product": "A100",
-        "team": "ml",
-    }
+    assert shared_labels(lower) == carried

@@ -1325,12 +1325,9 @@ async def test_an_unreachable_lower_cluster_is_not_mirrored_until_a_resync(
     assert status["conditions"] == [{"type": "Ready", "status": "True"}]
 
 
-@pytest.mark.parametrize(("answer", "recorded"), [(None, True), (403, False), (422, True)])
-async def test_a_resize_is_recorded_once_made_or_refused_for_good(
-    mirroring: Mirroring, answer: int | None, recorded: bool
-) -> None:
-    """Recorded, it is not asked for again on the next sync; a quota's 403 may have room
-    later, so it is not recorded and the resize is tried again."""
+def resized_above(mirroring: Mirroring) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """An upper pod resized to 300m cpu whose lower pod runs with the 100m it was given:
+    the containers asked for above, and the lower pod."""
     sized = [{"name": "app", "image": "nginx", "resources": {"requests": {"cpu": "300m"}}}]
     mirroring.above(upper_pod(containers=sized))
     below = lower_pod(phase="Running")
@@ -1339,6 +1336,16 @@ async def test_a_resize_is_recorded_once_made_or_refused_for_good(
         '{"app":{"requests":{"cpu":"100m"}}}'
     )
     mirroring.below(below)
+    return sized, below
+
+
+@pytest.mark.parametrize(("answer", "recorded"), [(None, True), (403, False), (422, True)])
+async def test_a_resize_is_recorded_once_made_or_refused_for_good(
+    mirroring: Mirroring, answer: int | None, recorded: bool
+) -> None:
+    """Recorded, it is not asked for again on the next sync; a quota's 403 may have room
+    later, so it is not recorded and the resize is tried again."""
+    sized, below = resized_above(mirroring)
     resize_path = f"{LOWER_POD_PATH}/web/resize"
     made = {**below, "spec": {**below["spec"], "containers": sized}}
     refused = None if answer is None else status_error(answer, "Refused", "no")
@@ -1369,14 +1376,7 @@ async def test_a_resize_the_lower_apiserver_refuses_is_pending_above(
     Infeasible for one refused for good, as long as the upper pod asks for it. Until
     2026-11-29 the pod said nothing, and the upper scheduler counted the requests asked
     for."""
-    sized = [{"name": "app", "image": "nginx", "resources": {"requests": {"cpu": "300m"}}}]
-    mirroring.above(upper_pod(containers=sized))
-    below = lower_pod(phase="Running")
-    below["spec"]["containers"][0]["resources"] = {"requests": {"cpu": "100m"}}
-    below["metadata"]["annotations"][keys.UPPER_RESOURCES_ANNOTATION] = (
-        '{"app":{"requests":{"cpu":"100m"}}}'
-    )
-    mirroring.below(below)
+    sized, below = resized_above(mirroring)
     refusal = status_error(answer, "Refused", "exceeded quota")
     mirroring.lower.answer("PATCH", f"{LOWER_POD_PATH}/web/resize", refusal)
     message = "lower cluster lower-1 refused the pod's resize: exceeded quota"
